@@ -1,0 +1,36 @@
+# Two commands for a newcomer: `make demo` and `make test`. Each creates .venv if missing and installs mmrl.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.mmrl-installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: demo test test-fast install bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Trains the tiny text-to-image model with Flow-GRPO on CPU, then the tiny VLM with GRPO.
+demo: $(STAMP)
+	$(BIN)/mmrl demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" tests
+
+bench: $(STAMP)
+	for f in benchmarks/*.py; do $(BIN)/python $$f || exit 1; done
+
+clean:
+	rm -rf $(VENV) runs

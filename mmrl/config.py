@@ -1,0 +1,302 @@
+"""Typed, strict configs: nested dataclasses <-> YAML, dotted command-line overrides.
+
+Every recipe module defines ``@dataclass class Config(RunConfig)`` whose fields carry an attribute
+docstring (a string literal on the line after the field) and a ``train(cfg) -> dict`` function.
+YAML is strict: an unknown key is an error that names the key, its path and the valid keys.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import inspect
+import textwrap
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+# algorithm name -> module that defines `Config` and `train(cfg)`
+RECIPES: dict[str, str] = {
+    "flow_grpo": "mmrl.diffusion.flow_grpo",
+    "dpo": "mmrl.diffusion.dpo",
+    "nft": "mmrl.diffusion.nft",
+    "vlm_grpo": "mmrl.vlm.grpo",
+    "vlm_multiturn": "mmrl.vlm.multiturn",
+}
+
+
+class ConfigError(ValueError):
+    """A config file or override does not fit the recipe's schema."""
+
+
+@dataclass
+class TrainConfig:
+    """Keys every recipe's `train:` section has; recipes subclass it to add their own."""
+
+    max_steps: int = 100
+    """Number of optimizer steps (RL steps) to run in total, counting resumed ones."""
+    save_every: int = 50
+    """Write a checkpoint every this many steps (0 = only at the end)."""
+    resume: str = "auto"
+    """`auto` (newest complete checkpoint in output_dir, if any), `never`, or a checkpoint directory."""
+    keep_last: int = 2
+    """Keep this many newest checkpoints; older ones are deleted after a new one is complete."""
+
+
+@dataclass
+class RunConfig:
+    """Keys every recipe has at the top level."""
+
+    algorithm: str = ""
+    """Recipe name: one of mmrl.config.RECIPES (flow_grpo, dpo, nft, vlm_grpo, vlm_multiturn)."""
+    output_dir: str = "runs/default"
+    """Run directory: config.yaml, metrics.jsonl, checkpoints/, samples/, plots/."""
+    seed: int = 0
+    """Global random seed (python, numpy, torch)."""
+    device: str = "auto"
+    """`auto` (cuda if available, else cpu), `cpu`, `cuda` or `cuda:N`."""
+    dtype: str = "float32"
+    """Compute dtype of the frozen model weights: float32, bfloat16 or float16 (trainable weights stay fp32)."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Training-loop keys."""
+
+
+# --------------------------------------------------------------------------------------------
+# field docs
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of a dataclass (and its bases): {field name: doc}."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if klass is object or not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            src = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        body = ast.parse(src).body[0].body  # type: ignore[attr-defined]
+        for stmt, nxt in zip(body, body[1:] + [None]):
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                if (
+                    isinstance(nxt, ast.Expr)
+                    and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)
+                ):
+                    docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+# --------------------------------------------------------------------------------------------
+# dict -> dataclass (strict, typed)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check `value` against annotation `tp`, converting only the safe cases (int -> float, str -> Path)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(f"{where}: expected one of {list(args)}, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping (section {tp.__name__}), got {value!r}")
+        return from_dict(tp, value, path=where)
+    if origin in (list, tuple):
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        inner = args[0] if args else Any
+        out = [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+        return out if origin is list else tuple(out)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        kt, vt = args if args else (Any, Any)
+        return {_coerce(k, kt, where): _coerce(v, vt, f"{where}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads "1e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+def from_dict(cls: type, data: dict, path: str = "") -> Any:
+    """Build dataclass `cls` from a nested dict; unknown keys and wrong types raise ConfigError."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        key = unknown[0]
+        full = f"{path}.{key}" if path else key
+        raise ConfigError(
+            f"unknown config key '{full}' (in section '{path or '<top>'}'); valid keys: {sorted(fields)}"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        where = f"{path}.{name}" if path else name
+        kwargs[name] = _coerce(value, hints[name], where)
+    return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict:
+    """Dataclass -> plain nested dict (YAML-safe)."""
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Any, comments: bool = True) -> str:
+    """YAML text of a config; with `comments`, every key is preceded by its docstring."""
+    if not comments:
+        return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    lines: list[str] = []
+
+    def emit(obj: Any, indent: int) -> None:
+        docs = field_docs(type(obj))
+        pad = "  " * indent
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if f.name in docs:
+                for chunk in textwrap.wrap(docs[f.name], 96 - len(pad)):
+                    lines.append(f"{pad}# {chunk}")
+            if dataclasses.is_dataclass(value):
+                lines.append(f"{pad}{f.name}:")
+                emit(value, indent + 1)
+            else:
+                if isinstance(value, dict) and value:
+                    dumped = yaml.safe_dump({f.name: value}, sort_keys=False, default_flow_style=False).rstrip()
+                else:  # scalars and lists on one line
+                    inline = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip()
+                    dumped = f"{f.name}: {inline.removesuffix('...').strip()}"
+                lines.extend(pad + line for line in dumped.splitlines())
+
+    emit(cfg, 0)
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+# overrides
+
+
+def apply_overrides(cfg: Any, overrides: typing.Iterable[str]) -> Any:
+    """Apply `a.b.c=value` overrides in place (value parsed as YAML, then type-checked); returns cfg."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not of the form dotted.key=value")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        obj = cfg
+        for i, part in enumerate(parts):
+            if not dataclasses.is_dataclass(obj):
+                raise ConfigError(f"override '{key}': '{'.'.join(parts[:i])}' is not a section")
+            names = [f.name for f in dataclasses.fields(obj)]
+            if part not in names:
+                where = ".".join(parts[:i]) or "<top>"
+                raise ConfigError(f"unknown config key '{key}' (in section '{where}'); valid keys: {sorted(names)}")
+            if i < len(parts) - 1:
+                obj = getattr(obj, part)
+        hints = typing.get_type_hints(type(obj))
+        value = yaml.safe_load(raw) if raw.strip() else ""
+        if hints[parts[-1]] is str and not isinstance(value, str):
+            value = raw  # keep e.g. `name=007` as written
+        new = _coerce(value, hints[parts[-1]], key)
+        setattr(obj, parts[-1], new)
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# recipes
+
+
+def recipe_module(algorithm: str) -> types.ModuleType:
+    """Import the module implementing `algorithm` (clear error for unknown names)."""
+    if algorithm not in RECIPES:
+        raise ConfigError(f"unknown algorithm '{algorithm}'; valid: {sorted(RECIPES)}")
+    return importlib.import_module(RECIPES[algorithm])
+
+
+def load_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def load_config(source: str | Path | dict, overrides: typing.Iterable[str] = ()) -> RunConfig:
+    """YAML path or dict -> the recipe's Config (chosen by `algorithm:`), with overrides applied."""
+    data = dict(source) if isinstance(source, dict) else load_yaml(source)
+    where = "" if isinstance(source, dict) else f"{source}: "
+    overrides = list(overrides)
+    algorithm = data.get("algorithm")
+    for item in overrides:  # allow `algorithm=...` on the command line
+        if item.startswith("algorithm="):
+            algorithm = item.split("=", 1)[1]
+    if not algorithm:
+        raise ConfigError(f"{where}missing top-level key 'algorithm'; valid: {sorted(RECIPES)}")
+    data["algorithm"] = algorithm
+    cls = recipe_module(algorithm).Config
+    try:
+        cfg = from_dict(cls, data)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}{exc}") from None
+    return apply_overrides(cfg, [o for o in overrides if not o.startswith("algorithm=")])
+
+
+def default_config(algorithm: str) -> RunConfig:
+    """The recipe's defaults (what `mmrl config dump ALGO` prints)."""
+    cfg = recipe_module(algorithm).Config()
+    cfg.algorithm = algorithm
+    return cfg
