@@ -1,0 +1,340 @@
+"""`mmrl reward ...` subcommands (wired into the main `mmrl` CLI by `add_reward_subparsers`).
+
+    mmrl reward list
+    mmrl reward score --reward NAME_OR_YAML [--weights P] [--kw k=v ...] --images DIR_OR_FILES... \
+                      [--prompts FILE] [--out scores.csv] [--batch-size N] [--device auto]
+    mmrl reward score --reward geo3k --prompts answers.jsonl       # text rewards: rows with a 'completion'
+    mmrl reward serve NAME_OR_YAML [--weights P] [--kw k=v ...] [--host 127.0.0.1] --port P [--max-batch N]
+
+`--prompts` is a text file (one prompt per line; blank lines skipped) or a ``.jsonl`` file whose rows hold
+``prompt`` and optionally ``metadata`` (an object; without it, the row's other keys are the metadata) and
+``completion`` (scored by text rewards). `--kw` values are parsed as YAML scalars (``tol=1e-3``,
+``threshold=0.5``, ``normalize=batch``). Errors (missing files, count mismatch, bad options) print one
+line to stderr and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+
+
+class CLIError(Exception):
+    """A user error: printed without a traceback, exit code 2."""
+
+
+def add_reward_subparsers(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``reward {list,score,serve}`` to the main CLI's subparsers; each sets ``func=``."""
+    reward = subparsers.add_parser("reward", help="list, score with or serve reward models",
+                                   description="Reward-model zoo: list, score images, serve over HTTP.")
+    sub = reward.add_subparsers(dest="reward_command", metavar="{list,score,serve}")
+    sub.required = True
+
+    p = sub.add_parser("list", help="print the available rewards with a one-line description")
+    p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("score", help="score images (and prompts) with a reward, write a CSV")
+    p.add_argument("--reward", required=True, help="registered name or a YAML file with a {name: weight} mapping")
+    _add_load_args(p)
+    p.add_argument("--images", nargs="+", metavar="DIR_OR_FILE",
+                   help="image files and/or directories (their images, sorted by name); "
+                        "omit for text rewards scoring --prompts .jsonl completions")
+    p.add_argument("--prompts", help="prompts: .txt (one per line) or .jsonl (prompt, metadata, completion)")
+    p.add_argument("--out", help="CSV to write (path,prompt,score + per-sample detail columns); default stdout")
+    p.add_argument("--batch-size", type=int, default=16, help="images per reward call (default 16)")
+    p.add_argument("--device", default="auto", help="auto|cpu|cuda[:i] (passed to the reward as device=)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.set_defaults(func=cmd_score)
+
+    p = sub.add_parser("serve", help="serve a reward over HTTP/JSON (POST /score, GET /health)")
+    p.add_argument("reward", help="registered name or a YAML file with a {name: weight} mapping")
+    _add_load_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--max-batch", type=int, default=64, help="largest batch per request and per model call")
+    p.add_argument("--max-wait-ms", type=float, default=5.0, help="how long to wait to merge concurrent requests")
+    p.add_argument("--device", default="auto", help="auto|cpu|cuda[:i] (passed to the reward as device=)")
+    p.set_defaults(func=cmd_serve)
+    return reward
+
+
+def _add_load_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", help="local weights path (passed to the reward as weights=)")
+    p.add_argument("--kw", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                   help="extra keyword arguments for the reward (values parsed as YAML scalars)")
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+
+def _fail(msg: str) -> "None":
+    raise CLIError(msg)
+
+
+def _exit_on_error(fn):
+    def wrapper(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except (CLIError, FileNotFoundError, ValueError) as exc:
+            print(f"mmrl reward: error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+    wrapper.__name__ = fn.__name__
+    wrapper.__doc__ = fn.__doc__
+    return wrapper
+
+
+def parse_kw(items: Sequence[str]) -> dict[str, Any]:
+    """["a=1", "b=x", "c=[1, 2]"] -> {"a": 1, "b": "x", "c": [1, 2]} (YAML scalars)."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            _fail(f"--kw expects KEY=VALUE, got {item!r}")
+        try:
+            out[key.strip()] = yaml.safe_load(value) if value != "" else ""
+        except yaml.YAMLError:
+            out[key.strip()] = value
+    return out
+
+
+def _device(name: str) -> str:
+    try:
+        from mmrl.runtime import resolve_device
+
+        return str(resolve_device(name))
+    except ImportError:  # pragma: no cover - runtime is the lead's module
+        return "cuda" if name == "auto" and torch.cuda.is_available() else ("cpu" if name == "auto" else name)
+
+
+def load_reward_from_args(spec: str, weights: str | None, kw_items: Sequence[str], device: str | None):
+    """A registered name, or a YAML file holding a mapping (-> composite); `--weights` / `--kw` / device
+    become load kwargs (device only if the reward accepts it)."""
+    from mmrl.rewards import available, load
+
+    kwargs = parse_kw(kw_items)
+    if weights is not None:
+        if not Path(weights).exists():
+            _fail(f"--weights path not found: {weights!r}")
+        kwargs["weights"] = weights
+    target: Any = spec
+    if spec.endswith((".yaml", ".yml")) or (Path(spec).is_file() and spec not in available()):
+        import yaml
+
+        if not Path(spec).is_file():
+            _fail(f"reward YAML not found: {spec!r}")
+        target = yaml.safe_load(Path(spec).read_text())
+        if not isinstance(target, dict):
+            _fail(f"reward YAML {spec!r} must hold a mapping (name -> weight), got {type(target).__name__}")
+    elif spec not in available():
+        _fail(f"unknown reward {spec!r}; run `mmrl reward list` (available: {', '.join(available())})")
+    if device is not None:
+        try:
+            return load(target, **{"device": device, **kwargs})
+        except TypeError as exc:
+            if "device" not in str(exc):
+                raise CLIError(f"cannot build reward {spec!r}: {exc}") from None
+    try:
+        return load(target, **kwargs)
+    except TypeError as exc:
+        raise CLIError(f"cannot build reward {spec!r} with {sorted(kwargs)}: {exc}") from None
+
+
+def collect_images(items: Sequence[str]) -> list[Path]:
+    """Files as given; directories expanded to their image files (sorted, non-recursive)."""
+    out: list[Path] = []
+    for item in items:
+        p = Path(item)
+        if p.is_dir():
+            found = sorted(q for q in p.iterdir() if q.is_file() and q.suffix.lower() in IMAGE_EXTENSIONS)
+            if not found:
+                _fail(f"no images ({', '.join(IMAGE_EXTENSIONS)}) in directory {item!r}")
+            out.extend(found)
+        elif p.is_file():
+            out.append(p)
+        else:
+            _fail(f"image file or directory not found: {item!r}")
+    return out
+
+
+def read_prompts(path: str) -> tuple[list[str], list[dict] | None, list[str] | None]:
+    """(prompts, metadata or None, completions or None) from a .txt or .jsonl file."""
+    p = Path(path)
+    if not p.is_file():
+        _fail(f"prompts file not found: {path!r}")
+    lines = p.read_text(encoding="utf-8").splitlines()
+    if p.suffix.lower() != ".jsonl":
+        return [ln for ln in lines if ln.strip()], None, None
+    prompts, metadata, completions = [], [], []
+    for i, ln in enumerate(lines, 1):
+        if not ln.strip():
+            continue
+        try:
+            row = json.loads(ln)
+        except ValueError as exc:
+            _fail(f"{path}:{i}: invalid JSON ({exc})")
+        if not isinstance(row, dict) or not isinstance(row.get("prompt", ""), str):
+            _fail(f"{path}:{i}: expected an object with a string 'prompt'")
+        prompts.append(row.get("prompt", ""))
+        meta = row.get("metadata")
+        if meta is None:
+            meta = {k: v for k, v in row.items() if k not in ("prompt", "completion")}
+        if not isinstance(meta, dict):
+            _fail(f"{path}:{i}: 'metadata' must be an object")
+        metadata.append(meta)
+        completions.append(row.get("completion"))
+    has_completions = any(c is not None for c in completions)
+    if has_completions and any(c is None for c in completions):
+        _fail(f"{path}: either every row or no row has a 'completion'")
+    return prompts, metadata, (completions if has_completions else None)
+
+
+def per_sample_columns(details: dict, n: int) -> dict[str, list]:
+    """Detail entries with one value per sample (length-n tensors / lists), as CSV-friendly lists."""
+    cols: dict[str, list] = {}
+    for k, v in details.items():
+        if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape[0] == n:
+            cols[k] = v.detach().float().cpu().tolist()
+        elif isinstance(v, (list, tuple)) and len(v) == n:
+            cols[k] = [x if isinstance(x, (str, int, float)) or x is None else json.dumps(x, default=str) for x in v]
+    return cols
+
+
+# ----------------------------------------------------------------------------------- commands
+
+
+def _describe(obj: Any) -> str:
+    """First line of the registered object's docstring, else of its module's."""
+    doc = (getattr(obj, "__doc__", None) or "").strip()
+    if not doc:
+        doc = (getattr(sys.modules.get(getattr(obj, "__module__", "")), "__doc__", None) or "").strip()
+    return doc.splitlines()[0].strip() if doc else ""
+
+
+@_exit_on_error
+def cmd_list(args: argparse.Namespace) -> int:
+    """Print every registered reward name with the first line of its docstring."""
+    from mmrl.rewards import available
+    from mmrl.rewards import base
+
+    names = available()
+    width = max(len(n) for n in names) if names else 0
+    for name in names:
+        if name not in base._REGISTRY and name in base._LAZY:
+            try:
+                importlib.import_module(base._LAZY[name])
+            except Exception as exc:  # noqa: BLE001 - an optional dependency may be missing
+                print(f"{name:<{width}}  (unavailable: {type(exc).__name__}: {exc})")
+                continue
+        print(f"{name:<{width}}  {_describe(base._REGISTRY.get(name))}")
+    return 0
+
+
+@_exit_on_error
+def cmd_score(args: argparse.Namespace) -> int:
+    """Score images (or, for text rewards, the .jsonl completions) and write path,prompt,score(,details) rows."""
+    paths = collect_images(args.images) if args.images else None
+    prompts = metadata = completions = None
+    if args.prompts:
+        prompts, metadata, completions = read_prompts(args.prompts)
+        if paths is not None and len(prompts) != len(paths):
+            _fail(f"{len(paths)} images but {len(prompts)} prompts in {args.prompts!r}; give one prompt per image "
+                  "(images are sorted by file name)")
+    if args.batch_size < 1:
+        _fail(f"--batch-size must be >= 1, got {args.batch_size}")
+    if paths is None and completions is None:
+        _fail("pass --images DIR_OR_FILES (image rewards) or --prompts FILE.jsonl with 'completion' rows (text rewards)")
+    reward = load_reward_from_args(args.reward, args.weights, args.kw, _device(args.device))
+    if getattr(reward, "needs_prompts", False) and prompts is None:
+        _fail(f"reward {args.reward!r} needs prompts: pass --prompts FILE")
+    if reward.kind == "text" and completions is None:
+        _fail(f"reward {args.reward!r} scores text: pass --prompts FILE.jsonl whose rows hold a 'completion'")
+    if reward.kind != "text" and paths is None:
+        _fail(f"reward {args.reward!r} scores images: pass --images DIR_OR_FILES")
+
+    from tqdm import tqdm
+
+    from mmrl.rewards.base import to_image_list
+
+    n = len(paths) if paths is not None else len(completions)
+    rows: list[dict[str, Any]] = []
+    detail_keys: list[str] = []
+    bar = tqdm(total=n, desc=f"reward {args.reward}", unit="sample", disable=args.no_progress, file=sys.stderr)
+    for start in range(0, n, args.batch_size):
+        idx = list(range(start, min(n, start + args.batch_size)))
+        images = to_image_list([str(paths[i]) for i in idx]) if paths is not None else None
+        # rewards take one image size per call: score each size group of the chunk separately
+        groups: dict[tuple, list[int]] = {}
+        for j in range(len(idx)):
+            groups.setdefault(tuple(images[j].shape) if images is not None else (), []).append(j)
+        for js in groups.values():
+            sel = [idx[j] for j in js]
+            out = reward(images=None if images is None else torch.stack([images[j] for j in js]),
+                         prompts=None if prompts is None else [prompts[i] for i in sel],
+                         metadata=None if metadata is None else [metadata[i] for i in sel],
+                         completions=None if completions is None else [completions[i] for i in sel])
+            cols = per_sample_columns(out.details, len(sel))
+            scores = out.scores.detach().float().cpu().tolist()
+            for k in cols:
+                if k not in detail_keys:
+                    detail_keys.append(k)
+            for r, i in enumerate(sel):
+                rows.append({"_i": i, "path": "" if paths is None else str(paths[i]),
+                             "prompt": "" if prompts is None else prompts[i],
+                             "score": scores[r], **{k: v[r] for k, v in cols.items()}})
+        bar.update(len(idx))
+    bar.close()
+    rows.sort(key=lambda r: r.pop("_i"))
+    header = ["path", "prompt", "score", *[k for k in detail_keys if k not in ("path", "prompt", "score")]]
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "w", newline="", encoding="utf-8") as f:
+            _write_csv(f, header, rows)
+        mean = sum(r["score"] for r in rows) / len(rows)
+        print(f"scored {len(rows)} samples with {args.reward}: mean {mean:.6g} -> {args.out}", file=sys.stderr)
+    else:
+        _write_csv(sys.stdout, header, rows)
+    return 0
+
+
+def _write_csv(f, header: list[str], rows: list[dict]) -> None:
+    w = csv.DictWriter(f, fieldnames=header, extrasaction="ignore")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: r.get(k, "") for k in header})
+
+
+@_exit_on_error
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve a reward over HTTP until Ctrl-C."""
+    from mmrl.rewards.remote import serve
+
+    reward = load_reward_from_args(args.reward, args.weights, args.kw, _device(args.device))
+    try:
+        serve(reward, host=args.host, port=args.port, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms)
+    except OSError as exc:
+        _fail(f"cannot serve on {args.host}:{args.port}: {exc}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Stand-alone entry (`python -m mmrl.rewards.cli reward ...`) for when the main CLI is not available."""
+    parser = argparse.ArgumentParser(prog="mmrl")
+    add_reward_subparsers(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""`mmrl reward list|score|serve`: through an argparse parser built here and through `python -m mmrl.cli`."""
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from mmrl.rewards import load
+from mmrl.rewards.base import jpeg_size_kb, to_image_tensor
+from mmrl.rewards.cli import add_reward_subparsers, parse_kw
+
+ROOT = Path(__file__).resolve().parents[2]
+PY = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "NO_PROXY": "127.0.0.1,localhost"}
+
+
+def run(argv):
+    parser = argparse.ArgumentParser(prog="mmrl")
+    add_reward_subparsers(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+@pytest.fixture
+def image_dir(tmp_path):
+    d = tmp_path / "imgs"
+    d.mkdir()
+    g = torch.Generator().manual_seed(0)
+    for i, amount in enumerate([0.0, 0.5, 1.0]):
+        arr = (128 * (1 - amount) + torch.randint(0, 256, (16, 16, 3), generator=g) * amount).round().byte().numpy()
+        Image.fromarray(arr).save(d / f"img_{i}.png")
+    (d / "notes.txt").write_text("not an image")
+    return d
+
+
+def read_csv(p):
+    with open(p, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_list_prints_names_with_descriptions(capsys):
+    assert run(["reward", "list"]) == 0
+    out = capsys.readouterr().out
+    lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.strip()}
+    for name in ["jpeg_compressibility", "geo3k", "math_accuracy", "remote", "vlm_judge", "composite", "iou"]:
+        assert name in lines
+    assert "Reward = -JPEG size in kB" in lines["jpeg_compressibility"]
+    assert "0.9 * math accuracy" in lines["geo3k"]
+
+
+def test_score_directory_with_prompts_matches_local(image_dir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a grey square\n\nnoisy, a bit\npure noise\n")  # blank lines are skipped
+    out = tmp_path / "out" / "scores.csv"
+    assert run(["reward", "score", "--reward", "jpeg_compressibility", "--images", str(image_dir),
+                "--prompts", str(prompts), "--out", str(out), "--batch-size", "2", "--device", "cpu",
+                "--no-progress"]) == 0
+    rows = read_csv(out)
+    assert list(rows[0]) == ["path", "prompt", "score", "jpeg_kb"]
+    paths = sorted(image_dir.glob("*.png"))
+    assert [r["path"] for r in rows] == [str(p) for p in paths]
+    assert [r["prompt"] for r in rows] == ["a grey square", "noisy, a bit", "pure noise"]
+    local = load("jpeg_compressibility")(to_image_tensor([str(p) for p in paths])).scores
+    assert [float(r["score"]) for r in rows] == local.tolist()
+    assert "scored 3 samples" in capsys.readouterr().err
+
+
+def test_score_files_of_mixed_sizes_kw_and_stdout(image_dir, capsys):
+    small = image_dir / "small.png"
+    Image.new("RGB", (8, 8), (10, 200, 30)).save(small)
+    files = [str(image_dir / "img_2.png"), str(small), str(image_dir / "img_0.png")]
+    assert run(["reward", "score", "--reward", "jpeg_incompressibility", "--kw", "quality=50",
+                "--images", *files, "--no-progress"]) == 0
+    rows = list(csv.DictReader(capsys.readouterr().out.splitlines()))
+    assert [r["path"] for r in rows] == files  # order kept although sizes were scored in separate calls
+    want = [jpeg_size_kb(to_image_tensor(f), 50).item() for f in files]
+    assert [float(r["score"]) for r in rows] == want
+
+
+def test_score_yaml_composite_has_component_columns(image_dir, tmp_path):
+    spec = tmp_path / "mix.yaml"
+    spec.write_text("jpeg_compressibility: 1.0\njpeg_incompressibility:\n  weight: 2.0\n")
+    out = tmp_path / "s.csv"
+    assert run(["reward", "score", "--reward", str(spec), "--images", str(image_dir), "--out", str(out),
+                "--no-progress"]) == 0
+    rows = read_csv(out)
+    assert {"jpeg_compressibility", "jpeg_incompressibility", "jpeg_compressibility/jpeg_kb"} <= set(rows[0])
+    for r in rows:  # -kb + 2 kb = kb
+        assert float(r["score"]) == pytest.approx(float(r["jpeg_incompressibility"]), rel=1e-6)
+
+
+def test_score_text_reward_from_jsonl(tmp_path):
+    data = tmp_path / "qa.jsonl"
+    rows = [{"prompt": "1+1?", "completion": "<think>easy</think> \\boxed{2}", "answer": "2"},
+            {"prompt": "half?", "completion": "\\boxed{0.5}", "metadata": {"answer": "\\frac{1}{2}"}},
+            {"prompt": "3*3?", "completion": "<think>x</think> \\boxed{6}", "answer": "9"}]
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "t.csv"
+    assert run(["reward", "score", "--reward", "geo3k", "--prompts", str(data), "--out", str(out), "--no-progress"]) == 0
+    got = read_csv(out)
+    assert [float(r["score"]) for r in got] == pytest.approx([1.0, 0.9, 0.1])
+    assert [r["accuracy/extracted"] for r in got] == ["2", "0.5", "6"]
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--reward", "jpeg_compressibility", "--images", "/no/such/dir"], "not found: '/no/such/dir'"),
+    (["--reward", "no_such_reward", "--images", "{img}"], "unknown reward 'no_such_reward'"),
+    (["--reward", "jpeg_compressibility", "--images", "{img}", "--prompts", "{prompts}"], "3 images but 2 prompts"),
+    (["--reward", "jpeg_compressibility", "--images", "{img}", "--kw", "oops"], "KEY=VALUE"),
+    (["--reward", "jpeg_compressibility", "--images", "{img}", "--weights", "/no/weights"], "--weights path not found"),
+    (["--reward", "/tmp/definitely_missing_mmrl.yaml", "--images", "{img}"], "reward YAML not found"),
+    (["--reward", "geo3k", "--images", "{img}"], "scores text"),
+    (["--reward", "jpeg_compressibility"], "pass --images"),
+])
+def test_score_errors_exit_2(image_dir, tmp_path, capsys, argv, msg):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a\nb\n")
+    argv = [a.format(img=image_dir, prompts=prompts) for a in argv]
+    with pytest.raises(SystemExit) as ei:
+        run(["reward", "score", *argv, "--no-progress"])
+    assert ei.value.code == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_parse_kw_types():
+    assert parse_kw(["a=1", "b=0.5", "c=true", "d=hello", "e=[1, 2]", "f="]) == \
+        {"a": 1, "b": 0.5, "c": True, "d": "hello", "e": [1, 2], "f": ""}
+
+
+# ----------------------------------------------------------------------------- through the real `mmrl` CLI
+
+
+def test_python_m_mmrl_cli_reward_list_and_score(image_dir, tmp_path):
+    r = subprocess.run([PY, "-m", "mmrl.cli", "reward", "list"], capture_output=True, text=True, env=ENV,
+                       cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "jpeg_compressibility" in r.stdout and "geo3k" in r.stdout
+    out = tmp_path / "cli.csv"
+    r = subprocess.run([PY, "-m", "mmrl.cli", "reward", "score", "--reward", "jpeg_compressibility", "--images",
+                        str(image_dir), "--out", str(out)], capture_output=True, text=True, env=ENV, cwd=ROOT,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert len(read_csv(out)) == 3
+    r = subprocess.run([PY, "-m", "mmrl.cli", "reward", "score", "--reward", "jpeg_compressibility", "--images",
+                        str(tmp_path / "missing")], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and "not found" in r.stderr
+
+
+def test_python_m_mmrl_cli_reward_serve(image_dir):
+    import socket
+
+    from mmrl.rewards.remote import RemoteReward, RemoteRewardError
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    proc = subprocess.Popen([PY, "-m", "mmrl.cli", "reward", "serve", "jpeg_compressibility", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    try:
+        client = RemoteReward(f"http://127.0.0.1:{port}", retries=0, timeout=5)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                assert client.health()["reward"] == "jpeg_compressibility"
+                break
+            except RemoteRewardError:
+                assert proc.poll() is None, proc.stderr.read()
+                assert time.monotonic() < deadline, "server did not come up"
+                time.sleep(0.2)
+        imgs = to_image_tensor([str(p) for p in sorted(image_dir.glob("*.png"))])
+        assert torch.equal(client(imgs).scores, load("jpeg_compressibility")(imgs).scores)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
