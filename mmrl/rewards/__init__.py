@@ -10,3 +10,18 @@ from mmrl.rewards.base import (  # noqa: F401
     to_image_list,
     to_image_tensor,
 )
+
+# image rewards (mmrl/rewards/image/*), imported on first use
+register_lazy("mmrl.rewards.image.pickscore", "pickscore")
+register_lazy("mmrl.rewards.image.clip_score", "clip_score")
+register_lazy("mmrl.rewards.image.hps", "hpsv2", "hpsv21")
+register_lazy("mmrl.rewards.image.aesthetic", "aesthetic")
+register_lazy("mmrl.rewards.image.ocr", "ocr")
+register_lazy("mmrl.rewards.image.imagereward", "imagereward")
+
+# text / composite / remote / VLM-judge rewards (rewards helper: text, composite, remote, vlm_judge)
+register_lazy("mmrl.rewards.text", "math_accuracy", "multiple_choice", "number_match", "exact_match", "format",
+              "iou", "accuracy_format", "geo3k")
+register_lazy("mmrl.rewards.composite", "composite")
+register_lazy("mmrl.rewards.remote", "remote")
+register_lazy("mmrl.rewards.vlm_judge", "vlm_judge")

@@ -158,8 +158,8 @@ def to_image_list(images: Any) -> list[torch.Tensor]:
 
         try:
             pil = load_image(im)
-        except ValueError as exc:
-            raise ValueError(f"image {i}: {exc}") from None
+        except ValueError as exc:  # keep the class (ImageNotFoundError is also a FileNotFoundError)
+            raise type(exc)(f"image {i}: {exc}") from None
         arr = np.asarray(pil, dtype=np.uint8)
         out.append(torch.from_numpy(arr.copy()).permute(2, 0, 1).float() / 255.0)
     return out

@@ -1,0 +1,154 @@
+"""Throughput of the image rewards: images/s with internal batching vs one image per call.
+
+    .venv/bin/python benchmarks/rewards_throughput.py [--n 16] [--size 256] [--device cpu] [--threads 0]
+
+Learned rewards run on the tiny random backbones of `mmrl.tiny` (the real code paths, toy sizes: the numbers
+measure the reward plumbing - preprocessing, tokenising, chunking - not the cost of a ViT-H); OCR runs the real
+PP-OCRv4 models shipped by rapidocr-onnxruntime on rendered text; JPEG is PIL encoding. Prints a markdown table.
+Not a test; takes about 1-2 minutes on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from mmrl.rewards import load
+from mmrl.tiny import OPEN_CLIP_CONFIGS, build_tiny_clip, build_tiny_open_clip
+
+PROMPTS = ["a red circle", "a blue square on a white background", "a photo of a cat", "two yellow stars"]
+
+
+def tiny_aesthetic_mlp(path: Path, in_dim: int) -> Path:
+    torch.manual_seed(0)
+    mods = [torch.nn.Linear(in_dim, 1024), torch.nn.Dropout(0.2), torch.nn.Linear(1024, 128), torch.nn.Dropout(0.2),
+            torch.nn.Linear(128, 64), torch.nn.Dropout(0.1), torch.nn.Linear(64, 16), torch.nn.Linear(16, 1)]
+    torch.save({f"layers.{k}": v for k, v in torch.nn.Sequential(*mods).state_dict().items()}, path)
+    return path
+
+
+def tiny_imagereward(root: Path) -> dict:
+    """A tiny BLIP (transformers classes, random weights) written in ImageReward.pt's key layout."""
+    from transformers import BertTokenizerFast, BlipTextConfig, BlipVisionConfig
+    from transformers.models.blip.modeling_blip import BlipVisionModel
+    from transformers.models.blip.modeling_blip_text import BlipTextModel
+
+    words = sorted({w for p in PROMPTS for w in p.split()})
+    (root / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + words) + "\n")
+    BertTokenizerFast.from_pretrained(str(root)).save_pretrained(root / "bert")
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    text = dict(vocab_size=5 + len(words) + 2, hidden_size=24, intermediate_size=48, num_hidden_layers=2,
+                num_attention_heads=2, max_position_embeddings=40)
+    torch.manual_seed(0)
+    v = BlipVisionModel(BlipVisionConfig(**vision, layer_norm_eps=1e-6)).state_dict()
+    t = BlipTextModel(BlipTextConfig(**text, encoder_hidden_size=32, is_decoder=True), add_pooling_layer=False).state_dict()
+    inverse = [(r"embeddings\.class_embedding", "cls_token"), (r"embeddings\.position_embedding", "pos_embed"),
+               (r"embeddings\.patch_embedding\.", "patch_embed.proj."), (r"encoder\.layers\.(\d+)\.layer_norm1", r"blocks.\1.norm1"),
+               (r"encoder\.layers\.(\d+)\.layer_norm2", r"blocks.\1.norm2"), (r"encoder\.layers\.(\d+)\.self_attn\.qkv", r"blocks.\1.attn.qkv"),
+               (r"encoder\.layers\.(\d+)\.self_attn\.projection", r"blocks.\1.attn.proj"),
+               (r"encoder\.layers\.(\d+)\.mlp", r"blocks.\1.mlp"), (r"post_layernorm", "norm")]
+    sd = {}
+    for k, val in v.items():
+        for pat, rep in inverse:
+            k = re.sub("^" + pat, rep, k)
+        sd["blip.visual_encoder." + k] = val
+    sd.update({"blip.text_encoder." + k: val for k, val in t.items()})
+    mlp = tiny_aesthetic_mlp(root / "mlp.pth", 24)
+    sd.update({"mlp." + k: val for k, val in torch.load(mlp).items()})
+    torch.save(sd, root / "ImageReward.pt")
+    return dict(weights=root / "ImageReward.pt", tokenizer=root / "bert", med_config=text, vision_config=vision)
+
+
+def render_text_images(n: int, size: int) -> torch.Tensor:
+    from PIL import Image, ImageDraw, ImageFont
+
+    out = []
+    for i in range(n):
+        im = Image.new("RGB", (size, size), "white")
+        ImageDraw.Draw(im).text((size // 10, size // 3), f"HELLO {i}", fill="black",
+                                font=ImageFont.load_default(size=size // 8))
+        out.append(torch.from_numpy(__import__("numpy").array(im)).permute(2, 0, 1).float() / 255)
+    return torch.stack(out)
+
+
+def measure(reward, images: torch.Tensor, prompts: list[str], batched: bool, repeats: int = 1) -> float:
+    reward(images[:2], prompts[:2])  # warm-up (first-call allocations, lazy imports)
+    n = images.shape[0]
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        if batched:
+            reward(images, prompts)
+        else:
+            for i in range(n):
+                reward(images[i:i + 1], prompts[i:i + 1])
+    return n * repeats / (time.perf_counter() - t0)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=16, help="images per measurement")
+    ap.add_argument("--size", type=int, default=256, help="image side (generated images are square)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    root = Path(tempfile.mkdtemp(prefix="mmrl_bench_"))
+    clip = build_tiny_clip(root / "clip")
+    oc = build_tiny_open_clip(root / "open_clip")
+    (root / "ir").mkdir()
+    specs = [
+        ("pickscore", "tiny CLIP (transformers)", dict(weights=clip)),
+        ("clip_score", "tiny CLIP (transformers)", dict(weights=clip)),
+        ("hpsv2", "tiny open_clip CLIP", dict(weights=oc / "hps_style.pt", model_config=OPEN_CLIP_CONFIGS["tiny"])),
+        ("aesthetic", "tiny CLIP + MLP", dict(weights=tiny_aesthetic_mlp(root / "aes.pth", 16), clip=clip)),
+        ("imagereward", "tiny BLIP (transformers)", tiny_imagereward(root / "ir")),
+        ("jpeg_compressibility", "PIL JPEG q95", {}),
+        ("ocr", "PP-OCRv4 (rapidocr-onnxruntime, real)", {}),
+    ]
+    g = torch.Generator().manual_seed(0)
+    images = torch.rand(args.n, 3, args.size, args.size, generator=g)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.n)]
+    rows = []
+    for name, backbone, kw in specs:
+        device_kw = {} if name.startswith("jpeg") or name == "ocr" else {"device": args.device}
+        try:
+            reward = load(name, batch_size=args.n, **device_kw, **kw)
+        except ImportError as exc:
+            rows.append((name, backbone, "skipped", str(exc), ""))
+            continue
+        if name == "ocr":
+            n = min(args.n, 8)
+            imgs, prm = render_text_images(n, args.size), [f'a sign that says "HELLO {i}"' for i in range(n)]
+        else:
+            imgs, prm = images, prompts
+        reward.batch_size = imgs.shape[0]
+        b = measure(reward, imgs, prm, batched=True, repeats=1 if name == "ocr" else 3)
+        s = measure(reward, imgs, prm, batched=False)
+        rows.append((name, backbone, f"{b:.1f}", f"{s:.1f}", f"{b / s:.1f}x"))
+        print(f"  measured {name}", file=sys.stderr, flush=True)
+
+    print(f"\n`{' '.join(['python', 'benchmarks/rewards_throughput.py'] + (argv if argv is not None else sys.argv[1:]))}` "
+          f"- {args.n} images of {args.size}x{args.size}, device {args.device}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}\n")
+    print("| reward | backbone | images/s batched | images/s one by one | batching speed-up |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+    print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
+    import shutil
+
+    shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
