@@ -25,3 +25,4 @@ register_lazy("mmrl.rewards.text", "math_accuracy", "multiple_choice", "number_m
 register_lazy("mmrl.rewards.composite", "composite")
 register_lazy("mmrl.rewards.remote", "remote")
 register_lazy("mmrl.rewards.vlm_judge", "vlm_judge")
+register_lazy("mmrl.rewards.image.color_match", "prompt_color")
