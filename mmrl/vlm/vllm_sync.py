@@ -1,0 +1,328 @@
+"""Push the trained policy into a colocated vLLM engine: merged LoRA weights, HF -> vLLM names, chunks,
+and sleep / wake-up around training so trainer and engine share one GPU.
+
+    syncer = VLLMWeightSyncer(engine.llm, states)      # states: mmrl.adapters.PolicyStates
+    with syncer.rollout():                              # wake weights -> sync -> wake KV cache ... sleep
+        results = engine.generate(requests, sampling)
+    ... train ...
+
+**Merged weights, model untouched.** vLLM serves plain weights, so a LoRA policy is sent as
+``W + scale * B @ A`` per adapted linear layer (``merged_lora_state_dict`` / ``iter_merged_weights``),
+computed on the fly without calling peft's ``merge`` (which writes into the base weight and would have to
+be undone before the next training step). Only the adapted layers change during LoRA training, so
+after the engine holds the base weights (it loaded them from the same checkpoint) a sync sends just those
+layers; after ``sleep(level=2)`` (weights discarded) everything is sent again.
+
+**Names.** Parameters of a peft-injected model are named ``...q_proj.base_layer.weight`` and
+``...q_proj.lora_A.default.weight`` (with ``base_model.model.`` in front when wrapped in a ``PeftModel``).
+``checkpoint_name`` turns them back into the names of the HF checkpoint (``...q_proj.weight``; adapter
+tensors dropped). That is what the engine is given: vLLM's ``model.load_weights`` reads checkpoint names,
+applies the model's own ``hf_to_vllm_mapper`` and fuses q/k/v into ``qkv_proj`` and gate/up into
+``gate_up_proj`` itself (stacked_params_mapping), so per-tensor checkpoint names are the stable contract.
+``to_vllm_name`` applies the prefix map for inspection (e.g. to compare against the engine's
+``named_parameters()``); the map is idempotent, so already-mapped names also load.
+
+    # source: vllm/model_executor/models/qwen2_vl.py and qwen2_5_vl.py, class
+    #   Qwen2VLForConditionalGeneration / Qwen2_5_VLForConditionalGeneration, hf_to_vllm_mapper =
+    #   WeightsMapper(orig_to_new_prefix={"model.language_model.": "language_model.model.",
+    #   "model.visual.": "visual.", "lm_head.": "language_model.lm_head.", "model.": "language_model.model."})
+
+**Engine calls** (NOT exercised in this repository: no GPU, vLLM not installed). In-process engines
+(``LLM(..., distributed_executor_backend="external_launcher")`` as TRL's and verl's colocated modes use,
+or ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) expose the model as
+``llm.llm_engine.model_executor.driver_worker.worker.model_runner.model`` (V1) or
+``...driver_worker.model_runner.model`` (V0); its ``load_weights(iterable of (name, tensor))`` is called
+per chunk (TRL GRPOTrainer ``_move_model_to_vllm``, colocate mode). Otherwise ``llm.collective_rpc`` runs
+the same call on every worker (tensors are then serialised to the worker processes: slow for large
+models). ``llm.sleep(level)`` / ``llm.wake_up(tags)`` need ``LLM(..., enable_sleep_mode=True)``; after a
+weight update the prefix cache is reset (``llm.reset_prefix_cache()``) because cached KV blocks were
+computed with the old weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["VLLM_PREFIX_MAPS", "checkpoint_name", "to_vllm_name", "iter_merged_weights", "merged_lora_state_dict",
+           "chunk_by_bytes", "vllm_weight_loader", "VLLMWeightSyncer"]
+
+_QWEN2_VL_MAP = (
+    ("model.language_model.", "language_model.model."),
+    ("model.visual.", "visual."),
+    ("lm_head.", "language_model.lm_head."),
+    ("model.", "language_model.model."),
+)
+# model_type -> ordered (HF prefix, vLLM prefix); the first matching prefix is replaced (see module docstring)
+VLLM_PREFIX_MAPS: dict[str, tuple[tuple[str, str], ...]] = {
+    "qwen2_vl": _QWEN2_VL_MAP,
+    "qwen2_5_vl": _QWEN2_VL_MAP,
+}
+_PEFT_WRAPPER_PREFIX = "base_model.model."
+
+
+def checkpoint_name(name: str) -> str | None:
+    """HF checkpoint name of a parameter of a peft-injected model; None for adapter tensors.
+
+    >>> checkpoint_name("model.language_model.layers.0.self_attn.q_proj.base_layer.weight")
+    'model.language_model.layers.0.self_attn.q_proj.weight'
+    >>> checkpoint_name("base_model.model.lm_head.weight")
+    'lm_head.weight'
+    >>> checkpoint_name("model.language_model.layers.0.self_attn.q_proj.lora_A.default.weight") is None
+    True
+    """
+    if name.startswith(_PEFT_WRAPPER_PREFIX):
+        name = name[len(_PEFT_WRAPPER_PREFIX):]
+    parts = name.split(".")
+    if any(p.startswith("lora_") for p in parts):
+        return None
+    if "modules_to_save" in parts or "original_module" in parts:
+        raise ValueError(f"checkpoint_name: {name!r} comes from peft modules_to_save, which is not supported "
+                         "(train those modules fully instead)")
+    return ".".join(p for p in parts if p != "base_layer")
+
+
+def to_vllm_name(hf_name: str, family: str | Sequence[tuple[str, str]] = "qwen2_vl") -> str:
+    """vLLM's parameter-name prefix for an HF checkpoint name (before vLLM's q/k/v and gate/up fusion).
+
+    `family`: a key of VLLM_PREFIX_MAPS (the HF config's ``model_type``) or an ordered list of
+    (hf_prefix, vllm_prefix) pairs. Names matching no prefix are returned unchanged.
+
+    >>> to_vllm_name("model.language_model.layers.0.mlp.up_proj.weight")
+    'language_model.model.layers.0.mlp.up_proj.weight'
+    >>> to_vllm_name("model.visual.blocks.0.attn.qkv.weight")
+    'visual.blocks.0.attn.qkv.weight'
+    """
+    if isinstance(family, str):
+        if family not in VLLM_PREFIX_MAPS:
+            raise ValueError(f"to_vllm_name: unknown model family {family!r}; known: {sorted(VLLM_PREFIX_MAPS)} "
+                             "(or pass [(hf_prefix, vllm_prefix), ...] from the model's hf_to_vllm_mapper)")
+        table = VLLM_PREFIX_MAPS[family]
+    else:
+        table = tuple(family)
+    for old, new in table:
+        if hf_name.startswith(old):
+            return new + hf_name[len(old):]
+    return hf_name
+
+
+# ---------------------------------------------------------------------------------------------- merging
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """Unsharded tensor (FSDP2 DTensor -> full; a collective every rank must join)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _lora_delta(mod: Any, adapter: str) -> torch.Tensor:
+    """scale * B @ A (float32) for a peft LoRA layer, without touching the layer."""
+    # source: LoRA, Hu et al. arXiv 2106.09685 (W' = W + (alpha / r) B A); peft lora/layer.py Linear.get_delta_weight
+    if getattr(mod, "use_dora", {}).get(adapter, False):
+        raise ValueError("merged weights: DoRA adapters are not supported (the magnitude vector rescales W)")
+    if getattr(mod, "lora_bias", {}).get(adapter, False):
+        raise ValueError("merged weights: LoRA adapters with lora_bias=True are not supported")
+    base = mod.get_base_layer()
+    if isinstance(base, nn.Linear):
+        a = _full(mod.lora_A[adapter].weight.detach()).float()
+        b = _full(mod.lora_B[adapter].weight.detach()).float()
+        delta = (b @ a) * mod.scaling[adapter]
+        return delta.T if getattr(mod, "fan_in_fan_out", False) else delta
+    # conv / embedding LoRA: peft's own per-layer delta (pure: it does not modify the layer)
+    return mod.get_delta_weight(adapter).float()
+
+
+def iter_merged_weights(model: nn.Module, adapter: str = "default", only_lora_layers: bool = False,
+                        trainable_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) of the effective weights with `adapter` merged in, in parameter order.
+
+    Adapted layers yield a new tensor ``W + scale * B @ A`` (computed in float32, cast to W's dtype);
+    other parameters are yielded as the live (detached) parameter, no copy. The model is not modified.
+    only_lora_layers: only the merged weights of adapted layers (what changes while training a LoRA).
+    trainable_only (models without adapters): only parameters with requires_grad.
+    A model without any LoRA layer yields its parameters (full fine-tuning)."""
+    from peft.tuners.lora import LoraLayer
+
+    model = _unwrap(model)
+    merged_at: dict[str, Any] = {}
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, LoraLayer):
+            if getattr(mod, "merged", False):
+                raise ValueError(f"iter_merged_weights: {mod_name} has adapters merged into its base weight "
+                                 "already (peft merge()); unmerge first")
+            if adapter in getattr(mod, "lora_A", {}) or adapter in getattr(mod, "lora_embedding_A", {}):
+                merged_at[f"{mod_name}.base_layer.weight"] = mod
+    if not merged_at and any(isinstance(m, LoraLayer) for m in model.modules()):
+        raise ValueError(f"iter_merged_weights: no LoRA layer holds adapter {adapter!r}")
+    for name, p in model.named_parameters():
+        if name in merged_at:
+            w = _full(p.detach())
+            yield checkpoint_name(name), (w.float() + _lora_delta(merged_at[name], adapter)).to(w.dtype)
+            continue
+        if only_lora_layers and merged_at:
+            continue
+        if trainable_only and not merged_at and not p.requires_grad:
+            continue
+        hf = checkpoint_name(name)
+        if hf is not None:
+            yield hf, _full(p.detach())
+
+
+def merged_lora_state_dict(model: nn.Module, adapter: str = "default") -> dict[str, torch.Tensor]:
+    """{checkpoint name: W + scale * B @ A} for adapted layers, plain parameters otherwise (model untouched).
+
+    Equal to ``merge_and_unload()`` of the same adapter on a copy (tests/vlm/test_vllm_sync.py)."""
+    return dict(iter_merged_weights(model, adapter))
+
+
+def chunk_by_bytes(named: Iterable[tuple[str, torch.Tensor]],
+                   max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group (name, tensor) pairs, in order, into lists of at most `max_bytes` (a larger tensor goes alone)."""
+    if max_bytes <= 0:
+        raise ValueError(f"chunk_by_bytes: max_bytes must be > 0, got {max_bytes}")
+    chunk: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        if chunk and size + nbytes > max_bytes:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append((name, t))
+        size += nbytes
+    if chunk:
+        yield chunk
+
+
+# ---------------------------------------------------------------------------------------------- engine
+
+
+def _load_on_worker(worker: Any, weights: list) -> None:  # pragma: no cover - runs inside vLLM workers
+    worker.model_runner.model.load_weights(weights)
+
+
+def vllm_weight_loader(llm: Any) -> Callable[[list[tuple[str, torch.Tensor]]], Any]:
+    """A function ``load(chunk)`` that loads checkpoint-named tensors into a vllm.LLM's model.
+
+    Tries the in-process model (V1 ``driver_worker.worker.model_runner.model``, V0
+    ``driver_worker.model_runner.model``), then ``llm.collective_rpc``. Not exercised here (no vLLM)."""
+    executor = getattr(getattr(llm, "llm_engine", None), "model_executor", None)
+    driver = getattr(executor, "driver_worker", None)
+    for path in (("worker", "model_runner", "model"), ("model_runner", "model")):
+        obj = driver
+        for attr in path:
+            obj = getattr(obj, attr, None)
+        if obj is not None and hasattr(obj, "load_weights"):
+            return obj.load_weights
+    if hasattr(llm, "collective_rpc"):
+        return lambda chunk: llm.collective_rpc(_load_on_worker, args=(list(chunk),))
+    raise RuntimeError("vllm_weight_loader: cannot reach the vLLM model (no llm_engine.model_executor.driver_worker"
+                       "...model_runner.model and no collective_rpc); pass load_fn= to VLLMWeightSyncer")
+
+
+class VLLMWeightSyncer:
+    """Streams the policy's effective weights into a colocated vLLM engine.
+
+    Args:
+        llm: a ``vllm.LLM`` (or None when `load_fn` is given).
+        policy: a ``PolicyStates`` (its model and mode are used) or a plain / DDP-wrapped module.
+        adapter: which LoRA state to serve ("default"; "old" for an EMA policy).
+        chunk_bytes: at most this many bytes of (merged) tensors are materialised and sent per call.
+        load_fn: ``load(list[(name, tensor)])``; default :func:`vllm_weight_loader` (llm).
+        vllm_names: send vLLM-prefixed names (``to_vllm_name`` with `family`) instead of checkpoint names.
+        family: model_type for `vllm_names`.
+    Under FSDP every rank must call :meth:`sync` (gathering shards is a collective).
+    """
+
+    def __init__(self, llm: Any, policy: Any, adapter: str = "default", chunk_bytes: int = 256 << 20,
+                 load_fn: Callable[[list[tuple[str, torch.Tensor]]], Any] | None = None, vllm_names: bool = False,
+                 family: str = "qwen2_vl"):
+        self.llm = llm
+        self.model = _unwrap(policy.model if hasattr(policy, "trainable_parameters") else policy)
+        self.lora = getattr(policy, "mode", None) != "full" and any(
+            "lora_" in n for n, _ in self.model.named_parameters())
+        self.adapter, self.chunk_bytes = adapter, int(chunk_bytes)
+        self.vllm_names, self.family = vllm_names, family
+        if vllm_names:
+            to_vllm_name("x", family)  # validates the family early
+        if load_fn is None:
+            if llm is None:
+                raise ValueError("VLLMWeightSyncer: give a vllm.LLM or load_fn")
+            load_fn = vllm_weight_loader(llm)
+        self.load_fn = load_fn
+        self.engine_has_all = True  # the engine loaded the same base checkpoint the trainer started from
+        self.asleep_level = 0
+
+    def named_weights(self, full: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """What :meth:`sync` sends: LoRA -> merged adapted layers (all weights if `full`); full fine-tuning ->
+        trainable parameters (all if `full`)."""
+        if self.lora:
+            it = iter_merged_weights(self.model, self.adapter, only_lora_layers=not full)
+        else:
+            it = iter_merged_weights(self.model, trainable_only=not full)
+        for name, t in it:
+            yield (to_vllm_name(name, self.family) if self.vllm_names else name), t
+
+    @torch.no_grad()
+    def sync(self, full: bool | None = None) -> dict[str, float]:
+        """Send the weights in chunks; returns {"sync/tensors", "sync/bytes", "sync/chunks", "sync/seconds"}.
+
+        full=None: everything after a level-2 sleep (the engine dropped its weights), else only what changes."""
+        if full is None:
+            full = not self.engine_has_all
+        t0 = time.perf_counter()
+        n = nbytes = chunks = 0
+        for chunk in chunk_by_bytes(self.named_weights(full), self.chunk_bytes):
+            self.load_fn(chunk)
+            n += len(chunk)
+            nbytes += sum(t.numel() * t.element_size() for _, t in chunk)
+            chunks += 1
+        if full:
+            self.engine_has_all = True
+        reset = getattr(self.llm, "reset_prefix_cache", None)
+        if callable(reset):  # cached KV blocks were computed with the old weights
+            reset()
+        return {"sync/tensors": n, "sync/bytes": nbytes, "sync/chunks": chunks,
+                "sync/seconds": time.perf_counter() - t0}
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's GPU memory for training: level 1 offloads weights to CPU and drops the KV cache,
+        level 2 drops both (the next sync then sends all weights). Needs LLM(enable_sleep_mode=True)."""
+        if level not in (1, 2):
+            raise ValueError(f"VLLMWeightSyncer.sleep: level must be 1 or 2, got {level}")
+        if self.llm is not None:
+            self.llm.sleep(level=level)
+        self.asleep_level = level
+        if level == 2:
+            self.engine_has_all = False
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Re-allocate engine memory: tags=["weights"] first (sync into them), then ["kv_cache"]; None = both."""
+        if self.llm is not None and self.asleep_level:
+            if tags is None:
+                self.llm.wake_up()
+            else:
+                self.llm.wake_up(tags=list(tags))
+        if tags is None or "kv_cache" in tags:
+            self.asleep_level = 0
+
+    @contextlib.contextmanager
+    def rollout(self, sleep_level: int | None = 1) -> Iterator[dict[str, float]]:
+        """Wake the weights, sync, wake the KV cache, run the body (generation), then sleep again
+        (`sleep_level` None = stay awake). Yields the sync metrics."""
+        if self.asleep_level:
+            self.wake_up(["weights"])
+        metrics = self.sync()
+        if self.asleep_level:
+            self.wake_up(["kv_cache"])
+        try:
+            yield metrics
+        finally:
+            if sleep_level:
+                self.sleep(sleep_level)
