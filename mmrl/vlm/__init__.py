@@ -1,0 +1,22 @@
+"""VLM policy RL: rollout engines (HF / vLLM), shared model-input helpers, the GRPO-family recipe."""
+
+from mmrl.vlm.common import (  # noqa: F401
+    EncodedPrompt,
+    collate,
+    compute_logprobs,
+    encode_prompt,
+    load_policy,
+    messages_from_text,
+    render_prompt,
+    response_logprobs,
+    vision_token_ids,
+)
+from mmrl.vlm.rollout import (  # noqa: F401
+    GenRequest,
+    HFRolloutEngine,
+    RolloutEngine,
+    RolloutResult,
+    SamplingParams,
+    VLLMRolloutEngine,
+    make_engine,
+)

@@ -1,0 +1,296 @@
+"""Pieces every VLM recipe shares: load a Qwen-VL policy, turn chats with images into model inputs, and
+compute per-token log-probs of response tokens in micro-batches.
+
+Sequence layout used everywhere (rollout prefill, trainer forward, reference forward):
+
+    [pad ... pad | prompt tokens (with expanded <|image_pad|>) | response tokens | pad ... pad]
+     left padding                                                             right padding
+
+i.e. exactly what batched generation with left padding produces, so the trainer's forward sees the
+same positions as the sampler. Positions are the 3-D M-RoPE index from
+``mmrl.pipelines.qwen_vl.get_rope_index`` (equal to transformers' own), passed explicitly, so no
+model-internal state (``rope_deltas``) is involved. ``mm_token_type_ids`` (transformers >= 5) is built
+from the ids.
+
+Log-probs: ``log_softmax(logits / temperature)`` at the chosen tokens, in float32. This is the
+convention the trainer uses for old/new/ref log-probs (verl does the same); it ignores top-k/top-p and
+the vision-token ban, which only change how tokens were drawn, not what the model's distribution is.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from mmrl.pipelines.data import VQAItem
+from mmrl.pipelines.qwen_vl import get_rope_index, mm_token_type_ids, rope_kwargs_from_config
+
+__all__ = [
+    "IMAGE_PLACEHOLDER",
+    "EncodedPrompt",
+    "load_policy",
+    "messages_from_text",
+    "render_prompt",
+    "vision_token_ids",
+    "encode_prompt",
+    "collate",
+    "response_logprobs",
+    "compute_logprobs",
+    "pad_to",
+    "ShapesQA",
+]
+
+IMAGE_PLACEHOLDER = "<image>"
+_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+_CHAT_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def load_policy(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """(model, processor) from a local checkpoint directory (never a hub id: nothing is downloaded).
+
+    The processor pads on the left (batched generation needs it); the model is in eval mode (no dropout:
+    rollout and training log-probs must agree)."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model.path: no config.json in {str(path)!r}; expected a local checkpoint "
+                                "directory (e.g. from huggingface-cli download, or mmrl.tiny.build_tiny_qwen2_vl)")
+    processor = AutoProcessor.from_pretrained(str(path), padding_side="left")
+    model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=dtype).to(device)
+    model.eval()
+    return model, processor
+
+
+def messages_from_text(text: str, system: str | None = None) -> list[dict]:
+    """A one-turn user chat from text with ``<image>`` placeholders (one per image, in order).
+
+    >>> messages_from_text("<image>What color?")[0]["content"]
+    [{'type': 'image'}, {'type': 'text', 'text': 'What color?'}]
+    """
+    content: list[dict] = []
+    parts = text.split(IMAGE_PLACEHOLDER)
+    for i, part in enumerate(parts):
+        if i > 0:
+            content.append({"type": "image"})
+        if part:
+            content.append({"type": "text", "text": part})
+    msgs = [{"role": "system", "content": system}] if system else []
+    return msgs + [{"role": "user", "content": content}]
+
+
+def render_prompt(processor: Any, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+    """Chat template text (vision items as ``<|vision_start|><|image_pad|><|vision_end|>``)."""
+    return processor.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=False)
+
+
+def _tokenizer(processor: Any) -> Any:
+    return getattr(processor, "tokenizer", processor)
+
+
+def vision_token_ids(processor: Any) -> list[int]:
+    """Ids of the vision special tokens the policy must never emit (start/end/pad of images and videos)."""
+    tok = _tokenizer(processor)
+    vocab = tok.get_vocab()
+    return sorted({vocab[t] for t in _VISION_TOKENS if t in vocab})
+
+
+@dataclass
+class EncodedPrompt:
+    """One tokenised prompt: ids (image pads expanded), its vision tensors, and the text it came from."""
+
+    input_ids: list[int]
+    mm: dict[str, torch.Tensor] = field(default_factory=dict)  # pixel_values [patches, D], image_grid_thw [n, 3]
+    text: str = ""
+
+
+def encode_prompt(processor: Any, text: str, images: Sequence[Any] = ()) -> EncodedPrompt:
+    """Tokenise one templated prompt with its images (``<image>`` placeholders are accepted too)."""
+    from mmrl.pipelines.images import load_image
+
+    text = text.replace(IMAGE_PLACEHOLDER, _CHAT_IMAGE)
+    n_ph = text.count("<|image_pad|>")
+    images = [load_image(im) for im in images]
+    if n_ph != len(images):
+        raise ValueError(f"prompt has {n_ph} image placeholder(s) but {len(images)} image(s) were given: {text[:200]!r}")
+    if images:
+        enc = processor(text=[text], images=images, return_tensors="pt")
+        mm = {"pixel_values": enc["pixel_values"], "image_grid_thw": enc["image_grid_thw"]}
+    else:
+        enc = _tokenizer(processor)([text], return_tensors="pt")
+        mm = {}
+    return EncodedPrompt(enc["input_ids"][0].tolist(), mm, text)
+
+
+def pad_to(rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype, left: bool = False,
+           length: int | None = None) -> torch.Tensor:
+    """Stack ragged rows into [B, max_len] (or ``length``), padding on the right (or left)."""
+    T = max([len(r) for r in rows] + [0]) if length is None else length
+    out = torch.full((len(rows), T), value, dtype=dtype)
+    for i, r in enumerate(rows):
+        if len(r):
+            t = torch.as_tensor(list(r), dtype=dtype)
+            if left:
+                out[i, T - len(r):] = t
+            else:
+                out[i, :len(r)] = t
+    return out
+
+
+def _cat_mm(mm: Sequence[dict]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
+        parts = [m[key] for m in mm if m and key in m]
+        if parts:
+            out[key] = torch.cat(parts, 0)
+    return out
+
+
+def collate(model: Any, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
+            mm: Sequence[dict], pad_id: int) -> tuple[dict[str, torch.Tensor], int, torch.Tensor]:
+    """Model inputs for prompt+response rows in the layout of the module docstring.
+
+    Returns ``(kwargs for model(**kwargs), P, response_mask[B, T])`` where ``P`` is the padded prompt
+    length (response token t of row b sits at position P + t) and ``T`` the longest response.
+    """
+    device = next(model.parameters()).device
+    cfg = model.config
+    P = max(len(p) for p in prompt_ids)
+    prompts = pad_to(prompt_ids, pad_id, torch.long, left=True)
+    p_mask = pad_to([[1] * len(p) for p in prompt_ids], 0, torch.long, left=True)
+    T = max([len(r) for r in response_ids] + [0])
+    resp = pad_to(response_ids, pad_id, torch.long, length=T)
+    r_mask = pad_to([[1] * len(r) for r in response_ids], 0, torch.long, length=T)
+    input_ids = torch.cat([prompts, resp], 1).to(device)
+    attn = torch.cat([p_mask, r_mask], 1).to(device)
+    tensors = {k: v.to(device) for k, v in _cat_mm(mm).items()}
+    for k in ("pixel_values", "pixel_values_videos"):
+        if k in tensors:
+            tensors[k] = tensors[k].to(model.dtype)
+    position_ids, _ = get_rope_index(input_ids, attn, tensors.get("image_grid_thw"), tensors.get("video_grid_thw"),
+                                     **rope_kwargs_from_config(cfg))
+    kwargs = dict(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
+                  mm_token_type_ids=mm_token_type_ids(input_ids, cfg.image_token_id, cfg.video_token_id), **tensors)
+    return kwargs, P, r_mask.bool().to(device)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
+                   with_entropy: bool = False, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log_softmax(logits / temperature)[tokens] in float32; logits[B, T, V], tokens[B, T] -> [B, T].
+
+    The entropy (of the same tempered distribution) carries gradients only with ``entropy_grad`` (a bonus in
+    the loss); as a metric it is computed without building a [B, T, V] graph."""
+    x = logits.float()
+    if temperature not in (0.0, 1.0):
+        x = x / temperature
+    logz = torch.logsumexp(x, -1)
+    logp = x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - logz
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            p = torch.softmax(x, -1)
+            entropy = logz - (p * x).sum(-1)
+    return logp, entropy
+
+
+def response_logprobs(model: Any, batch: dict[str, torch.Tensor], P: int, response_ids: torch.Tensor,
+                      temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (and entropies) of the response tokens of one micro-batch (grad flows if enabled).
+
+    ``batch``/``P`` from :func:`collate`; ``response_ids[B, T]`` (pad where masked). Only the response
+    positions' logits are materialised (``logits_to_keep``)."""
+    T = response_ids.shape[1]
+    L = batch["input_ids"].shape[1]
+    if L != P + T:
+        raise ValueError(f"response_logprobs: batch length {L} != prompt length {P} + response length {T}")
+    # logits at positions P-1 .. P+T-2 predict response tokens 0 .. T-1
+    out = model(**batch, use_cache=False, logits_to_keep=T + 1)
+    logits = out.logits[:, :T]
+    return token_logprobs(logits, response_ids.to(logits.device), temperature, with_entropy, entropy_grad)
+
+
+@torch.no_grad()
+def compute_logprobs(model: Any, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
+                     mm: Sequence[dict], pad_id: int, micro_batch_size: int = 8, temperature: float = 1.0,
+                     with_entropy: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Log-probs of every response (a list of 1-D CPU tensors, one per row), in micro-batches, no grad."""
+    logps: list[torch.Tensor] = []
+    ents: list[torch.Tensor] = []
+    n = len(prompt_ids)
+    for s in range(0, n, max(1, micro_batch_size)):
+        e = min(n, s + micro_batch_size)
+        batch, P, mask = collate(model, prompt_ids[s:e], response_ids[s:e], mm[s:e], pad_id)
+        resp = batch["input_ids"][:, P:]
+        lp, ent = response_logprobs(model, batch, P, resp, temperature, with_entropy)
+        for i in range(e - s):
+            k = len(response_ids[s + i])
+            logps.append(lp[i, :k].cpu())
+            if ent is not None:
+                ents.append(ent[i, :k].cpu())
+    return logps, (ents if with_entropy else None)
+
+
+def lengths_to_mask(lengths: Sequence[int]) -> torch.Tensor:
+    T = max(list(lengths) + [0])
+    return torch.arange(T)[None, :] < torch.as_tensor(list(lengths))[:, None]
+
+
+def num_image_tokens(mm: dict, merge_size: int = 2) -> int:
+    grid = mm.get("image_grid_thw") if mm else None
+    return 0 if grid is None else int(grid.prod(-1).sum()) // merge_size**2
+
+
+class ShapesQA:
+    """Endless seeded stream of visual questions about synthetic shapes (``mmrl.pipelines.shapes``).
+
+    Item k depends only on (seed, k), so ``state_dict()`` (the position) resumes exactly. ``cfg`` is any object
+    with ``qa_kinds, colors, backgrounds, n_shapes [min, max], shape_size [min, max], image_size, template``
+    (e.g. ``mmrl.vlm.grpo.DataConfig``); ``template`` formats ``{question}``. Items are ``VQAItem`` with metadata
+    ``answer``, ``kind`` and ``choices`` (the answer vocabulary the question implies, for format-only warm starts).
+    """
+
+    def __init__(self, cfg: Any, seed: int):
+        from mmrl.pipelines.shapes import QA_KINDS
+
+        bad = [k for k in cfg.qa_kinds if k not in QA_KINDS]
+        if bad or not cfg.qa_kinds:
+            raise ValueError(f"data.qa_kinds: expected a non-empty subset of {list(QA_KINDS)}, got {cfg.qa_kinds}")
+        self.cfg, self.seed, self.index = cfg, seed, 0
+
+    def item(self, k: int) -> VQAItem:
+        from mmrl.pipelines.shapes import KINDS, sample_scene, qa_for_scene
+
+        c = self.cfg
+        rng = random.Random(self.seed * 1_000_003 + k)
+        scene = sample_scene(rng, tuple(c.n_shapes), colors=c.colors, size=c.image_size, backgrounds=c.backgrounds,
+                             size_range=tuple(c.shape_size))
+        kind = rng.choice(c.qa_kinds)
+        question, answer = qa_for_scene(scene, kind, rng)
+        q = question.lower()
+        if " or the " in q:  # "on the left or the right?" -> the two options named
+            choices = [w for w in ("left", "right", "top", "bottom") if w in q]
+        elif q.startswith(("is there", "are there")):
+            choices = ["yes", "no"]
+        else:
+            bg = "background" in q
+            choices = {"color": list(c.backgrounds if bg else c.colors), "shape": list(KINDS),
+                       "count": [str(i) for i in range(1, c.n_shapes[1] + 1)]}.get(kind, [answer])
+        prompt = "<image>" + c.template.format(question=question, problem=question)
+        return VQAItem(prompt, [scene.image], answer, {"answer": answer, "kind": kind, "choices": sorted(set(choices))})
+
+    def next(self, n: int) -> list[VQAItem]:
+        out = [self.item(self.index + i) for i in range(n)]
+        self.index += n
+        return out
+
+    def state_dict(self) -> dict:
+        return {"index": self.index}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.index = s["index"]

@@ -1,0 +1,647 @@
+"""GRPO-family RL for Qwen-VL policies: rollout -> rewards -> advantages -> loss -> optimizer step.
+
+One step: sample `rollout.batch_size` prompts, generate `rollout.n` responses each, score them with a
+reward from the zoo (+ DAPO soft overlong punishment), optionally keep only groups whose rewards differ
+(DAPO dynamic sampling, regenerating up to `algo.max_gen_batches` rounds), compute advantages with a
+registered estimator (grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline), then `algo.ppo_epochs`
+passes of clipped policy-gradient updates (clip-higher, token-level aggregation modes, KL to the reference
+as a loss term or a reward penalty) in mini-batches with gradient accumulation over micro-batches.
+
+The reference policy is the same model with LoRA adapters off (`PolicyStates.use("ref")`), or a frozen
+snapshot for full fine-tuning. Log-probs are `log_softmax(logits / temperature)` everywhere.
+
+Format warm start (`warmup.sft_steps`, synthetic shapes data only): a few supervised steps on answers
+drawn uniformly from the question's answer vocabulary (NOT the true answers), teaching the randomly
+initialised tiny model the answer format only; RL then has to learn the content from the image.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from mmrl.config import RunConfig, TrainConfig
+from mmrl.core import agg_loss, clipped_policy_loss, get_advantage_estimator, kl_estimate
+from mmrl.pipelines.data import GEO3K_TEMPLATE, PromptSampler, VQAItem, load_visual_qa
+from mmrl.runtime import Run, Timer, get_rng_state, set_rng_state
+from mmrl.vlm.common import (ShapesQA, collate, compute_logprobs, encode_prompt, load_policy, messages_from_text, pad_to,
+                             render_prompt, response_logprobs)
+from mmrl.vlm.rollout import GenRequest, SamplingParams, make_engine
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """Local checkpoint directory (transformers format: Qwen2-VL, Qwen2.5-VL, Qwen3-VL). Never a hub id."""
+    build_tiny: str = ""
+    """Demo only: if `path` has no checkpoint, build this tiny random model there first (qwen2_vl | qwen25_vl)."""
+    finetune: str = "lora"
+    """`lora` (adapters on the language model; ref = adapters off) or `full` (ref = a weight snapshot, +1x memory)."""
+    lora_rank: int = 64
+    """LoRA rank r."""
+    lora_alpha: int = 64
+    """LoRA alpha (scale alpha / r)."""
+    lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                    "gate_proj", "up_proj", "down_proj"])
+    """Language-model linear layers that get LoRA (matched by name under the language model only)."""
+    train_vision: bool = False
+    """Also train the vision tower (LoRA on its qkv/proj/fc1/fc2/gate/up/down, or its full weights); else frozen."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory, ~30% slower); for real model sizes."""
+    freeze: list[str] = field(default_factory=list)
+    """Exclude parameters whose name contains one of these (e.g. lm_head, embed_tokens) from the RL updates (the
+    format warm start still trains them). Adam moves rarely-used vocabulary rows by ~lr per step on noise alone."""
+
+
+@dataclass
+class DataConfig:
+    kind: str = "shapes"
+    """`shapes` (synthetic scenes, exact answers, infinite, seeded) or `geo3k` (jsonl/parquet via load_visual_qa)."""
+    path: str = ""
+    """geo3k: training file (.jsonl/.json/.parquet) with images/problem/answer."""
+    val_path: str = ""
+    """geo3k: optional held-out file for greedy eval accuracy (first `eval_size` rows)."""
+    image_root: str = ""
+    """geo3k: folder relative image paths are resolved against (default: the file's folder)."""
+    template: str = GEO3K_TEMPLATE
+    """Prompt template: geo3k uses {problem}; shapes uses {question}."""
+    system_prompt: str = ""
+    """Optional system message (empty: the chat template's default)."""
+    on_error: str = "skip"
+    """geo3k rows with an unreadable image: `skip` (warn with the path) or `raise`."""
+    limit: int = 0
+    """geo3k: use at most this many rows (0 = all)."""
+    qa_kinds: list[str] = field(default_factory=lambda: ["color"])
+    """shapes: question kinds to draw from (color, count, shape, position)."""
+    colors: list[str] = field(default_factory=lambda: ["red", "green", "blue", "yellow", "orange", "purple"])
+    """shapes: shape colours."""
+    backgrounds: list[str] = field(default_factory=lambda: ["white"])
+    """shapes: background colours."""
+    n_shapes: list[int] = field(default_factory=lambda: [1, 1])
+    """shapes: inclusive [min, max] number of shapes per scene."""
+    shape_size: list[float] = field(default_factory=lambda: [0.3, 0.5])
+    """shapes: [min, max] shape size as a fraction of the image side."""
+    image_size: int = 56
+    """shapes: rendered image side in pixels (56 = 4 vision tokens for a Qwen-VL after merging)."""
+    min_pixels: int = 0
+    """Resize every image to at least this many pixels (qwen smart_resize; 0 = the processor's own limits)."""
+    max_pixels: int = 0
+    """Resize every image to at most this many pixels (0 = the processor's own limits)."""
+    eval_size: int = 64
+    """Fixed eval prompts (shapes: a separate seeded stream) scored greedily."""
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "hf"
+    """`hf` (transformers sampling loop) or `vllm` (needs the [vllm] extra and a GPU)."""
+    batch_size: int = 8
+    """Prompts per RL step (groups)."""
+    n: int = 8
+    """Responses per prompt (group size)."""
+    temperature: float = 1.0
+    """Sampling temperature (log-probs use the same temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1 = off)."""
+    top_k: int = -1
+    """Top-k filter (<= 0 = off)."""
+    max_new_tokens: int = 16
+    """Maximum response length in tokens."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings (the response is cut after the token completing one; finish_reason 'stop')."""
+    gen_batch_size: int = 64
+    """Max sequences decoded together by the HF engine."""
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra vllm.LLM(...) arguments (gpu_memory_utilization, tensor_parallel_size, ...)."""
+
+
+@dataclass
+class RewardConfig:
+    name: str = "exact_match"
+    """Reward from the zoo (mmrl.rewards.available()); scored on the response text with metadata['answer']."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for mmrl.rewards.load(name, **kwargs)."""
+    accuracy_key: str = ""
+    """details key with 0/1 accuracy (e.g. `accuracy` for geo3k); empty: accuracy = score > 0.5."""
+    overlong_buffer: int = 0
+    """DAPO soft overlong punishment: penalise responses longer than max_new_tokens - this (0 = off)."""
+    overlong_penalty: float = 1.0
+    """Penalty at max_new_tokens (linear ramp over the buffer)."""
+
+
+@dataclass
+class AlgoConfig:
+    advantage: str = "grpo"
+    """Advantage estimator from mmrl.core (grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline)."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and generate more until the batch is full."""
+    max_gen_batches: int = 4
+    """DAPO: at most this many generation rounds per step; then train on the groups kept so far."""
+    clip_low: float = 0.2
+    """PPO clip epsilon below 1."""
+    clip_high: float = 0.28
+    """PPO clip epsilon above 1 (clip-higher; = clip_low for symmetric PPO)."""
+    dual_clip: float = 0.0
+    """Dual-clip constant c > 1 for negative advantages (0 = off)."""
+    loss_agg: str = "token-mean"
+    """token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm (norm = max_new_tokens)."""
+    kl_coef: float = 0.0
+    """Weight of KL(policy || reference) (0 = no reference forward)."""
+    kl_estimator: str = "k3"
+    """k1 | k2 | k3 (low_var_kl) | abs."""
+    kl_in_reward: bool = False
+    """Subtract kl_coef * sum_t KL_t from each sequence reward instead of adding a loss term."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight (0 = entropy is only logged)."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    mini_batch_size: int = 0
+    """Sequences per optimizer step (0 = the whole rollout batch, one step per epoch)."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
+    old_logprobs: str = "auto"
+    """`recompute` (a forward before updating), `rollout` (the engine's) or `auto` (recompute when more than
+    one update per rollout or with vLLM)."""
+
+
+@dataclass
+class WarmupConfig:
+    sft_steps: int = 0
+    """Format-only warm start steps (shapes only; answers drawn uniformly from the answer vocabulary)."""
+    lr: float = 1e-3
+    """Warm-start learning rate (Adam)."""
+    batch_size: int = 32
+    """Warm-start prompts per step."""
+    params: list[str] = field(default_factory=lambda: ["lm_head"])
+    """Train only parameters whose name contains one of these (empty = all). Fitting random answers teaches
+    the model to ignore the image, so by default only the output layer learns the format."""
+
+
+@dataclass
+class LogConfig:
+    sample_every: int = 25
+    """Save a grid of (image, question, response, reward) to samples/ every this many steps (0 = off)."""
+    n_samples: int = 16
+    """Samples per grid."""
+    eval_every: int = 25
+    """Greedy eval accuracy on the fixed eval prompts every this many steps (0 = only first and last)."""
+
+
+@dataclass
+class VLMTrainConfig(TrainConfig):
+    lr: float = 1e-6
+    """Adam(W) learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Max gradient norm (0 = off)."""
+    lr_warmup_steps: int = 0
+    """Linear learning-rate warm-up (optimizer steps)."""
+
+
+@dataclass
+class Config(RunConfig):
+    algorithm: str = "vlm_grpo"
+    """Recipe name."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Policy model."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts and ground truth."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward and reward shaping."""
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """Advantages, loss, KL, updates."""
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    """Optional format-only warm start (part of the tiny recipe)."""
+    log: LogConfig = field(default_factory=LogConfig)
+    """Samples and eval."""
+    train: VLMTrainConfig = field(default_factory=VLMTrainConfig)
+    """Training loop."""
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+
+def build_data(cfg: Config) -> tuple[Any, list[VQAItem]]:
+    """(resumable training stream with .next(n)/.state_dict(), fixed eval items)."""
+    d = cfg.data
+    if d.kind == "shapes":
+        return ShapesQA(d, cfg.seed), ShapesQA(d, cfg.seed + 7919).next(d.eval_size)
+    if d.kind == "geo3k":
+        if not d.path:
+            raise ValueError("data.path: geo3k data needs a .jsonl/.json/.parquet file")
+        kw = dict(image_root=d.image_root or None, template=d.template, on_error=d.on_error)
+        items = load_visual_qa(d.path, limit=d.limit or None, **kw)
+        evals = load_visual_qa(d.val_path, limit=d.eval_size, **kw) if d.val_path and d.eval_size else []
+        return PromptSampler(items, seed=cfg.seed), evals
+    raise ValueError(f"data.kind: expected 'shapes' or 'geo3k', got {d.kind!r}")
+
+
+def to_request(item: VQAItem, processor: Any, data: DataConfig, n: int | None = None) -> GenRequest:
+    text = render_prompt(processor, messages_from_text(item.prompt, data.system_prompt or None))
+    images = list(item.images)
+    if data.min_pixels or data.max_pixels:
+        from mmrl.pipelines.images import resize_for_qwen
+
+        images = [resize_for_qwen(im, data.min_pixels or None, data.max_pixels or None) for im in images]
+    return GenRequest(prompt_text=text, images=images, n=n, metadata=item.metadata)
+
+
+# ---------------------------------------------------------------------------------------------- pieces
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: float) -> torch.Tensor:
+    """DAPO soft overlong punishment: 0 up to max_len - buffer, then linearly down to -factor at max_len.
+
+    lengths[B] -> penalty[B] (<= 0)."""
+    # source: DAPO arXiv 2503.14476 eq. 13; verl dapo reward manager (overlong_buffer)
+    if buffer <= 0:
+        return torch.zeros_like(lengths, dtype=torch.float32)
+    exceed = lengths.float() - (max_len - buffer)
+    return torch.clamp(-exceed / buffer * factor, max=0.0)
+
+
+def keep_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """DAPO dynamic sampling filter: bool[B], True for samples whose group has reward variance > 0."""
+    _, inv = torch.unique(group_ids, return_inverse=True)
+    g = int(inv.max()) + 1
+    lo = torch.full((g,), float("inf")).scatter_reduce(0, inv, rewards.float(), "amin")
+    hi = torch.full((g,), float("-inf")).scatter_reduce(0, inv, rewards.float(), "amax")
+    return (hi > lo)[inv]
+
+
+def score(reward_model: Any, results: list, cfg: Config) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """(scores[B] incl. overlong penalty, components {name: [B]}, accuracy[B])."""
+    out = reward_model(completions=[r.text for r in results], metadata=[r.metadata for r in results])
+    base = out.scores.float()
+    comps = {k: v.float() for k, v in out.details.items() if isinstance(v, torch.Tensor) and v.shape == base.shape}
+    key = cfg.reward.accuracy_key
+    acc = comps[key] if key else (base > 0.5).float()
+    lengths = torch.tensor([len(r.response_ids) for r in results])
+    pen = overlong_penalty(lengths, cfg.rollout.max_new_tokens, cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
+    if cfg.reward.overlong_buffer > 0:
+        comps["overlong"] = pen
+    return base + pen, comps, acc
+
+
+@dataclass
+class Rollouts:
+    """What one step trains on (kept groups, request-major) plus every generated sample's score for logging."""
+
+    results: list
+    items: list
+    scores: torch.Tensor
+    acc: torch.Tensor
+    comps: dict
+    group_ids: torch.Tensor
+    all_scores: torch.Tensor
+    all_acc: torch.Tensor
+    rounds: int
+    all_kinds: list = field(default_factory=list)
+
+
+def collect_rollouts(next_items: Callable[[int], list], generate: Callable[[list], list],
+                     score_fn: Callable[[list], tuple], batch_size: int, n: int, dynamic: bool,
+                     max_rounds: int) -> Rollouts:
+    """Generate `n` responses for `batch_size` prompts; with `dynamic` (DAPO) drop groups whose rewards are all
+    equal and generate further rounds (at most `max_rounds`) until `batch_size` groups are kept.
+
+    `generate(items) -> results` (each with `.request_index` into items), `score_fn(results) -> (scores[B],
+    components {name: [B]}, accuracy[B])`. Without `dynamic` exactly one round is kept whole."""
+    # source: DAPO arXiv 2503.14476 sec. 3.2 (dynamic sampling); verl dapo ray_trainer (max_num_gen_batches)
+    kept, kept_items, S, A, C, gids, all_s, all_a, kinds = [], [], [], [], {}, [], [], [], []
+    rounds = 0
+    while rounds < (max(1, max_rounds) if dynamic else 1) and len(kept) < batch_size * n:
+        rounds += 1
+        items = next_items(batch_size)
+        results = generate(items)
+        scores, comps, acc = score_fn(results)
+        all_s.append(scores), all_a.append(acc)
+        kinds += [getattr(r, "metadata", {}).get("kind") for r in results]
+        ids = torch.tensor([r.request_index for r in results])
+        keep = keep_groups(scores, ids) if dynamic else torch.ones(len(results), dtype=torch.bool)
+        for i in keep.nonzero().flatten().tolist():
+            if len(kept) >= batch_size * n:
+                break
+            kept.append(results[i])
+            kept_items.append(items[results[i].request_index])
+            S.append(scores[i]), A.append(acc[i]), gids.append(rounds * 1_000_000 + results[i].request_index)
+            for k, v in comps.items():
+                C.setdefault(k, []).append(v[i])
+    empty = torch.zeros(0)
+    return Rollouts(kept, kept_items, torch.stack(S) if S else empty, torch.stack(A) if A else empty,
+                    {k: torch.stack(v) for k, v in C.items()}, torch.tensor(gids, dtype=torch.long),
+                    torch.cat(all_s), torch.cat(all_a), rounds, kinds)
+
+
+def build_policy(cfg: Config, device: torch.device, dtype: torch.dtype):
+    from mmrl.adapters import PolicyStates
+
+    m = cfg.model
+    path = Path(m.path)
+    if m.build_tiny and not (path / "config.json").is_file():
+        from mmrl import tiny
+
+        builders = {"qwen2_vl": tiny.build_tiny_qwen2_vl, "qwen25_vl": tiny.build_tiny_qwen25_vl}
+        if m.build_tiny not in builders:
+            raise ValueError(f"model.build_tiny: expected one of {sorted(builders)}, got {m.build_tiny!r}")
+        builders[m.build_tiny](path, seed=0)
+    model, processor = load_policy(path, device, dtype)
+    if m.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    keep_ref = cfg.algo.kl_coef > 0
+    if m.finetune == "full":
+        if not m.train_vision:
+            for n, p in model.named_parameters():
+                if ".visual." in f".{n}":
+                    p.requires_grad_(False)
+        return PolicyStates(model, None, keep_ref_copy=keep_ref), processor
+    if m.finetune != "lora":
+        raise ValueError(f"model.finetune: expected 'lora' or 'full', got {m.finetune!r}")
+    from peft import LoraConfig
+
+    lm = "|".join(m.lora_target_modules)
+    pattern = rf".*language_model.*\.({lm})"
+    if m.train_vision:
+        pattern += r"|.*visual\.blocks.*\.(qkv|proj|fc1|fc2|gate_proj|up_proj|down_proj)"
+    lora = LoraConfig(r=m.lora_rank, lora_alpha=m.lora_alpha, target_modules=pattern, lora_dropout=0.0)
+    return PolicyStates(model, lora), processor
+
+
+def agg_weight(mask: torch.Tensor, mini_mask_sum: float, mini_rows: int, mode: str) -> float:
+    """Share of a mini-batch's loss that one micro-batch carries, so accumulated grads equal the full-batch loss."""
+    if mode == "token-mean":
+        return float(mask.sum()) / max(mini_mask_sum, 1.0)
+    return float((mask.sum(-1) > 0).sum()) / max(mini_rows, 1)
+
+
+def per_kind(acc: torch.Tensor, kinds: list, prefix: str) -> dict[str, float]:
+    """{prefix/<kind>: mean accuracy} for samples that carry a question kind (shapes data)."""
+    out: dict[str, list[float]] = {}
+    for a, k in zip(acc.tolist(), kinds):
+        if k is not None:
+            out.setdefault(f"{prefix}/{k}", []).append(a)
+    return {k: sum(v) / len(v) for k, v in out.items()} if len(out) > 1 else {}
+
+
+@torch.no_grad()
+def evaluate(engine: Any, processor: Any, items: list[VQAItem], reward_model: Any, cfg: Config) -> dict[str, float]:
+    """Greedy accuracy on the fixed eval items: {"eval/accuracy": ..., "eval/accuracy/<kind>": ...}."""
+    if not items:
+        return {}
+    reqs = [to_request(it, processor, cfg.data, n=1) for it in items]
+    res = engine.generate(reqs, SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens,
+                                                stop=cfg.rollout.stop))
+    _, _, acc = score(reward_model, res, cfg)
+    return {"eval/accuracy": float(acc.mean()), **per_kind(acc, [it.metadata.get("kind") for it in items], "eval/accuracy")}
+
+
+def format_warmup(states: Any, processor: Any, data: ShapesQA, cfg: Config, pad_id: int, eos_id: int) -> float:
+    """Supervised steps on random answers from each question's answer vocabulary (format only; see module doc)."""
+    w = cfg.warmup
+    if cfg.data.kind != "shapes":
+        raise ValueError("warmup.sft_steps > 0 needs data.kind=shapes (answer vocabularies are known there only)")
+    model, tok = states.model, processor.tokenizer
+    params = [p for n, p in states.named_trainable_parameters() if not w.params or any(k in n for k in w.params)]
+    if not params:
+        raise ValueError(f"warmup.params={w.params}: no trainable parameter name contains any of them")
+    opt = torch.optim.Adam(params, lr=w.lr)
+    stream = ShapesQA(cfg.data, cfg.seed + 104729)  # its own prompts: the RL stream is untouched
+    rng = random.Random(cfg.seed)
+    loss = torch.zeros(())
+    for _ in range(w.sft_steps):
+        items = stream.next(w.batch_size)
+        reqs = [to_request(it, processor, cfg.data) for it in items]
+        enc = [encode_prompt(processor, r.prompt_text, r.images) for r in reqs]
+        targets = [tok.encode(rng.choice(it.metadata["choices"])) + [eos_id] for it in items]
+        batch, P, mask = collate(model, [e.input_ids for e in enc], targets, [e.mm for e in enc], pad_id)
+        logp, _ = response_logprobs(model, batch, P, batch["input_ids"][:, P:])
+        loss = -agg_loss(logp, mask, "token-mean")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return float(loss.detach())
+
+
+# ---------------------------------------------------------------------------------------------- train
+
+
+def policy_update(model: Any, optimizer: Any, sched: Any, params: list, P_ids: list, R_ids: list, MM: list,
+                  old_lp: list, ref_lp: list | None, adv: torch.Tensor, pad_id: int, cfg: Config
+                  ) -> tuple[dict[str, float], float]:
+    """`ppo_epochs` passes of mini-batch optimizer steps with micro-batch gradient accumulation.
+
+    Returns (mean metrics, drift): drift = max |log p - old log p| over the first mini-batch, before any step."""
+    al, ro = cfg.algo, cfg.rollout
+    N = len(P_ids)
+    mb = al.mini_batch_size or N
+    stats: dict[str, list[float]] = {}
+    drift = 0.0
+    for epoch in range(al.ppo_epochs):
+        for s0 in range(0, N, mb):
+            idx = list(range(s0, min(N, s0 + mb)))
+            mini_tokens = float(sum(len(R_ids[i]) for i in idx))
+            optimizer.zero_grad(set_to_none=True)
+            for m0 in range(0, len(idx), al.micro_batch_size):
+                mi = idx[m0:m0 + al.micro_batch_size]
+                batch, P, mask = collate(model, [P_ids[i] for i in mi], [R_ids[i] for i in mi], [MM[i] for i in mi], pad_id)
+                T = mask.shape[1]
+                old = pad_to([old_lp[i].tolist() for i in mi], 0.0, torch.float32, length=T).to(mask.device)
+                logp, ent = response_logprobs(model, batch, P, batch["input_ids"][:, P:], ro.temperature,
+                                              with_entropy=True, entropy_grad=al.entropy_coef != 0)
+                if epoch == 0 and s0 == 0:  # before the first optimizer step
+                    drift = max(drift, float(((logp.detach() - old).abs() * mask).max()) if T else 0.0)
+                loss, m = clipped_policy_loss(logp, old, adv[mi], mask, al.clip_low, al.clip_high, al.dual_clip or None,
+                                              al.loss_agg, ro.max_new_tokens)
+                ent_mean = agg_loss(ent, mask, al.loss_agg, ro.max_new_tokens)
+                if al.entropy_coef:
+                    loss = loss - al.entropy_coef * ent_mean
+                if ref_lp is not None and not al.kl_in_reward:
+                    ref = pad_to([ref_lp[i].tolist() for i in mi], 0.0, torch.float32, length=T).to(mask.device)
+                    kl = agg_loss(kl_estimate(logp, ref, al.kl_estimator), mask, al.loss_agg, ro.max_new_tokens)
+                    loss = loss + al.kl_coef * kl
+                    stats.setdefault("kl", []).append(float(kl.detach()))
+                (loss * agg_weight(mask, mini_tokens, len(idx), al.loss_agg)).backward()
+                for k in ("clipfrac", "approx_kl", "pg_loss", "ratio_max"):
+                    stats.setdefault(f"actor/{k}", []).append(m[k])
+                stats.setdefault("actor/entropy", []).append(float(ent_mean.detach()))
+            if cfg.train.grad_clip > 0:
+                gn = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
+                stats.setdefault("actor/grad_norm", []).append(float(gn))
+            optimizer.step()
+            sched.step()
+    out = {k: max(v) if k.endswith("ratio_max") else sum(v) / len(v) for k, v in stats.items()}
+    out["actor/lr"] = sched.get_last_lr()[0]
+    return out, drift
+
+
+def check_config(cfg: Config) -> None:
+    """Fail before loading any model on names and numbers that would only be read mid-run."""
+    from mmrl.core import AGG_MODES
+
+    al = cfg.algo
+    if al.loss_agg not in AGG_MODES:
+        raise ValueError(f"algo.loss_agg: expected one of {list(AGG_MODES)}, got {al.loss_agg!r}")
+    if al.old_logprobs not in ("auto", "recompute", "rollout"):
+        raise ValueError(f"algo.old_logprobs: expected auto | recompute | rollout, got {al.old_logprobs!r}")
+    kl_estimate(torch.zeros(1), torch.zeros(1), al.kl_estimator)  # unknown names raise with the valid list
+    get_advantage_estimator(al.advantage)
+    for name in ("micro_batch_size", "ppo_epochs"):
+        if getattr(al, name) < 1:
+            raise ValueError(f"algo.{name}: expected >= 1, got {getattr(al, name)}")
+    if al.old_logprobs == "rollout" and (al.ppo_epochs > 1 or al.mini_batch_size not in (0, cfg.rollout.batch_size * cfg.rollout.n)):
+        raise ValueError("algo.old_logprobs=rollout needs exactly one update per rollout (ppo_epochs=1, mini_batch_size=0)")
+
+
+def train(cfg: Config) -> dict:
+    check_config(cfg)
+    run = Run(cfg)
+    timer = Timer(sync_cuda=run.device.type == "cuda")
+    states, processor = build_policy(cfg, run.device, run.dtype)
+    model = states.model
+    tok = processor.tokenizer
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    eos_id = tok.convert_tokens_to_ids("<|im_end|>")
+    ro, al = cfg.rollout, cfg.algo
+    engine_kw = {"batch_size": ro.gen_batch_size} if ro.engine == "hf" else dict(ro.vllm_kwargs)
+    engine = make_engine(ro.engine, model, processor, model_path=cfg.model.path, **engine_kw)
+    syncer = None
+    if ro.engine == "vllm":
+        from mmrl.vlm.vllm_sync import VLLMWeightSyncer
+
+        syncer = VLLMWeightSyncer(engine.llm, states, family=model.config.model_type)
+    from mmrl import rewards
+
+    reward_model = rewards.load(cfg.reward.name, **cfg.reward.kwargs)
+    estimator = get_advantage_estimator(al.advantage)
+    data, eval_items = build_data(cfg)
+    sampling = SamplingParams(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
+                              max_new_tokens=ro.max_new_tokens, stop=ro.stop)
+    recompute = al.old_logprobs == "recompute" or (al.old_logprobs == "auto" and (
+        al.ppo_epochs > 1 or al.mini_batch_size not in (0, ro.batch_size * ro.n) or ro.engine == "vllm"))
+
+    params = [p for n, p in states.named_trainable_parameters() if not any(f in n for f in cfg.model.freeze)]
+    optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.train.lr_warmup_steps)))
+    start, summary = 0, {}
+    ckpt = run.find_resume()
+    if ckpt is not None:
+        states.load(Path(ckpt) / "policy")
+        state = run.load_state(ckpt)
+        optimizer.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        data.load_state_dict(state["data"])
+        set_rng_state(state["rng"])
+        start = state["step"]
+        run.truncate_metrics(start)
+    elif cfg.warmup.sft_steps > 0:
+        with timer("warmup"):
+            summary["warmup_loss"] = format_warmup(states, processor, data, cfg, pad_id, eos_id)
+        summary["warmup_s"] = timer.times["warmup"]
+        if states.mode == "full" and "ref" in states.states:  # the reference is the warm-started model
+            states.copy("default", "ref")
+    updated = {id(p) for p in params}
+    for p in states.trainable_parameters():
+        p.requires_grad_(id(p) in updated)  # only the optimizer's parameters get gradients from here on
+    if start == 0:
+        first = evaluate(engine, processor, eval_items, reward_model, cfg)
+        summary.update({k.replace("eval/accuracy", "eval_accuracy_first"): v for k, v in first.items()})
+        print(f"[vlm_grpo] eval accuracy before RL: {first}", flush=True)
+    bar = run.progress(cfg.train.max_steps, start)
+    timer.pop()
+    for step in range(start + 1, cfg.train.max_steps + 1):
+        t_step = Timer()
+        with t_step("step"):
+            metrics: dict[str, Any] = {}
+            # ---- rollout (+ DAPO dynamic sampling) and rewards
+            def generate(items):
+                with timer("rollout"):
+                    return engine.generate([to_request(it, processor, cfg.data) for it in items], sampling)
+
+            def score_fn(results):
+                with timer("reward"):
+                    return score(reward_model, results, cfg)
+
+            roll = collect_rollouts(data.next, generate, score_fn, ro.batch_size, ro.n, al.dynamic_sampling,
+                                    al.max_gen_batches)
+            kept, kept_items, R = roll.results, roll.items, roll.scores
+            metrics.update({"reward/mean": roll.all_scores.mean(), "reward/std": roll.all_scores.std(),
+                            "accuracy": roll.all_acc.mean(), "dynamic/rounds": roll.rounds,
+                            "dynamic/kept_groups": len(kept) // ro.n, **per_kind(roll.all_acc, roll.all_kinds, "accuracy")})
+            if kept:
+                rewards_t, gids = roll.scores, roll.group_ids
+                for k, v in roll.comps.items():
+                    metrics[f"reward/{k}"] = v.mean()
+                lens = torch.tensor([len(r.response_ids) for r in kept], dtype=torch.float32)
+                metrics.update({"response_length/mean": lens.mean(), "response_length/max": lens.max(),
+                                "response/clip_ratio": sum(r.finish_reason == "length" for r in kept) / len(kept)})
+                P_ids, R_ids, MM = [r.prompt_ids for r in kept], [r.response_ids for r in kept], [r.mm for r in kept]
+                rollout_lp = [torch.tensor(r.response_logprobs) for r in kept]
+                # ---- reference log-probs, KL as a reward penalty
+                ref_lp = None
+                if al.kl_coef > 0:
+                    with timer("ref"), states.use("ref"):
+                        ref_lp, _ = compute_logprobs(model, P_ids, R_ids, MM, pad_id, al.micro_batch_size, ro.temperature)
+                    if al.kl_in_reward:
+                        seq_kl = torch.stack([kl_estimate(o, f, al.kl_estimator).sum() for o, f in zip(rollout_lp, ref_lp)])
+                        rewards_t = rewards_t - al.kl_coef * seq_kl
+                        metrics["kl"] = seq_kl.sum() / lens.sum()
+                # ---- advantages
+                adv = estimator(rewards_t, gids)
+                # ---- old log-probs
+                drift = None
+                if recompute:
+                    with timer("old_logprob"):
+                        old_lp, _ = compute_logprobs(model, P_ids, R_ids, MM, pad_id, al.micro_batch_size, ro.temperature)
+                    drift = max(float((a - b).abs().max()) if a.numel() else 0.0 for a, b in zip(old_lp, rollout_lp))
+                else:
+                    old_lp = rollout_lp
+                # ---- loss and optimizer steps
+                with timer("train"):
+                    stats, d = policy_update(model, optimizer, sched, params, P_ids, R_ids, MM, old_lp, ref_lp, adv,
+                                             pad_id, cfg)
+                drift = d if drift is None else drift
+                if syncer is not None:  # the engine samples the next step with the updated weights
+                    metrics.update(syncer.sync())
+                metrics["diag/logprob_drift"] = drift
+                metrics.update(stats)
+            if cfg.log.sample_every and kept and (step % cfg.log.sample_every == 0 or step == 1) and all(
+                    it.images for it in kept_items):
+                idx = sorted(range(len(kept)), key=lambda i: kept[i].sample_index)[:cfg.log.n_samples]  # prompts first
+                caps = [f"{kept_items[i].prompt.replace('<image>', '')[:40]} -> {kept[i].text[:24]!r} r={float(R[i]):.2f}"
+                        for i in idx]
+                run.save_samples(step, [kept_items[i].images[0] for i in idx], caps)
+            if (cfg.log.eval_every and step % cfg.log.eval_every == 0) or step == cfg.train.max_steps:
+                metrics.update(evaluate(engine, processor, eval_items, reward_model, cfg))
+            if step == cfg.train.max_steps:
+                summary.update({k.replace("eval/accuracy", "eval_accuracy_last"): v for k, v in metrics.items()
+                                if k.startswith("eval/accuracy")})
+        metrics.update(timer.pop())
+        metrics["time/step_s"] = t_step.times["step"]
+        run.log(step, metrics)
+        bar.update(1)
+        bar.set_postfix(reward=f"{float(metrics['reward/mean']):.3f}", acc=f"{float(metrics['accuracy']):.2f}")
+        if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.max_steps:
+            with run.checkpoint(step) as d:
+                states.save(Path(d) / "policy")
+                run.save_state(d, optimizer=optimizer.state_dict(), scheduler=sched.state_dict(),
+                               data=data.state_dict(), rng=get_rng_state(), step=step)
+    bar.close()
+    rows = run.read_metrics()
+    acc = [r["accuracy"] for r in rows if r.get("accuracy") is not None]
+    if acc:
+        k = min(5, len(acc))
+        summary.update(train_accuracy_first=sum(acc[:k]) / k, train_accuracy_last=sum(acc[-k:]) / k)
+    if "eval_accuracy_first" in summary and "eval_accuracy_last" in summary:
+        pairs = [(k[len("eval_accuracy_first"):] or " (all)", summary[k], summary.get(k.replace("first", "last")))
+                 for k in summary if k.startswith("eval_accuracy_first")]
+        for name, a, b in pairs:
+            print(f"[vlm_grpo] eval accuracy{name}: first {a:.3f} -> last {b:.3f}", flush=True)
+    return run.finish(summary)

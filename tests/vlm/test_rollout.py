@@ -1,0 +1,249 @@
+"""HF rollout engine against transformers' own generate / forward; vLLM request building and conversion."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from PIL import Image
+
+from mmrl.pipelines.qwen_vl import mm_token_type_ids
+from mmrl.vlm.common import compute_logprobs, load_policy, messages_from_text
+from mmrl.vlm.rollout import (GenRequest, HFRolloutEngine, SamplingParams, VLLMRolloutEngine, apply_top_k_top_p)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    from mmrl.tiny import build_tiny_qwen2_vl
+
+    return build_tiny_qwen2_vl(tmp_path_factory.mktemp("vlm") / "qwen2_vl", seed=0)
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_path):
+    return load_policy(tiny_path)
+
+
+def _requests():
+    # ragged: different questions and image sizes (4 vs 8 vs 16 image tokens)
+    return [
+        GenRequest(messages=messages_from_text("<image>What color is the circle?"), images=[Image.new("RGB", (56, 56), "red")]),
+        GenRequest(messages=messages_from_text("<image>How many shapes are there in this picture?"),
+                   images=[Image.new("RGB", (112, 56), (10, 200, 30))]),
+        GenRequest(prompt_text="<|im_start|>user\n<image>Is the square on the left?<|im_end|>\n<|im_start|>assistant\n",
+                   images=[Image.new("RGB", (112, 112), "blue")]),
+    ]
+
+
+def _hf_generate(model, engine, enc, max_new_tokens):
+    ids = torch.tensor([enc.input_ids])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **enc.mm,
+                         mm_token_type_ids=mm_token_type_ids(ids, model.config.image_token_id, model.config.video_token_id),
+                         do_sample=False, max_new_tokens=max_new_tokens, bad_words_ids=[[b] for b in engine.banned])
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_greedy_equals_model_generate(policy):
+    model, proc = policy
+    engine = HFRolloutEngine(model, proc)
+    reqs = _requests()
+    res = engine.generate(reqs, SamplingParams(temperature=0.0, max_new_tokens=12))
+    for r, enc in zip(res, engine.encode(reqs)):
+        ref = _hf_generate(model, engine, enc, 12)
+        if engine.eos[0] in ref or any(e in ref for e in engine.eos):  # HF pads after EOS
+            k = min(ref.index(e) for e in engine.eos if e in ref) + 1
+            ref = ref[:k]
+        assert r.response_ids == ref
+        assert r.finish_reason == ("stop" if r.response_ids[-1] in engine.eos else "length")
+
+
+def test_logprobs_equal_recomputed_forward(policy):
+    model, proc = policy
+    engine = HFRolloutEngine(model, proc)
+    res = engine.generate(_requests(), SamplingParams(n=3, temperature=0.7, top_p=0.9, top_k=50, max_new_tokens=10, seed=1))
+    assert [(r.request_index, r.sample_index) for r in res] == [(i, s) for i in range(3) for s in range(3)]
+    lps, _ = compute_logprobs(model, [r.prompt_ids for r in res], [r.response_ids for r in res], [r.mm for r in res],
+                              engine.pad_id, micro_batch_size=4, temperature=0.7)
+    for r, lp in zip(res, lps):
+        assert len(r.response_logprobs) == len(r.response_ids) == lp.numel()
+        torch.testing.assert_close(torch.tensor(r.response_logprobs), lp, atol=1e-5, rtol=0)
+        # filters only remove mass: the sampling distribution gives each drawn token at least its model log-prob
+        assert all(s >= m - 1e-5 for s, m in zip(r.sampling_logprobs, r.response_logprobs))
+
+
+def test_sampling_logprobs_equal_model_logprobs_without_filters(policy):
+    model, proc = policy
+    engine = HFRolloutEngine(model, proc, ban_vision_tokens=False)
+    res = engine.generate(_requests()[:1], SamplingParams(n=4, temperature=1.0, max_new_tokens=6, seed=0))
+    for r in res:
+        torch.testing.assert_close(torch.tensor(r.sampling_logprobs), torch.tensor(r.response_logprobs), atol=1e-6, rtol=0)
+
+
+def test_seeded_sampling_is_reproducible(policy):
+    model, proc = policy
+    engine = HFRolloutEngine(model, proc)
+    sp = SamplingParams(n=4, temperature=1.0, max_new_tokens=6, seed=123)
+    a, b = engine.generate(_requests(), sp), engine.generate(_requests(), sp)
+    assert [r.response_ids for r in a] == [r.response_ids for r in b]
+    assert len({tuple(r.response_ids) for r in a}) > 1  # samples differ from each other
+
+
+def test_left_padding_ragged_batch_equals_unbatched(policy):
+    model, proc = policy
+    engine = HFRolloutEngine(model, proc)
+    reqs = _requests()
+    sp = SamplingParams(temperature=0.0, max_new_tokens=10)
+    batched = engine.generate(reqs, sp)
+    assert len({len(r.prompt_ids) for r in batched}) == 3  # really ragged
+    for req, b in zip(reqs, batched):
+        (single,) = engine.generate([req], sp)
+        assert single.response_ids == b.response_ids
+        torch.testing.assert_close(torch.tensor(single.response_logprobs), torch.tensor(b.response_logprobs),
+                                   atol=1e-5, rtol=0)
+
+
+def test_vision_tokens_never_sampled(tiny_path):
+    model, proc = load_policy(tiny_path)
+    engine = HFRolloutEngine(model, proc)
+    # give every vision special token a +30 logit bias: unbanned, they would be nearly all that is sampled
+    old = model.lm_head
+    head = torch.nn.Linear(old.in_features, old.out_features, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(old.weight)
+        head.bias.zero_()
+        head.bias[engine.banned] = 30.0
+    model.lm_head = head
+    sp = SamplingParams(n=8, temperature=1.0, max_new_tokens=8, seed=0)
+    unbanned = HFRolloutEngine(model, proc, ban_vision_tokens=False).generate(_requests()[:2], sp)
+    share = sum(t in engine.banned for r in unbanned for t in r.response_ids) / sum(len(r.response_ids) for r in unbanned)
+    assert share > 0.9
+    banned = engine.generate(_requests()[:2], sp)
+    assert all(t not in engine.banned for r in banned for t in r.response_ids)
+    assert all(math.isfinite(x) for r in banned for x in r.sampling_logprobs)
+
+
+def test_stop_string_truncates(policy):
+    model, proc = policy
+    engine = HFRolloutEngine(model, proc)
+    req = _requests()[:1]
+    (full,) = engine.generate(req, SamplingParams(temperature=0.0, max_new_tokens=12))
+    tok = engine.tokenizer
+    # a stop string = the text of the 4th generated token (stripped), which must first appear there
+    pieces = [tok.decode(full.response_ids[:k]) for k in range(1, len(full.response_ids) + 1)]
+    stop = tok.decode(full.response_ids[3:4]).strip() or tok.decode(full.response_ids[3:4])
+    k = next(i for i, p in enumerate(pieces) if stop in p) + 1
+    (cut,) = engine.generate(req, SamplingParams(temperature=0.0, max_new_tokens=12, stop=[stop, "never-there"]))
+    assert cut.response_ids == full.response_ids[:k]
+    assert cut.response_logprobs == full.response_logprobs[:k]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert stop in cut.text and cut.text == tok.decode(full.response_ids[:k], skip_special_tokens=True)
+
+
+def test_length_finish_reason(policy):
+    model, proc = policy
+    engine = HFRolloutEngine(model, proc, eos_token_ids=[0])  # token 0 is never the argmax here: runs to the limit
+    (r,) = engine.generate(_requests()[:1], SamplingParams(temperature=0.0, max_new_tokens=5))
+    assert len(r.response_ids) == 5 and r.finish_reason == "length" and r.stop_reason is None
+
+
+def test_top_k_top_p_by_hand():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    # softmax = [0.6439, 0.2369, 0.0871, 0.0321]; mass of strictly better tokens = [0, .644, .881, .968]
+    out = apply_top_k_top_p(logits, top_p=0.7)
+    assert torch.isinf(out[0, 2:]).all() and torch.isfinite(out[0, :2]).all()
+    out = apply_top_k_top_p(logits, top_p=0.6)  # the best token alone has 0.644 >= 0.6
+    assert torch.isfinite(out[0, 0]) and torch.isinf(out[0, 1:]).all()
+    out = apply_top_k_top_p(logits, top_k=3)
+    assert torch.isinf(out[0, 3]) and torch.isfinite(out[0, :3]).all()
+    assert torch.equal(apply_top_k_top_p(logits), logits)
+
+
+# ------------------------------------------------------------------ vLLM (stand-ins shaped like vllm.outputs)
+
+
+@dataclass
+class Logprob:  # vllm.sequence.Logprob
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:  # vllm.outputs.CompletionOutput
+    index: int
+    text: str
+    token_ids: list
+    cumulative_logprob: float | None
+    logprobs: list | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:  # vllm.outputs.RequestOutput (fields used)
+    request_id: str
+    prompt: str
+    prompt_token_ids: list
+    outputs: list = field(default_factory=list)
+    finished: bool = True
+
+
+def test_vllm_request_building_and_conversion(policy):
+    _, proc = policy
+    engine = VLLMRolloutEngine("unused", proc, llm=object())
+    reqs = _requests()[:2]
+    inputs = engine.build_inputs(reqs)
+    assert inputs[0]["prompt"].count("<|vision_start|><|image_pad|><|vision_end|>") == 1
+    assert inputs[0]["prompt"].endswith("<|im_start|>assistant\n")
+    assert isinstance(inputs[1]["multi_modal_data"]["image"][0], Image.Image)
+    assert inputs[1]["multi_modal_data"]["image"][0].size == (112, 56)
+    kw = engine.sampling_kwargs(SamplingParams(n=5, temperature=1.0, top_p=0.99, top_k=0, max_new_tokens=2048,
+                                               stop=["</answer>"]), 5)
+    assert kw["n"] == 5 and kw["top_k"] == -1 and kw["max_tokens"] == 2048 and kw["logprobs"] == 0
+    assert kw["stop"] == ["</answer>"] and kw["top_p"] == 0.99
+    assert set(kw["logit_bias"]) == set(engine.banned) and all(v == -100.0 for v in kw["logit_bias"].values())
+
+    from mmrl.vlm.common import encode_prompt
+
+    enc = [encode_prompt(proc, i["prompt"], r.images) for i, r in zip(inputs, reqs)]
+    outs = [
+        RequestOutput("0", inputs[0]["prompt"], enc[0].input_ids, [
+            CompletionOutput(1, "blue", [7, 8], -1.5, [{7: Logprob(-1.0)}, {8: Logprob(-0.5), 9: Logprob(-2.0)}], "length"),
+            CompletionOutput(0, "red", [5, 6], -0.3, [{5: Logprob(-0.1)}, {6: Logprob(-0.2)}], "stop", 6),
+        ]),
+        RequestOutput("1", inputs[1]["prompt"], enc[1].input_ids, [
+            CompletionOutput(0, "x</answer>", [3], -0.7, [{3: Logprob(-0.7)}], "stop", "</answer>"),
+        ]),
+    ]
+    res = engine.convert(outs, reqs, enc)
+    assert [(r.request_index, r.sample_index) for r in res] == [(0, 0), (0, 1), (1, 0)]
+    assert res[0].response_ids == [5, 6] and res[0].response_logprobs == [-0.1, -0.2] and res[0].finish_reason == "stop"
+    assert res[1].response_logprobs == [-1.0, -0.5] and res[1].finish_reason == "length"
+    assert res[2].stop_reason == "</answer>" and res[2].text == "x</answer>"
+    assert res[0].prompt_ids == enc[0].input_ids and torch.equal(res[0].mm["image_grid_thw"], enc[0].mm["image_grid_thw"])
+    with pytest.raises(ValueError, match="logprobs"):
+        engine.convert([RequestOutput("0", "", [1], [CompletionOutput(0, "", [1], None, None, "stop")])], reqs[:1], enc[:1])
+
+
+@pytest.mark.parametrize("kind", ["qwen25_vl", "qwen3_vl"])
+def test_other_qwen_vl_families(kind, tmp_path):
+    """Greedy = model.generate and log-probs = forward for tiny Qwen2.5-VL / Qwen3-VL as well."""
+    from mmrl import tiny
+
+    path = getattr(tiny, f"build_tiny_{kind}")(tmp_path / kind, seed=0)
+    model, proc = load_policy(path)
+    engine = HFRolloutEngine(model, proc)
+    reqs = [GenRequest(messages=messages_from_text("<image>What color is the circle?"), images=[Image.new("RGB", (64, 64), "red")]),
+            GenRequest(messages=messages_from_text("<image>How many shapes?"), images=[Image.new("RGB", (128, 64), "blue")])]
+    res = engine.generate(reqs, SamplingParams(temperature=0.0, max_new_tokens=8))
+    for r, enc in zip(res, engine.encode(reqs)):
+        ref = _hf_generate(model, engine, enc, 8)
+        hits = [ref.index(e) for e in engine.eos if e in ref]
+        assert r.response_ids == (ref[:min(hits) + 1] if hits else ref)
+    res = engine.generate(reqs, SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=0))
+    lps, _ = compute_logprobs(model, [r.prompt_ids for r in res], [r.response_ids for r in res], [r.mm for r in res],
+                              engine.pad_id)
+    for r, lp in zip(res, lps):
+        torch.testing.assert_close(torch.tensor(r.response_logprobs), lp, atol=1e-5, rtol=0)
