@@ -62,6 +62,8 @@ class RunConfig:
     """`auto` (cuda if available, else cpu), `cpu`, `cuda` or `cuda:N`."""
     dtype: str = "float32"
     """Compute dtype of the frozen model weights: float32, bfloat16 or float16 (trainable weights stay fp32)."""
+    num_threads: int = 0
+    """torch intra-op CPU threads (0 = torch's default). 1 is fastest for tiny models on a shared 2-core CPU."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Training-loop keys."""
 

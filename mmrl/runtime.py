@@ -124,6 +124,8 @@ class Run:
         for d in (self.dir, self.ckpt_dir, self.samples_dir, self.plots_dir):
             d.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.dir / "metrics.jsonl"
+        if int(getattr(cfg, "num_threads", 0) or 0) > 0:
+            torch.set_num_threads(int(cfg.num_threads))
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype)
         seed_everything(cfg.seed)

@@ -1,0 +1,399 @@
+"""Flow-GRPO: online RL for flow-matching text-to-image models (Liu et al. 2025, arXiv 2505.05470).
+
+One step reads top to bottom:
+  1. rollout  - G images per prompt with an SDE sampler, recording every latent and log-prob;
+  2. rewards  - a weighted sum of zoo rewards (`reward.components`), each component logged;
+  3. advantages - per-prompt normalisation (PerPromptStatTracker), clipping, zero-advantage groups dropped;
+  4. loss     - per trained timestep: PPO-clipped ratio of the step's Gaussian log-probs, plus
+                beta * closed-form Gaussian KL to the reference (adapters off);
+  5. step     - gradients accumulated over timesteps and micro-batches, grad-norm clipping, AdamW,
+                optional EMA of the trainable weights (the "old" state) used for evaluation.
+
+    from mmrl.config import load_config
+    from mmrl.diffusion.flow_grpo import train
+    summary = train(load_config("configs/diffusion/flow_grpo_tiny.yaml", ["train.max_steps=20"]))
+
+What is simplified away versus flow_grpo's scripts: single process (no accelerate / FSDP); the
+rollout and reward run one after the other (no thread pool); KL as a loss only (no KL-in-reward).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mmrl.config import RunConfig, TrainConfig
+from mmrl.core.kl import gaussian_kl_equal_std
+from mmrl.core.losses import clipped_policy_loss
+from mmrl.runtime import Run, Timer
+
+# ------------------------------------------------------------------------------------------ config
+
+
+@dataclass
+class ModelConfig:
+    path: str = "assets/tiny_sd3_shapes"
+    """Local diffusers pipeline directory (StableDiffusion3Pipeline or FluxPipeline, with model_index.json)."""
+    max_sequence_length: int = 0
+    """T5 tokens per prompt; 0 = family default (SD3: 128 as Flow-GRPO, FLUX: 512)."""
+    lora: bool = True
+    """Train a LoRA on the transformer (false = full fine-tuning of the transformer)."""
+    lora_rank: int = 32
+    """LoRA rank r."""
+    lora_alpha: int = 64
+    """LoRA alpha (scale = alpha / r)."""
+    lora_target_modules: list[str] = field(default_factory=list)
+    """Module names for LoRA; empty = the attention projections of the model family."""
+    lora_init: str = "gaussian"
+    """peft `init_lora_weights` (`gaussian` as Flow-GRPO, or `true` for zero-B init)."""
+    init_lora_path: str = ""
+    """Start from this LoRA (peft dir): it becomes the frozen reference and the initial policy."""
+
+
+@dataclass
+class DataConfig:
+    train_prompts: str = "assets/prompts/shapes_train.txt"
+    """Prompt file: .txt (one per line) or .jsonl with `prompt` (other keys = metadata for rewards)."""
+    eval_prompts: str = ""
+    """Held-out prompt file for periodic ODE evaluation (empty = no evaluation)."""
+    prompts_per_step: int = 4
+    """Distinct prompts per RL step; the batch is prompts_per_step * sample.group_size images."""
+
+
+@dataclass
+class SampleConfig:
+    height: int = 512
+    """Image height in pixels."""
+    width: int = 512
+    """Image width in pixels."""
+    num_steps: int = 10
+    """Sampling steps of a training rollout."""
+    group_size: int = 24
+    """Images per prompt (G)."""
+    guidance_scale: float = 4.5
+    """Classifier-free guidance (SD3) / guidance embedding (FLUX-dev) in rollout and training; 1 = off."""
+    noise_level: float = 0.7
+    """SDE noise level a (std_t = a * sqrt(sigma / (1 - sigma))); for cps the angle fraction."""
+    sde_type: str = "sde"
+    """`sde` (Flow-GRPO) or `cps` (coefficients-preserving sampling)."""
+    window_size: int = 0
+    """Flow-GRPO-Fast: SDE only on this many consecutive steps (0 = all steps stochastic)."""
+    window_range: list[int] = field(default_factory=list)
+    """[lo, hi): where the window may start/end (random start each step); empty = [0, num_steps]."""
+    timestep_fraction: float = 0.99
+    """Without a window: train on the first int(num_steps * fraction) steps."""
+    same_noise: bool = False
+    """Same initial noise for all images of a prompt."""
+    batch_size: int = 0
+    """Rollout micro-batch (images per transformer call); 0 = whole batch."""
+    eval_num_steps: int = 40
+    """ODE steps for evaluation."""
+    eval_guidance_scale: float = 4.5
+    """Guidance for evaluation."""
+
+
+@dataclass
+class FlowGRPOTrainConfig(TrainConfig):
+    lr: float = 3e-4
+    """AdamW learning rate."""
+    weight_decay: float = 1e-4
+    """AdamW weight decay."""
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up over this many optimizer updates."""
+    micro_batch_size: int = 8
+    """Images per forward/backward pass in training."""
+    updates_per_step: int = 2
+    """Optimizer updates per inner epoch (the rollout batch is split into this many chunks)."""
+    num_inner_epochs: int = 1
+    """Passes over each rollout batch."""
+    clip_range: float = 1e-4
+    """PPO clip range on the per-step ratio."""
+    adv_clip_max: float = 5.0
+    """Advantages are clipped to [-adv_clip_max, adv_clip_max]."""
+    beta: float = 0.04
+    """Weight of the Gaussian KL to the reference policy (0 = no reference pass)."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clipping (0 = off)."""
+    ema: bool = True
+    """Keep an EMA of the trainable weights (the "old" state) and evaluate with it."""
+    ema_decay: float = 0.9
+    """EMA decay per optimizer update."""
+
+
+@dataclass
+class RewardConfig:
+    components: dict[str, Any] = field(default_factory=lambda: {"jpeg_compressibility": 1.0})
+    """Zoo rewards: name -> weight, or name -> {weight: w, <load kwargs>} (mmrl.rewards.load mapping)."""
+    std_mode: str = "group"
+    """Advantage scale: `group` (per-prompt std) or `global` (std of the whole batch)."""
+    history: int = 0
+    """Per-prompt stat tracker memory: 0 = current batch only (Flow-GRPO), N = last N rewards per prompt."""
+    drop_zero_advantage: bool = True
+    """Skip samples whose advantage is exactly 0 (groups with identical rewards)."""
+
+
+@dataclass
+class LogConfig:
+    sample_every: int = 10
+    """Save a grid of rollout images (with prompt and reward) every this many steps (0 = never)."""
+    num_sample_images: int = 16
+    """Images in each grid."""
+    eval_every: int = 0
+    """ODE evaluation on data.eval_prompts every this many steps and at the end (0 = never)."""
+    eval_max_prompts: int = 64
+    """At most this many evaluation prompts."""
+
+
+@dataclass
+class Config(RunConfig):
+    algorithm: str = "flow_grpo"
+    """Recipe name."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model and adapters."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt files."""
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    """Rollout sampler."""
+    train: FlowGRPOTrainConfig = field(default_factory=FlowGRPOTrainConfig)
+    """Optimisation."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Rewards and advantages."""
+    log: LogConfig = field(default_factory=LogConfig)
+    """Samples, evaluation."""
+
+
+# ------------------------------------------------------------------------------------------ advantages
+
+
+class PerPromptStatTracker:
+    """Advantages (r - mean_p) / (std + eps) with per-prompt statistics, as Flow-GRPO / DDPO.
+
+    std: population std of the prompt's rewards (std_mode="group") or of the whole batch ("global").
+    history=0 uses the current batch only (Flow-GRPO clears its tracker each epoch); history=N keeps
+    the last N rewards of each prompt (DDPO's buffer). A prompt whose rewards are all equal gets 0.
+    """
+
+    # source: flow_grpo/stat_tracking.py (np.std + 1e-4); ddpo-pytorch stat_tracking.py (buffer)
+    def __init__(self, std_mode: str = "group", history: int = 0, eps: float = 1e-4):
+        if std_mode not in ("group", "global"):
+            raise ValueError(f"reward.std_mode: expected 'group' or 'global', got {std_mode!r}")
+        self.std_mode, self.history, self.eps = std_mode, int(history), eps
+        self.buffers: dict[str, list[float]] = {}
+
+    def update(self, prompts: list[str], rewards: torch.Tensor) -> torch.Tensor:
+        r = rewards.detach().double().cpu()
+        adv = torch.zeros_like(r)
+        global_std = r.std(unbiased=False) + self.eps
+        for p in dict.fromkeys(prompts):
+            rows = torch.tensor([i for i, q in enumerate(prompts) if q == p])
+            vals = torch.cat([torch.tensor(self.buffers.get(p, []), dtype=torch.float64), r[rows]])
+            if vals.max() > vals.min():
+                std = global_std if self.std_mode == "global" else vals.std(unbiased=False) + self.eps
+                adv[rows] = (r[rows] - vals.mean()) / std
+            if self.history > 0:
+                self.buffers[p] = vals[-self.history:].tolist()
+        return adv.float()
+
+    def state_dict(self) -> dict:
+        return {"buffers": {k: list(v) for k, v in self.buffers.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buffers = {k: list(v) for k, v in state["buffers"].items()}
+
+
+# ------------------------------------------------------------------------------------------ setup
+
+
+def _check(cfg: Config) -> None:
+    s, t = cfg.sample, cfg.train
+    if s.sde_type not in ("sde", "cps"):
+        raise ValueError(f"sample.sde_type: expected 'sde' or 'cps', got {s.sde_type!r}")
+    if s.group_size < 2:
+        raise ValueError(f"sample.group_size must be >= 2 for group-relative advantages, got {s.group_size}")
+    if s.window_range and len(s.window_range) != 2:
+        raise ValueError(f"sample.window_range: expected [lo, hi], got {s.window_range}")
+    if s.noise_level <= 0:
+        raise ValueError(f"sample.noise_level must be > 0 for training rollouts, got {s.noise_level}")
+    if t.updates_per_step < 1 or t.micro_batch_size < 1 or t.num_inner_epochs < 1:
+        raise ValueError("train.updates_per_step, train.micro_batch_size and train.num_inner_epochs must be >= 1")
+
+
+def _warmup(steps: int):
+    return lambda i: min(1.0, (i + 1) / steps) if steps > 0 else 1.0
+
+
+# ------------------------------------------------------------------------------------------ training
+
+
+def train(cfg: Config) -> dict:
+    from mmrl.diffusion.common import (TransformerEvalCounter, build_policy_states, evaluate_ode, load_reward_fn,
+                                       restore_checkpoint, save_checkpoint, score_images)
+    from mmrl.diffusion.models import load_flow_model
+    from mmrl.diffusion.sampling import sample_groups
+    from mmrl.pipelines.data import PromptSampler, load_prompts
+
+    _check(cfg)
+    run = Run(cfg)
+    s, t = cfg.sample, cfg.train
+    train_items = load_prompts(cfg.data.train_prompts)
+    eval_items = load_prompts(cfg.data.eval_prompts)[: cfg.log.eval_max_prompts] if cfg.data.eval_prompts else []
+    reward_fn = load_reward_fn(cfg.reward.components, run.device)
+    model = load_flow_model(cfg.model.path, run.device, run.dtype, cfg.model.max_sequence_length or None)
+
+    # policy states: "default" trains, "old" = EMA for eval, "ref" = adapters off (KL)
+    states = build_policy_states(model, cfg.model, old=t.ema, ref=t.beta > 0)
+    params = states.trainable_parameters()
+    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.adam_betas), eps=t.adam_eps,
+                                  weight_decay=t.weight_decay)
+    lr_sched = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup(t.warmup_steps))
+    tracker = PerPromptStatTracker(cfg.reward.std_mode, cfg.reward.history)
+    sampler = PromptSampler(train_items, seed=cfg.seed)
+    evals = TransformerEvalCounter(model.transformer)
+    stateful = {"optimizer": optimizer, "lr_scheduler": lr_sched, "tracker": tracker, "data": sampler,
+                "transformer_evals": evals}
+    start, _ = restore_checkpoint(run, states, stateful, tag="flow_grpo")
+    if start == 0:
+        run.truncate_metrics(0)  # a fresh run in an existing directory starts a fresh metrics.jsonl
+
+    rollout_kw = dict(num_steps=s.num_steps, height=s.height, width=s.width, guidance_scale=s.guidance_scale,
+                      noise_level=s.noise_level, sde_type=s.sde_type, window_size=s.window_size,
+                      window_range=tuple(s.window_range) if s.window_range else None,
+                      timestep_fraction=s.timestep_fraction, same_noise=s.same_noise, batch_size=s.batch_size or None)
+    timer = Timer(sync_cuda=run.device.type == "cuda")
+    bar = run.progress(t.max_steps, initial=start)
+    for step in range(start + 1, t.max_steps + 1):
+        metrics: dict[str, Any] = {}
+        with timer("step"):
+            # ---- 1. rollout: G samples per prompt, prompts encoded once
+            with timer("rollout"):
+                items = sampler.next(cfg.data.prompts_per_step)
+                embeds = model.encode_prompts([it.prompt for it in items])
+                traj = sample_groups(model, embeds, s.group_size, **rollout_kw)
+                prompts = [items[i].prompt for i in traj.prompt_index.tolist()]
+                metadata = [items[i].metadata for i in traj.prompt_index.tolist()]
+
+            # ---- 2. rewards (weighted sum; each component logged)
+            with timer("reward"):
+                scores, reward_metrics = score_images(reward_fn, traj.images, prompts, metadata)
+            metrics.update(reward_metrics)
+
+            # ---- 3. advantages: per-prompt normalisation, clipping, drop zero-advantage samples
+            adv = tracker.update(prompts, scores).clamp(-t.adv_clip_max, t.adv_clip_max)
+            keep = (adv != 0).nonzero().flatten() if cfg.reward.drop_zero_advantage else torch.arange(len(adv))
+            metrics["train/kept_fraction"] = len(keep) / len(adv)
+            metrics["train/advantage_abs"] = adv.abs().mean().item()
+
+            # ---- 4./5. loss per trained timestep, accumulated; optimizer updates (+ EMA)
+            with timer("train"):
+                metrics.update(_train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, params,
+                                                 timer))
+
+        # ---- logging, samples, evaluation, checkpoints
+        metrics["lr"] = optimizer.param_groups[0]["lr"]
+        metrics["cost/transformer_evals"] = evals.count
+        if cfg.log.sample_every and (step % cfg.log.sample_every == 0 or step == 1):
+            n = min(cfg.log.num_sample_images, len(prompts))
+            run.save_samples(step, traj.images[:n], [f"r={scores[i]:.3g} {prompts[i]}" for i in range(n)])
+        if eval_items and cfg.log.eval_every and (step % cfg.log.eval_every == 0 or step == t.max_steps):
+            with timer("eval"):
+                metrics.update(evaluate_ode(
+                    model, states, "old" if t.ema else "default", reward_fn, eval_items, run, step,
+                    num_steps=s.eval_num_steps, guidance_scale=s.eval_guidance_scale, height=s.height,
+                    width=s.width, batch_size=t.micro_batch_size, seed=cfg.seed, num_images=cfg.log.num_sample_images))
+        metrics.update(timer.pop())
+        metrics["time/step_s"] = metrics.pop("time/step_s")
+        run.log(step, metrics)
+        bar.update(1)
+        bar.set_postfix(reward=f"{metrics['reward/mean']:.4g}", drift=f"{metrics.get('diag/logprob_drift', 0):.1e}")
+        if (t.save_every and step % t.save_every == 0) or step == t.max_steps:
+            save_checkpoint(run, step, states, stateful)
+    bar.close()
+    return _summarise(run)
+
+
+def _train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, params, timer) -> dict:
+    """Inner epochs over one rollout batch; returns averaged loss metrics and diag/logprob_drift."""
+    from mmrl.diffusion.sampling import step_log_prob
+
+    t = cfg.train
+    step_kw = dict(guidance_scale=cfg.sample.guidance_scale, noise_level=cfg.sample.noise_level,
+                   sde_type=cfg.sample.sde_type)
+    acc: dict[str, list[float]] = defaultdict(list)
+    drift = 0.0
+    steps = traj.train_steps.tolist()
+    if len(keep) == 0 or not steps:
+        return {"diag/logprob_drift": 0.0, "train/updates": 0}
+    updates = 0
+    for epoch in range(t.num_inner_epochs):
+        order = keep[torch.randperm(len(keep))]
+        for u, chunk in enumerate(torch.tensor_split(order, min(t.updates_per_step, len(order)))):
+            first_update = epoch == 0 and u == 0
+            micro = torch.split(chunk, t.micro_batch_size)
+            for rows in micro:
+                b = len(rows)
+                emb = traj.embeds.select(traj.prompt_index[rows])
+                a = adv[rows].to(model.device)
+                weight = b / len(chunk) / len(steps)  # mean over the chunk's samples and trained steps
+                for j in steps:
+                    x, x_next = traj.latents[rows, j], traj.latents[rows, j + 1]
+                    sig, sig_next = traj.sigmas[j].expand(b), traj.sigmas[j + 1].expand(b)
+                    old_lp = traj.log_probs[rows, j]
+                    with timer("forward_backward"):
+                        cur = step_log_prob(model, x, x_next, sig, sig_next, emb, **step_kw)
+                    if first_update:  # no optimizer step has happened yet: must equal the rollout
+                        drift = max(drift, (cur.log_prob.detach() - old_lp).abs().max().item())
+                    loss, m = clipped_policy_loss(cur.log_prob, old_lp, a, clip_low=t.clip_range,
+                                                  clip_high=t.clip_range)
+                    if t.beta > 0:
+                        with torch.no_grad(), states.use("ref"), timer("forward_backward"):
+                            ref = step_log_prob(model, x, x_next, sig, sig_next, emb, **step_kw)
+                        kl = gaussian_kl_equal_std(cur.mean, ref.mean, cur.std[:, 0, 0, 0].clamp(min=1e-8)).mean()
+                        loss = loss + t.beta * kl
+                        acc["policy/kl"].append(kl.item())
+                    with timer("forward_backward"):
+                        (loss * weight).backward()
+                    acc["policy/clipfrac"].append(m["clipfrac"])
+                    acc["policy/approx_kl"].append(m["approx_kl"])
+                    acc["policy/ratio_max"].append(m["ratio_max"])
+                    acc["train/loss"].append(loss.item())
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm if t.max_grad_norm > 0 else math.inf)
+            acc["train/grad_norm"].append(float(grad_norm))
+            optimizer.step()
+            lr_sched.step()
+            optimizer.zero_grad(set_to_none=True)
+            updates += 1
+            if t.ema:
+                states.ema("default", "old", t.ema_decay)
+    out = {k: (max(v) if k == "policy/ratio_max" else sum(v) / len(v)) for k, v in acc.items()}
+    out["diag/logprob_drift"] = drift
+    out["train/updates"] = updates
+    return out
+
+
+def _summarise(run: Run) -> dict:
+    """run.finish() plus the reward-rise check: mean of the last 5 steps vs the first 5 steps."""
+    rows = run.read_metrics()
+    extra: dict[str, Any] = {}
+    if rows:
+        k = min(5, len(rows))
+        first = [r["reward/mean"] for r in rows[:k]]
+        last = [r["reward/mean"] for r in rows[-k:]]
+        first_std = sum(r["reward/std"] for r in rows[:k]) / k
+        rise = sum(last) / k - sum(first) / k
+        extra = {"reward_rise": rise, "reward_first_std": first_std,
+                 "reward_rise_in_std": rise / first_std if first_std > 0 else (math.inf if rise > 0 else 0.0),
+                 "reward_rose": rise > 2 * first_std,
+                 "max_logprob_drift": max(r.get("diag/logprob_drift", 0.0) for r in rows)}
+        print(f"[flow_grpo] reward first {k} steps {sum(first) / k:.4g} (per-image std {first_std:.3g}) -> "
+              f"last {k} steps {sum(last) / k:.4g}: rise {rise:+.4g} = {extra['reward_rise_in_std']:.2f} std "
+              f"({'PASS' if extra['reward_rose'] else 'no clear rise'}: needs > 2 std); "
+              f"max logprob drift {extra['max_logprob_drift']:.2e}")
+    return run.finish(extra)

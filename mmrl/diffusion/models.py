@@ -1,0 +1,275 @@
+"""Flow-matching text-to-image models behind one small interface, loaded from a local diffusers directory.
+
+    model = load_flow_model("path/to/sd3.5-medium")          # StableDiffusion3Pipeline or FluxPipeline dir
+    emb = model.encode_prompts(["a red circle"])              # once per prompt; `emb.select(idx)` repeats it
+    x = model.initial_noise(4, height, width, generator)       # [B, C, h, w] for every family
+    sigmas = model.sigmas(num_steps, height, width)           # [num_steps + 1] in fp32, last one 0
+    v = model.velocity(x, sigma, emb.select([0, 0, 0, 0]), guidance_scale=4.5)
+    images = model.decode(x, height, width)                    # float [B, 3, H, W] in [0, 1]
+    z = model.encode_images(images)                            # back to latents (VAE posterior mean)
+
+`model.transformer` is the only module that trains; recipes wrap it with `mmrl.adapters.PolicyStates`
+and assign the wrapped module back to `model.transformer`. Adding a model family = subclassing
+`FlowModel` and implementing `encode_prompts`, `_forward`, `initial_noise`, `sigmas`, `decode`.
+
+What is simplified away: no negative prompts other than "" (the empty prompt is the unconditional
+branch of classifier-free guidance), no IP-adapters / ControlNets, no skip-layer guidance.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+Tensor = torch.Tensor
+
+# source: flow_grpo scripts/train_sd3.py (LoRA target modules for SD3 / FLUX joint-attention blocks)
+ATTENTION_LORA_TARGETS = [
+    "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+    "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v",
+]
+
+
+class PromptEmbeds(dict):
+    """Text conditioning of a batch: name -> tensor with the batch on dim 0 (e.g. `prompt_embeds`
+    [N, L, D], `pooled_prompt_embeds` [N, D]). `select(idx)` picks / repeats rows."""
+
+    def select(self, index: Sequence[int] | Tensor) -> "PromptEmbeds":
+        idx = torch.as_tensor(index, dtype=torch.long)
+        return PromptEmbeds({k: v[idx.to(v.device)] for k, v in self.items()})
+
+    def __len__(self) -> int:  # number of prompts, not of keys
+        return int(next(iter(self.values())).shape[0]) if dict.__len__(self) else 0
+
+    @staticmethod
+    def cat(parts: Sequence["PromptEmbeds"]) -> "PromptEmbeds":
+        return PromptEmbeds({k: torch.cat([p[k] for p in parts]) for k in parts[0].keys()})
+
+
+class FlowModel:
+    """A diffusers flow-matching pipeline seen as encode / velocity / decode. Subclasses set
+    `lora_target_modules` and implement the abstract methods below."""
+
+    lora_target_modules: list[str] = ATTENTION_LORA_TARGETS
+    family: str = "flow"
+    has_guidance_embedding: bool = False  # FLUX-dev: guidance goes into the transformer, not CFG
+
+    def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, max_sequence_length: int):
+        self.pipe = pipe
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.max_sequence_length = int(max_sequence_length)
+        self.transformer = pipe.transformer
+        self.vae = pipe.vae
+        self.scheduler_config = dict(pipe.scheduler.config)
+        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        self._negative: PromptEmbeds | None = None
+
+    # ------------------------------------------------------------------ text
+    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
+        raise NotImplementedError
+
+    def negative_embeds(self, n: int) -> PromptEmbeds:
+        """Embeddings of the empty prompt (the unconditional CFG branch), encoded once, repeated n times."""
+        if self._negative is None:
+            self._negative = self.encode_prompts([""])
+        return self._negative.select([0] * n)
+
+    # ------------------------------------------------------------------ denoising
+    def velocity(self, latents: Tensor, sigma: Tensor | float, embeds: PromptEmbeds,
+                 guidance_scale: float = 1.0, cfg: bool | None = None) -> Tensor:
+        """Predicted velocity (noise - x0) at noise level sigma (scalar or [B]), fp32, latents' shape.
+
+        With cfg (default: guidance_scale > 1 for models without a guidance embedding) the empty
+        prompt and the prompt go through the transformer as one doubled batch:
+        v = v_uncond + guidance_scale * (v_cond - v_uncond).
+        """
+        b = latents.shape[0]
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).expand(b)
+        if cfg is None:
+            cfg = guidance_scale > 1.0 and not self.has_guidance_embedding
+        if cfg:
+            both = PromptEmbeds.cat([self.negative_embeds(b), embeds])
+            v = self._forward(torch.cat([latents, latents]), torch.cat([sigma, sigma]), both, guidance_scale)
+            v_uncond, v_cond = v.float().chunk(2)
+            return v_uncond + guidance_scale * (v_cond - v_uncond)
+        return self._forward(latents, sigma, embeds, guidance_scale).float()
+
+    def _forward(self, latents: Tensor, sigma: Tensor, embeds: PromptEmbeds, guidance_scale: float) -> Tensor:
+        raise NotImplementedError
+
+    def initial_noise(self, n: int, height: int, width: int, generator: torch.Generator | None = None) -> Tensor:
+        raise NotImplementedError
+
+    def sigmas(self, num_steps: int, height: int, width: int) -> Tensor:
+        raise NotImplementedError
+
+    def decode(self, latents: Tensor, height: int, width: int) -> Tensor:
+        raise NotImplementedError
+
+    def _new_scheduler(self):
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
+
+    def _latent_hw(self, height: int, width: int, multiple: int = 1) -> tuple[int, int]:
+        f = self.vae_scale_factor * multiple
+        if height % f or width % f:
+            raise ValueError(f"image size {height}x{width} must be a multiple of {f} for this model")
+        return height // self.vae_scale_factor, width // self.vae_scale_factor
+
+    @torch.no_grad()
+    def encode_images(self, images: Tensor) -> Tensor:
+        """Images float [B, 3, H, W] in [0, 1] -> latents [B, C, h, w] fp32 as the flow model sees them:
+        VAE posterior mean, then (z - shift_factor) * scaling_factor (the inverse of `decode`'s scaling)."""
+        cfg = self.vae.config
+        x = (images.to(self.device, torch.float32) * 2 - 1).to(self.vae.dtype)
+        z = self.vae.encode(x).latent_dist.mean.float()
+        return (z - (getattr(cfg, "shift_factor", None) or 0.0)) * cfg.scaling_factor
+
+    def _vae_decode(self, latents: Tensor) -> Tensor:
+        cfg = self.vae.config
+        z = latents / cfg.scaling_factor + (getattr(cfg, "shift_factor", None) or 0.0)
+        image = self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0]
+        return (image.float() / 2 + 0.5).clamp(0, 1)
+
+
+class SD3Model(FlowModel):
+    """Stable Diffusion 3 / 3.5 (`StableDiffusion3Pipeline`): latents [B, C, h, w], timestep = 1000 sigma."""
+
+    family = "sd3"
+
+    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
+        with torch.no_grad():
+            pe, _, pooled, _ = self.pipe.encode_prompt(
+                prompt=list(prompts), prompt_2=None, prompt_3=None, device=self.device,
+                do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length)
+        return PromptEmbeds(prompt_embeds=pe.to(self.dtype), pooled_prompt_embeds=pooled.to(self.dtype))
+
+    def _forward(self, latents, sigma, embeds, guidance_scale):
+        return self.transformer(
+            hidden_states=latents.to(self.dtype), timestep=sigma * self.scheduler_config["num_train_timesteps"],
+            encoder_hidden_states=embeds["prompt_embeds"], pooled_projections=embeds["pooled_prompt_embeds"],
+            return_dict=False)[0]
+
+    def initial_noise(self, n, height, width, generator=None):
+        h, w = self._latent_hw(height, width, self.transformer.config.patch_size)
+        c = self.transformer.config.in_channels
+        return torch.randn((n, c, h, w), generator=generator, device=self.device, dtype=torch.float32)
+
+    def sigmas(self, num_steps, height, width):
+        sched = self._new_scheduler()
+        kw = {}
+        if self.scheduler_config.get("use_dynamic_shifting"):
+            from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
+
+            h, w = self._latent_hw(height, width)
+            p = self.transformer.config.patch_size
+            c = self.scheduler_config
+            kw["mu"] = calculate_shift((h // p) * (w // p), c.get("base_image_seq_len", 256),
+                                       c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5),
+                                       c.get("max_shift", 1.16))
+        sched.set_timesteps(num_steps, device="cpu", **kw)
+        return sched.sigmas.float()
+
+    def decode(self, latents, height, width):
+        return self._vae_decode(latents)
+
+
+class FluxModel(FlowModel):
+    """FLUX.1 (`FluxPipeline`). Latents stay [B, C, h, w] outside (like SD3, so samplers and log-probs
+    see one layout); `_forward` packs them into [B, (h/2)(w/2), 4C] tokens with img_ids / txt_ids and
+    unpacks the prediction. The guidance scale goes into the transformer's guidance embedding
+    (FLUX-dev) instead of classifier-free guidance; timestep = sigma."""
+
+    family = "flux"
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.has_guidance_embedding = bool(getattr(self.transformer.config, "guidance_embeds", False))
+
+    def encode_prompts(self, prompts):
+        with torch.no_grad():
+            pe, pooled, _ = self.pipe.encode_prompt(prompt=list(prompts), prompt_2=None, device=self.device,
+                                                    max_sequence_length=self.max_sequence_length)
+        return PromptEmbeds(prompt_embeds=pe.to(self.dtype), pooled_prompt_embeds=pooled.to(self.dtype))
+
+    def _forward(self, latents, sigma, embeds, guidance_scale):
+        b, c, h, w = latents.shape
+        packed = self.pipe._pack_latents(latents.to(self.dtype), b, c, h, w)
+        img_ids = self.pipe._prepare_latent_image_ids(b, h // 2, w // 2, self.device, self.dtype)
+        txt_ids = torch.zeros(embeds["prompt_embeds"].shape[1], 3, device=self.device, dtype=self.dtype)
+        guidance = None
+        if self.has_guidance_embedding:
+            guidance = torch.full([b], float(guidance_scale), device=self.device, dtype=torch.float32)
+        out = self.transformer(
+            hidden_states=packed, timestep=sigma.to(self.dtype), guidance=guidance,
+            pooled_projections=embeds["pooled_prompt_embeds"], encoder_hidden_states=embeds["prompt_embeds"],
+            txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
+        # inverse of _pack_latents: [B, (h/2)(w/2), 4C] -> [B, C, h, w]
+        return out.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
+
+    def initial_noise(self, n, height, width, generator=None):
+        h, w = self._latent_hw(height, width, 2)
+        c = self.transformer.config.in_channels // 4
+        return torch.randn((n, c, h, w), generator=generator, device=self.device, dtype=torch.float32)
+
+    def sigmas(self, num_steps, height, width):
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        h, w = self._latent_hw(height, width, 2)
+        c = self.scheduler_config
+        mu = calculate_shift((h // 2) * (w // 2), c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                             c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+        sched = self._new_scheduler()
+        sched.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), device="cpu", mu=mu)
+        return sched.sigmas.float()
+
+    def decode(self, latents, height, width):
+        return self._vae_decode(latents)
+
+
+MODEL_FAMILIES: dict[str, tuple[str, type[FlowModel]]] = {
+    "StableDiffusion3Pipeline": ("StableDiffusion3Pipeline", SD3Model),
+    "FluxPipeline": ("FluxPipeline", FluxModel),
+}
+
+
+def load_flow_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                    max_sequence_length: int | None = None) -> FlowModel:
+    """Load a local diffusers pipeline directory as a FlowModel (family chosen by model_index.json).
+
+    Text encoders and VAE are frozen (requires_grad False, eval mode); the transformer is left frozen
+    too - adapters (or full fine-tuning) decide what trains. The VAE stays fp32 (as Flow-GRPO).
+    """
+    import diffusers
+
+    path = Path(path)
+    index = path / "model_index.json"
+    if not path.is_dir() or not index.is_file():
+        what = "does not exist" if not path.exists() else "has no model_index.json"
+        raise FileNotFoundError(
+            f"model.path '{path}' {what}: expected a local diffusers pipeline directory (with model_index.json, "
+            f"e.g. written by StableDiffusion3Pipeline.save_pretrained, a downloaded "
+            f"stabilityai/stable-diffusion-3.5-medium snapshot, or mmrl.tiny.build_tiny_sd3(path))")
+    cls_name = json.loads(index.read_text()).get("_class_name", "")
+    if cls_name not in MODEL_FAMILIES:
+        raise ValueError(f"model.path '{path}': pipeline class '{cls_name}' is not supported; "
+                         f"supported: {sorted(MODEL_FAMILIES)}")
+    pipe_name, model_cls = MODEL_FAMILIES[cls_name]
+    pipe = getattr(diffusers, pipe_name).from_pretrained(str(path), dtype=dtype)
+    pipe.set_progress_bar_config(disable=True)
+    for name, module in pipe.components.items():
+        if isinstance(module, torch.nn.Module):
+            module.requires_grad_(False)
+            module.eval()
+            module.to(device)
+    if pipe.vae.dtype != torch.float32:
+        pipe.vae.to(dtype=torch.float32)
+    if max_sequence_length is None:
+        max_sequence_length = 128 if model_cls is SD3Model else 512
+    return model_cls(pipe, torch.device(device), dtype, max_sequence_length)

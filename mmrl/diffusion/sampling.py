@@ -1,0 +1,159 @@
+"""Group rollouts for flow-matching policies: G images per prompt with the whole trajectory recorded.
+
+`sample_groups` runs the sampler and returns a `Trajectory`: the latent at every noise level, the
+log-prob of every stochastic transition, the schedule, which steps were stochastic and which to train
+on, and the decoded images. `step_log_prob` recomputes one transition's log-prob with the current
+weights through exactly the same code path (velocity -> `sde_step_with_logprob`), which is what makes
+the trainer's log-probs agree with the rollout's (`diag/logprob_drift`).
+
+SDE window (Flow-GRPO-Fast): with `window_size > 0` only `window_size` consecutive steps, starting at a
+position drawn uniformly from `window_range` (or fixed when the range has one start), are stochastic;
+every other step is a deterministic Euler (ODE) step, and only the window's steps are trained on.
+Without a window every step is stochastic and the first `int(num_steps * timestep_fraction)` steps are
+trained on (Flow-GRPO: 0.99 of 10 steps = the first 9, i.e. all but the last).
+
+Randomness comes from one `torch.Generator` (or the global RNG) and is drawn up front in a fixed
+order (initial noise, window position, per-step noise), so the result does not depend on the
+rollout micro-batch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mmrl.diffusion.models import FlowModel, PromptEmbeds
+from mmrl.diffusion.sde import StepOutput, ode_step, sde_step_with_logprob
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class Trajectory:
+    """A batch of B = P * G rollouts (P prompts, G per prompt, samples of a prompt are adjacent).
+
+    latents [B, T+1, C, h, w] fp32: x at sigmas[0..T] (latents[:, 0] = initial noise, [:, T] = final);
+    log_probs [B, T]: rollout log-prob of each transition (0 on ODE steps);
+    sigmas [T+1]: the schedule (sigmas[T] = 0); sde_mask [T] bool: stochastic steps;
+    train_steps [K] long: step indices the trainer uses; prompt_index [B] long: row in `embeds`
+    (also the group id); embeds: one row per prompt; images [B, 3, H, W] in [0, 1] (None when not decoded).
+    """
+
+    latents: Tensor
+    log_probs: Tensor
+    sigmas: Tensor
+    sde_mask: Tensor
+    train_steps: Tensor
+    prompt_index: Tensor
+    embeds: PromptEmbeds
+    images: Tensor | None = None
+    extras: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.latents.shape[0])
+
+
+def sde_window(num_steps: int, window_size: int, window_range: tuple[int, int] | None,
+               generator: torch.Generator | None = None) -> tuple[int, int]:
+    """[start, end) of the SDE window; start uniform in [lo, hi - window_size] (window_range = (lo, hi))."""
+    lo, hi = window_range if window_range is not None else (0, num_steps)
+    hi = min(hi, num_steps)
+    if window_size <= 0 or window_size > hi - lo:
+        raise ValueError(f"sde window: window_size={window_size} does not fit window_range=({lo}, {hi}) "
+                         f"with num_steps={num_steps}")
+    start = lo + int(torch.randint(0, hi - window_size - lo + 1, (1,), generator=generator).item())
+    return start, start + window_size
+
+
+def step_log_prob(model: FlowModel, latents: Tensor, next_latents: Tensor | None, sigma: Tensor, sigma_next: Tensor,
+                  embeds: PromptEmbeds, *, guidance_scale: float, noise_level: float, sde_type: str = "sde",
+                  noise: Tensor | None = None, cfg: bool | None = None) -> StepOutput:
+    """One stochastic transition under the current weights: velocity -> `sde_step_with_logprob`.
+
+    latents/next_latents [b, ...]; sigma/sigma_next scalars or [b]; embeds with b rows. With
+    next_latents=None a new sample is drawn from `noise`. Used by both the rollout and the trainer.
+    """
+    v = model.velocity(latents, sigma, embeds, guidance_scale=guidance_scale, cfg=cfg)
+    return sde_step_with_logprob(latents, v, sigma, sigma_next, noise_level=noise_level,
+                                 prev_sample=next_latents, noise=noise, sde_type=sde_type)
+
+
+@torch.no_grad()
+def sample_groups(
+    model: FlowModel,
+    embeds: PromptEmbeds,
+    group_size: int,
+    *,
+    num_steps: int,
+    height: int,
+    width: int,
+    guidance_scale: float = 1.0,
+    noise_level: float = 0.7,
+    sde_type: str = "sde",
+    window_size: int = 0,
+    window_range: tuple[int, int] | None = None,
+    timestep_fraction: float = 1.0,
+    same_noise: bool = False,
+    batch_size: int | None = None,
+    generator: torch.Generator | None = None,
+    decode: bool = True,
+) -> Trajectory:
+    """Roll out `group_size` samples for each of the P prompts in `embeds` (encoded once, reused).
+
+    noise_level = 0 gives deterministic ODE sampling (all steps Euler, no train steps) - used for eval.
+    same_noise: all samples of a prompt start from the same initial noise (they differ by SDE noise).
+    batch_size: rollout micro-batch (default all B at once); does not change the result.
+    """
+    p = len(embeds)
+    b = p * group_size
+    device = model.device
+    sigmas = model.sigmas(num_steps, height, width)
+    prompt_index = torch.arange(p).repeat_interleave(group_size)
+
+    # --- all randomness up front, in a fixed order
+    if same_noise:
+        x0 = model.initial_noise(p, height, width, generator)[prompt_index.to(device)]
+    else:
+        x0 = model.initial_noise(b, height, width, generator)
+    sde_mask = torch.zeros(num_steps, dtype=torch.bool)
+    if noise_level > 0:
+        if window_size > 0:
+            start, end = sde_window(num_steps, window_size, window_range, generator)
+            sde_mask[start:end] = True
+            train_steps = torch.arange(start, end)
+        else:
+            sde_mask[:] = True
+            k = int(num_steps * timestep_fraction)
+            if k < 1:
+                raise ValueError(f"timestep_fraction={timestep_fraction} trains on no step of {num_steps}")
+            train_steps = torch.arange(k)
+    else:
+        train_steps = torch.zeros(0, dtype=torch.long)
+    sde_steps = sde_mask.nonzero().flatten().tolist()
+    step_noise = torch.randn((b, len(sde_steps), *x0.shape[1:]), generator=generator, device=device) if sde_steps else None
+
+    latents = torch.empty((b, num_steps + 1, *x0.shape[1:]), dtype=torch.float32, device=device)
+    log_probs = torch.zeros((b, num_steps), dtype=torch.float32, device=device)
+    latents[:, 0] = x0
+    mb = batch_size or b
+    for lo in range(0, b, mb):
+        rows = slice(lo, min(b, lo + mb))
+        emb = embeds.select(prompt_index[rows])
+        x = latents[rows, 0]
+        for i in range(num_steps):
+            s, s_next = sigmas[i].item(), sigmas[i + 1].item()
+            if sde_mask[i]:
+                out = step_log_prob(model, x, None, s, s_next, emb, guidance_scale=guidance_scale,
+                                    noise_level=noise_level, sde_type=sde_type,
+                                    noise=step_noise[rows, sde_steps.index(i)])
+                x, log_probs[rows, i] = out.prev_sample, out.log_prob
+            else:
+                v = model.velocity(x, s, emb, guidance_scale=guidance_scale)
+                x = ode_step(x, v, s, s_next)
+            latents[rows, i + 1] = x
+    images = None
+    if decode:
+        images = torch.cat([model.decode(latents[lo:lo + mb, -1], height, width) for lo in range(0, b, mb)])
+    return Trajectory(latents=latents, log_probs=log_probs, sigmas=sigmas, sde_mask=sde_mask,
+                      train_steps=train_steps, prompt_index=prompt_index, embeds=embeds, images=images)

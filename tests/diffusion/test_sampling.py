@@ -1,0 +1,77 @@
+"""Group rollouts: recorded trajectories, SDE window, same noise, micro-batch invariance, recompute."""
+
+import pytest
+import torch
+
+from mmrl.diffusion.sampling import sample_groups, sde_window, step_log_prob
+from mmrl.diffusion.sde import ode_step
+
+PROMPTS = ["a red circle on a blue background", "a green square on a white background"]
+
+
+def _roll(model, **kw):
+    emb = model.encode_prompts(PROMPTS)
+    args = dict(num_steps=4, height=64, width=64, guidance_scale=1.0, noise_level=0.7,
+                generator=torch.Generator().manual_seed(0), decode=False)
+    args.update(kw)
+    return sample_groups(model, emb, 3, **args)
+
+
+def test_trajectory_layout_and_timestep_fraction(tiny_sd3):
+    traj = _roll(tiny_sd3, timestep_fraction=0.99)
+    assert traj.latents.shape == (6, 5, 4, 16, 16)
+    assert traj.log_probs.shape == (6, 4) and torch.isfinite(traj.log_probs).all()
+    assert traj.prompt_index.tolist() == [0, 0, 0, 1, 1, 1]
+    assert traj.sde_mask.all() and traj.train_steps.tolist() == [0, 1, 2]  # int(4 * 0.99) = 3
+    assert traj.sigmas[0] == 1.0 and traj.sigmas[-1] == 0.0 and traj.images is None
+
+
+def test_recomputed_log_probs_equal_rollout(tiny_sd3):
+    traj = _roll(tiny_sd3, guidance_scale=2.0)
+    b = len(traj)
+    for j in range(4):
+        with torch.no_grad():
+            out = step_log_prob(tiny_sd3, traj.latents[:, j], traj.latents[:, j + 1], traj.sigmas[j].expand(b),
+                                traj.sigmas[j + 1].expand(b), traj.embeds.select(traj.prompt_index),
+                                guidance_scale=2.0, noise_level=0.7)
+        assert (out.log_prob - traj.log_probs[:, j]).abs().max() < 1e-5
+
+
+def test_sde_window_ode_elsewhere(tiny_sd3):
+    traj = _roll(tiny_sd3, num_steps=6, window_size=2, window_range=(1, 5))
+    start = int(traj.sde_mask.nonzero()[0])
+    assert traj.sde_mask.tolist() == [start <= i < start + 2 for i in range(6)] and 1 <= start <= 3
+    assert traj.train_steps.tolist() == [start, start + 1]
+    assert torch.equal(traj.log_probs[:, ~traj.sde_mask], torch.zeros(6, 4))
+    # a step outside the window is exactly the Euler step of the recorded latent
+    j = 0 if start > 0 else 5
+    with torch.no_grad():
+        v = tiny_sd3.velocity(traj.latents[:, j], traj.sigmas[j].item(), traj.embeds.select(traj.prompt_index))
+    assert torch.equal(traj.latents[:, j + 1], ode_step(traj.latents[:, j], v, traj.sigmas[j].item(),
+                                                        traj.sigmas[j + 1].item()))
+
+
+def test_window_positions_cover_the_range():
+    g = torch.Generator().manual_seed(0)
+    starts = {sde_window(10, 3, (0, 5), g)[0] for _ in range(200)}
+    assert starts == {0, 1, 2}
+    assert sde_window(10, 3, (4, 7), g) == (4, 7)  # fixed position
+    with pytest.raises(ValueError, match="does not fit"):
+        sde_window(10, 4, (0, 3))
+
+
+def test_same_noise_and_micro_batch_invariance(tiny_sd3):
+    same = _roll(tiny_sd3, same_noise=True)
+    assert torch.equal(same.latents[0, 0], same.latents[2, 0]) and not torch.equal(same.latents[0, 0], same.latents[3, 0])
+    assert not torch.equal(same.latents[0, -1], same.latents[1, -1])  # SDE noise still differs
+    full = _roll(tiny_sd3)
+    chunked = _roll(tiny_sd3, batch_size=2)
+    assert torch.allclose(full.latents, chunked.latents, atol=1e-5)
+    assert torch.allclose(full.log_probs, chunked.log_probs, atol=1e-5)
+    assert not torch.equal(full.latents[0, 0], full.latents[1, 0])
+
+
+def test_cps_rollout(tiny_sd3):
+    traj = _roll(tiny_sd3, sde_type="cps")
+    assert torch.isfinite(traj.log_probs).all()
+    assert traj.log_probs[:, -1].abs().max() == 0  # last step: sigma_next = 0 -> no noise under CPS
