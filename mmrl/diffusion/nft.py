@@ -1,0 +1,320 @@
+"""DiffusionNFT: online RL for flow-matching models on the forward process (Zheng et al. 2025, arXiv 2509.16117).
+
+No likelihoods and no SDE: the policy is trained with a flow-matching-style loss on its own clean
+samples. One step reads top to bottom:
+  1. rollout    - G images per prompt from the frozen "old" policy with a deterministic ODE solver;
+  2. rewards    - zoo rewards (`reward.components`); per-prompt advantages (Flow-GRPO's stat tracker);
+  3. optimality - r = clip(A, -m, m) / (2m) + 1/2 in [0, 1] (`core.losses.nft_optimality_prob`);
+  4. loss       - at timesteps of the sampler's schedule (a random order per sample), fresh noise:
+                  x_t = (1 - t) x0 + t eps; implicit positive v+ = b v + (1 - b) v_old and negative
+                  v- = (1 + b) v_old - b v (b = `nft.guidance_beta`), their adaptively weighted x0
+                  losses mixed with r and 1 - r (`core.losses.nft_loss`), plus
+                  `train.kl_beta` * ||v - v_ref||^2 (reference = adapters off);
+  5. step       - AdamW over `train.updates_per_step` chunks, then old <- decay * old + (1 - decay) * new
+                  with the published decay schedules (`nft.ema_schedule`, see `ema_decay`).
+
+    from mmrl.config import load_config
+    from mmrl.diffusion.nft import train
+    summary = train(load_config("configs/diffusion/nft_tiny.yaml"))
+
+What is simplified away versus NVlabs/DiffusionNFT's train_nft_sd3.py: single process; the rollout
+solver is Euler (the official default is DPM-Solver-2); no separate EMA copy for evaluation
+(evaluation uses `log.eval_state`, "default" by default); no per-GPU batch-size search.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mmrl.config import RunConfig, TrainConfig
+from mmrl.core.losses import nft_loss, nft_optimality_prob
+from mmrl.diffusion.common import (TIMING_PREFIX, TransformerEvalCounter, build_policy_states, evaluate_ode,
+                                   load_reward_fn, noise_latents, restore_checkpoint, save_checkpoint,
+                                   score_images, summarise)
+from mmrl.diffusion.flow_grpo import DataConfig, LogConfig, ModelConfig, PerPromptStatTracker, RewardConfig
+from mmrl.runtime import Run, Timer
+
+__all__ = ["Config", "train", "ema_decay", "EMA_SCHEDULES"]
+
+# name -> (flat steps, rate per step, cap):  decay(n) = 0 if n < flat else min(rate * (n - flat), cap)
+# source: NVlabs/DiffusionNFT scripts/train_nft_sd3.py return_decay (decay_type 0, 1, 2)
+EMA_SCHEDULES: dict[str, tuple[int, float, float]] = {
+    "copy": (0, 0.0, 0.0),                 # decay_type 0: old <- new after every step
+    "linear": (0, 0.001, 0.5),             # decay_type 1: min(0.001 n, 0.5)            (PickScore, GenEval)
+    "delayed_linear": (75, 0.0075, 0.999),  # decay_type 2: 0 for n < 75, then min(0.0075 (n - 75), 0.999)  (OCR)
+}
+
+
+def ema_decay(schedule: str, n: int) -> float:
+    """EMA decay of the "old" policy after `n` optimizer updates in total (the official `global_step`)."""
+    if schedule not in EMA_SCHEDULES:
+        raise ValueError(f"nft.ema_schedule: unknown schedule {schedule!r}; valid: {sorted(EMA_SCHEDULES)}")
+    flat, rate, cap = EMA_SCHEDULES[schedule]
+    return 0.0 if n < flat else min(rate * (n - flat), cap)
+
+
+# ------------------------------------------------------------------------------------------ config
+
+
+@dataclass
+class SampleConfig:
+    height: int = 512
+    """Image height in pixels."""
+    width: int = 512
+    """Image width in pixels."""
+    num_steps: int = 10
+    """ODE (Euler) steps of a rollout; training timesteps come from this schedule."""
+    group_size: int = 24
+    """Images per prompt (G)."""
+    guidance_scale: float = 1.0
+    """CFG in rollout and training (DiffusionNFT trains CFG-free: 1.0)."""
+    batch_size: int = 0
+    """Rollout micro-batch (images per transformer call); 0 = whole batch."""
+    eval_num_steps: int = 40
+    """ODE steps for evaluation."""
+    eval_guidance_scale: float = 1.0
+    """Guidance for evaluation."""
+
+
+@dataclass
+class NFTConfig:
+    guidance_beta: float = 1.0
+    """NFT's beta: v+ = beta v + (1 - beta) v_old, v- = (1 + beta) v_old - beta v (published: 1.0 PickScore, 0.1 OCR)."""
+    adaptive_weighting: bool = True
+    """Divide each x0 loss by sg(mean |x0_pred - x0|) per sample (the official adaptive weighting)."""
+    ema_schedule: str = "linear"
+    """Decay schedule of the "old" policy: copy | linear (min(0.001 n, 0.5)) | delayed_linear (0 until n = 75, then min(0.0075 (n - 75), 0.999)); n = optimizer updates so far."""
+    timestep_fraction: float = 0.99
+    """Train on the first int(num_steps * fraction) timesteps of the rollout schedule (each sample in its own random order)."""
+
+
+@dataclass
+class NFTTrainConfig(TrainConfig):
+    lr: float = 3e-4
+    """AdamW learning rate."""
+    weight_decay: float = 1e-4
+    """AdamW weight decay."""
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up over this many optimizer updates."""
+    micro_batch_size: int = 9
+    """Images per forward/backward pass."""
+    updates_per_step: int = 1
+    """Optimizer updates per pass over a rollout batch (the official gradient_step_per_epoch: 1 PickScore, 2 OCR)."""
+    num_inner_epochs: int = 1
+    """Passes over each rollout batch."""
+    adv_clip_max: float = 5.0
+    """Advantages clipped to [-m, m] and mapped to r in [0, 1]; also the loss scale (as the official code)."""
+    kl_beta: float = 1e-4
+    """Weight of the velocity-space KL ||v - v_ref||^2 to the reference (adapters off); 0 = no reference pass."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clipping (0 = off)."""
+
+
+@dataclass
+class NFTRewardConfig(RewardConfig):
+    drop_zero_advantage: bool = False
+    """Skip samples whose advantage is exactly 0 (DiffusionNFT keeps them: r = 1/2 pulls v towards v_old)."""
+
+
+@dataclass
+class NFTLogConfig(LogConfig):
+    eval_state: str = "default"
+    """Policy state evaluated: `default` (the trained weights) or `old` (the EMA sampling policy)."""
+
+
+@dataclass
+class Config(RunConfig):
+    algorithm: str = "nft"
+    """Recipe name."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model and adapters."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt files."""
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    """Rollout sampler (deterministic ODE)."""
+    nft: NFTConfig = field(default_factory=NFTConfig)
+    """DiffusionNFT loss and old-policy schedule."""
+    train: NFTTrainConfig = field(default_factory=NFTTrainConfig)
+    """Optimisation."""
+    reward: NFTRewardConfig = field(default_factory=NFTRewardConfig)
+    """Rewards and advantages."""
+    log: NFTLogConfig = field(default_factory=NFTLogConfig)
+    """Samples, evaluation."""
+
+
+def _check(cfg: Config) -> None:
+    s, t, n = cfg.sample, cfg.train, cfg.nft
+    if s.group_size < 2:
+        raise ValueError(f"sample.group_size must be >= 2 for per-prompt advantages, got {s.group_size}")
+    if n.guidance_beta <= 0:
+        raise ValueError(f"nft.guidance_beta must be > 0, got {n.guidance_beta}")
+    ema_decay(n.ema_schedule, 0)  # validates the name
+    if int(s.num_steps * n.timestep_fraction) < 1:
+        raise ValueError(f"nft.timestep_fraction={n.timestep_fraction} trains on no step of {s.num_steps}")
+    if t.updates_per_step < 1 or t.micro_batch_size < 1 or t.num_inner_epochs < 1:
+        raise ValueError("train.updates_per_step, train.micro_batch_size and train.num_inner_epochs must be >= 1")
+    if cfg.log.eval_state not in ("default", "old"):
+        raise ValueError(f"log.eval_state: expected 'default' or 'old', got {cfg.log.eval_state!r}")
+
+
+class _Counters:
+    """Resumable integers: optimizer updates so far (the EMA schedule position)."""
+
+    def __init__(self):
+        self.updates = 0
+
+    def state_dict(self) -> dict:
+        return {"updates": self.updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.updates = int(state["updates"])
+
+
+# ------------------------------------------------------------------------------------------ training
+
+
+def train(cfg: Config) -> dict:
+    from mmrl.diffusion.models import load_flow_model
+    from mmrl.diffusion.sampling import sample_groups
+    from mmrl.pipelines.data import PromptSampler, load_prompts
+
+    _check(cfg)
+    run = Run(cfg)
+    s, t = cfg.sample, cfg.train
+    train_items = load_prompts(cfg.data.train_prompts)
+    eval_items = load_prompts(cfg.data.eval_prompts)[: cfg.log.eval_max_prompts] if cfg.data.eval_prompts else []
+    reward_fn = load_reward_fn(cfg.reward.components, run.device)
+    model = load_flow_model(cfg.model.path, run.device, run.dtype, cfg.model.max_sequence_length or None)
+    states = build_policy_states(model, cfg.model, old=True, ref=t.kl_beta > 0)
+    params = states.trainable_parameters()
+    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.adam_betas), eps=t.adam_eps,
+                                  weight_decay=t.weight_decay)
+    lr_sched = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda i: min(1.0, (i + 1) / t.warmup_steps) if t.warmup_steps > 0 else 1.0)
+    tracker = PerPromptStatTracker(cfg.reward.std_mode, cfg.reward.history)
+    sampler = PromptSampler(train_items, seed=cfg.seed)
+    counters = _Counters()
+    evals = TransformerEvalCounter(model.transformer)
+    stateful = {"optimizer": optimizer, "lr_scheduler": lr_sched, "tracker": tracker, "data": sampler,
+                "counters": counters, "transformer_evals": evals}
+    start, _ = restore_checkpoint(run, states, stateful, tag="nft")
+
+    timer = Timer(sync_cuda=run.device.type == "cuda")
+    bar = run.progress(t.max_steps, initial=start)
+    for step in range(start + 1, t.max_steps + 1):
+        metrics: dict[str, Any] = {}
+        with timer("step"):
+            # ---- 1. rollout with the frozen "old" policy, deterministic ODE
+            with timer("rollout"):
+                items = sampler.next(cfg.data.prompts_per_step)
+                embeds = model.encode_prompts([it.prompt for it in items])
+                with torch.no_grad(), states.use("old"):
+                    traj = sample_groups(model, embeds, s.group_size, num_steps=s.num_steps, height=s.height,
+                                         width=s.width, guidance_scale=s.guidance_scale, noise_level=0.0,
+                                         batch_size=s.batch_size or None)
+                prompts = [items[i].prompt for i in traj.prompt_index.tolist()]
+                metadata = [items[i].metadata for i in traj.prompt_index.tolist()]
+
+            # ---- 2. rewards and per-prompt advantages; 3. optimality probability r
+            with timer("reward"):
+                scores, reward_metrics = score_images(reward_fn, traj.images, prompts, metadata)
+            metrics.update(reward_metrics)
+            adv = tracker.update(prompts, scores)
+            r = nft_optimality_prob(adv, t.adv_clip_max)
+            keep = (adv != 0).nonzero().flatten() if cfg.reward.drop_zero_advantage else torch.arange(len(adv))
+            metrics["train/kept_fraction"] = len(keep) / len(adv)
+            metrics["train/advantage_abs"] = adv.abs().mean().item()
+
+            # ---- 4./5. NFT loss on forward-noised clean samples; updates; EMA of "old"
+            with timer("train"):
+                metrics.update(_train_on_rollout(cfg, model, states, traj, r, keep, optimizer, lr_sched, params,
+                                                 counters, timer))
+            decay = ema_decay(cfg.nft.ema_schedule, counters.updates)
+            states.ema("default", "old", decay)
+            metrics["nft/old_decay"] = decay
+
+        metrics["lr"] = optimizer.param_groups[0]["lr"]
+        if cfg.log.sample_every and (step % cfg.log.sample_every == 0 or step == 1):
+            n = min(cfg.log.num_sample_images, len(prompts))
+            run.save_samples(step, traj.images[:n], [f"{prompts[i][:48]} | r={scores[i]:.3g}" for i in range(n)])
+        if eval_items and cfg.log.eval_every and (step % cfg.log.eval_every == 0 or step in (1, t.max_steps)):
+            with timer("eval"):
+                metrics.update(evaluate_ode(model, states, cfg.log.eval_state, reward_fn, eval_items, run, step,
+                                            num_steps=s.eval_num_steps, guidance_scale=s.eval_guidance_scale,
+                                            height=s.height, width=s.width, batch_size=t.micro_batch_size,
+                                            seed=cfg.seed, num_images=cfg.log.num_sample_images))
+        metrics["cost/transformer_evals"] = evals.count
+        metrics.update(timer.pop(TIMING_PREFIX))
+        metrics["time/step_s"] = metrics.pop("time/step_s")
+        run.log(step, metrics)
+        bar.update(1)
+        bar.set_postfix(reward=f"{metrics['reward/mean']:.4g}", loss=f"{metrics.get('nft/loss', 0):.3g}")
+        if (t.save_every and step % t.save_every == 0) or step == t.max_steps:
+            save_checkpoint(run, step, states, stateful)
+    bar.close()
+    evals.remove()
+    return summarise(run, "nft")
+
+
+def _train_on_rollout(cfg: Config, model, states, traj, r, keep, optimizer, lr_sched, params, counters,
+                      timer) -> dict:
+    """Inner epochs over one rollout batch: NFT loss (+ velocity KL) at K schedule timesteps per sample."""
+    t, s, n = cfg.train, cfg.sample, cfg.nft
+    acc: dict[str, list[float]] = defaultdict(list)
+    if len(keep) == 0:
+        return {"train/updates": 0}
+    x0_all = traj.latents[:, -1]
+    k = int(s.num_steps * n.timestep_fraction)
+    train_sigmas = traj.sigmas[:k]
+    b_all = len(traj)
+    updates = 0
+    for _ in range(t.num_inner_epochs):
+        # each sample visits the K timesteps in its own random order (as the official script)
+        order_t = torch.stack([torch.randperm(k) for _ in range(b_all)])
+        order = keep[torch.randperm(len(keep))]
+        for chunk in torch.tensor_split(order, min(t.updates_per_step, len(order))):
+            for rows in torch.split(chunk, t.micro_batch_size):
+                b = len(rows)
+                emb = traj.embeds.select(traj.prompt_index[rows])
+                x0 = x0_all[rows]
+                rr = r[rows].to(x0.device)
+                weight = b / len(chunk) / k  # mean over the chunk's samples and the K timesteps
+                for j in range(k):
+                    sig = train_sigmas[order_t[rows, j]].to(x0.device)
+                    xt = noise_latents(x0, sig, torch.randn_like(x0))
+                    with timer("forward_backward"):
+                        with torch.no_grad(), states.use("old"):
+                            v_old = model.velocity(xt, sig, emb, guidance_scale=s.guidance_scale)
+                        v = model.velocity(xt, sig, emb, guidance_scale=s.guidance_scale)
+                        loss, m = nft_loss(v, v_old, x0, xt, sig, rr, n.guidance_beta,
+                                           adaptive_weighting=n.adaptive_weighting, loss_scale=t.adv_clip_max)
+                        if t.kl_beta > 0:
+                            with torch.no_grad(), states.use("ref"):
+                                v_ref = model.velocity(xt, sig, emb, guidance_scale=s.guidance_scale)
+                            kl = (v - v_ref).pow(2).mean(dim=tuple(range(1, v.dim()))).mean()
+                            loss = loss + t.kl_beta * kl
+                            acc["nft/kl"].append(kl.item())
+                        (loss * weight).backward()
+                    for key in ("pos_loss", "neg_loss", "old_deviate", "nft_loss"):
+                        acc[f"nft/{key}"].append(m[key])
+                    acc["nft/loss"].append(loss.item())
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm if t.max_grad_norm > 0 else math.inf)
+            acc["train/grad_norm"].append(float(grad_norm))
+            optimizer.step()
+            lr_sched.step()
+            optimizer.zero_grad(set_to_none=True)
+            updates += 1
+            counters.updates += 1
+    out = {key: sum(v) / len(v) for key, v in acc.items()}
+    out["train/updates"] = updates
+    out["nft/r_mean"] = r[keep].mean().item()
+    return out

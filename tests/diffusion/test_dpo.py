@@ -1,0 +1,216 @@
+"""Diffusion-DPO recipe: pairing by hand, log 2 at init, latent cache, exact resume, accuracy / reward rise."""
+
+import glob
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmrl.config import load_config
+from mmrl.diffusion.common import LatentCache, flow_matching_mse, noise_latents, sample_sigmas
+from mmrl.diffusion.dpo import Config, build_pairs, make_shapes_preference_file, train
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = str(REPO / "assets" / "prompts" / "shapes_train.txt")
+EVAL_PROMPTS = str(REPO / "assets" / "prompts" / "shapes_eval.txt")
+SHAPES_MODEL = Path(os.environ.get("MMRL_SHAPES_MODEL", REPO / "assets" / "tiny_sd3_shapes"))  # data-trained tiny SD3
+
+
+@pytest.fixture(scope="module")
+def pairs_file(tmp_path_factory):
+    return make_shapes_preference_file(tmp_path_factory.mktemp("pairs"), n_pairs=12, seed=1)
+
+
+def _cfg(out, model_path, overrides=(), **sections) -> Config:
+    d = {
+        "algorithm": "dpo", "output_dir": str(out), "seed": 7, "device": "cpu",
+        "model": {"path": str(model_path), "lora_rank": 4, "lora_alpha": 8},
+        "data": {"train_prompts": PROMPTS, "prompts_per_step": 2, "pairs_per_step": 4},
+        "sample": {"height": 64, "width": 64, "num_steps": 3, "group_size": 3, "guidance_scale": 1.0,
+                   "eval_num_steps": 2},
+        "dpo": {"mode": "online", "beta": 100.0, "pairing": "all_pairs", "sigma_shift": 1.0},
+        "train": {"max_steps": 2, "save_every": 0, "micro_batch_size": 2, "lr": 1e-3},
+        "reward": {"components": {"jpeg_compressibility": 1.0}},
+        "log": {"sample_every": 0},
+    }
+    for k, v in sections.items():
+        d[k] = {**d.get(k, {}), **v}
+    return load_config(d, list(overrides))
+
+
+def _rows(out):
+    return [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _no_time(row):
+    return {k: v for k, v in row.items() if not k.startswith("time/")}
+
+
+# ---------------------------------------------------------------------------------------- pairing
+
+
+def test_build_pairs_by_hand():
+    scores = torch.tensor([0.1, 0.9, 0.5, 2.0, 2.0, 1.0, 3.0])
+    groups = torch.tensor([0, 0, 0, 1, 1, 1, 2])
+    w, l = build_pairs(scores, groups, "best_worst")
+    # group 0: best 1 (0.9), worst 0 (0.1); group 1: best 3 (first of the tie 2.0, 2.0), worst 5;
+    # group 2 has one member: no pair
+    assert list(zip(w.tolist(), l.tolist())) == [(1, 0), (3, 5)]
+    w, l = build_pairs(scores, groups, "best_worst", margin=0.9)  # group 0 gap 0.8 <= 0.9 -> dropped
+    assert list(zip(w.tolist(), l.tolist())) == [(3, 5)]
+    w, l = build_pairs(scores, groups, "all_pairs")
+    # every ordered pair inside a group with a positive gap (ties give none), row-major order
+    assert list(zip(w.tolist(), l.tolist())) == [(1, 0), (1, 2), (2, 0), (3, 5), (4, 5)]
+    w, l = build_pairs(scores, groups, "all_pairs", margin=0.35)  # gaps: 0.8, 0.4, 0.4, 1.0, 1.0
+    assert list(zip(w.tolist(), l.tolist())) == [(1, 0), (1, 2), (2, 0), (3, 5), (4, 5)]
+    w, l = build_pairs(scores, groups, "all_pairs", margin=0.5)
+    assert list(zip(w.tolist(), l.tolist())) == [(1, 0), (3, 5), (4, 5)]
+    w, l = build_pairs(scores, groups, "all_pairs", max_pairs=2)  # two largest gaps (1.0, 1.0), in order
+    assert list(zip(w.tolist(), l.tolist())) == [(3, 5), (4, 5)]
+    w, l = build_pairs(torch.ones(4), torch.tensor([0, 0, 1, 1]), "best_worst")  # all equal: no pairs
+    assert len(w) == 0 and len(l) == 0
+    with pytest.raises(ValueError, match="pairing"):
+        build_pairs(scores, groups, "random")
+
+
+def test_training_points_by_hand():
+    x0, eps = torch.full((2, 1, 1, 1), 2.0), torch.full((2, 1, 1, 1), -1.0)
+    xt = noise_latents(x0, torch.tensor([0.25, 1.0]), eps)
+    assert xt.flatten().tolist() == [0.75 * 2.0 - 0.25, -1.0]
+    # target velocity eps - x0 = -3: v = -1 -> error 4
+    assert flow_matching_mse(torch.full((2, 1, 1, 1), -1.0), x0, eps).tolist() == [4.0, 4.0]
+    g = torch.Generator().manual_seed(0)
+    u = torch.rand(5, generator=g)
+    s = sample_sigmas(5, "uniform", shift=3.0, generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(s, 3 * u / (1 + 2 * u))
+    with pytest.raises(ValueError, match="logit_normal"):
+        sample_sigmas(2, "cosine")
+
+
+# ---------------------------------------------------------------------------------------- recipe
+
+
+def test_log2_at_init_offline(tmp_path, tiny_sd3_path, pairs_file):
+    """LoRA B starts at 0, so the policy equals the reference (adapters off) bitwise: zero margin, loss log 2."""
+    cfg = _cfg(tmp_path / "run", tiny_sd3_path, ["train.max_steps=1", "dpo.mode=offline",
+                                                 f"data.preference_file={pairs_file}"])
+    train(cfg)
+    row = _rows(tmp_path / "run")[0]
+    assert row["dpo/reward_margin"] == 0.0 and row["dpo/kl_proxy"] == 0.0
+    assert row["dpo/loss"] == pytest.approx(math.log(2), abs=1e-7)
+    assert row["dpo/implicit_acc"] == 0.0  # ties count as wrong
+    assert row["reward/mean"] == 0.0 and row["reward/std"] == 0.0  # offline reward = implicit margin
+    assert row["cost/transformer_evals"] == 4 * 2 * 2  # 4 pairs x (chosen, rejected) x (policy, ref)
+
+
+def test_log2_at_init_full_finetuning(tmp_path, tiny_sd3_path):
+    cfg = _cfg(tmp_path / "run", tiny_sd3_path, ["train.max_steps=1", "model.lora=false"])
+    train(cfg)
+    row = _rows(tmp_path / "run")[0]
+    assert row["dpo/reward_margin"] == 0.0 and row["dpo/loss"] == pytest.approx(math.log(2), abs=1e-7)
+    assert row["dpo/pairs"] == row["dpo/pairs_trained"] > 0
+    for key in ("reward/mean", "reward/std", "reward/jpeg_compressibility", "time/step_s", "dpo/pair_gap"):
+        assert key in row
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(str(REPO / "configs" / "diffusion" / "dpo_*.yaml"))))
+def test_shipped_configs_load(path):
+    cfg = load_config(path)
+    assert cfg.algorithm == "dpo" and cfg.dpo.mode in ("offline", "online")
+
+
+def test_published_hyperparameters():
+    """SalesforceAIResearch/DiffusionDPO: beta_dpo 5000, lr 1e-8 x batch 2048, warm-up 500, 2000 steps."""
+    cfg = load_config(REPO / "configs" / "diffusion" / "dpo_sd35_pickapic.yaml")
+    assert (cfg.dpo.beta, cfg.data.pairs_per_step, cfg.train.max_steps, cfg.train.warmup_steps) == (5000.0, 2048, 2000, 500)
+    assert cfg.train.lr == pytest.approx(1e-8 * 2048)
+
+
+def test_bad_config_errors(tmp_path, tiny_sd3_path):
+    with pytest.raises(ValueError, match="preference_file"):
+        train(_cfg(tmp_path / "a", tiny_sd3_path, ["dpo.mode=offline"]))
+    with pytest.raises(ValueError, match="dpo.mode"):
+        train(_cfg(tmp_path / "b", tiny_sd3_path, ["dpo.mode=replay"]))
+    with pytest.raises(FileNotFoundError):
+        train(_cfg(tmp_path / "c", tiny_sd3_path, ["dpo.mode=offline", f"data.preference_file={tmp_path}/none.jsonl"]))
+
+
+@pytest.mark.parametrize("mode", ["online", "offline"])
+def test_resume_equals_uninterrupted_run(tmp_path, tiny_sd3_path, pairs_file, mode):
+    extra = ["dpo.mode=" + mode, f"data.preference_file={pairs_file}", "train.save_every=2", "log.eval_every=2",
+             "log.eval_max_prompts=4"]
+    train(_cfg(tmp_path / "full", tiny_sd3_path, ["train.max_steps=4"] + extra))
+    train(_cfg(tmp_path / "half", tiny_sd3_path, ["train.max_steps=2"] + extra))
+    train(_cfg(tmp_path / "half", tiny_sd3_path, ["train.max_steps=4"] + extra))
+    a, b = _rows(tmp_path / "full"), _rows(tmp_path / "half")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert [_no_time(r) for r in a] == [_no_time(r) for r in b]
+    if mode == "offline":
+        # the latents encoded before the interruption were read back, not encoded again
+        cache = LatentCache(tmp_path / "half" / "latent_cache", 64, 64)
+        assert cache.loaded_from_disk >= b[-1]["dpo/latents_cached"] > 0
+
+
+def test_latent_cache_reuse(tmp_path, tiny_sd3, pairs_file):
+    from mmrl.pipelines.data import load_preference_pairs
+
+    pairs = load_preference_pairs(pairs_file)
+    refs = [pairs[0].chosen, pairs[1].rejected]
+    cache = LatentCache(tmp_path / "c", 64, 64)
+    z = cache.get(tiny_sd3, refs)
+    assert z.shape == (2, 4, 16, 16) and cache.encoded == 2
+    assert torch.equal(cache.get(tiny_sd3, refs[::-1]), z.flip(0)) and cache.encoded == 2  # no re-encoding
+    again = LatentCache(tmp_path / "c", 64, 64)
+    assert again.loaded_from_disk == 2 and torch.equal(again.get(tiny_sd3, refs), z) and again.encoded == 0
+    other_size = LatentCache(tmp_path / "c", 32, 32)  # a new size is a new key
+    assert other_size.get(tiny_sd3, refs[:1]).shape == (1, 4, 8, 8) and other_size.encoded == 1
+    off = LatentCache(tmp_path / "off", 64, 64, enabled=False)
+    assert torch.equal(off.get(tiny_sd3, refs), z) and not (tmp_path / "off").exists()
+
+
+# ---------------------------------------------------------------------------------------- learning
+
+
+@pytest.mark.slow
+def test_offline_dpo_raises_implicit_accuracy(tmp_path, tiny_sd3_path):
+    """Chosen = the shape in the prompt's colour, rejected = a wrong colour: the policy learns to prefer it."""
+    torch.set_num_threads(1)
+    model = SHAPES_MODEL if (SHAPES_MODEL / "model_index.json").is_file() else tiny_sd3_path
+    pairs = make_shapes_preference_file(tmp_path / "pairs", n_pairs=16, seed=0)
+    cfg = load_config(REPO / "configs" / "diffusion" / "dpo_tiny_offline.yaml",
+                      [f"output_dir={tmp_path / 'run'}", f"model.path={model}", f"data.preference_file={pairs}",
+                       "train.max_steps=40", "log.eval_every=20", "log.eval_max_prompts=16", "train.resume=never",
+                       "train.save_every=0"])
+    train(cfg)
+    evals = [r["eval/dpo/implicit_acc"] for r in _rows(tmp_path / "run") if "eval/dpo/implicit_acc" in r]
+    print("offline DPO eval implicit accuracy (16 pairs x 4 fixed draws):", evals)
+    assert evals[-1] > 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (SHAPES_MODEL / "model_index.json").is_file(), reason="assets/tiny_sd3_shapes not built")
+def test_online_dpo_tiny_raises_reward(tmp_path):
+    torch.set_num_threads(1)
+    cfg = load_config(REPO / "configs" / "diffusion" / "dpo_tiny_online.yaml",
+                      [f"output_dir={tmp_path / 'run'}", f"model.path={SHAPES_MODEL}",
+                       f"data.train_prompts={PROMPTS}", f"data.eval_prompts={EVAL_PROMPTS}",
+                       "train.max_steps=30", "log.sample_every=0",
+                       "train.resume=never"])
+    summary = train(cfg)
+    print("dpo_tiny_online first-5 vs last-5 mean reward:", summary["reward_first5"], summary["reward_last5"])
+    assert summary["reward_last5"] > summary["reward_first5"]
+
+
+def test_evaluation_does_not_change_training(tmp_path, tiny_sd3_path, pairs_file):
+    """Offline evaluation draws its noise from its own generator: the training metrics are identical."""
+    extra = ["dpo.mode=offline", f"data.preference_file={pairs_file}", "train.max_steps=3", "log.eval_max_prompts=6"]
+    train(_cfg(tmp_path / "a", tiny_sd3_path, extra + ["log.eval_every=1"]))
+    train(_cfg(tmp_path / "b", tiny_sd3_path, extra + ["log.eval_every=0"]))
+    a, b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
+    assert all("eval/dpo/implicit_acc" in r for r in a) and not any("eval/dpo/implicit_acc" in r for r in b)
+    drop = lambda r: {k: v for k, v in _no_time(r).items()  # noqa: E731
+                      if not k.startswith("eval/") and k not in ("dpo/latents_cached", "cost/transformer_evals")}
+    assert [drop(r) for r in a] == [drop(r) for r in b]
