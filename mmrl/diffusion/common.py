@@ -218,13 +218,16 @@ def save_checkpoint(run: Run, step: int, states: Any, stateful: dict[str, Any], 
     return run.ckpt_dir / f"step_{step}"
 
 
-def restore_checkpoint(run: Run, states: Any, stateful: dict[str, Any], tag: str = "") -> tuple[int, dict]:
+def restore_checkpoint(run: Run, states: Any, stateful: dict[str, Any], tag: str = "",
+                       truncate: bool = True) -> tuple[int, dict]:
     """Resume per `train.resume`: returns (step, extra) and restores states, `stateful` objects and RNG
-    in place; (0, {}) when starting fresh. metrics.jsonl is cut back to the resumed step (to nothing
-    when starting fresh)."""
+    in place; (0, {}) when starting fresh. With `truncate`, metrics.jsonl is cut back to the resumed step
+    (to nothing when starting fresh); several processes pass `truncate=ctx.is_main` so that only rank 0,
+    the one process that writes metrics.jsonl, rewrites it."""
     ckpt = run.find_resume()
     if ckpt is None:
-        run.truncate_metrics(0)  # a fresh run in an existing directory starts a fresh metrics.jsonl
+        if truncate:
+            run.truncate_metrics(0)  # a fresh run in an existing directory starts a fresh metrics.jsonl
         return 0, {}
     step = checkpoint_step(ckpt)
     states.load(Path(ckpt) / "adapters")
@@ -235,7 +238,8 @@ def restore_checkpoint(run: Run, states: Any, stateful: dict[str, Any], tag: str
     for k, obj in stateful.items():
         obj.load_state_dict(state["stateful"][k])
     set_rng_state(state["rng"])
-    run.truncate_metrics(step)
+    if truncate:
+        run.truncate_metrics(step)
     print(f"[{tag or run.cfg.algorithm}] resumed from {ckpt} (step {step})")
     return step, dict(state.get("extra", {}))
 

@@ -13,13 +13,21 @@ One step reads top to bottom:
     from mmrl.diffusion.flow_grpo import train
     summary = train(load_config("configs/diffusion/flow_grpo_tiny.yaml", ["train.max_steps=20"]))
 
-What is simplified away versus flow_grpo's scripts: single process (no accelerate / FSDP); the
-rollout and reward run one after the other (no thread pool); KL as a loss only (no KL-in-reward).
+Several processes (`torchrun` / `accelerate launch`, `dist.strategy: ddp`): `data.prompts_per_step` is the
+global number of prompts; each rank rolls out its contiguous share, rewards are all-gathered so the per-prompt
+advantages and the stat tracker see the whole batch (identical tracker on every rank), each rank's loss is
+scaled so DDP's gradient average equals the global-batch gradient, every rank runs the same number of
+micro-steps (zero-weight ones when it has nothing left), and rank 0 alone logs, samples, evaluates and writes
+checkpoints (which any number of ranks can resume). With one process nothing of this changes a number.
+
+What is simplified away versus flow_grpo's scripts: no FSDP (LoRA + DDP); the rollout and reward run one
+after the other (no thread pool); KL as a loss only (no KL-in-reward).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +37,8 @@ import torch
 from mmrl.config import RunConfig, TrainConfig
 from mmrl.core.kl import gaussian_kl_equal_std
 from mmrl.core.losses import clipped_policy_loss
-from mmrl.runtime import Run, Timer
+from mmrl.distributed import DistConfig, DistContext, rank_seed
+from mmrl.runtime import Run, Timer, seed_everything
 
 # ------------------------------------------------------------------------------------------ config
 
@@ -90,6 +99,10 @@ class SampleConfig:
     """Same initial noise for all images of a prompt."""
     batch_size: int = 0
     """Rollout micro-batch (images per transformer call); 0 = whole batch."""
+    prompt_cache_size: int = 1024
+    """Keep the text embeddings of every training prompt (CPU, LRU by prompt text) when the prompt file has at
+    most this many distinct prompts: the text encoders then run once per prompt instead of every step. Larger
+    prompt sets (shuffled epochs never revisit a prompt soon) and 0 encode each step's prompts."""
     eval_num_steps: int = 40
     """ODE steps for evaluation."""
     eval_guidance_scale: float = 4.5
@@ -168,6 +181,8 @@ class Config(RunConfig):
     """Rewards and advantages."""
     log: LogConfig = field(default_factory=LogConfig)
     """Samples, evaluation."""
+    dist: DistConfig = field(default_factory=DistConfig)
+    """Several processes under torchrun / accelerate launch (strategy none|ddp, backend, find_unused_parameters)."""
 
 
 # ------------------------------------------------------------------------------------------ advantages
@@ -224,6 +239,9 @@ def _check(cfg: Config) -> None:
         raise ValueError(f"sample.noise_level must be > 0 for training rollouts, got {s.noise_level}")
     if t.updates_per_step < 1 or t.micro_batch_size < 1 or t.num_inner_epochs < 1:
         raise ValueError("train.updates_per_step, train.micro_batch_size and train.num_inner_epochs must be >= 1")
+    if cfg.dist.strategy == "fsdp":
+        raise ValueError("dist.strategy=fsdp is not supported by flow_grpo (PolicyStates' old/EMA/save do not follow "
+                         "FSDP2's sharded parameters, request R3); use dist.strategy=ddp (LoRA gradients are small)")
 
 
 def _warmup(steps: int):
@@ -233,35 +251,56 @@ def _warmup(steps: int):
 # ------------------------------------------------------------------------------------------ training
 
 
+# the SDE-window position must be the same on every rank (same trained steps -> same micro-step count); it is
+# drawn from a generator seeded by (seed, step) and this rank id, which no real process has
+_WINDOW_RANK = 1_000_002
+
+
 def train(cfg: Config) -> dict:
     from mmrl.diffusion.common import (TransformerEvalCounter, build_policy_states, evaluate_ode, load_reward_fn,
                                        restore_checkpoint, save_checkpoint, score_images)
-    from mmrl.diffusion.models import load_flow_model
+    from mmrl.diffusion.models import PromptEmbedCache, load_flow_model
     from mmrl.diffusion.sampling import sample_groups
     from mmrl.pipelines.data import PromptSampler, load_prompts
 
     _check(cfg)
-    run = Run(cfg)
+    ctx = DistContext.init(cfg.dist.backend)
+    if ctx.enabled and cfg.dist.strategy == "none":  # unsynchronised ranks would silently train apart
+        raise ValueError(f"{ctx.world_size} processes were launched but dist.strategy is 'none': add "
+                         f"dist.strategy=ddp (gradients are then averaged across processes)")
+    if cfg.data.prompts_per_step % ctx.world_size:
+        raise ValueError(f"data.prompts_per_step={cfg.data.prompts_per_step} (global) must be divisible by the "
+                         f"number of processes ({ctx.world_size})")
+    if not ctx.is_main:
+        os.environ["MMRL_NO_PROGRESS"] = "1"
+    with ctx.main_process_first():
+        run = Run(cfg, write_config=ctx.is_main)
+    if ctx.enabled:
+        run.device = ctx.device  # cuda:LOCAL_RANK (models and rewards load there)
     s, t = cfg.sample, cfg.train
     train_items = load_prompts(cfg.data.train_prompts)
     eval_items = load_prompts(cfg.data.eval_prompts)[: cfg.log.eval_max_prompts] if cfg.data.eval_prompts else []
     reward_fn = load_reward_fn(cfg.reward.components, run.device)
     model = load_flow_model(cfg.model.path, run.device, run.dtype, cfg.model.max_sequence_length or None)
+    n_distinct = len({it.prompt for it in train_items})
+    encode = PromptEmbedCache(model, n_distinct) if 0 < n_distinct <= s.prompt_cache_size else model.encode_prompts
 
     # policy states: "default" trains, "old" = EMA for eval, "ref" = adapters off (KL)
     states = build_policy_states(model, cfg.model, old=t.ema, ref=t.beta > 0)
     params = states.trainable_parameters()
+    evals = TransformerEvalCounter(model.transformer)
+    # DDP keeps PolicyStates' parameter objects; one process: unchanged
+    model.transformer = ctx.wrap_model(states.model, cfg.dist.strategy,
+                                       find_unused_parameters=cfg.dist.find_unused_parameters)
     optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.adam_betas), eps=t.adam_eps,
                                   weight_decay=t.weight_decay)
     lr_sched = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup(t.warmup_steps))
     tracker = PerPromptStatTracker(cfg.reward.std_mode, cfg.reward.history)
     sampler = PromptSampler(train_items, seed=cfg.seed)
-    evals = TransformerEvalCounter(model.transformer)
     stateful = {"optimizer": optimizer, "lr_scheduler": lr_sched, "tracker": tracker, "data": sampler,
                 "transformer_evals": evals}
-    start, _ = restore_checkpoint(run, states, stateful, tag="flow_grpo")
-    if start == 0:
-        run.truncate_metrics(0)  # a fresh run in an existing directory starts a fresh metrics.jsonl
+    start, _ = restore_checkpoint(run, states, stateful, tag="flow_grpo", truncate=ctx.is_main)
+    evals_synced = evals.count  # global count (all ranks) at the last synchronisation
 
     rollout_kw = dict(num_steps=s.num_steps, height=s.height, width=s.width, guidance_scale=s.guidance_scale,
                       noise_level=s.noise_level, sde_type=s.sde_type, window_size=s.window_size,
@@ -271,38 +310,45 @@ def train(cfg: Config) -> dict:
     bar = run.progress(t.max_steps, initial=start)
     for step in range(start + 1, t.max_steps + 1):
         metrics: dict[str, Any] = {}
+        window_gen = None
+        if ctx.enabled:  # rank-local noise, a pure function of (seed, rank, step): nothing per rank to checkpoint
+            seed_everything(ctx.rank_seed(cfg.seed, step))
+            window_gen = torch.Generator().manual_seed(rank_seed(cfg.seed, _WINDOW_RANK, step))
         with timer("step"):
-            # ---- 1. rollout: G samples per prompt, prompts encoded once
+            # ---- 1. rollout: G samples per prompt, prompts encoded once (this rank's share of the prompts)
             with timer("rollout"):
-                items = sampler.next(cfg.data.prompts_per_step)
-                embeds = model.encode_prompts([it.prompt for it in items])
-                traj = sample_groups(model, embeds, s.group_size, **rollout_kw)
+                items = ctx.shard(sampler.next(cfg.data.prompts_per_step))
+                embeds = encode([it.prompt for it in items])
+                traj = sample_groups(model, embeds, s.group_size, window_generator=window_gen, **rollout_kw)
                 prompts = [items[i].prompt for i in traj.prompt_index.tolist()]
                 metadata = [items[i].metadata for i in traj.prompt_index.tolist()]
 
             # ---- 2. rewards (weighted sum; each component logged)
             with timer("reward"):
                 scores, reward_metrics = score_images(reward_fn, traj.images, prompts, metadata)
-            metrics.update(reward_metrics)
+            if ctx.enabled:  # equal sample counts per rank: the mean of the ranks' means is the batch mean
+                reward_metrics = {k: float(ctx.all_reduce_mean(v)) for k, v in reward_metrics.items()}
+            metrics.update(reward_metrics)  # reward/mean and reward/std: from all samples, below
 
-            # ---- 3. advantages: per-prompt normalisation, clipping, drop zero-advantage samples
-            adv = tracker.update(prompts, scores).clamp(-t.adv_clip_max, t.adv_clip_max)
-            keep = (adv != 0).nonzero().flatten() if cfg.reward.drop_zero_advantage else torch.arange(len(adv))
-            metrics["train/kept_fraction"] = len(keep) / len(adv)
-            metrics["train/advantage_abs"] = adv.abs().mean().item()
+            # ---- 3. advantages: per-prompt normalisation over all ranks' rewards, clipping, drop zero advantages
+            adv, keep, adv_metrics = global_advantages(ctx, tracker, prompts, scores, t.adv_clip_max,
+                                                       cfg.reward.drop_zero_advantage)
+            metrics.update(adv_metrics)
 
             # ---- 4./5. loss per trained timestep, accumulated; optimizer updates (+ EMA)
             with timer("train"):
                 metrics.update(_train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, params,
-                                                 timer))
+                                                 timer, ctx))
 
-        # ---- logging, samples, evaluation, checkpoints
+        # ---- logging, samples, evaluation, checkpoints (rank 0)
         metrics["lr"] = optimizer.param_groups[0]["lr"]
+        evals.count = evals_synced = evals_synced + int(ctx.all_reduce_sum(evals.count - evals_synced))
         metrics["cost/transformer_evals"] = evals.count
-        if cfg.log.sample_every and (step % cfg.log.sample_every == 0 or step == 1):
+        if ctx.is_main and cfg.log.sample_every and (step % cfg.log.sample_every == 0 or step == 1):
             n = min(cfg.log.num_sample_images, len(prompts))
             run.save_samples(step, traj.images[:n], [f"r={scores[i]:.3g} {prompts[i]}" for i in range(n)])
-        if eval_items and cfg.log.eval_every and (step % cfg.log.eval_every == 0 or step == t.max_steps):
+        eval_now = eval_items and cfg.log.eval_every and (step % cfg.log.eval_every == 0 or step == t.max_steps)
+        if ctx.is_main and eval_now:
             with timer("eval"):
                 metrics.update(evaluate_ode(
                     model, states, "old" if t.ema else "default", reward_fn, eval_items, run, step,
@@ -310,72 +356,177 @@ def train(cfg: Config) -> dict:
                     width=s.width, batch_size=t.micro_batch_size, seed=cfg.seed, num_images=cfg.log.num_sample_images))
         metrics.update(timer.pop())
         metrics["time/step_s"] = metrics.pop("time/step_s")
-        run.log(step, metrics)
+        if ctx.is_main:
+            run.log(step, metrics)
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.4g}", drift=f"{metrics.get('diag/logprob_drift', 0):.1e}")
         if (t.save_every and step % t.save_every == 0) or step == t.max_steps:
-            save_checkpoint(run, step, states, stateful)
+            if ctx.is_main:
+                save_checkpoint(run, step, states, stateful)
+            ctx.barrier()  # nobody reads or resumes from a half-written checkpoint
     bar.close()
-    return _summarise(run)
+    summary = _summarise(run) if ctx.is_main else {}
+    ctx.barrier()
+    ctx.close()
+    return summary
 
 
-def _train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, params, timer) -> dict:
-    """Inner epochs over one rollout batch; returns averaged loss metrics and diag/logprob_drift."""
+def global_advantages(ctx: DistContext, tracker: PerPromptStatTracker, prompts: list[str], scores: torch.Tensor,
+                      adv_clip_max: float, drop_zero_advantage: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(advantages of this rank's samples [b], indices of the samples to train on, metrics).
+
+    Rewards and prompts of every rank are all-gathered (rank order), the tracker normalises per prompt over
+    that global batch (a prompt's group may even span ranks), and each rank keeps its own rows. Every rank
+    updates its tracker with the same global batch, so the tracker state is identical everywhere (rank 0's
+    checkpoint is everyone's). One process: exactly `tracker.update(prompts, scores)`."""
+    all_prompts = [p for part in ctx.all_gather_object(list(prompts)) for p in part]
+    all_scores = ctx.all_gather_tensor(scores)
+    sizes = list(ctx.last_gather_sizes)
+    adv_all = tracker.update(all_prompts, all_scores).clamp(-adv_clip_max, adv_clip_max)
+    adv = ctx.local_slice(adv_all, sizes)
+    keep = (adv != 0).nonzero().flatten() if drop_zero_advantage else torch.arange(len(adv))
+    n_keep = int(ctx.all_reduce_sum(len(keep)))
+    metrics = {"train/kept_fraction": n_keep / len(adv_all), "train/advantage_abs": adv_all.abs().mean().item()}
+    if ctx.enabled:  # the whole batch's reward statistics (score_images gave this rank's)
+        metrics["reward/mean"] = all_scores.mean().item()
+        metrics["reward/std"] = all_scores.std().item() if len(all_scores) > 1 else 0.0
+    return adv, keep, metrics
+
+
+def _train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, params, timer,
+                      ctx: DistContext | None = None) -> dict:
+    """Inner epochs over one rollout batch; returns averaged loss metrics and diag/logprob_drift.
+
+    Several ranks: each holds its rows of the global batch; an update's chunk is the union of the ranks'
+    local chunks, each rank's loss is weighted by `ctx.loss_scale(len(local chunk))` (DDP averages, so the
+    gradient is the global chunk mean), all ranks run the same number of micro-steps (zero-weight padding
+    micro-batches where a rank has fewer or no rows), and gradients are all-reduced once per update (no_sync
+    around the forward and backward of every other micro-step)."""
     from mmrl.diffusion.sampling import step_log_prob
 
+    ctx = ctx or DistContext()
     t = cfg.train
     step_kw = dict(guidance_scale=cfg.sample.guidance_scale, noise_level=cfg.sample.noise_level,
                    sde_type=cfg.sample.sde_type)
-    acc: dict[str, list[float]] = defaultdict(list)
-    drift = 0.0
+    acc: dict[str, list] = defaultdict(list)  # floats or 0-dim tensors (converted once, at the end: no GPU syncs)
+    drift: list[torch.Tensor] = []
     steps = traj.train_steps.tolist()
-    if len(keep) == 0 or not steps:
+    if ctx.max_int(len(keep)) == 0 or not steps:
         return {"diag/logprob_drift": 0.0, "train/updates": 0}
+    # the reference is frozen: its step means are computed once per (sample, step) and reused by later epochs
+    ref_cache = RefMeanCache(traj) if t.beta > 0 and t.num_inner_epochs > 1 else None
+    pad_rows = keep[:1] if len(keep) else torch.zeros(1, dtype=torch.long)  # any real row; weight 0
     updates = 0
     for epoch in range(t.num_inner_epochs):
         order = keep[torch.randperm(len(keep))]
-        for u, chunk in enumerate(torch.tensor_split(order, min(t.updates_per_step, len(order)))):
+        n_updates = min(t.updates_per_step, ctx.max_int(len(order)))  # identical on every rank
+        for u, chunk in enumerate(torch.tensor_split(order, n_updates)):
             first_update = epoch == 0 and u == 0
-            micro = torch.split(chunk, t.micro_batch_size)
-            for rows in micro:
+            micro = [m for m in torch.split(chunk, t.micro_batch_size) if len(m)]  # (an empty chunk splits into [[]])
+            n_micro = ctx.max_int(len(micro))  # same number of micro-steps on every rank
+            scale = ctx.loss_scale(len(chunk))  # local mean -> global mean under DDP's gradient average
+            for mi in range(n_micro):
+                real = mi < len(micro)
+                rows = micro[mi] if real else pad_rows
                 b = len(rows)
                 emb = traj.embeds.select(traj.prompt_index[rows])
                 a = adv[rows].to(model.device)
-                weight = b / len(chunk) / len(steps)  # mean over the chunk's samples and trained steps
+                weight = b / len(chunk) / len(steps) * scale if real else 0.0  # mean over the chunk and steps
+                ref_means = _reference_means(model, states, traj, rows, steps, emb, step_kw, ref_cache, timer) \
+                    if t.beta > 0 else {}
                 for j in steps:
-                    x, x_next = traj.latents[rows, j], traj.latents[rows, j + 1]
-                    sig, sig_next = traj.sigmas[j].expand(b), traj.sigmas[j + 1].expand(b)
-                    old_lp = traj.log_probs[rows, j]
-                    with timer("forward_backward"):
-                        cur = step_log_prob(model, x, x_next, sig, sig_next, emb, **step_kw)
-                    if first_update:  # no optimizer step has happened yet: must equal the rollout
-                        drift = max(drift, (cur.log_prob.detach() - old_lp).abs().max().item())
-                    loss, m = clipped_policy_loss(cur.log_prob, old_lp, a, clip_low=t.clip_range,
-                                                  clip_high=t.clip_range)
-                    if t.beta > 0:
-                        with torch.no_grad(), states.use("ref"), timer("forward_backward"):
-                            ref = step_log_prob(model, x, x_next, sig, sig_next, emb, **step_kw)
-                        kl = gaussian_kl_equal_std(cur.mean, ref.mean, cur.std[:, 0, 0, 0].clamp(min=1e-8)).mean()
-                        loss = loss + t.beta * kl
-                        acc["policy/kl"].append(kl.item())
-                    with timer("forward_backward"):
-                        (loss * weight).backward()
-                    acc["policy/clipfrac"].append(m["clipfrac"])
-                    acc["policy/approx_kl"].append(m["approx_kl"])
-                    acc["policy/ratio_max"].append(m["ratio_max"])
-                    acc["train/loss"].append(loss.item())
+                    last = mi == n_micro - 1 and j == steps[-1]  # DDP all-reduces in this backward only
+                    with ctx.no_sync(model.transformer, sync=last):  # wraps forward AND backward
+                        x, x_next = traj.latents[rows, j], traj.latents[rows, j + 1]
+                        sig, sig_next = traj.sigmas[j].expand(b), traj.sigmas[j + 1].expand(b)
+                        old_lp = traj.log_probs[rows, j]
+                        with timer("forward_backward"):
+                            cur = step_log_prob(model, x, x_next, sig, sig_next, emb, **step_kw)
+                        if first_update and real:  # no optimizer step has happened yet: must equal the rollout
+                            drift.append((cur.log_prob.detach() - old_lp).abs().max())
+                        loss, m = clipped_policy_loss(cur.log_prob, old_lp, a, clip_low=t.clip_range,
+                                                      clip_high=t.clip_range)
+                        if t.beta > 0:
+                            std = cur.std[:, 0, 0, 0].clamp(min=1e-8)
+                            kl = gaussian_kl_equal_std(cur.mean, ref_means[j], std).mean()
+                            loss = loss + t.beta * kl
+                            if real:
+                                acc["policy/kl"].append(kl.detach())
+                        with timer("forward_backward"):
+                            (loss * weight).backward()
+                    if real:
+                        acc["policy/clipfrac"].append(m["clipfrac"])
+                        acc["policy/approx_kl"].append(m["approx_kl"])
+                        acc["policy/ratio_max"].append(m["ratio_max"])
+                        acc["train/loss"].append(loss.detach())
             grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm if t.max_grad_norm > 0 else math.inf)
-            acc["train/grad_norm"].append(float(grad_norm))
+            acc["train/grad_norm"].append(grad_norm)
             optimizer.step()
             lr_sched.step()
             optimizer.zero_grad(set_to_none=True)
             updates += 1
             if t.ema:
                 states.ema("default", "old", t.ema_decay)
-    out = {k: (max(v) if k == "policy/ratio_max" else sum(v) / len(v)) for k, v in acc.items()}
-    out["diag/logprob_drift"] = drift
+    vals = {k: [float(x) for x in v] for k, v in acc.items()}
+    vals["diag/logprob_drift"] = [0.0] + [float(d) for d in drift]
+    if ctx.enabled:  # metrics of the whole batch: every rank's micro-step values (an idle rank has none)
+        merged: dict[str, list[float]] = defaultdict(list)
+        for part in ctx.all_gather_object(vals):
+            for k, v in part.items():
+                merged[k] += v
+        vals = merged
+    out = {k: max(v) if k in ("policy/ratio_max", "diag/logprob_drift") else sum(v) / len(v)
+           for k, v in vals.items() if v}
     out["train/updates"] = updates
     return out
+
+
+@torch.no_grad()
+def _reference_means(model, states, traj, rows, steps, emb, step_kw, ref_cache, timer) -> dict[int, torch.Tensor]:
+    """Step means of the reference policy for one micro-batch at every trained step: {j: mean [b, C, h, w]}.
+
+    All of a micro-batch's reference forwards run under ONE switch to the reference state (switching peft
+    adapters walks every LoRA layer), before the policy's forward/backward passes; with `ref_cache` (several
+    inner epochs) steps computed in an earlier epoch are looked up instead."""
+    from mmrl.diffusion.sampling import step_log_prob
+
+    b = len(rows)
+    out, todo = {}, []
+    for j in steps:
+        cached = ref_cache.get(rows, j) if ref_cache is not None else None
+        if cached is None:
+            todo.append(j)
+        else:
+            out[j] = cached
+    if todo:
+        with states.use("ref"), timer("forward_backward"):
+            for j in todo:
+                out[j] = step_log_prob(model, traj.latents[rows, j], traj.latents[rows, j + 1],
+                                       traj.sigmas[j].expand(b), traj.sigmas[j + 1].expand(b), emb, **step_kw).mean
+                if ref_cache is not None:
+                    ref_cache.put(rows, j, out[j])
+    return out
+
+
+class RefMeanCache:
+    """Reference-policy step means [B, K, C, h, w] of one rollout batch (K = trained steps), filled on first
+    use. The reference (adapters off, or a frozen snapshot) does not change during a step's inner epochs, so
+    epochs after the first skip the reference forward entirely."""
+
+    def __init__(self, traj):
+        self.index = {j: k for k, j in enumerate(traj.train_steps.tolist())}
+        shape = (traj.latents.shape[0], len(self.index), *traj.latents.shape[2:])
+        self.means = torch.empty(shape, dtype=torch.float32, device=traj.latents.device)
+        self.filled = torch.zeros(shape[:2], dtype=torch.bool)
+
+    def get(self, rows: torch.Tensor, j: int) -> torch.Tensor | None:
+        k = self.index[j]
+        return self.means[rows.to(self.means.device), k] if bool(self.filled[rows, k].all()) else None
+
+    def put(self, rows: torch.Tensor, j: int, mean: torch.Tensor) -> None:
+        k = self.index[j]
+        self.means[rows.to(self.means.device), k] = mean.detach().float()
+        self.filled[rows, k] = True
 
 
 def _summarise(run: Run) -> dict:

@@ -98,12 +98,15 @@ def sample_groups(
     batch_size: int | None = None,
     generator: torch.Generator | None = None,
     decode: bool = True,
+    window_generator: torch.Generator | None = None,
 ) -> Trajectory:
     """Roll out `group_size` samples for each of the P prompts in `embeds` (encoded once, reused).
 
     noise_level = 0 gives deterministic ODE sampling (all steps Euler, no train steps) - used for eval.
     same_noise: all samples of a prompt start from the same initial noise (they differ by SDE noise).
     batch_size: rollout micro-batch (default all B at once); does not change the result.
+    window_generator: draws the SDE window position instead of `generator` (data-parallel training passes
+    one seeded identically on every rank, so all ranks train on the same steps while their noise differs).
     """
     p = len(embeds)
     b = p * group_size
@@ -119,7 +122,8 @@ def sample_groups(
     sde_mask = torch.zeros(num_steps, dtype=torch.bool)
     if noise_level > 0:
         if window_size > 0:
-            start, end = sde_window(num_steps, window_size, window_range, generator)
+            start, end = sde_window(num_steps, window_size, window_range,
+                                    window_generator if window_generator is not None else generator)
             sde_mask[start:end] = True
             train_steps = torch.arange(start, end)
         else:

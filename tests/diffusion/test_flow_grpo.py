@@ -222,3 +222,216 @@ def test_flux_run_with_guidance_embedding(tmp_path, tiny_flux_path):
     row = _rows(out)[0]
     assert row["diag/logprob_drift"] < 1e-4 and row["train/updates"] == 2 and "policy/kl" in row
     assert summary["steps_logged"] == 1
+
+
+# ---------------------------------------------------------------------------------------- efficiency
+
+
+def test_prompt_embed_cache_is_batch_independent_and_lru(tiny_sd3):
+    from mmrl.diffusion.models import PromptEmbedCache, PromptEmbeds
+
+    cache = PromptEmbedCache(tiny_sd3, max_size=2)
+    a, b, c = "a red circle on a blue background", "a green square", "two yellow triangles"
+    first = cache([a, b, a])
+    assert (cache.misses, cache.hits, len(cache)) == (2, 1, 2)
+    alone = tiny_sd3.encode_prompts([b])
+    for k in alone:  # a row is the prompt encoded alone, whatever shared its step
+        assert torch.equal(first[k][1], alone[k][0]) and torch.equal(first[k][0], first[k][2])
+    cache([c])  # evicts the least recently used (b: a was used after it)
+    assert len(cache) == 2 and b not in cache._rows and a in cache._rows
+    # the CFG batch [empty prompt; embeds] is built once per embeds object
+    e = PromptEmbeds({k: v[:2] for k, v in first.items()})
+    both = tiny_sd3._with_negative(e)
+    assert tiny_sd3._with_negative(e) is both
+    for k in both:
+        assert torch.equal(both[k], torch.cat([tiny_sd3.negative_embeds(2)[k], e[k]]))
+
+
+def test_reference_forward_once_per_sample_and_step(tmp_path, tiny_sd3_path):
+    """With 2 inner epochs the frozen reference runs once per (sample, trained step), not once per epoch:
+    transformer evaluations per step = rollout B * num_steps + policy epochs * kept * K + reference kept * K."""
+    out = tmp_path / "run"
+    train(_cfg(out, tiny_sd3_path, sample={"num_steps": 3},
+               train={"max_steps": 2, "beta": 0.04, "num_inner_epochs": 2}))
+    rows, total = _rows(out), 0
+    for r in rows:
+        kept = round(r["train/kept_fraction"] * 6)  # 2 prompts x 3 images; K = int(3 * 0.99) = 2 trained steps
+        total += 6 * 3 + 2 * kept * 2 + kept * 2
+        assert r["cost/transformer_evals"] == total and r["diag/logprob_drift"] < 1e-4
+
+
+def test_restore_checkpoint_truncate_flag(tmp_path):
+    """Ranks != 0 call restore_checkpoint(truncate=False): they never rewrite rank 0's metrics.jsonl."""
+    from mmrl.config import RunConfig
+    from mmrl.diffusion.common import restore_checkpoint
+    from mmrl.runtime import Run
+
+    run = Run(RunConfig(algorithm="flow_grpo", output_dir=str(tmp_path)))
+    run.log(1, {"reward/mean": 1.0})
+    assert restore_checkpoint(run, None, {}, truncate=False) == (0, {}) and len(run.read_metrics()) == 1
+    assert restore_checkpoint(run, None, {}) == (0, {}) and run.read_metrics() == []  # fresh run: cleared
+
+
+# ---------------------------------------------------------------------------------------- several processes
+#
+# Both tests start real processes (gloo on CPU). The first runs the CLI under torchrun and resumes with one
+# process; the second runs this file as a script: 2 ranks (torch.multiprocessing.spawn) each run ONE optimizer
+# step of the recipe's `_train_on_rollout` on their share of a fixed rollout batch, which must give the same
+# LoRA weights as one process on the whole batch.
+
+P, G = 4, 3  # prompts, images per prompt: global batch of 12; ranks hold prompts 0-1 and 2-3
+# scenario -> per-prompt rewards; a constant group has advantage 0 and is dropped (drop_zero_advantage)
+SCENARIOS = {
+    "uneven": [[0.1, 0.9, 0.4], [2.0, -1.0, 0.5], [0.3, 1.7, 1.1], [0.5, 0.5, 0.5]],  # ranks keep 5 and 3 rows
+    "idle": [[0.1, 0.9, 0.4], [2.0, -1.0, 0.5], [0.7, 0.7, 0.7], [0.5, 0.5, 0.5]],  # 5 and 0: rank 1 idles
+}
+
+
+def _equality_cfg(model_path):
+    return _cfg("/tmp/unused", model_path, sample={"num_steps": 3, "group_size": G, "guidance_scale": 2.0},
+                train={"micro_batch_size": 2, "updates_per_step": 1, "beta": 0.04, "ema": True, "lr": 1e-3},
+                data={"prompts_per_step": P})
+
+
+def _one_update(model_path, scenario, ctx):
+    """One Flow-GRPO optimizer update on this rank's share of a fixed global rollout batch; returns the
+    trainable weights after it (by name), this rank's advantages, the tracker state and the loss metrics."""
+    from mmrl.diffusion.common import build_policy_states
+    from mmrl.diffusion.flow_grpo import _train_on_rollout, global_advantages
+    from mmrl.diffusion.models import load_flow_model
+    from mmrl.diffusion.sampling import Trajectory, sample_groups
+    from mmrl.runtime import Timer, seed_everything
+
+    cfg = _equality_cfg(model_path)
+    s, t = cfg.sample, cfg.train
+    model = load_flow_model(model_path)
+    seed_everything(0)  # identical LoRA init everywhere
+    states = build_policy_states(model, cfg.model, old=True, ref=True)
+    params = states.trainable_parameters()
+    model.transformer = ctx.wrap_model(states.model, "ddp")
+    # eps 1e-6: Adam's first step is lr * g / (|g| + eps), which would blow fp32 summation-order noise of the
+    # near-zero gradient entries up to ~lr * 1e-12 / eps; 1e-6 keeps that far below the 1e-6 tolerance
+    opt = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, eps=1e-6)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+    prompts_all = [x.strip() for x in open(PROMPTS).read().splitlines()[:P]]
+    # the fixed rollout: every process computes the global batch with the same noise, then keeps its rows
+    full = sample_groups(model, model.encode_prompts(prompts_all), G, num_steps=s.num_steps, height=s.height,
+                         width=s.width, guidance_scale=s.guidance_scale, noise_level=s.noise_level,
+                         timestep_fraction=s.timestep_fraction, generator=torch.Generator().manual_seed(7))
+    k = P // ctx.world_size
+    pi = torch.arange(ctx.rank * k, (ctx.rank + 1) * k)
+    rows = torch.arange(ctx.rank * k * G, (ctx.rank + 1) * k * G)
+    traj = Trajectory(latents=full.latents[rows], log_probs=full.log_probs[rows], sigmas=full.sigmas,
+                      sde_mask=full.sde_mask, train_steps=full.train_steps,
+                      prompt_index=full.prompt_index[rows] - ctx.rank * k, embeds=full.embeds.select(pi))
+    scores = torch.tensor(SCENARIOS[scenario]).flatten()[rows]
+    prompts = [prompts_all[i] for i in full.prompt_index[rows].tolist()]
+    from mmrl.diffusion.flow_grpo import PerPromptStatTracker
+
+    tracker = PerPromptStatTracker("group", history=4)
+    adv, keep, adv_metrics = global_advantages(ctx, tracker, prompts, scores, t.adv_clip_max, True)
+    torch.manual_seed(100 + ctx.rank)  # the order inside a chunk does not matter for one update
+    out = _train_on_rollout(cfg, model, states, traj, adv, keep, opt, sched, params, Timer(), ctx)
+    names = {id(p): n for n, p in states.model.named_parameters()}
+    return {"params": {names[id(p)]: p.detach().clone() for p in params}, "adv": adv, "n_keep": len(keep),
+            "tracker": tracker.state_dict(), "metrics": {**out, **adv_metrics}}
+
+
+def _equality_worker(rank, world, port, model_path, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), MMRL_NO_PROGRESS="1", HF_HUB_OFFLINE="1")
+    torch.set_num_threads(1)
+    from mmrl.distributed import DistContext
+
+    ctx = DistContext.init("gloo")
+    res = {name: _one_update(model_path, name, ctx) for name in SCENARIOS}
+    torch.save(res, Path(out_dir) / f"rank{rank}.pt")
+    ctx.barrier()
+    ctx.close()
+
+
+@pytest.mark.slow
+def test_two_ranks_one_update_equals_one_process(tmp_path, tiny_sd3_path):
+    import subprocess
+    import sys
+
+    from mmrl.distributed import DistContext
+
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, __file__, str(tiny_sd3_path), str(tmp_path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"2-rank run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    initial = _initial_params(tiny_sd3_path)
+    for name in SCENARIOS:
+        torch.manual_seed(100)
+        one = _one_update(tiny_sd3_path, name, DistContext())
+        r0, r1 = ranks[0][name], ranks[1][name]
+        # advantages from the all-gathered rewards = one process's; tracker identical on both ranks
+        torch.testing.assert_close(torch.cat([r0["adv"], r1["adv"]]), one["adv"], rtol=0, atol=0)
+        assert r0["tracker"] == r1["tracker"] == one["tracker"]
+        assert r0["metrics"]["train/kept_fraction"] == one["metrics"]["train/kept_fraction"]
+        # the 0.5 of [2.0, -1.0, 0.5] equals its group mean: advantage 0, dropped too
+        assert (r0["n_keep"], r1["n_keep"]) == ((5, 3) if name == "uneven" else (5, 0))
+        assert r0["metrics"]["diag/logprob_drift"] < 1e-4 and one["metrics"]["diag/logprob_drift"] < 1e-4
+        moved = max((one["params"][k] - p0).abs().max().item() for k, p0 in initial.items())
+        assert moved > 1e-4  # the update is not trivially zero
+        for r in (r0, r1):
+            diff = max((r["params"][k] - v).abs().max().item() for k, v in one["params"].items())
+            print(f"[{name}] max |LoRA param diff| 2 ranks vs 1 process: {diff:.2e} (update size {moved:.2e})")
+            assert diff < 1e-6
+
+
+def _initial_params(model_path):
+    from mmrl.diffusion.common import build_policy_states
+    from mmrl.diffusion.models import load_flow_model
+    from mmrl.runtime import seed_everything
+
+    cfg = _equality_cfg(model_path)
+    model = load_flow_model(model_path)
+    seed_everything(0)
+    states = build_policy_states(model, cfg.model, old=True, ref=True)
+    names = {id(p): n for n, p in states.model.named_parameters()}
+    return {names[id(p)]: p.detach().clone() for p in states.trainable_parameters()}
+
+
+@pytest.mark.slow
+def test_torchrun_cli_two_processes_then_resume_with_one(tmp_path):
+    import subprocess
+    import sys
+
+    if not (REPO / "assets" / "tiny_sd3_shapes" / "model_index.json").is_file():
+        pytest.skip("assets/tiny_sd3_shapes not built")
+    out = tmp_path / "ddp"
+    args = ["configs/diffusion/flow_grpo_tiny.yaml", f"output_dir={out}", "train.save_every=1",
+            "data.prompts_per_step=2", "sample.group_size=3", "sample.num_steps=3", "train.micro_batch_size=2",
+            "log.sample_every=1", "log.eval_every=0", "dist.backend=gloo"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", MMRL_NO_PROGRESS="1", PYTHONPATH=str(REPO))
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "-m", "mmrl.cli", "train", *args, "train.max_steps=2", "dist.strategy=ddp"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, f"torchrun failed:\n{two.stdout[-2000:]}\n{two.stderr[-5000:]}"
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [1, 2]  # rank 0 alone logs
+    assert all(r["diag/logprob_drift"] < 1e-4 and r["train/updates"] == 1 for r in rows)
+    assert rows[1]["cost/transformer_evals"] > rows[0]["cost/transformer_evals"] > 0
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_1", "step_2"]
+    assert (out / "samples" / "step_000001.png").is_file()
+    one = subprocess.run([sys.executable, "-m", "mmrl.cli", "train", *args, "train.max_steps=3"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, f"resume failed:\n{one.stdout[-2000:]}\n{one.stderr[-5000:]}"
+    assert "resumed from" in one.stdout and "step_2 (step 2)" in one.stdout
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[2]["cost/transformer_evals"] > rows[1]["cost/transformer_evals"]
+    assert (out / "checkpoints" / "step_3" / "COMPLETE").is_file()
+
+
+if __name__ == "__main__":  # 2 ranks for test_two_ranks_one_update_equals_one_process
+    import socket
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        free_port = sock.getsockname()[1]
+    torch.multiprocessing.spawn(_equality_worker, args=(2, free_port, sys.argv[1], sys.argv[2]), nprocs=2, join=True)
