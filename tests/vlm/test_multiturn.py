@@ -1,0 +1,336 @@
+"""Multi-turn rollout on the tiny Qwen2-VL, loss masks, credit assignment by hand, truncation, resume."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+from mmrl.vlm.envs import Env, EnvManager, Observation, register_env, turn_discounted_return
+from mmrl.vlm.multiturn import (ChatFormat, Episode, Turn, _encode_observation, episode_returns, informative_groups,
+                                policy_loss, rollout_episodes, token_advantages, turn_advantages)
+from mmrl.vlm.rollout import HFRolloutEngine, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from mmrl.tiny import build_tiny_qwen2_vl
+    from mmrl.vlm.common import load_policy
+
+    torch.set_num_threads(1)
+    path = build_tiny_qwen2_vl(tmp_path_factory.mktemp("mt") / "qwen2_vl")
+    model, processor = load_policy(path)
+    return path, model, processor
+
+
+def _rollout(tiny, specs, max_turns=2, max_seq_len=512, max_new_tokens=3, async_mode=False, seed=0):
+    _, model, processor = tiny
+    engine, fmt = HFRolloutEngine(model, processor), ChatFormat(processor)
+    with EnvManager(2) as mgr:
+        eps = rollout_episodes(engine, fmt, mgr, specs, SamplingParams(max_new_tokens=max_new_tokens, seed=seed),
+                               max_turns=max_turns, max_seq_len=max_seq_len, async_mode=async_mode)
+    return eps, fmt
+
+
+GRID = {"width": 5, "max_turns": 4}
+
+
+def _far_specs(n=2):  # start and goal 4 cells apart: never solved in 2 turns
+    return [{"task": "grid_puzzle", "seed": i, "group": 0, "env_kwargs": GRID,
+             "task_kwargs": {"start": (0, 0), "goal": (4, 0)}} for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------- rollout
+
+def test_two_episode_two_turn_rollout_layout(tiny):
+    _, model, processor = tiny
+    eps, fmt = _rollout(tiny, _far_specs())
+    tok = processor.tokenizer
+    img = tok.convert_tokens_to_ids("<|image_pad|>")
+    for ep in eps:
+        assert ep.end_reason == "max_turns" and len(ep.turns) == 2 and not ep.success
+        assert len(ep.ids) == len(ep.loss_mask) == len(ep.old_logprobs)
+        # the mask is exactly the two responses
+        want = [0] * len(ep.ids)
+        for t in ep.turns:
+            want[t.start:t.end] = [1] * (t.end - t.start)
+        assert ep.loss_mask == want and ep.loss_mask[:ep.prompt_len] == [0] * ep.prompt_len
+        assert all(lp == 0.0 for lp, m in zip(ep.old_logprobs, ep.loss_mask) if not m)
+        assert all(lp < 0 for lp, m in zip(ep.old_logprobs, ep.loss_mask) if m)
+        # both observations' images are in the sequence: 5 pads each (140x28 board, 28 px per token)
+        assert len(ep.mm) == 2 and ep.ids.count(img) == 10
+        assert ep.merged_mm()["image_grid_thw"].tolist() == [[1, 2, 10], [1, 2, 10]]
+        assert [t.anchor for t in ep.turns][0] == ((0, 0), (4, 0))
+        text = tok.decode(ep.ids)
+        assert text.count("<|im_start|>user") == 2 and text.count("<|im_start|>assistant\n") == 2
+        assert text.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>")
+        # the environment segment between the turns closes the assistant turn exactly once
+        seg = tok.decode(ep.ids[ep.turns[0].end:ep.turns[1].start])
+        assert seg.endswith("<|im_start|>assistant\n") and "<|im_start|>user\n<|vision_start|>" in seg
+        closing = tok.decode(ep.ids[ep.turns[0].start:ep.turns[0].end]) + seg
+        assert closing.count("<|im_end|>") == 2  # end of the assistant turn + end of the user turn
+    # rollout log-probs equal the trainer's recomputation over the full trajectories
+    from mmrl.vlm.common import compute_logprobs
+
+    lps, _ = compute_logprobs(model, [e.ids[:e.prompt_len] for e in eps], [e.ids[e.prompt_len:] for e in eps],
+                              [e.merged_mm() for e in eps], tok.pad_token_id)
+    for ep, lp in zip(eps, lps):
+        m = torch.tensor(ep.loss_mask[ep.prompt_len:], dtype=torch.bool)
+        assert (lp - torch.tensor(ep.old_logprobs[ep.prompt_len:]))[m].abs().max() < 1e-4
+
+
+def test_rollout_is_reproducible_and_async_mode_completes(tiny):
+    a, _ = _rollout(tiny, _far_specs(3), seed=5)
+    b, _ = _rollout(tiny, _far_specs(3), seed=5)
+    assert [e.ids for e in a] == [e.ids for e in b]
+    c, _ = _rollout(tiny, _far_specs(3), seed=5, async_mode=True)
+    for ep in c:
+        assert ep.end_reason == "max_turns" and len(ep.turns) == 2
+        assert sum(ep.loss_mask) == sum(t.end - t.start for t in ep.turns)
+
+
+@register_env("_test_mt_flaky")
+class FlakyEnv(Env):
+    """Seed 1 raises on its first step; seed 2 is slow; all end after 2 turns."""
+
+    stop_strings = ("<|im_end|>",)
+    max_turns = 2
+
+    def reset(self, seed, **task):
+        self.seed, self.t = seed, 0
+        return Observation(f"Say hello {seed}.", anchor=("start",))
+
+    def step(self, action_text):
+        self.t += 1
+        if self.seed == 1:
+            raise RuntimeError("env crashed")
+        if self.seed == 2:
+            time.sleep(0.3)
+        return Observation("Again."), float(self.t), self.t >= 2, {}
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_env_error_ends_only_its_episode(tiny, async_mode):
+    specs = [{"task": "_test_mt_flaky", "seed": s, "group": 0} for s in range(3)]
+    eps, _ = _rollout(tiny, specs, async_mode=async_mode)
+    assert [e.end_reason for e in eps] == ["done", "error", "done"]
+    assert "RuntimeError: env crashed" in eps[1].error and len(eps[1].turns) == 1 and eps[1].turns[0].reward == 0
+    assert [t.reward for t in eps[0].turns] == [1.0, 2.0] and [t.reward for t in eps[2].turns] == [1.0, 2.0]
+    assert eps[0].mm == []  # text-only environment
+
+
+def test_truncation_marks_and_cuts_observations(tiny):
+    _, _, processor = tiny
+    fmt = ChatFormat(processor)
+    env_obs = Observation("You moved left. Move the red square to the green circle. Answer left or right.")
+    full, cut = _encode_observation(fmt, env_obs, False, [], 10**6)
+    assert not cut
+    short, cut = _encode_observation(fmt, env_obs, False, [], len(full.input_ids) - 5)
+    assert cut and len(short.input_ids) <= len(full.input_ids) - 5
+    assert "<|im_start|>assistant\n" in processor.tokenizer.decode(short.input_ids)  # framing kept, text cut
+    none, cut = _encode_observation(fmt, env_obs, False, [], 3)
+    assert none is None and cut
+    # in a rollout: room for the first prompt and one response only -> the episode ends "truncated"
+    eps, _ = _rollout(tiny, _far_specs(1), max_turns=4)
+    p0 = eps[0].prompt_len
+    eps, _ = _rollout(tiny, _far_specs(1), max_turns=4, max_seq_len=p0 + 3 + 8)
+    ep = eps[0]
+    assert ep.end_reason == "truncated" and len(ep.turns) == 1 and len(ep.ids) <= p0 + 3
+
+
+# ---------------------------------------------------------------------------------------------- loss mask
+
+def test_environment_tokens_get_no_gradient(tiny):
+    _, model, processor = tiny
+    eps, _ = _rollout(tiny, _far_specs())
+    adv = token_advantages(eps, torch.tensor([[1.0, -0.5], [-1.0, 0.25]]))
+    captured = {}
+
+    def keep_logits(module, inputs, output):  # returns None: the output is not replaced
+        output.retain_grad()
+        captured["logits"] = output
+
+    handle = model.lm_head.register_forward_hook(keep_logits)
+    try:
+        model.zero_grad()
+        loss, m = policy_loss(model, eps, adv, processor.tokenizer.pad_token_id, temperature=1.0, clip_low=0.2,
+                              clip_high=0.2, normalizer=sum(e.policy_tokens for e in eps))
+        loss.backward()
+    finally:
+        handle.remove()
+    g = captured["logits"].grad  # [B, T + 1, V]; row t predicts response token t
+    for b, ep in enumerate(eps):
+        mask = torch.tensor(ep.loss_mask[ep.prompt_len:], dtype=torch.bool)
+        T = len(mask)
+        rows = g[b, :T].abs().sum(-1)
+        assert torch.all(rows[~mask] == 0) and torch.all(rows[mask] > 0)
+        assert torch.all(g[b, T:] == 0)  # padding / the extra last row
+    assert m["drift"] < 1e-4
+    # garbage at environment positions (rollout log-probs, advantages) changes nothing
+    bad = []
+    for ep, a in zip(eps, adv):
+        ep2 = Episode(**{k: getattr(ep, k) for k in ep.__dataclass_fields__})
+        ep2.old_logprobs = [lp if mk else float("nan") for lp, mk in zip(ep.old_logprobs, ep.loss_mask)]
+        bad.append(ep2)
+    adv_bad = [torch.where(torch.tensor(e.loss_mask[e.prompt_len:], dtype=torch.bool), a, torch.tensor(1e9))
+               for e, a in zip(eps, adv)]
+    with torch.no_grad():
+        kw = dict(temperature=1.0, clip_low=0.2, clip_high=0.2, normalizer=10.0)
+        l1, _ = policy_loss(model, eps, adv, processor.tokenizer.pad_token_id, **kw)
+        l2, _ = policy_loss(model, bad, adv_bad, processor.tokenizer.pad_token_id, **kw)
+    assert float(l1) == float(l2) and math.isfinite(float(l1))
+    # entropy bonus: lowers the loss by coef * mean entropy over policy tokens, and carries gradient
+    l3, m3 = policy_loss(model, eps, adv, processor.tokenizer.pad_token_id, entropy_coef=0.1, **kw)
+    assert m3["entropy"] > 0 and l3.requires_grad
+    n_tok = sum(e.policy_tokens for e in eps)
+    assert float(l3.detach()) == pytest.approx(float(l1) - 0.1 * m3["entropy"] * n_tok / 10.0, rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- credit assignment
+
+def _ep(i, group, rewards, anchors, start=10):
+    ep = Episode(index=i, task="t", seed=0, group=group, prompt_len=start)
+    pos = start
+    for r, a in zip(rewards, anchors):
+        ep.turns.append(Turn(pos, pos + 2, reward=r, anchor=a))
+        pos += 5  # 2 response tokens + 3 environment tokens
+    ep.ids = [0] * pos
+    return ep
+
+
+def test_turn_discount_gigpo_and_grpo_by_hand():
+    """gamma = 0.5. Episode A: rewards [0, 1], anchors [X, Y]; B: [0, 0, 1], anchors [X, X, Y] (same task).
+    Turn returns G: A = [0.5, 1], B = [0.25, 0.5, 1]; episode returns R = G_1 = [0.5, 0.25].
+    Episode GRPO: mean 0.375, std (n-1) = 0.125 * sqrt(2) -> A_ep = [+1/sqrt2, -1/sqrt2].
+    Anchor X steps: returns [0.5, 0.25, 0.5], mean 5/12, std = sqrt((1/144 + 4/144 + 1/144) / 2) = 1/sqrt(48)
+      -> [(1/12) sqrt48, -(2/12) sqrt48, (1/12) sqrt48] = [0.57735, -1.15470, 0.57735]; anchor Y: equal -> 0.
+    GiGPO (omega 1) = A_ep + A_step. Turn GRPO: all five returns [0.5, 1, 0.25, 0.5, 1], mean 0.65,
+      std = sqrt(0.45 / 4) = 0.335410 -> (G - 0.65) / std."""
+    eps = [_ep(0, 0, [0, 1], ["X", "Y"]), _ep(1, 0, [0, 0, 1], ["X", "X", "Y"])]
+    s2 = 1 / math.sqrt(2)
+    assert episode_returns(eps, 0.5).tolist() == [0.5, 0.25]
+    assert episode_returns(eps, 0.5)[1] == turn_discounted_return([0, 0, 1], 0.5)
+    grpo = turn_advantages(eps, "grpo", 0.5)
+    assert torch.allclose(grpo, torch.tensor([[s2, s2, 0], [-s2, -s2, -s2]]), atol=1e-5)
+    step_x = [1 / 12 * math.sqrt(48), -2 / 12 * math.sqrt(48), 1 / 12 * math.sqrt(48)]
+    gig = turn_advantages(eps, "gigpo", 0.5, omega=1.0)
+    want = torch.tensor([[s2 + step_x[0], s2, 0], [-s2 + step_x[1], -s2 + step_x[2], -s2]])
+    assert torch.allclose(gig, want, atol=1e-5)
+    half = turn_advantages(eps, "gigpo", 0.5, omega=0.5)
+    assert torch.allclose(half[0, 0], torch.tensor(s2 + 0.5 * step_x[0]), atol=1e-5)
+    std = math.sqrt(0.45 / 4)
+    tg = turn_advantages(eps, "turn_grpo", 0.5)
+    want = torch.tensor([[(0.5 - .65) / std, (1 - .65) / std, 0],
+                         [(0.25 - .65) / std, (0.5 - .65) / std, (1 - .65) / std]])
+    assert torch.allclose(tg, want, atol=1e-5)
+    # None anchors never form step groups: only the episode term remains
+    eps_none = [_ep(0, 0, [0, 1], [None, None]), _ep(1, 0, [0, 0, 1], [None, None, None])]
+    assert torch.allclose(turn_advantages(eps_none, "gigpo", 0.5), grpo, atol=1e-6)
+    # token advantages: each turn's value on its 2 response tokens, 0 on environment tokens
+    tok = token_advantages(eps, gig)
+    assert tok[0].tolist()[:7] == pytest.approx([float(gig[0, 0])] * 2 + [0] * 3 + [float(gig[0, 1])] * 2)
+    with pytest.raises(ValueError, match="gigpo"):
+        turn_advantages(eps, "ppo", 0.5)
+
+
+def test_informative_groups_drop_zero_variance():
+    eps = [_ep(0, 7, [1], ["a"]), _ep(1, 7, [1], ["a"]), _ep(2, 3, [0], ["a"]), _ep(3, 3, [1], ["a"]),
+           _ep(4, 5, [0, 1], ["a", "b"]), _ep(5, 5, [1], ["a"])]
+    # returns (gamma 0.9): group 7 [1, 1] (dropped), group 3 [0, 1], group 5 [0.9, 1]
+    assert informative_groups(eps, episode_returns(eps, 0.9)) == [3, 5]
+
+
+# ---------------------------------------------------------------------------------------------- recipe
+
+def _recipe_cfg(out, model_path, **sections):
+    from mmrl.config import load_config
+
+    d = {"algorithm": "vlm_multiturn", "output_dir": str(out), "seed": 0, "device": "cpu", "num_threads": 1,
+         "model": {"path": str(model_path)},
+         "env": {"tasks": {"grid_puzzle": {"width": 5, "max_turns": 2}}, "eval_episodes": 2, "max_workers": 2},
+         "rollout": {"groups_per_step": 2, "group_size": 2, "max_turns": 2, "max_new_tokens": 3, "max_seq_len": 256},
+         "algo": {"advantage": "turn_grpo", "dynamic_sampling": False},
+         "train": {"max_steps": 2, "save_every": 1, "lr": 0.01, "warm_start_steps": 1, "warm_start_batch": 4,
+                   "micro_batch_size": 2, "mini_batches": 2}}
+    for k, v in sections.items():
+        d[k] = {**d.get(k, {}), **v} if isinstance(v, dict) else v
+    return load_config(d)
+
+
+def test_checkpoint_resume_equals_uninterrupted_run(tiny, tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    from mmrl.vlm.multiturn import train
+
+    path = tiny[0]
+    train(_recipe_cfg(tmp_path / "a", path))
+    train(_recipe_cfg(tmp_path / "b", path, train={"max_steps": 1}))
+    assert (tmp_path / "b/checkpoints/step_1/COMPLETE").is_file()
+    summary = train(_recipe_cfg(tmp_path / "b", path))  # resumes from step 1
+    wa = load_file(tmp_path / "a/checkpoints/step_2/policy/default/model.safetensors")
+    wb = load_file(tmp_path / "b/checkpoints/step_2/policy/default/model.safetensors")
+    init = load_file(path / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert not torch.equal(wa["lm_head.weight"], init["lm_head.weight"])  # the run did train
+    rows = {name: [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+            for name in ("a", "b")}
+    assert [r["step"] for r in rows["b"]] == [0, 1, 2]  # no step repeated after the resume
+    drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time/")}  # noqa: E731
+    assert drop(rows["a"][-1]) == drop(rows["b"][-1])
+    last = rows["a"][-1]
+    for key in ("episode/turns_mean", "episode/turns_max", "episode/done_rate", "episode/max_turns_rate",
+                "episode/truncated_rate", "tokens/policy_mean", "tokens/env_mean", "success_rate/grid_puzzle",
+                "reward/mean", "reward/std", "diag/logprob_drift", "policy/clipfrac", "policy/kl",
+                "time/generation_s", "time/environment_s", "time/preprocessing_s", "eval/success_rate"):
+        assert key in last, key
+    assert last["diag/logprob_drift"] < 1e-4 and "eval_after" in summary
+
+
+def test_configs_load_and_bad_values_fail():
+    from pathlib import Path
+
+    from mmrl.config import ConfigError, load_config
+
+    root = Path(__file__).resolve().parents[2] / "configs" / "vlm"
+    for name in ("multiturn_grid_tiny", "multiturn_math_tiny", "multiturn_grid_qwen25vl_3b"):
+        cfg = load_config(root / f"{name}.yaml")
+        assert cfg.algorithm == "vlm_multiturn"
+    with pytest.raises(ConfigError, match="unknown config key 'rollout.turns'"):
+        load_config({"algorithm": "vlm_multiturn", "rollout": {"turns": 3}})
+    from mmrl.vlm.multiturn import _check_config
+
+    with pytest.raises(ValueError, match="unknown environment 'mazee'"):
+        _check_config(load_config({"algorithm": "vlm_multiturn", "env": {"tasks": {"mazee": {}}}}))
+    with pytest.raises(ValueError, match="algo.advantage"):
+        _check_config(load_config({"algorithm": "vlm_multiturn", "algo": {"advantage": "ppo"}}))
+
+
+@pytest.mark.slow
+def test_grid_demo_success_rate_rises(tiny, tmp_path):
+    """The CPU demo recipe, shortened to 85 RL steps (1.5-3 min on 2 busy cores): greedy success on fixed
+    evaluation boards goes from one-direction guessing (0.5) to solving most boards."""
+    import json
+    from pathlib import Path
+
+    from mmrl.config import load_config
+    from mmrl.vlm.multiturn import train
+
+    root = Path(__file__).resolve().parents[2] / "configs" / "vlm"
+    cfg = load_config(root / "multiturn_grid_tiny.yaml", [
+        f"output_dir={tmp_path}", f"model.path={tiny[0]}", "train.max_steps=85", "train.eval_every=0",
+        "train.save_every=0", "env.eval_episodes=32"])
+    summary = train(cfg)
+    before = summary["eval_before"]["eval/success_rate"]
+    after = summary["eval_after"]["eval/success_rate"]
+    # measured (seed 0): greedy 0.5 -> 0.75 on 32 boards at step 85 (1.0 on 64 boards from step 75 in the
+    # 150-step recipe); sampled success over steps 1-10 ~0.19 -> steps 76-85 ~0.91
+    assert before <= 0.6 and after >= 0.7, (before, after)
+    rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()][1:]
+    first = sum(r["success_rate"] for r in rows[:10]) / 10
+    last = sum(r["success_rate"] for r in rows[-10:]) / 10
+    assert last > first + 0.3, (first, last)
+    assert max(r["diag/logprob_drift"] for r in rows) < 1e-3
