@@ -1,10 +1,19 @@
-"""Throughput of one VLM GRPO step on CPU: rollout tokens/s (HF engine), training tokens/s, padding share.
+"""Throughput of one VLM GRPO step on CPU: rollout tokens/s (HF engine), training tokens/s, padding share; and the
+time of the old + reference + training log-prob passes with and without reusing vision features.
 
     .venv/bin/python benchmarks/vlm_step.py [--hidden 256 --layers 4 --prompts 8 --n 8 --max-new-tokens 48]
+    .venv/bin/python benchmarks/vlm_step.py --part reuse --image-size 224 --n 8 --threads 1
 
-Builds a CPU-sized random Qwen2-VL (the tiny model's tokenizer/processor, wider and deeper), generates
+Part `step`: builds a CPU-sized random Qwen2-VL (the tiny model's tokenizer/processor, wider and deeper), generates
 `prompts x n` responses for ragged prompts (images of 56..112 px, different questions), then runs one
 forward+backward pass over them in micro-batches, as `mmrl.vlm.grpo` does. Prints a markdown table.
+
+Part `reuse`: the same kind of model with LoRA on the language model (vision tower frozen, the default recipe),
+`prompts x n` rows with `image_size`^2 images and `response_tokens` random response tokens each, timed through the
+three passes of a GRPO step (old log-probs, reference log-probs with adapters off, training forward+backward), once
+with the vision tower in every forward (`train.reuse_vision_features=false`) and once with
+`mmrl.vlm.common.VisionCache` (each prompt's image encoded once per step). Vision width/depth default to the
+language model's (Qwen2-VL-2B has a 0.6B vision tower beside a 1.5B language model). Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -20,11 +29,12 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mmrl.vlm.common import collate, load_policy, messages_from_text, response_logprobs  # noqa: E402
+from mmrl.vlm.common import (VisionCache, collate, compute_logprobs, load_policy, messages_from_text,  # noqa: E402
+                             response_logprobs)
 from mmrl.vlm.rollout import GenRequest, HFRolloutEngine, SamplingParams  # noqa: E402
 
 
-def build_model(root: Path, hidden: int, layers: int) -> Path:
+def build_model(root: Path, hidden: int, layers: int, vision_width: int = 0, vision_depth: int = 0) -> Path:
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     from mmrl.tiny import build_tiny_qwen2_vl
@@ -37,7 +47,8 @@ def build_model(root: Path, hidden: int, layers: int) -> Path:
     t.layer_types = ["full_attention"] * layers
     t.rope_parameters = dict(t.rope_parameters, mrope_section=[4, 6, 6])  # head_dim 32 -> halves sum to 16
     v = cfg.vision_config
-    v.embed_dim, v.depth, v.num_heads, v.hidden_size = hidden // 2, layers, max(1, hidden // 64), hidden
+    v.embed_dim, v.depth, v.hidden_size = vision_width or hidden // 2, vision_depth or layers, hidden
+    v.num_heads = max(1, vision_width // 64) if vision_width else max(1, hidden // 64)
     torch.manual_seed(0)
     model = Qwen2VLForConditionalGeneration(cfg).eval()
     out = root / "bench"
@@ -46,6 +57,91 @@ def build_model(root: Path, hidden: int, layers: int) -> Path:
 
     AutoProcessor.from_pretrained(path).save_pretrained(out)
     return out
+
+
+def bench_vision_reuse(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """Old + ref + train log-prob passes of one step, plain vs reused vision features (see the module docstring)."""
+    from peft import LoraConfig
+
+    from mmrl.adapters import PolicyStates
+    from mmrl.vlm.rollout import HFRolloutEngine
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_model(Path(tmp), args.hidden, args.layers, args.vision_width or args.hidden,
+                           args.vision_depth or args.layers)
+        model, proc = load_policy(path)
+    n_vis = sum(p.numel() for p in model.model.visual.parameters())
+    n_all = sum(p.numel() for p in model.parameters())
+    lora = LoraConfig(r=16, lora_alpha=16, target_modules=r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)")
+    states = PolicyStates(model, lora)
+    model = states.model
+    params = states.trainable_parameters()
+    questions = ["What color is the circle?", "How many shapes are there?", "Is the red square on the left or the right?",
+                 "What shape is the blue object?"]
+    s = args.image_size
+    reqs = [GenRequest(messages=messages_from_text("<image>" + questions[i % 4]),
+                       images=[Image.new("RGB", (s, s), (40 * i % 255, 90, 160))]) for i in range(args.prompts)]
+    engine = HFRolloutEngine(model, proc)
+    enc = engine.encode(reqs)
+    g = torch.Generator().manual_seed(0)
+    P = [e.input_ids for e in enc for _ in range(args.n)]
+    MM = [e.mm for e in enc for _ in range(args.n)]  # the n samples of a prompt share one mm dict, as in rollouts
+    R = [torch.randint(0, 150, (args.response_tokens,), generator=g).tolist() for _ in P]
+    mb, pad = args.micro_batch, engine.pad_id
+
+    def passes(reuse: bool) -> tuple[dict[str, float], list[torch.Tensor], int]:
+        t: dict[str, float] = {}
+        cache = VisionCache(model) if reuse else None
+        t0 = time.perf_counter()
+        old, _ = compute_logprobs(model, P, R, MM, pad, mb, vision_cache=cache)
+        t["old"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        with states.use("ref"):  # adapters off; the vision tower has no LoRA, so the features are shared
+            compute_logprobs(model, P, R, MM, pad, mb, vision_cache=cache)
+        t["ref"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        for i in range(0, len(P), mb):
+            batch, Pl, mask = collate(model, P[i:i + mb], R[i:i + mb], MM[i:i + mb], pad)
+            if cache is not None:
+                batch = cache.apply(batch, MM[i:i + mb])
+            logp, _ = response_logprobs(model, batch, Pl, batch["input_ids"][:, Pl:])
+            (-(logp * mask).sum() / mask.sum()).backward()
+        t["train"] = time.perf_counter() - t0
+        return t, old, (cache.vision_calls if cache else 0)
+
+    passes(True)  # warm-up (allocator, kernels)
+    best: dict[bool, dict[str, float]] = {}
+    for _ in range(args.repeats):
+        for reuse in (False, True):
+            t, old, calls = passes(reuse)
+            best[reuse] = {k: min(v, best.get(reuse, {}).get(k, float("inf"))) for k, v in t.items()}
+            if reuse:
+                cached_old, n_calls = old, calls
+            else:
+                plain_old = old
+    grads_ok = all(p.grad is not None for p in params)
+    drift = max(float((a - b).abs().max()) for a, b in zip(plain_old, cached_old))
+    n_img_tokens = int(enc[0].mm["image_grid_thw"].prod()) // 4
+    rows = [
+        ("model", f"Qwen2-VL random, LM hidden {args.hidden} x {args.layers} layers, vision width "
+                  f"{args.vision_width or args.hidden} x {args.vision_depth or args.layers} blocks; "
+                  f"{n_all / 1e6:.1f}M params ({n_vis / 1e6:.1f}M vision); LoRA r=16 on the LM"),
+        ("batch", f"{args.prompts} prompts x n={args.n}, {s}x{s} images ({n_img_tokens} image tokens, "
+                  f"{n_img_tokens * 4} patches), prompt {len(enc[0].input_ids)} tokens, {args.response_tokens} "
+                  f"response tokens, micro-batch {mb}"),
+        ("torch threads", str(torch.get_num_threads())),
+    ]
+    for k in ("old", "ref", "train"):
+        a, b = best[False][k], best[True][k]
+        rows.append((f"{k} pass (s): plain / reused / speed-up", f"{a:.2f} / {b:.2f} / {a / b:.2f}x"))
+    a, b = sum(best[False].values()), sum(best[True].values())
+    rows += [("old+ref+train (s): plain / reused / speed-up", f"**{a:.2f} / {b:.2f} / {a / b:.2f}x**"),
+             ("images through the vision tower: plain / reused", f"{3 * len(P)} (3 passes x {len(P)} rows) / "
+                                                                 f"{args.prompts} (in {n_calls} calls)"),
+             ("max |old log p plain - reused|", f"{drift:.1e}"),
+             ("LoRA grads present (training pass through the cache)", str(grads_ok))]
+    return rows
 
 
 def main() -> None:
@@ -57,9 +153,25 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--micro-batch", type=int, default=16)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument("--part", choices=["step", "reuse", "all"], default="step",
+                    help="step: rollout + train throughput; reuse: vision-feature reuse timing; all: both")
+    ap.add_argument("--image-size", type=int, default=224, help="reuse part: square image side in pixels")
+    ap.add_argument("--response-tokens", type=int, default=32, help="reuse part: response length")
+    ap.add_argument("--vision-width", type=int, default=0, help="reuse part: vision embed dim (0 = --hidden)")
+    ap.add_argument("--vision-depth", type=int, default=0, help="reuse part: vision blocks (0 = --layers)")
+    ap.add_argument("--repeats", type=int, default=2, help="reuse part: timed repeats (the minimum is reported)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.part in ("reuse", "all"):
+        rows = bench_vision_reuse(args)
+        print("| quantity | value |\n|---|---|")
+        for k, v in rows:
+            print(f"| {k} | {v} |")
+        print(f"\ncommand: .venv/bin/python benchmarks/vlm_step.py {' '.join(sys.argv[1:])}".rstrip())
+        if args.part == "reuse":
+            return
+        print()
     with tempfile.TemporaryDirectory() as tmp:
         path = build_model(Path(tmp), args.hidden, args.layers)
         model, proc = load_policy(path)

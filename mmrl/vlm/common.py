@@ -43,6 +43,10 @@ __all__ = [
     "compute_logprobs",
     "pad_to",
     "ShapesQA",
+    "VisionCache",
+    "vision_tower",
+    "vision_tower_trainable",
+    "vision_has_adapters",
 ]
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -218,14 +222,20 @@ def response_logprobs(model: Any, batch: dict[str, torch.Tensor], P: int, respon
 @torch.no_grad()
 def compute_logprobs(model: Any, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
                      mm: Sequence[dict], pad_id: int, micro_batch_size: int = 8, temperature: float = 1.0,
-                     with_entropy: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-    """Log-probs of every response (a list of 1-D CPU tensors, one per row), in micro-batches, no grad."""
+                     with_entropy: bool = False, vision_cache: "VisionCache | None" = None
+                     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Log-probs of every response (a list of 1-D CPU tensors, one per row), in micro-batches, no grad.
+
+    ``vision_cache``: a :class:`VisionCache` of the same model (state): each prompt's images go through the
+    vision tower once, however many responses / micro-batches / passes share them."""
     logps: list[torch.Tensor] = []
     ents: list[torch.Tensor] = []
     n = len(prompt_ids)
     for s in range(0, n, max(1, micro_batch_size)):
         e = min(n, s + micro_batch_size)
         batch, P, mask = collate(model, prompt_ids[s:e], response_ids[s:e], mm[s:e], pad_id)
+        if vision_cache is not None:
+            batch = vision_cache.apply(batch, mm[s:e])
         resp = batch["input_ids"][:, P:]
         lp, ent = response_logprobs(model, batch, P, resp, temperature, with_entropy)
         for i in range(e - s):
@@ -234,6 +244,144 @@ def compute_logprobs(model: Any, prompt_ids: Sequence[Sequence[int]], response_i
             if ent is not None:
                 ents.append(ent[i, :k].cpu())
     return logps, (ents if with_entropy else None)
+
+
+# ---------------------------------------------------------------------------------------------- vision cache
+
+
+def vision_tower(model: Any) -> torch.nn.Module:
+    """The vision encoder (``.visual``) of a Qwen2/2.5/3-VL policy, through peft / DDP wrappers."""
+    for m in model.modules():
+        visual = getattr(m, "visual", None)
+        if isinstance(visual, torch.nn.Module) and hasattr(m, "get_image_features"):
+            return visual
+    raise ValueError(f"vision_tower: no module with a `.visual` encoder and get_image_features in "
+                     f"{type(model).__name__} (expected a Qwen2-VL / Qwen2.5-VL / Qwen3-VL model)")
+
+
+def _vlm_base(model: Any) -> torch.nn.Module:
+    """The innermost module whose forward merges vision features (``Qwen2VLModel`` & co.)."""
+    found = None
+    for m in model.modules():
+        if isinstance(getattr(m, "visual", None), torch.nn.Module) and hasattr(m, "get_image_features") \
+                and hasattr(m, "get_placeholder_mask"):
+            found = m
+    if found is None:
+        raise ValueError(f"VisionCache: {type(model).__name__} is not a Qwen2/2.5/3-VL model (no get_image_features)")
+    return found
+
+
+def vision_tower_trainable(model: Any) -> bool:
+    """True when some vision-tower parameter requires grad (LoRA on the vision blocks, or full fine-tuning)."""
+    return any(p.requires_grad for p in vision_tower(model).parameters())
+
+
+def vision_has_adapters(model: Any) -> bool:
+    """True when the vision tower carries LoRA weights (then the reference, adapters off, sees other features)."""
+    return any("lora_" in n for n, _ in vision_tower(model).named_parameters())
+
+
+class VisionCache:
+    """Vision-tower outputs computed once per prompt image set and reused by every forward that shows the same
+    images: the ``n`` responses of a prompt, all micro-batches, and the old / reference / training passes of one
+    step while the vision weights do not change.
+
+    ``cache.apply(batch, mm_rows)`` takes a :func:`collate` batch and its rows' ``mm`` dicts and returns the same
+    kwargs with ``pixel_values`` replaced by ``mm_encoder_outputs`` (transformers >= 5.23: the model's own
+    merge, ``masked_scatter`` of the features into the ``<|image_pad|>`` embeddings, and Qwen3-VL's deepstack
+    features, runs unchanged on them; so the language model sees exactly the embeddings of the plain path).
+    Features come from ``get_image_features`` of the model's vision base, under ``torch.no_grad()``.
+
+    Entries are keyed by the identity of a row's ``pixel_values`` tensor (the n samples of a prompt share one
+    ``mm`` dict; the cache holds a reference, so the id stays unique while cached).
+
+    Invalidation (why it is safe to leave on):
+    * with grad enabled and a trainable vision tower (LoRA on vision blocks, full fine-tuning with the tower),
+      ``apply`` returns the batch unchanged: the training forward recomputes the features with gradients;
+    * every in-place update of a vision parameter (optimizer steps) bumps its version counter; a changed
+      version clears the cache;
+    * the cache does not know which adapter is active: a reference pass with LoRA on the vision tower (adapters
+      off) needs its own cache (``vision_has_adapters``); the recipe creates one per state then.
+    Videos are not cached (``pixel_values_videos`` pass through). Memory: one [tokens, hidden] tensor per image
+    (+ deepstack levels for Qwen3-VL), e.g. 1.3k tokens x 3584 x 2 bytes = 9 MB for a 1024x1024 image on a 7B.
+    """
+
+    def __init__(self, model: Any):
+        self.base = _vlm_base(model)
+        self.visual = self.base.visual
+        self.entries: dict[int, tuple[torch.Tensor, list[torch.Tensor], list[list[torch.Tensor]] | None]] = {}
+        self.out_cls: Any = None
+        self.hits = self.misses = self.vision_calls = 0
+        self._versions = self._param_versions()
+
+    def _param_versions(self) -> tuple[int, ...]:
+        return tuple(p._version for p in self.visual.parameters())
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self._versions = self._param_versions()
+
+    def usable(self) -> bool:
+        """False in a grad-enabled forward when the vision tower is trained (features must carry gradients)."""
+        return not (torch.is_grad_enabled() and any(p.requires_grad for p in self.visual.parameters()))
+
+    @torch.no_grad()
+    def _fill(self, mm_rows: Sequence[dict]) -> None:
+        if self._param_versions() != self._versions:  # the vision weights changed in place since the fill
+            self.clear()
+        todo, seen = [], set()
+        for m in mm_rows:
+            pv = m.get("pixel_values") if m else None
+            if pv is None or id(pv) in seen:
+                continue
+            seen.add(id(pv))
+            if id(pv) in self.entries:
+                self.hits += 1
+            else:
+                self.misses += 1
+                todo.append(m)
+        if not todo:
+            return
+        device = next(self.visual.parameters()).device
+        pixels = torch.cat([m["pixel_values"] for m in todo]).to(device)
+        grid = torch.cat([m["image_grid_thw"] for m in todo]).to(device)
+        out = self.base.get_image_features(pixels, grid, return_dict=True)
+        self.vision_calls += 1
+        self.out_cls = type(out)
+        feats = list(out.pooler_output)  # one [tokens_i, hidden] tensor per image
+        deep = getattr(out, "deepstack_features", None)
+        deep = [list(level) for level in deep] if deep else None
+        k = 0
+        for m in todo:
+            n_img = int(m["image_grid_thw"].shape[0])
+            dk = [level[k:k + n_img] for level in deep] if deep is not None else None
+            self.entries[id(m["pixel_values"])] = (m["pixel_values"], feats[k:k + n_img], dk)
+            k += n_img
+
+    def apply(self, batch: dict[str, torch.Tensor], mm_rows: Sequence[dict]) -> dict[str, Any]:
+        """``batch`` with the images' cached encoder outputs instead of ``pixel_values`` (unchanged when the
+        cache is not usable or the batch has no images)."""
+        if "pixel_values" not in batch or not self.usable():
+            return batch
+        self._fill(mm_rows)
+        feats: list[torch.Tensor] = []
+        deep: list[list[torch.Tensor]] | None = None
+        for m in mm_rows:
+            pv = m.get("pixel_values") if m else None
+            if pv is None:
+                continue
+            _, f, d = self.entries[id(pv)]
+            feats += f
+            if d is not None:
+                deep = deep or [[] for _ in d]
+                for level, part in zip(deep, d):
+                    level += part
+        out = {k: v for k, v in batch.items() if k != "pixel_values"}
+        kw: dict[str, Any] = {"pooler_output": tuple(feats)}
+        if deep is not None:
+            kw["deepstack_features"] = [tuple(level) for level in deep]
+        out["mm_encoder_outputs"] = {"image": self.out_cls(**kw)}
+        return out
 
 
 def lengths_to_mask(lengths: Sequence[int]) -> torch.Tensor:

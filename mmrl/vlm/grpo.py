@@ -7,6 +7,17 @@ registered estimator (grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline),
 passes of clipped policy-gradient updates (clip-higher, token-level aggregation modes, KL to the reference
 as a loss term or a reward penalty) in mini-batches with gradient accumulation over micro-batches.
 
+Several processes (`torchrun ... dist.strategy=ddp`, see mmrl/distributed.py): `rollout.batch_size` and
+`algo.mini_batch_size` stay global; every rank generates its contiguous share of the step's prompts, advantages
+use the all-gathered rewards (group statistics over the whole batch), each rank's loss is weighted so DDP's
+gradient average equals the gradient of the global mini-batch loss, every rank runs the same number of
+mini-batches (a zero-weight micro-batch when it has nothing left), DAPO rounds stop on the minimum kept count over
+ranks, and rank 0 alone logs, saves samples, evaluates and writes checkpoints (resumable on any number of ranks).
+
+Vision features (`train.reuse_vision_features`): each prompt's images go through the vision tower once per step
+and the features are reused by its n responses and by the reference / old / training log-prob passes
+(`mmrl.vlm.common.VisionCache`); the training pass recomputes them when the vision tower is trained.
+
 The reference policy is the same model with LoRA adapters off (`PolicyStates.use("ref")`), or a frozen
 snapshot for full fine-tuning. Log-probs are `log_softmax(logits / temperature)` everywhere.
 
@@ -17,6 +28,7 @@ initialised tiny model the answer format only; RL then has to learn the content 
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,9 +39,11 @@ import torch
 from mmrl.config import RunConfig, TrainConfig
 from mmrl.core import agg_loss, clipped_policy_loss, get_advantage_estimator, kl_estimate
 from mmrl.pipelines.data import GEO3K_TEMPLATE, PromptSampler, VQAItem, load_visual_qa
-from mmrl.runtime import Run, Timer, get_rng_state, set_rng_state
-from mmrl.vlm.common import (ShapesQA, collate, compute_logprobs, encode_prompt, load_policy, messages_from_text, pad_to,
-                             render_prompt, response_logprobs)
+from mmrl.distributed import DistConfig, DistContext
+from mmrl.runtime import Run, Timer, get_rng_state, seed_everything, set_rng_state
+from mmrl.vlm.common import (ShapesQA, VisionCache, collate, compute_logprobs, encode_prompt, load_policy,
+                             messages_from_text, pad_to, render_prompt, response_logprobs, vision_has_adapters,
+                             vision_tower)
 from mmrl.vlm.rollout import GenRequest, SamplingParams, make_engine
 
 
@@ -201,6 +215,11 @@ class VLMTrainConfig(TrainConfig):
     """Max gradient norm (0 = off)."""
     lr_warmup_steps: int = 0
     """Linear learning-rate warm-up (optimizer steps)."""
+    reuse_vision_features: bool = True
+    """Run the vision tower once per prompt image set per step and reuse the features for all n responses and
+    the reference / old / training log-prob passes (exact: same embeddings). The training pass still recomputes
+    them with gradients when the vision tower is trained; a reference pass with LoRA on the vision tower gets its
+    own cache. false = every forward runs the vision tower (the plain path)."""
 
 
 @dataclass
@@ -223,6 +242,8 @@ class Config(RunConfig):
     """Samples and eval."""
     train: VLMTrainConfig = field(default_factory=VLMTrainConfig)
     """Training loop."""
+    dist: DistConfig = field(default_factory=DistConfig)
+    """Multi-process training under torchrun / accelerate launch (strategy none|ddp, backend, find_unused_parameters)."""
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -308,16 +329,18 @@ class Rollouts:
 
 def collect_rollouts(next_items: Callable[[int], list], generate: Callable[[list], list],
                      score_fn: Callable[[list], tuple], batch_size: int, n: int, dynamic: bool,
-                     max_rounds: int) -> Rollouts:
+                     max_rounds: int, count: Callable[[list], int] = len) -> Rollouts:
     """Generate `n` responses for `batch_size` prompts; with `dynamic` (DAPO) drop groups whose rewards are all
     equal and generate further rounds (at most `max_rounds`) until `batch_size` groups are kept.
 
     `generate(items) -> results` (each with `.request_index` into items), `score_fn(results) -> (scores[B],
-    components {name: [B]}, accuracy[B])`. Without `dynamic` exactly one round is kept whole."""
+    components {name: [B]}, accuracy[B])`. Without `dynamic` exactly one round is kept whole. `count(kept)` is
+    the kept sample count the stopping rule reads (several processes: the minimum over ranks, so every rank runs
+    the same rounds and consumes the same global data)."""
     # source: DAPO arXiv 2503.14476 sec. 3.2 (dynamic sampling); verl dapo ray_trainer (max_num_gen_batches)
     kept, kept_items, S, A, C, gids, all_s, all_a, kinds = [], [], [], [], {}, [], [], [], []
     rounds = 0
-    while rounds < (max(1, max_rounds) if dynamic else 1) and len(kept) < batch_size * n:
+    while rounds < (max(1, max_rounds) if dynamic else 1) and count(kept) < batch_size * n:
         rounds += 1
         items = next_items(batch_size)
         results = generate(items)
@@ -434,41 +457,70 @@ def format_warmup(states: Any, processor: Any, data: ShapesQA, cfg: Config, pad_
 
 
 def policy_update(model: Any, optimizer: Any, sched: Any, params: list, P_ids: list, R_ids: list, MM: list,
-                  old_lp: list, ref_lp: list | None, adv: torch.Tensor, pad_id: int, cfg: Config
-                  ) -> tuple[dict[str, float], float]:
+                  old_lp: list, ref_lp: list | None, adv: torch.Tensor, pad_id: int, cfg: Config, *,
+                  ctx: DistContext | None = None, train_model: Any = None, vision_cache: VisionCache | None = None,
+                  n_local: int | None = None) -> tuple[dict[str, float], float]:
     """`ppo_epochs` passes of mini-batch optimizer steps with micro-batch gradient accumulation.
 
-    Returns (mean metrics, drift): drift = max |log p - old log p| over the first mini-batch, before any step."""
+    Returns (mean metrics, drift): drift = max |log p - old log p| over the first mini-batch, before any step.
+
+    Several processes: `ctx` (a DistContext), `train_model` = the DDP-wrapped `model` (used for the grad-enabled
+    forward; `model` is used for collate). `algo.mini_batch_size` is global (each rank takes its 1/world share);
+    every rank runs max-over-ranks mini-batches, a rank without rows left runs a zero-weight micro-batch on row 0
+    so the gradient all-reduce stays paired; gradients are all-reduced once per mini-batch (`no_sync` on the
+    others); loss weights `ctx.loss_scale` make DDP's average the gradient of the global mini-batch loss.
+    `n_local` = rows that really count (0: the rows are a placeholder for a rank that kept nothing; default all).
+    `vision_cache`: reuse image features in the training forward (bypassed by the cache itself when the vision
+    tower requires grad)."""
     al, ro = cfg.algo, cfg.rollout
-    N = len(P_ids)
-    mb = al.mini_batch_size or N
+    ctx = ctx if ctx is not None else DistContext()
+    fwd = train_model if train_model is not None else model
+    N = len(P_ids) if n_local is None else n_local
+    if ctx.enabled:  # mini_batch_size is global; loop counts agree over ranks
+        mb = al.mini_batch_size // ctx.world_size or ctx.max_int(N)
+        n_rows = ctx.max_int(N)
+    else:
+        mb, n_rows = al.mini_batch_size or N, N
     stats: dict[str, list[float]] = {}
     drift = 0.0
     for epoch in range(al.ppo_epochs):
-        for s0 in range(0, N, mb):
+        for s0 in range(0, n_rows, mb):
             idx = list(range(s0, min(N, s0 + mb)))
             mini_tokens = float(sum(len(R_ids[i]) for i in idx))
+            scale, placeholder = 1.0, False
+            if ctx.enabled:
+                scale = ctx.loss_scale(mini_tokens if al.loss_agg == "token-mean" else len(idx))
+                if not idx:  # nothing left on this rank: a zero-weight micro-batch joins the all-reduce
+                    idx, scale, placeholder = [0], 0.0, True
             optimizer.zero_grad(set_to_none=True)
             for m0 in range(0, len(idx), al.micro_batch_size):
                 mi = idx[m0:m0 + al.micro_batch_size]
-                batch, P, mask = collate(model, [P_ids[i] for i in mi], [R_ids[i] for i in mi], [MM[i] for i in mi], pad_id)
-                T = mask.shape[1]
-                old = pad_to([old_lp[i].tolist() for i in mi], 0.0, torch.float32, length=T).to(mask.device)
-                logp, ent = response_logprobs(model, batch, P, batch["input_ids"][:, P:], ro.temperature,
-                                              with_entropy=True, entropy_grad=al.entropy_coef != 0)
-                if epoch == 0 and s0 == 0:  # before the first optimizer step
-                    drift = max(drift, float(((logp.detach() - old).abs() * mask).max()) if T else 0.0)
-                loss, m = clipped_policy_loss(logp, old, adv[mi], mask, al.clip_low, al.clip_high, al.dual_clip or None,
-                                              al.loss_agg, ro.max_new_tokens)
-                ent_mean = agg_loss(ent, mask, al.loss_agg, ro.max_new_tokens)
-                if al.entropy_coef:
-                    loss = loss - al.entropy_coef * ent_mean
-                if ref_lp is not None and not al.kl_in_reward:
-                    ref = pad_to([ref_lp[i].tolist() for i in mi], 0.0, torch.float32, length=T).to(mask.device)
-                    kl = agg_loss(kl_estimate(logp, ref, al.kl_estimator), mask, al.loss_agg, ro.max_new_tokens)
-                    loss = loss + al.kl_coef * kl
+                with ctx.no_sync(fwd, sync=m0 + al.micro_batch_size >= len(idx)):  # forward AND backward inside
+                    batch, P, mask = collate(model, [P_ids[i] for i in mi], [R_ids[i] for i in mi],
+                                             [MM[i] for i in mi], pad_id)
+                    if vision_cache is not None:
+                        batch = vision_cache.apply(batch, [MM[i] for i in mi])
+                    T = mask.shape[1]
+                    old = pad_to([old_lp[i].tolist() for i in mi], 0.0, torch.float32, length=T).to(mask.device)
+                    logp, ent = response_logprobs(fwd, batch, P, batch["input_ids"][:, P:], ro.temperature,
+                                                  with_entropy=True, entropy_grad=al.entropy_coef != 0)
+                    if epoch == 0 and s0 == 0 and not placeholder:  # before the first optimizer step
+                        drift = max(drift, float(((logp.detach() - old).abs() * mask).max()) if T else 0.0)
+                    loss, m = clipped_policy_loss(logp, old, adv[mi], mask, al.clip_low, al.clip_high,
+                                                  al.dual_clip or None, al.loss_agg, ro.max_new_tokens)
+                    ent_mean = agg_loss(ent, mask, al.loss_agg, ro.max_new_tokens)
+                    if al.entropy_coef:
+                        loss = loss - al.entropy_coef * ent_mean
+                    kl = None
+                    if ref_lp is not None and not al.kl_in_reward:
+                        ref = pad_to([ref_lp[i].tolist() for i in mi], 0.0, torch.float32, length=T).to(mask.device)
+                        kl = agg_loss(kl_estimate(logp, ref, al.kl_estimator), mask, al.loss_agg, ro.max_new_tokens)
+                        loss = loss + al.kl_coef * kl
+                    (loss * (agg_weight(mask, mini_tokens, len(idx), al.loss_agg) * scale)).backward()
+                if placeholder:
+                    continue
+                if kl is not None:
                     stats.setdefault("kl", []).append(float(kl.detach()))
-                (loss * agg_weight(mask, mini_tokens, len(idx), al.loss_agg)).backward()
                 for k in ("clipfrac", "approx_kl", "pg_loss", "ratio_max"):
                     stats.setdefault(f"actor/{k}", []).append(m[k])
                 stats.setdefault("actor/entropy", []).append(float(ent_mean.detach()))
@@ -496,15 +548,30 @@ def check_config(cfg: Config) -> None:
     for name in ("micro_batch_size", "ppo_epochs"):
         if getattr(al, name) < 1:
             raise ValueError(f"algo.{name}: expected >= 1, got {getattr(al, name)}")
+    if cfg.dist.strategy == "fsdp":
+        raise ValueError("dist.strategy=fsdp: not supported by vlm_grpo yet (the optimizer and PolicyStates hold the "
+                         "parameters from before sharding); use dist.strategy=ddp")
     if al.old_logprobs == "rollout" and (al.ppo_epochs > 1 or al.mini_batch_size not in (0, cfg.rollout.batch_size * cfg.rollout.n)):
         raise ValueError("algo.old_logprobs=rollout needs exactly one update per rollout (ppo_epochs=1, mini_batch_size=0)")
 
 
 def train(cfg: Config) -> dict:
     check_config(cfg)
-    run = Run(cfg)
+    ctx = DistContext.init(cfg.dist.backend)
+    world = ctx.world_size
+    for key, value in (("rollout.batch_size", cfg.rollout.batch_size), ("algo.mini_batch_size", cfg.algo.mini_batch_size)):
+        if value % world:
+            raise ValueError(f"{key}={value} (global, over all processes) must be divisible by the number of "
+                             f"processes ({world})")
+    if not ctx.is_main:
+        os.environ["MMRL_NO_PROGRESS"] = "1"
+    with ctx.main_process_first():
+        run = Run(cfg, write_config=ctx.is_main)
+    if ctx.enabled:
+        run.device = ctx.device  # cuda:LOCAL_RANK (or cpu under gloo)
     timer = Timer(sync_cuda=run.device.type == "cuda")
-    states, processor = build_policy(cfg, run.device, run.dtype)
+    with ctx.main_process_first():  # rank 0 builds the tiny demo model (model.build_tiny) before the others load it
+        states, processor = build_policy(cfg, run.device, run.dtype)
     model = states.model
     tok = processor.tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -540,7 +607,8 @@ def train(cfg: Config) -> dict:
         data.load_state_dict(state["data"])
         set_rng_state(state["rng"])
         start = state["step"]
-        run.truncate_metrics(start)
+        if ctx.is_main:
+            run.truncate_metrics(start)
     elif cfg.warmup.sft_steps > 0:
         with timer("warmup"):
             summary["warmup_loss"] = format_warmup(states, processor, data, cfg, pad_id, eos_id)
@@ -550,7 +618,15 @@ def train(cfg: Config) -> dict:
     updated = {id(p) for p in params}
     for p in states.trainable_parameters():
         p.requires_grad_(id(p) in updated)  # only the optimizer's parameters get gradients from here on
-    if start == 0:
+    # DDP registers the parameters that require grad now; used only for the training forward
+    tmodel = ctx.wrap_model(model, cfg.dist.strategy, find_unused_parameters=cfg.dist.find_unused_parameters)
+    # vision features may be shared between the policy and reference passes only when no state can change the
+    # tower: no LoRA on it and none of its weights in PolicyStates (full fine-tuning with the tower frozen)
+    reuse = cfg.train.reuse_vision_features
+    state_ids = {id(p) for p in states.trainable_parameters()}
+    share_ref = reuse and not vision_has_adapters(model) and not any(
+        id(p) in state_ids for p in vision_tower(model).parameters())
+    if start == 0 and ctx.is_main:
         first = evaluate(engine, processor, eval_items, reward_model, cfg)
         summary.update({k.replace("eval/accuracy", "eval_accuracy_first"): v for k, v in first.items()})
         print(f"[vlm_grpo] eval accuracy before RL: {first}", flush=True)
@@ -558,82 +634,126 @@ def train(cfg: Config) -> dict:
     timer.pop()
     for step in range(start + 1, cfg.train.max_steps + 1):
         t_step = Timer()
+        if ctx.enabled:  # rank-local sampling noise as a function of (seed, rank, step): nothing per rank to save
+            seed_everything(ctx.rank_seed(cfg.seed, step))
         with t_step("step"):
             metrics: dict[str, Any] = {}
             # ---- rollout (+ DAPO dynamic sampling) and rewards
+            generated: list = []
+
             def generate(items):
                 with timer("rollout"):
-                    return engine.generate([to_request(it, processor, cfg.data) for it in items], sampling)
+                    results = engine.generate([to_request(it, processor, cfg.data) for it in items], sampling)
+                generated[:] = results[:1]  # a placeholder row if this rank keeps nothing (several processes)
+                return results
 
             def score_fn(results):
                 with timer("reward"):
                     return score(reward_model, results, cfg)
 
-            roll = collect_rollouts(data.next, generate, score_fn, ro.batch_size, ro.n, al.dynamic_sampling,
-                                    al.max_gen_batches)
+            if ctx.enabled:  # each rank generates its share of the global prompts; DAPO stops on the min over ranks
+                roll = collect_rollouts(lambda k: ctx.shard(data.next(k * world)), generate, score_fn,
+                                        ro.batch_size // world, ro.n, al.dynamic_sampling, al.max_gen_batches,
+                                        count=lambda kept: min(ctx.all_gather_object(len(kept))))
+            else:
+                roll = collect_rollouts(data.next, generate, score_fn, ro.batch_size, ro.n, al.dynamic_sampling,
+                                        al.max_gen_batches)
             kept, kept_items, R = roll.results, roll.items, roll.scores
-            metrics.update({"reward/mean": roll.all_scores.mean(), "reward/std": roll.all_scores.std(),
-                            "accuracy": roll.all_acc.mean(), "dynamic/rounds": roll.rounds,
-                            "dynamic/kept_groups": len(kept) // ro.n, **per_kind(roll.all_acc, roll.all_kinds, "accuracy")})
-            if kept:
+            all_scores, all_acc = ctx.all_gather_tensor(roll.all_scores), ctx.all_gather_tensor(roll.all_acc)
+            all_kinds = [k for part in ctx.all_gather_object(roll.all_kinds) for k in part] if ctx.enabled else roll.all_kinds
+            n_kept = int(ctx.all_reduce_sum(len(kept))) if ctx.enabled else len(kept)
+            metrics.update({"reward/mean": all_scores.mean(), "reward/std": all_scores.std(),
+                            "accuracy": all_acc.mean(), "dynamic/rounds": roll.rounds,
+                            "dynamic/kept_groups": n_kept // ro.n, **per_kind(all_acc, all_kinds, "accuracy")})
+            if n_kept:  # several processes: every rank takes part in the update, a rank that kept nothing with a
+                # zero-weight placeholder row (its last generated sample)
                 rewards_t, gids = roll.scores, roll.group_ids
-                for k, v in roll.comps.items():
-                    metrics[f"reward/{k}"] = v.mean()
+                comp_keys = sorted({k for part in ctx.all_gather_object(sorted(roll.comps)) for k in part}) \
+                    if ctx.enabled else list(roll.comps)
+                for k in comp_keys:
+                    metrics[f"reward/{k}"] = ctx.all_gather_tensor(roll.comps.get(k, torch.zeros(0))).mean()
+                rows = kept or generated
                 lens = torch.tensor([len(r.response_ids) for r in kept], dtype=torch.float32)
-                metrics.update({"response_length/mean": lens.mean(), "response_length/max": lens.max(),
-                                "response/clip_ratio": sum(r.finish_reason == "length" for r in kept) / len(kept)})
-                P_ids, R_ids, MM = [r.prompt_ids for r in kept], [r.response_ids for r in kept], [r.mm for r in kept]
-                rollout_lp = [torch.tensor(r.response_logprobs) for r in kept]
+                all_lens = ctx.all_gather_tensor(lens)
+                n_clip = sum(r.finish_reason == "length" for r in kept)
+                if ctx.enabled:
+                    n_clip = int(ctx.all_reduce_sum(n_clip))
+                metrics.update({"response_length/mean": all_lens.mean(), "response_length/max": all_lens.max(),
+                                "response/clip_ratio": n_clip / n_kept})
+                P_ids, R_ids, MM = [r.prompt_ids for r in rows], [r.response_ids for r in rows], [r.mm for r in rows]
+                rollout_lp = [torch.tensor(r.response_logprobs) for r in rows]
+                vcache = VisionCache(model) if reuse else None  # this step's images, policy ("default") state
                 # ---- reference log-probs, KL as a reward penalty
                 ref_lp = None
                 if al.kl_coef > 0:
+                    ref_cache = vcache if share_ref else (VisionCache(model) if reuse else None)
                     with timer("ref"), states.use("ref"):
-                        ref_lp, _ = compute_logprobs(model, P_ids, R_ids, MM, pad_id, al.micro_batch_size, ro.temperature)
+                        ref_lp, _ = compute_logprobs(model, P_ids, R_ids, MM, pad_id, al.micro_batch_size, ro.temperature,
+                                                     vision_cache=ref_cache)
                     if al.kl_in_reward:
-                        seq_kl = torch.stack([kl_estimate(o, f, al.kl_estimator).sum() for o, f in zip(rollout_lp, ref_lp)])
+                        seq_kl = torch.stack([kl_estimate(o, f, al.kl_estimator).sum()
+                                              for o, f in zip(rollout_lp, ref_lp)])[:len(kept)]
                         rewards_t = rewards_t - al.kl_coef * seq_kl
-                        metrics["kl"] = seq_kl.sum() / lens.sum()
-                # ---- advantages
-                adv = estimator(rewards_t, gids)
+                        if ctx.enabled:
+                            metrics["kl"] = float(ctx.all_reduce_sum(seq_kl.sum())) / float(all_lens.sum())
+                        else:
+                            metrics["kl"] = seq_kl.sum() / lens.sum()
+                # ---- advantages (group statistics over the global batch)
+                r_all, g_all = ctx.gather_group_rewards(rewards_t, gids, scope="rank")
+                adv = ctx.local_slice(estimator(r_all, g_all))
+                if not kept:
+                    adv = torch.zeros(len(rows))
                 # ---- old log-probs
                 drift = None
                 if recompute:
                     with timer("old_logprob"):
-                        old_lp, _ = compute_logprobs(model, P_ids, R_ids, MM, pad_id, al.micro_batch_size, ro.temperature)
-                    drift = max(float((a - b).abs().max()) if a.numel() else 0.0 for a, b in zip(old_lp, rollout_lp))
+                        old_lp, _ = compute_logprobs(model, P_ids, R_ids, MM, pad_id, al.micro_batch_size, ro.temperature,
+                                                     vision_cache=vcache)
+                    drift = max(float((a - b).abs().max()) if a.numel() else 0.0
+                                for a, b in zip(old_lp[:len(kept)], rollout_lp)) if kept else 0.0
                 else:
                     old_lp = rollout_lp
                 # ---- loss and optimizer steps
                 with timer("train"):
                     stats, d = policy_update(model, optimizer, sched, params, P_ids, R_ids, MM, old_lp, ref_lp, adv,
-                                             pad_id, cfg)
+                                             pad_id, cfg, ctx=ctx, train_model=tmodel, vision_cache=vcache,
+                                             n_local=len(kept))
                 drift = d if drift is None else drift
+                if ctx.enabled:
+                    drift = max(ctx.all_gather_object(drift))
+                if vcache is not None:
+                    metrics["vision_cache/calls"] = vcache.vision_calls
                 if syncer is not None:  # the engine samples the next step with the updated weights
                     metrics.update(syncer.sync())
                 metrics["diag/logprob_drift"] = drift
                 metrics.update(stats)
-            if cfg.log.sample_every and kept and (step % cfg.log.sample_every == 0 or step == 1) and all(
+            if ctx.is_main and cfg.log.sample_every and kept and (step % cfg.log.sample_every == 0 or step == 1) and all(
                     it.images for it in kept_items):
                 idx = sorted(range(len(kept)), key=lambda i: kept[i].sample_index)[:cfg.log.n_samples]  # prompts first
                 caps = [f"{kept_items[i].prompt.replace('<image>', '')[:40]} -> {kept[i].text[:24]!r} r={float(R[i]):.2f}"
                         for i in idx]
                 run.save_samples(step, [kept_items[i].images[0] for i in idx], caps)
-            if (cfg.log.eval_every and step % cfg.log.eval_every == 0) or step == cfg.train.max_steps:
+            if ctx.is_main and ((cfg.log.eval_every and step % cfg.log.eval_every == 0) or step == cfg.train.max_steps):
                 metrics.update(evaluate(engine, processor, eval_items, reward_model, cfg))
             if step == cfg.train.max_steps:
                 summary.update({k.replace("eval/accuracy", "eval_accuracy_last"): v for k, v in metrics.items()
                                 if k.startswith("eval/accuracy")})
         metrics.update(timer.pop())
         metrics["time/step_s"] = t_step.times["step"]
-        run.log(step, metrics)
+        if ctx.is_main:
+            run.log(step, metrics)
         bar.update(1)
         bar.set_postfix(reward=f"{float(metrics['reward/mean']):.3f}", acc=f"{float(metrics['accuracy']):.2f}")
         if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.max_steps:
-            with run.checkpoint(step) as d:
-                states.save(Path(d) / "policy")
-                run.save_state(d, optimizer=optimizer.state_dict(), scheduler=sched.state_dict(),
-                               data=data.state_dict(), rng=get_rng_state(), step=step)
+            with ctx.checkpoint(run, step) as d:  # rank 0 writes, the others wait
+                if d is not None:
+                    states.save(Path(d) / "policy")
+                    run.save_state(d, optimizer=optimizer.state_dict(), scheduler=sched.state_dict(),
+                                   data=data.state_dict(), rng=get_rng_state(), step=step)
     bar.close()
+    ctx.close()
+    if not ctx.is_main:
+        return {}
     rows = run.read_metrics()
     acc = [r["accuracy"] for r in rows if r.get("accuracy") is not None]
     if acc:

@@ -1,8 +1,15 @@
-"""VLM GRPO recipe: reward shaping and dynamic sampling by hand, drift, resume equality, corrupt images, demo."""
+"""VLM GRPO recipe: reward shaping and dynamic sampling by hand, drift, resume equality, corrupt images, demo;
+data-parallel training (2 CPU processes, gloo): the recipe's policy_update on 2 ranks = 1 rank on the combined
+batch, and `torchrun ... mmrl.cli train ... dist.strategy=ddp` then a 1-process resume; vision-feature reuse
+in the update (bypassed when the vision tower trains)."""
 
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -206,9 +213,185 @@ def test_tiny_shapes_demo_learns(tmp_path):
 @pytest.mark.parametrize("override, match", [
     ("algo.loss_agg=mean", "loss_agg"), ("algo.kl_estimator=k9", "KL estimator"), ("algo.advantage=ppo", "advantage"),
     ("algo.old_logprobs=rollout", "one update per rollout"), ("data.kind=coco", "data.kind"),
-    ("rollout.engine=sglang", "rollout engine"),
+    ("rollout.engine=sglang", "rollout engine"), ("dist.strategy=fsdp", "fsdp"), ("dist.strategy=zero3", "dist.strategy"),
 ])
 def test_bad_config_fails_with_clear_error(tiny_path, tmp_path, override, match):
     extra = ["algo.ppo_epochs=2"] if "rollout" in override and "old" in override else []
     with pytest.raises(ValueError, match=match):
         grpo.train(_cfg(tiny_path, tmp_path / "bad", override, *extra, "warmup.sft_steps=0"))
+
+
+# ------------------------------------------------------------------ vision features reused in the update
+
+
+@pytest.mark.slow
+def test_policy_update_vision_cache_lm_only_equal_and_vision_lora_still_trained(tiny_path, tmp_path):
+    """LoRA on the language model only: the update with reused vision features gives the same adapters as without.
+    LoRA on the vision tower too: the cache handed to policy_update is bypassed in the training forward, so the
+    vision LoRA weights get gradients and move (B starts at 0)."""
+    batch = _fixed_rollouts(tiny_path)
+    for train_vision in (False, True):
+        after = [_run_update(tiny_path, batch, _UPDATE_CASES["lm_split"] | {"train_vision": train_vision}, None, reuse)
+                 for reuse in (False, True)]
+        for name in after[0]:
+            torch.testing.assert_close(after[1][name], after[0][name], atol=1e-6, rtol=0)
+        vision_b = [n for n in after[1] if "visual" in n and "lora_B" in n]
+        assert bool(vision_b) == train_vision
+        assert all(after[1][n].abs().max() > 0 for n in vision_b)
+
+
+# ------------------------------------------------------------------ data parallel (2 CPU processes, gloo)
+
+_UPDATE_CASES = {
+    # uneven 5 + 3 rows, micro-batches of 2 (accumulated under no_sync), a group split over the ranks, KL loss,
+    # 2 PPO epochs (2 optimizer steps), LoRA on the language model with reused vision features
+    "lm_split": {"split": [5, 3], "train_vision": False},
+    # 8 + 0: rank 1 joins every all-reduce with a zero-weight placeholder row; vision LoRA trained (cache bypassed)
+    "vision_placeholder": {"split": [8, 0], "train_vision": True},
+}
+
+
+def _update_cfg(tiny_path, case):
+    return load_config({
+        "algorithm": "vlm_grpo", "output_dir": "unused", "device": "cpu",
+        "model": {"path": str(tiny_path), "finetune": "lora", "lora_rank": 4, "train_vision": case["train_vision"]},
+        "rollout": {"batch_size": 2, "n": 4, "max_new_tokens": 5},
+        "algo": {"micro_batch_size": 2, "ppo_epochs": 2, "kl_coef": 0.05, "loss_agg": "token-mean"},
+        "train": {"lr": 1e-4, "grad_clip": 1.0},  # Adam's steps are ~lr * sign(g): fp noise in tiny g scales with lr
+    })
+
+
+def _fixed_rollouts(tiny_path):
+    """8 sampled responses (2 prompts x 4) of the tiny policy with fixed rewards: the batch every rank starts from."""
+    from mmrl.vlm.common import load_policy
+    from mmrl.vlm.rollout import HFRolloutEngine, SamplingParams
+
+    model, proc = load_policy(tiny_path)
+    items = grpo.ShapesQA(grpo.DataConfig(colors=["red", "green", "blue"], image_size=84), seed=5).next(2)
+    reqs = [grpo.to_request(it, proc, grpo.DataConfig()) for it in items]
+    res = HFRolloutEngine(model, proc).generate(reqs, SamplingParams(n=4, temperature=1.0, max_new_tokens=5, seed=0))
+    return {"P": [r.prompt_ids for r in res], "R": [r.response_ids for r in res], "MM": [r.mm for r in res],
+            "rewards": torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0]),
+            "gids": torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]), "pad": proc.tokenizer.pad_token_id}
+
+
+def _run_update(tiny_path, batch, case, ctx=None, reuse=True):
+    """The recipe's own pieces on this rank's share: global advantages, old/ref log-probs, policy_update.
+    Returns the trainable (LoRA) parameters after the update."""
+    from mmrl.core import get_advantage_estimator
+    from mmrl.distributed import DistContext
+    from mmrl.vlm.common import VisionCache, compute_logprobs, vision_has_adapters
+
+    ctx = ctx or DistContext()
+    cfg = _update_cfg(tiny_path, case)
+    torch.manual_seed(0)
+    states, _ = grpo.build_policy(cfg, torch.device("cpu"), torch.float32)
+    model = states.model
+    params = [p for _, p in states.named_trainable_parameters()]
+    opt = torch.optim.AdamW(params, lr=cfg.train.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    split = case["split"] if ctx.enabled else [sum(case["split"])]
+    start, n_local = sum(split[:ctx.rank]), split[ctx.rank]
+    rows = list(range(start, start + n_local)) or [0]  # a rank with nothing holds one placeholder row
+    P, R, MM = ([batch[k][i] for i in rows] for k in ("P", "R", "MM"))
+    r_all, g_all = ctx.gather_group_rewards(batch["rewards"][start:start + n_local], batch["gids"][start:start + n_local])
+    adv = ctx.local_slice(get_advantage_estimator("grpo")(r_all, g_all)) if n_local else torch.zeros(1)
+    cache = VisionCache(model) if reuse else None
+    old_lp, _ = compute_logprobs(model, P, R, MM, batch["pad"], 2, vision_cache=cache)
+    with states.use("ref"):
+        ref_cache = VisionCache(model) if reuse and vision_has_adapters(model) else cache
+        ref_lp, _ = compute_logprobs(model, P, R, MM, batch["pad"], 2, vision_cache=ref_cache)
+    tmodel = ctx.wrap_model(model, "ddp")
+    grpo.policy_update(model, opt, sched, params, P, R, MM, old_lp, ref_lp, adv, batch["pad"], cfg, ctx=ctx,
+                       train_model=tmodel, vision_cache=cache, n_local=n_local)
+    return {n: p.detach().clone() for n, p in states.named_trainable_parameters()}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _update_worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), MMRL_NO_PROGRESS="1")
+    torch.set_num_threads(1)
+    from mmrl.distributed import DistContext
+
+    ctx = DistContext.init("gloo")
+    data = torch.load(Path(out) / "batch.pt", weights_only=False)
+    res = {name: _run_update(data["tiny"], data["batch"], case, ctx) for name, case in _UPDATE_CASES.items()}
+    torch.save(res, Path(out) / f"rank{rank}.pt")
+    ctx.close()
+
+
+@pytest.mark.slow
+def test_two_rank_policy_update_equals_one_rank_on_combined_batch(tiny_path, tmp_path):
+    """policy_update on 2 processes (DDP, gloo) = 1 process on the 8 rows together: uneven 5 + 3 split with
+    micro-batch accumulation and a group spread over both ranks; 8 + 0 with a zero-weight placeholder rank and a
+    trained vision LoRA. 2 PPO epochs (two AdamW steps), KL loss, grad clipping."""
+    batch = _fixed_rollouts(tiny_path)
+    torch.save({"tiny": str(tiny_path), "batch": batch}, tmp_path / "batch.pt")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, "update", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, f"2-rank update failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
+    print(f"[test_grpo] 2-rank policy_update wall {time.perf_counter() - t0:.1f}s")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for name, case in _UPDATE_CASES.items():
+        single = _run_update(tiny_path, batch, case)
+        worst = 0.0
+        for key, value in single.items():
+            for r in range(2):
+                torch.testing.assert_close(ranks[r][name][key], value, atol=1e-6, rtol=0, msg=f"{name} {key} rank {r}")
+                worst = max(worst, float((ranks[r][name][key] - value).abs().max()))
+        print(f"[test_grpo] {name}: max |2 ranks - 1 rank| over the LoRA parameters {worst:.2e}")
+        # the update really moved the adapters (LoRA B starts at 0; two Adam steps of ~lr each)
+        assert max(float(v.abs().max()) for k, v in single.items() if "lora_B" in k) > 1e-4
+        if case["train_vision"]:
+            assert any("visual" in k and "lora_B" in k and float(v.abs().max()) > 0 for k, v in single.items())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (Path(sys.executable).parent / "torchrun").exists(), reason="torchrun not in the venv")
+def test_torchrun_ddp_train_then_resume_on_one_process(tmp_path):
+    """`torchrun --nproc_per_node 2 -m mmrl.cli train configs/vlm/grpo_tiny_shapes.yaml ... dist.strategy=ddp`
+    (DAPO dynamic sampling, mini-batches, micro-batches) writes one metrics row per step from rank 0 and
+    checkpoints; then one plain process resumes from the newest checkpoint to step 3."""
+    out = tmp_path / "run"
+    args = ["train", str(ROOT / "configs/vlm/grpo_tiny_shapes.yaml"), f"output_dir={out}",
+            f"model.path={tmp_path / 'tiny'}", "rollout.batch_size=4", "rollout.n=4", "warmup.sft_steps=20",
+            "warmup.batch_size=8", "data.eval_size=4", "log.sample_every=1", "log.eval_every=0", "train.save_every=1",
+            "algo.dynamic_sampling=true", "algo.max_gen_batches=2", "algo.mini_batch_size=8",
+            "algo.micro_batch_size=3", "dist.strategy=ddp"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", MMRL_NO_PROGRESS="1")
+    torchrun = Path(sys.executable).parent / "torchrun"
+    t0 = time.perf_counter()
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "mmrl.cli", *args,
+                           "train.max_steps=2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    wall = time.perf_counter() - t0
+    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [1, 2]  # rank 0 alone logs
+    assert all(r["diag/logprob_drift"] < 1e-4 for r in rows if "diag/logprob_drift" in r)
+    assert all(r["dynamic/rounds"] in (1, 2) for r in rows)
+    assert any("actor/grad_norm" in r for r in rows)  # the 20-step format warm start gives varied rewards: updates ran
+    assert (out / "checkpoints" / "step_2" / "COMPLETE").is_file() and (out / "config.yaml").is_file()
+    t1 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "mmrl.cli", *args, "train.max_steps=3"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"1-process resume failed:\n{proc.stderr[-6000:]}"
+    print(f"[test_grpo] torchrun 2 procs 2 steps {wall:.1f}s; 1-process resume to step 3 {time.perf_counter() - t1:.1f}s")
+    assert "eval accuracy before RL" not in proc.stdout  # resumed, not restarted
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert (out / "checkpoints" / "step_3" / "COMPLETE").is_file()
+
+
+if __name__ == "__main__":  # the 2-rank worker of test_two_rank_policy_update_equals_one_rank_on_combined_batch
+    import torch.multiprocessing as mp
+
+    if sys.argv[1] == "update":
+        mp.spawn(_update_worker, args=(2, _free_port(), sys.argv[2]), nprocs=2, join=True)

@@ -247,3 +247,103 @@ def test_other_qwen_vl_families(kind, tmp_path):
                               engine.pad_id)
     for r, lp in zip(res, lps):
         torch.testing.assert_close(torch.tensor(r.response_logprobs), lp, atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------ vision feature reuse (VisionCache)
+
+
+def _multi_image_rollouts(model, proc, n=3):
+    """3 prompts (one with two images of different sizes), n sampled responses each, request-major."""
+    reqs = [GenRequest(messages=messages_from_text("<image>What color is the circle?"), images=[Image.new("RGB", (56, 56), "red")]),
+            GenRequest(messages=messages_from_text("<image> and <image>: same colour?"),
+                       images=[Image.new("RGB", (112, 56), (10, 200, 30)), Image.new("RGB", (56, 84), "blue")]),
+            GenRequest(messages=messages_from_text("<image>How many shapes?"), images=[Image.new("RGB", (84, 84), "green")])]
+    return HFRolloutEngine(model, proc).generate(reqs, SamplingParams(n=n, temperature=1.0, max_new_tokens=5, seed=0))
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen25_vl", "qwen3_vl"])
+def test_vision_cache_logprobs_equal_plain_path(kind, tmp_path):
+    """Log-probs with each prompt's images encoded once = the plain path (vision tower in every forward), for
+    n=3 responses per prompt, a two-image prompt, micro-batches that cut through groups; Qwen3-VL's deepstack
+    features go through the cache as well."""
+    from mmrl import tiny
+    from mmrl.vlm.common import VisionCache
+
+    model, proc = load_policy(tiny.BUILDERS[kind](tmp_path / kind, seed=0))
+    res = _multi_image_rollouts(model, proc)
+    args = ([r.prompt_ids for r in res], [r.response_ids for r in res], [r.mm for r in res], proc.tokenizer.pad_token_id)
+    plain, _ = compute_logprobs(model, *args, micro_batch_size=4)
+    cache = VisionCache(model)
+    cached, _ = compute_logprobs(model, *args, micro_batch_size=4, vision_cache=cache)
+    for a, b in zip(plain, cached):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=0)
+    # 9 rows in micro-batches of 4: rows 0-3 = prompts 0, 1 (encoded, vision call 1), rows 4-7 = prompts 1 (reused),
+    # 2 (encoded, call 2), row 8 = prompt 2 (reused)
+    assert (cache.misses, cache.hits, cache.vision_calls) == (3, 2, 2)
+    again, _ = compute_logprobs(model, *args, micro_batch_size=4, vision_cache=cache)  # a second pass: no vision call
+    assert cache.vision_calls == 2 and all(torch.equal(a, b) for a, b in zip(cached, again))
+    # the training forward through the cache gives the same log-probs and the same gradients (vision frozen)
+    from mmrl.vlm.common import collate, response_logprobs
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    lm = [p for n, p in model.named_parameters() if "language_model" in n and "layers.0." in n]
+    for p in lm:
+        p.requires_grad_(True)
+    grads = []
+    for c in (None, cache):
+        model.zero_grad(set_to_none=True)
+        batch, P, mask = collate(model, *[a[:5] for a in args[:3]], args[3])
+        if c is not None:
+            batch = c.apply(batch, args[2][:5])
+            assert "pixel_values" not in batch and "mm_encoder_outputs" in batch
+        logp, _ = response_logprobs(model, batch, P, batch["input_ids"][:, P:])
+        (logp * mask).sum().backward()
+        grads.append([p.grad.clone() for p in lm])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
+
+
+def test_vision_cache_bypassed_when_vision_trains_and_cleared_on_update(policy):
+    """A trainable vision tower: the grad-enabled forward ignores the cache (gradients reach the vision weights,
+    equal to the plain path's); an in-place update of a vision weight (an optimizer step) empties the cache."""
+    from mmrl.vlm.common import VisionCache, collate, response_logprobs, vision_tower, vision_tower_trainable
+
+    model, proc = policy
+    res = _multi_image_rollouts(model, proc, n=2)
+    rows = ([r.prompt_ids for r in res], [r.response_ids for r in res], [r.mm for r in res])
+    pad = proc.tokenizer.pad_token_id
+    cache = VisionCache(model)
+    compute_logprobs(model, *rows, pad, vision_cache=cache)  # filled, as by the old-log-prob pass
+    calls = cache.vision_calls
+    w = vision_tower(model).blocks[0].attn.qkv.weight
+    try:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        w.requires_grad_(True)
+        assert vision_tower_trainable(model)
+        grads = []
+        for c in (None, cache):
+            model.zero_grad(set_to_none=True)
+            batch, P, mask = collate(model, *rows, pad)
+            if c is not None:
+                batch = c.apply(batch, rows[2])
+                assert "pixel_values" in batch and "mm_encoder_outputs" not in batch  # bypassed
+            logp, _ = response_logprobs(model, batch, P, batch["input_ids"][:, P:])
+            (logp * mask).sum().backward()
+            grads.append(w.grad.clone())
+        assert grads[1].abs().sum() > 0
+        torch.testing.assert_close(grads[1], grads[0], atol=0, rtol=0)
+        assert cache.vision_calls == calls
+        with torch.no_grad():  # no-grad passes may use the cache while the weights are unchanged
+            batch, _, _ = collate(model, *rows, pad)
+            assert "mm_encoder_outputs" in cache.apply(batch, rows[2]) and cache.vision_calls == calls
+            w.add_(1e-3)  # what optimizer.step() does: in place, bumps the version counter
+            cache.apply(batch, rows[2])
+        assert cache.vision_calls == calls + 1  # refilled with the new weights
+        with torch.no_grad():
+            w.sub_(1e-3)
+    finally:
+        model.zero_grad(set_to_none=True)
+        for p in model.parameters():
+            p.requires_grad_(True)
