@@ -23,11 +23,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/mmrl demo
 
+# one intra-op thread: the test models are tiny, and 2 threads per process on a 2-core machine thrash
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" tests
 
 bench: $(STAMP)
 	for f in benchmarks/*.py; do $(BIN)/python $$f || exit 1; done

@@ -19,7 +19,7 @@ from pathlib import Path
 from mmrl.config import RECIPES, ConfigError, default_config, load_config, recipe_module, to_yaml
 
 # errors a user can fix from the message alone: printed without a traceback (MMRL_DEBUG=1 shows it)
-USER_ERRORS = (ConfigError, FileNotFoundError, ValueError, KeyError, RuntimeError)
+USER_ERRORS = (ConfigError, FileNotFoundError, ValueError)
 DEMO_CONFIGS = {
     "diffusion": "configs/diffusion/flow_grpo_tiny.yaml",
     "vlm": "configs/vlm/grpo_tiny_shapes.yaml",
@@ -33,7 +33,8 @@ def _package_root() -> Path:
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     summary = recipe_module(cfg.algorithm).train(cfg)
-    print(json.dumps(summary, indent=2, default=str))
+    if summary:  # non-main ranks of a multi-process run return nothing to report
+        print(json.dumps(summary, indent=2, default=str))
     return 0
 
 
@@ -51,6 +52,8 @@ def cmd_config_check(args: argparse.Namespace) -> int:
 def cmd_tiny(args: argparse.Namespace) -> int:
     from mmrl import tiny
 
+    if Path(args.dir).exists() and not Path(args.dir).is_dir():
+        raise ValueError(f"mmrl tiny: {args.dir} exists and is not a directory; give a (new or existing) directory")
     out = tiny.build_all(args.dir)
     print(json.dumps(out, indent=2, default=str))
     return 0
@@ -59,6 +62,9 @@ def cmd_tiny(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     which = ["diffusion", "vlm"] if args.which == "all" else [args.which]
     root = _package_root()
+    if not (root / "assets").is_dir():
+        raise FileNotFoundError(f"the demo runs from a source checkout (configs/ and assets/ beside mmrl/); not found under {root}")
+    os.chdir(root)  # the demo configs name assets/ and runs/ relative to the checkout
     results = {}
     for name in which:
         path = root / DEMO_CONFIGS[name]
@@ -69,6 +75,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"== mmrl demo: {name} ({path.relative_to(root)}) -> {cfg.output_dir}", flush=True)
         results[name] = recipe_module(cfg.algorithm).train(cfg)
     print(json.dumps(results, indent=2, default=str))
+    for name, summary in results.items():
+        first, last = summary.get("reward_first"), summary.get("reward_last")
+        if first is not None and last is not None:
+            print(f"== {name}: reward first 5 steps {first:.4f} -> last 5 steps {last:.4f}; "
+                  f"run dir {summary.get('output_dir')} (samples/, plots/reward_curve.png, metrics.jsonl)")
     return 0
 
 

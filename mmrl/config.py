@@ -272,6 +272,8 @@ def load_yaml(path: str | Path) -> dict:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+    if data is None:
+        raise ConfigError(f"{path}: the file is empty; expected a mapping with at least 'algorithm:'")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
     return data
@@ -289,8 +291,8 @@ def load_config(source: str | Path | dict, overrides: typing.Iterable[str] = ())
     if not algorithm:
         raise ConfigError(f"{where}missing top-level key 'algorithm'; valid: {sorted(RECIPES)}")
     data["algorithm"] = algorithm
-    cls = recipe_module(algorithm).Config
     try:
+        cls = recipe_module(algorithm).Config
         cfg = from_dict(cls, data)
     except ConfigError as exc:
         raise ConfigError(f"{where}{exc}") from None

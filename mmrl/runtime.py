@@ -30,9 +30,12 @@ def resolve_device(name: str = "auto") -> torch.device:
     """`auto` -> cuda when available, else cpu. Asking for cuda on a machine without it is an error."""
     if name in (None, "", "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: unknown device {name!r}; expected auto, cpu, cuda, cuda:N or mps") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device '{name}' requested but CUDA is not available on this machine; use device=cpu or auto")
+        raise ValueError(f"device '{name}' requested but CUDA is not available on this machine; use device=cpu or auto")
     return dev
 
 
@@ -117,12 +120,22 @@ class Run:
         from mmrl.config import to_yaml
 
         self.cfg = cfg
+        train = getattr(cfg, "train", None)
+        for key in ("max_steps", "save_every", "keep_last"):
+            value = getattr(train, key, 0)
+            if isinstance(value, int) and value < 0:
+                raise ValueError(f"train.{key} must be >= 0, got {value}")
         self.dir = Path(cfg.output_dir)
         self.ckpt_dir = self.dir / "checkpoints"
         self.samples_dir = self.dir / "samples"
         self.plots_dir = self.dir / "plots"
-        for d in (self.dir, self.ckpt_dir, self.samples_dir, self.plots_dir):
-            d.mkdir(parents=True, exist_ok=True)
+        if self.dir.exists() and not self.dir.is_dir():
+            raise ValueError(f"output_dir: {str(self.dir)!r} exists and is not a directory")
+        try:
+            for d in (self.dir, self.ckpt_dir, self.samples_dir, self.plots_dir):
+                d.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"output_dir: cannot create the run directory {str(self.dir)!r}: {exc}") from None
         self.metrics_path = self.dir / "metrics.jsonl"
         if int(getattr(cfg, "num_threads", 0) or 0) > 0:
             torch.set_num_threads(int(cfg.num_threads))
@@ -182,7 +195,8 @@ class Run:
     @contextmanager
     def checkpoint(self, step: int) -> Iterator[Path]:
         """Write a checkpoint atomically: yields a temp dir; on success marks it complete and renames it
-        to checkpoints/step_<N>/. An exception (or a kill) leaves no step_<N> behind."""
+        to checkpoints/step_<N>/, deletes complete checkpoints with a step > N (an abandoned timeline) and
+        prunes to keep_last. An exception (or a kill) leaves no step_<N> behind."""
         tmp = self.ckpt_dir / f".tmp-step_{step}-{os.getpid()}"
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -201,7 +215,16 @@ class Run:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        self._drop_later_than(step)
         self._prune()
+
+    def _drop_later_than(self, step: int) -> None:
+        """Checkpoints with a higher step than the one just written belong to an abandoned timeline (a run
+        restarted with resume=never, or resumed from an older PATH; metrics.jsonl was cut back the same
+        way). Left in place, pruning would delete the new checkpoint and auto-resume would jump back to them."""
+        for s, path in list_checkpoints(self.ckpt_dir):
+            if s > step:
+                shutil.rmtree(path, ignore_errors=True)
 
     def _prune(self) -> None:
         keep = int(getattr(self.cfg.train, "keep_last", 0) or 0)
@@ -258,6 +281,9 @@ def save_image_grid(images: Any, captions: list[str] | None, path: str | Path, c
     from PIL import Image, ImageDraw, ImageFont
 
     if isinstance(images, torch.Tensor):
+        if images.dim() != 4 or images.shape[1] not in (1, 3):
+            raise ValueError(f"save_image_grid: expected images [N, 3 or 1, H, W], got {tuple(images.shape)}")
+        images = images.expand(-1, 3, -1, -1)
         arr = (images.detach().float().clamp(0, 1).cpu().permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
         pils = [Image.fromarray(a) for a in arr]
     else:
@@ -265,6 +291,8 @@ def save_image_grid(images: Any, captions: list[str] | None, path: str | Path, c
     n = len(pils)
     if n == 0:
         raise ValueError("save_image_grid: no images")
+    if captions is not None and len(captions) != n:
+        raise ValueError(f"save_image_grid: {n} images but {len(captions)} captions")
     cols = cols or min(n, 8)
     rows = math.ceil(n / cols)
     w, h = pils[0].size

@@ -56,12 +56,26 @@ def test_misspelled_key_is_a_clean_error(toy, capsys):
     assert not calls
 
 
-def test_config_dump_and_check(toy, capsys):
+def test_config_dump_and_check(toy, capsys, tmp_path):
     path, _ = toy
     assert cli.main(["config", "check", str(path), "seed=3"]) == 0
     assert "seed: 3" in capsys.readouterr().out
+    # dump: commented YAML of a real recipe's defaults that loads back to the same config
+    assert cli.main(["config", "dump", "toy"]) == 0
+    dumped = capsys.readouterr().out
+    assert "# Learning rate.\n  lr: 0.1\n" in dumped and "algorithm: toy" in dumped
+    (tmp_path / "dumped.yaml").write_text(dumped)
+    assert C.load_config(tmp_path / "dumped.yaml") == C.default_config("toy")
 
 
 def test_console_script_help():
     out = subprocess.run([sys.executable, "-m", "mmrl.cli", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "train" in out.stdout and "config" in out.stdout
+
+
+def test_tiny_into_a_file_is_a_clean_error(tmp_path, capsys):
+    f = tmp_path / "not_a_dir.txt"
+    f.write_text("x")
+    assert cli.main(["tiny", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "exists and is not a directory" in err and "Traceback" not in err

@@ -100,7 +100,10 @@ def test_load_config_dispatch_and_errors(tmp_path, toy_recipe):
     with pytest.raises(ConfigError, match=r"c.yaml: unknown config key 'train.lrate'"):
         C.load_config(p)
     p.write_text("algorithm: nope\n")
-    with pytest.raises(ConfigError, match="unknown algorithm 'nope'"):
+    with pytest.raises(ConfigError, match="c.yaml: unknown algorithm 'nope'"):
+        C.load_config(p)
+    p.write_text("")
+    with pytest.raises(ConfigError, match="c.yaml: the file is empty"):
         C.load_config(p)
     p.write_text("train: {}\n")
     with pytest.raises(ConfigError, match="missing top-level key 'algorithm'"):

@@ -22,8 +22,10 @@ def test_device_dtype():
     assert resolve_dtype("bf16") is torch.bfloat16 and resolve_dtype("float32") is torch.float32
     with pytest.raises(ValueError, match="unknown dtype 'float8'"):
         resolve_dtype("float8")
+    with pytest.raises(ValueError, match="device: unknown device 'tpu'"):
+        resolve_device("tpu")
     if not torch.cuda.is_available():
-        with pytest.raises(RuntimeError, match="CUDA is not available"):
+        with pytest.raises(ValueError, match="CUDA is not available"):
             resolve_device("cuda")
 
 
@@ -97,3 +99,39 @@ def test_image_grid_and_timer(tmp_path):
         pass
     out = t.pop()
     assert set(out) == {"time/a_s"} and out["time/a_s"] >= 0 and t.pop() == {}
+
+
+@pytest.mark.parametrize("key", ["max_steps", "save_every", "keep_last"])
+def test_negative_train_counts_are_rejected(tmp_path, key):
+    with pytest.raises(ValueError, match=f"train.{key} must be >= 0, got -1"):
+        Run(make_cfg(tmp_path, **{key: -1}))
+
+
+def test_output_dir_that_is_a_file_is_a_clear_error(tmp_path):
+    (tmp_path / "run").write_text("not a directory")
+    with pytest.raises(ValueError, match="output_dir: .*run' exists and is not a directory"):
+        Run(make_cfg(tmp_path))
+
+
+def test_fresh_run_in_an_old_directory_keeps_its_own_checkpoints(tmp_path):
+    """A restart with resume=never must not lose its new checkpoint to pruning, nor auto-resume into the
+    abandoned run's later steps."""
+    old = Run(make_cfg(tmp_path, keep_last=2))
+    for step in (50, 100):
+        with old.checkpoint(step) as d:
+            old.save_state(d, step=step)
+    fresh = Run(make_cfg(tmp_path, keep_last=2, resume="never"))
+    with fresh.checkpoint(10) as d:
+        fresh.save_state(d, step=10)
+    assert [s for s, _ in list_checkpoints(fresh.ckpt_dir)] == [10]
+    fresh.cfg.train.resume = "auto"
+    assert fresh.find_resume().name == "step_10" and fresh.load_state(fresh.find_resume())["step"] == 10
+
+
+def test_image_grid_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="2 images but 1 captions"):
+        save_image_grid(torch.rand(2, 3, 4, 4), ["a"], tmp_path / "g.png")
+    with pytest.raises(ValueError, match=r"expected images \[N, 3 or 1, H, W\]"):
+        save_image_grid(torch.rand(2, 2, 4, 4), None, tmp_path / "g.png")
+    p = save_image_grid(torch.rand(2, 1, 4, 4), None, tmp_path / "gray.png")  # grey images are expanded
+    assert p.is_file()

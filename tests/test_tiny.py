@@ -285,7 +285,7 @@ def test_tokenizers_cover_synthetic_shapes_data():
     """Every word of the synthetic captions / questions is one token; every answer is one Qwen token."""
     import random
 
-    shapes = pytest.importorskip("mmrl.pipelines.shapes")
+    from mmrl.pipelines import shapes  # shipped module: fail, never skip, if it goes missing
     clip, t5, qwen = tiny._load_tokenizer("clip"), tiny._load_tokenizer("t5"), tiny._load_tokenizer("qwen")
     rng = random.Random(0)
     for _ in range(100):

@@ -158,7 +158,7 @@ def _dr_grpo(rewards: Tensor, group_ids: Tensor, **kw: Any) -> Tensor:
 
 
 @register_advantage("rloo")
-def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
+def rloo_advantages(rewards: Tensor, group_ids: Tensor, **unused: Any) -> Tensor:
     """RLOO: adv_i = r_i - mean of the other members of i's group. rewards[B], group_ids[B] -> [B].
 
     Equals n/(n-1) * (r_i - mean_g); a group of one gets 0.

@@ -30,7 +30,7 @@ def read_records(path: str | Path) -> list[dict]:
     """Rows of a .jsonl / .json (list) / .parquet file as dicts."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"data file not found: {path}")
+        raise FileNotFoundError(f"data file not found: {path} (relative paths are taken from the current directory, {Path.cwd()})")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         import pyarrow.parquet as pq
@@ -77,7 +77,7 @@ def load_prompts(path: str | Path) -> list[PromptItem]:
     with a `prompt` key (other keys become metadata, e.g. the OCR target text)."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"prompt file not found: {path}")
+        raise FileNotFoundError(f"prompt file not found: {path} (relative paths are taken from the current directory, {Path.cwd()})")
     if path.suffix.lower() == ".txt":
         items = [PromptItem(line.strip()) for line in path.read_text().splitlines()
                  if line.strip() and not line.lstrip().startswith("#")]

@@ -127,6 +127,10 @@ def _check_image_tensor(t: torch.Tensor) -> torch.Tensor:
         t = t.float() / 255.0
     elif not t.is_floating_point():
         raise ValueError(f"image tensor must be float in [0,1] or uint8, got {t.dtype}")
+    if t.numel() and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).flatten(1).any(1).nonzero()[0])
+        raise ValueError(f"image tensor contains NaN/inf values (first in image {bad}); "
+                         "check the decoder / sampler output before scoring")
     if t.numel() and (t.min() < -1e-3 or t.max() > 1 + 1e-3):
         raise ValueError(f"float image tensor must be in [0,1] (canonical), got range [{t.min().item():.3f}, {t.max().item():.3f}]; "
                          "map [-1,1] images with (x + 1) / 2")

@@ -134,7 +134,10 @@ def load_reward_from_args(spec: str, weights: str | None, kw_items: Sequence[str
 
         if not Path(spec).is_file():
             _fail(f"reward YAML not found: {spec!r}")
-        target = yaml.safe_load(Path(spec).read_text())
+        try:
+            target = yaml.safe_load(Path(spec).read_text())
+        except yaml.YAMLError as exc:
+            _fail(f"reward YAML {spec!r} is not valid YAML: {exc}")
         if not isinstance(target, dict):
             _fail(f"reward YAML {spec!r} must hold a mapping (name -> weight), got {type(target).__name__}")
     elif spec not in available():
@@ -320,10 +323,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a reward over HTTP until Ctrl-C."""
     from mmrl.rewards.remote import serve
 
+    if not 0 <= args.port <= 65535:
+        _fail(f"--port must be in 0..65535 (0 = any free port), got {args.port}")
     reward = load_reward_from_args(args.reward, args.weights, args.kw, _device(args.device))
     try:
         serve(reward, host=args.host, port=args.port, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms)
-    except OSError as exc:
+    except (OSError, OverflowError) as exc:
         _fail(f"cannot serve on {args.host}:{args.port}: {exc}")
     return 0
 

@@ -97,7 +97,10 @@ class CompositeReward(RewardModel):
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"composite reward YAML not found: {str(p)!r}")
-        spec = yaml.safe_load(p.read_text())
+        try:
+            spec = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ValueError(f"composite reward YAML {str(p)!r} is not valid YAML: {exc}") from None
         if not isinstance(spec, Mapping):
             raise ValueError(f"composite reward YAML {str(p)!r} must hold a mapping name -> weight, got {type(spec).__name__}")
         return cls.from_mapping(spec, **kwargs)

@@ -191,7 +191,6 @@ def test_offline_dpo_raises_implicit_accuracy(tmp_path, tiny_sd3_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (SHAPES_MODEL / "model_index.json").is_file(), reason="assets/tiny_sd3_shapes not built")
 def test_online_dpo_tiny_raises_reward(tmp_path):
     torch.set_num_threads(1)
     cfg = load_config(REPO / "configs" / "diffusion" / "dpo_tiny_online.yaml",

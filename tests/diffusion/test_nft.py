@@ -173,7 +173,6 @@ def test_full_finetuning_runs(tmp_path, tiny_sd3_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (SHAPES_MODEL / "model_index.json").is_file(), reason="assets/tiny_sd3_shapes not built")
 def test_nft_tiny_raises_reward(tmp_path):
     torch.set_num_threads(1)
     cfg = load_config(REPO / "configs" / "diffusion" / "nft_tiny.yaml",

@@ -57,6 +57,10 @@ def test_bad_inputs_clear_errors(tmp_path):
         r(torch.rand(2, 3, 8, 8) * 2 - 1)
     with pytest.raises(ValueError, match="1, 3 or 4 channels"):
         r(torch.rand(2, 2, 8, 8))
+    nan_batch = torch.rand(3, 3, 8, 8)
+    nan_batch[1, 0, 2, 2] = float("nan")  # NaN slips through min/max range checks; must not be scored
+    with pytest.raises(ValueError, match=r"NaN/inf values \(first in image 1\)"):
+        r(nan_batch)
     with pytest.raises((ValueError, FileNotFoundError), match="missing.png"):
         r([str(tmp_path / "missing.png")])
     with pytest.raises(ValueError, match="different sizes"):

@@ -104,6 +104,9 @@ def test_yaml_mapping(tmp_path):
     assert load("composite", components=str(p)).weights == comp.weights
     with pytest.raises(FileNotFoundError, match="missing.yaml"):
         CompositeReward.from_mapping(str(tmp_path / "missing.yaml"))
+    p.write_text("jpeg_compressibility: [1\n")
+    with pytest.raises(ValueError, match="reward.yaml' is not valid YAML"):
+        CompositeReward.from_yaml(p)
 
 
 def test_differentiable_only_if_all_components_are():

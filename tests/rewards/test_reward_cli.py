@@ -119,15 +119,26 @@ def test_score_text_reward_from_jsonl(tmp_path):
     (["--reward", "/tmp/definitely_missing_mmrl.yaml", "--images", "{img}"], "reward YAML not found"),
     (["--reward", "geo3k", "--images", "{img}"], "scores text"),
     (["--reward", "jpeg_compressibility"], "pass --images"),
+    (["--reward", "jpeg_compressibility", "--images", "{img}", "--device", "tpu"], "unknown device 'tpu'"),
+    (["--reward", "{bad_yaml}", "--images", "{img}"], "is not valid YAML"),
 ])
 def test_score_errors_exit_2(image_dir, tmp_path, capsys, argv, msg):
     prompts = tmp_path / "p.txt"
     prompts.write_text("a\nb\n")
-    argv = [a.format(img=image_dir, prompts=prompts) for a in argv]
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("jpeg_compressibility: [1\n")
+    argv = [a.format(img=image_dir, prompts=prompts, bad_yaml=bad_yaml) for a in argv]
     with pytest.raises(SystemExit) as ei:
         run(["reward", "score", *argv, "--no-progress"])
     assert ei.value.code == 2
     assert msg in capsys.readouterr().err
+
+
+def test_serve_bad_port_exits_2(capsys):
+    with pytest.raises(SystemExit) as ei:
+        run(["reward", "serve", "jpeg_compressibility", "--port", "99999"])
+    assert ei.value.code == 2
+    assert "--port must be in 0..65535" in capsys.readouterr().err
 
 
 def test_parse_kw_types():
@@ -138,6 +149,7 @@ def test_parse_kw_types():
 # ----------------------------------------------------------------------------- through the real `mmrl` CLI
 
 
+@pytest.mark.slow  # three fresh interpreters importing torch: ~25 s on a loaded 2-core machine
 def test_python_m_mmrl_cli_reward_list_and_score(image_dir, tmp_path):
     r = subprocess.run([PY, "-m", "mmrl.cli", "reward", "list"], capture_output=True, text=True, env=ENV,
                        cwd=ROOT, timeout=120)

@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from mmrl.rewards.base import RewardOutput, register
 from mmrl.rewards.image._common import (OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, TorchImageReward, check_prompts,
-                                        load_state_dict_file, normalize, require_path,
+                                        load_state_dict_file, load_strict, normalize, require_path,
                                         resize_shortest_center_crop, unique_index)
 from mmrl.rewards.image.aesthetic import build_aesthetic_mlp
 
@@ -84,19 +83,6 @@ def map_imagereward_state_dict(state: dict[str, torch.Tensor]) -> tuple[dict, di
     return vision, text, mlp, skipped
 
 
-def _load_mapped(module: torch.nn.Module, state: dict, what: str, path: Path) -> None:
-    own = module.state_dict()
-    missing = [k for k in own if k not in state]
-    unexpected = [k for k in state if k not in own]
-    shapes = [f"{k}: model {tuple(own[k].shape)} vs checkpoint {tuple(state[k].shape)}"
-              for k in own if k in state and own[k].shape != state[k].shape]
-    if missing or unexpected or shapes:
-        raise ValueError(f"imagereward: the {what} in '{path}' does not fit the configured BLIP "
-                         f"(missing {missing[:4]}, unexpected {unexpected[:4]}, shapes {shapes[:3]}); "
-                         "check vision_config / med_config")
-    module.load_state_dict(state, strict=True)
-
-
 @register("imagereward")
 class ImageReward(TorchImageReward):
     name = "imagereward"
@@ -135,8 +121,9 @@ class ImageReward(TorchImageReward):
                                   add_pooling_layer=False)
         vision_sd, text_sd, mlp_sd, self.skipped_keys = map_imagereward_state_dict(
             load_state_dict_file(path, "imagereward", trust_pickle))
-        _load_mapped(self.vision, vision_sd, "vision encoder (blip.visual_encoder.*)", path)
-        _load_mapped(self.text, text_sd, "text encoder (blip.text_encoder.*)", path)
+        hint = "check vision_config / med_config"
+        load_strict(self.vision, vision_sd, "imagereward vision encoder (blip.visual_encoder.*)", path, hint)
+        load_strict(self.text, text_sd, "imagereward text encoder (blip.text_encoder.*)", path, hint)
         self.mlp = build_aesthetic_mlp(mlp_sd, "imagereward")
         if self.mlp[0].in_features != tcfg["hidden_size"]:
             raise ValueError(f"imagereward: MLP input {self.mlp[0].in_features} != text hidden size {tcfg['hidden_size']}")
