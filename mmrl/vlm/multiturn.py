@@ -21,6 +21,19 @@ Credit assignment (``algo.advantage``), all from ``mmrl.core``; r_k = reward of 
 DAPO dynamic sampling drops groups whose episode returns are all equal and rolls out new tasks, up to
 ``algo.max_resample_rounds`` extra rounds.
 
+Several processes (``torchrun ... dist.strategy=ddp``, see mmrl/distributed.py): ``rollout.groups_per_step`` is
+global and must be divisible by the number of processes; every rank rolls out whole episode groups (its contiguous
+share of each round's tasks), the episodes' turn rewards, anchors and group ids are all-gathered so advantages
+(grpo / turn_grpo / GiGPO anchor groups), DAPO's kept-group decision (so every rank runs the same rounds) and the
+logged episode metrics use the whole batch; each rank's loss is weighted (``DistContext.loss_scale`` of its policy
+tokens) so DDP's gradient average equals the gradient of the global token-mean; every rank runs the same number of
+optimizer steps (a zero-weight placeholder micro-batch when it has no episode in a mini-batch), gradients are
+all-reduced once per mini-batch (``no_sync`` on the other micro-batches); rank 0 alone evaluates, logs, saves
+samples and writes checkpoints, which resume on any number of processes.
+
+Vision features (``train.reuse_vision_features``): the reference pass, and the training pass when the vision tower
+is frozen, take each episode's image features from ``mmrl.vlm.common.VisionCache`` (computed once per step).
+
 What is simplified away: the HF engine re-prefills the whole history every turn (no cross-turn KV
 cache); the vLLM engine is not supported here (it takes text prompts, which would re-tokenise the
 policy's own tokens); no value model (GAE) and no per-token rewards.
@@ -29,6 +42,7 @@ policy's own tokens); no value model (GAE) and no per-token rewards.
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import time
 from collections import defaultdict
@@ -42,8 +56,10 @@ import torch
 from mmrl.config import RunConfig, TrainConfig
 from mmrl.core import (clipped_policy_loss, discounted_returns, gigpo_advantages, group_advantages, hash_anchors,
                        kl_estimate)
-from mmrl.runtime import Run, Timer, get_rng_state, set_rng_state
-from mmrl.vlm.common import EncodedPrompt, collate, encode_prompt, render_prompt, response_logprobs
+from mmrl.distributed import DistConfig, DistContext
+from mmrl.runtime import Run, Timer, get_rng_state, seed_everything, set_rng_state
+from mmrl.vlm.common import (EncodedPrompt, VisionCache, collate, encode_prompt, render_prompt, response_logprobs,
+                             vision_has_adapters, vision_tower)
 from mmrl.vlm.envs import EnvManager, Observation, StepResult, make_env
 from mmrl.vlm.rollout import GenRequest, SamplingParams
 
@@ -87,6 +103,7 @@ class Episode:
     max_turns: int = 0
     anchor: Hashable | None = None  # anchor of the observation the next response answers
     success: bool = False
+    _mm_memo: tuple | None = field(default=None, repr=False, compare=False)  # (len(mm), merged_mm())
 
     def append(self, ids: Sequence[int], policy: bool, logprobs: Sequence[float] | None = None) -> None:
         self.ids += list(ids)
@@ -102,11 +119,16 @@ class Episode:
         return [t.reward for t in self.turns]
 
     def merged_mm(self) -> dict[str, torch.Tensor]:
+        """All observations' vision tensors concatenated in order; the same dict (and tensors) until ``mm`` grows,
+        so a ``VisionCache`` (keyed by tensor identity) recognises an episode's images across passes."""
+        if self._mm_memo is not None and self._mm_memo[0] == len(self.mm):
+            return self._mm_memo[1]
         out = {}
         for key in ("pixel_values", "image_grid_thw"):
             parts = [m[key] for m in self.mm if m and key in m]
             if parts:
                 out[key] = torch.cat(parts, 0)
+        self._mm_memo = (len(self.mm), out)
         return out
 
     def finish(self, reason: str) -> None:
@@ -377,14 +399,20 @@ def informative_groups(episodes: Sequence[Episode], returns: torch.Tensor) -> li
 def policy_loss(model: Any, episodes: Sequence[Episode], adv: Sequence[torch.Tensor], pad_id: int, *,
                 temperature: float, clip_low: float, clip_high: float, normalizer: float,
                 ref_logprobs: Sequence[torch.Tensor] | None = None, kl_coef: float = 0.0, kl_kind: str = "k3",
-                entropy_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+                entropy_coef: float = 0.0, vision_cache: VisionCache | None = None
+                ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped policy-gradient loss of one micro-batch of episodes over their policy tokens only.
 
     ``normalizer`` = number of policy tokens in the whole mini-batch (token-mean across micro-batches).
+    ``model`` may be the DDP-wrapped policy. ``vision_cache``: image features of the episodes (the cache
+    refuses itself, i.e. the vision tower runs with gradients, when the tower is trained).
     Returns (loss to backward, metrics incl. max |logp - rollout logp| as ``drift``)."""
     prompts = [ep.ids[:ep.prompt_len] for ep in episodes]
     resps = [ep.ids[ep.prompt_len:] for ep in episodes]
-    batch, P, rmask = collate(model, prompts, resps, [ep.merged_mm() for ep in episodes], pad_id)
+    mms = [ep.merged_mm() for ep in episodes]
+    batch, P, rmask = collate(model, prompts, resps, mms, pad_id)
+    if vision_cache is not None:
+        batch = vision_cache.apply(batch, mms)
     T = rmask.shape[1]
     dev = rmask.device
 
@@ -534,6 +562,10 @@ class MultiTurnTrainConfig(TrainConfig):
     answers with every weight teaches the model to ignore its input; `[lm_head]` teaches just the format."""
     eval_every: int = 0
     """Greedy evaluation every this many steps (0 = only before and after training)."""
+    reuse_vision_features: bool = True
+    """Compute each episode's image features once per step (mmrl.vlm.common.VisionCache) and reuse them in the
+    reference pass and, when the vision tower is frozen, in the training pass (same embeddings); false = every
+    forward runs the vision tower."""
 
 
 @dataclass
@@ -550,6 +582,8 @@ class Config(RunConfig):
     """Credit assignment and loss."""
     train: MultiTurnTrainConfig = field(default_factory=MultiTurnTrainConfig)
     """Training loop."""
+    dist: DistConfig = field(default_factory=DistConfig)
+    """Multi-process training under torchrun / accelerate launch (strategy none|ddp, backend, find_unused_parameters)."""
 
 
 # ============================================================================================ recipe
@@ -569,6 +603,17 @@ def _check_config(cfg: Config) -> None:
     if cfg.rollout.group_size < 2 and cfg.algo.advantage != "turn_grpo":
         raise ValueError(f"rollout.group_size: group advantages need >= 2 episodes per task, "
                          f"got {cfg.rollout.group_size}")
+    if cfg.dist.strategy == "fsdp":
+        raise ValueError("dist.strategy=fsdp: not supported by vlm_multiturn (PolicyStates and the optimizer hold the "
+                         "parameters from before sharding); use dist.strategy=ddp")
+
+
+def check_world_size(cfg: Config, world_size: int) -> None:
+    """Every rank rolls out whole episode groups: the global groups_per_step must split evenly."""
+    if cfg.rollout.groups_per_step % world_size:
+        raise ValueError(f"rollout.groups_per_step={cfg.rollout.groups_per_step} (episode groups per step, global over "
+                         f"all processes) must be divisible by the number of processes ({world_size}): each rank "
+                         f"rolls out whole groups")
 
 
 def _specs(cfg: Config, first_seed: int, n_groups: int, group_offset: int, group_size: int) -> list[dict]:
@@ -685,32 +730,71 @@ def train(cfg: Config) -> dict:
     from mmrl.vlm.rollout import HFRolloutEngine
 
     _check_config(cfg)
-    run = Run(cfg)  # also applies cfg.num_threads
-    model, processor = _load_model(cfg, run)
-    tok = getattr(processor, "tokenizer", processor)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    eos_id = tok.convert_tokens_to_ids("<|im_end|>")
-    use_ref = cfg.algo.kl_coef > 0
-    lora = _lora(cfg)
-    states = PolicyStates(model, lora, old=False, **({"keep_ref_copy": use_ref} if lora is None else {}))
-    params = states.named_trainable_parameters()
-    rl_params = [p for n, p in states.named_trainable_parameters() if not any(f in n for f in cfg.model.freeze)]
-    if not rl_params:
-        raise ValueError(f"model.freeze={cfg.model.freeze!r} excludes every trainable parameter")
-    opt = torch.optim.AdamW(rl_params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-    n_steps, end = max(cfg.train.max_steps, 1), cfg.train.lr_end_factor
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 - (1.0 - end) * min(k, n_steps) / n_steps)
-    fmt = ChatFormat(processor, cfg.rollout.system_prompt or None)
-    engine = HFRolloutEngine(states.model, processor, batch_size=cfg.rollout.batch_size)
-    manager = EnvManager(cfg.env.max_workers, cfg.env.backend, modules=cfg.env.modules)
+    ctx = DistContext.init(cfg.dist.backend)
+    manager = None
     try:
-        return _train_loop(cfg, run, states, opt, sched, params, fmt, engine, manager, pad_id, eos_id, use_ref)
+        check_world_size(cfg, ctx.world_size)
+        if not ctx.is_main:
+            os.environ["MMRL_NO_PROGRESS"] = "1"
+        with ctx.main_process_first():
+            run = Run(cfg, write_config=ctx.is_main)  # also applies cfg.num_threads
+        if ctx.enabled:
+            run.device = ctx.device  # cuda:LOCAL_RANK (or cpu under gloo)
+        with ctx.main_process_first():  # rank 0 builds the tiny demo model (model.build_tiny) before the others load it
+            model, processor = _load_model(cfg, run)
+        tok = getattr(processor, "tokenizer", processor)
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        eos_id = tok.convert_tokens_to_ids("<|im_end|>")
+        use_ref = cfg.algo.kl_coef > 0
+        lora = _lora(cfg)
+        states = PolicyStates(model, lora, old=False, **({"keep_ref_copy": use_ref} if lora is None else {}))
+        params = states.named_trainable_parameters()
+        rl_params = [p for n, p in states.named_trainable_parameters() if not any(f in n for f in cfg.model.freeze)]
+        if not rl_params:
+            raise ValueError(f"model.freeze={cfg.model.freeze!r} excludes every trainable parameter")
+        opt = torch.optim.AdamW(rl_params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        n_steps, end = max(cfg.train.max_steps, 1), cfg.train.lr_end_factor
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 - (1.0 - end) * min(k, n_steps) / n_steps)
+        fmt = ChatFormat(processor, cfg.rollout.system_prompt or None)
+        engine = HFRolloutEngine(states.model, processor, batch_size=cfg.rollout.batch_size)
+        manager = EnvManager(cfg.env.max_workers, cfg.env.backend, modules=cfg.env.modules)
+        return _train_loop(cfg, run, states, opt, sched, params, fmt, engine, manager, pad_id, eos_id, use_ref, ctx)
     finally:
-        manager.close()
+        if manager is not None:
+            manager.close()
+        ctx.close()
+
+
+def _light(ep: Episode) -> Episode:
+    """An episode without its vision tensors and log-probs (what other ranks need: turns, rewards, anchors, group,
+    token counts, end reason), for all_gather_object."""
+    return dataclasses.replace(ep, mm=[], old_logprobs=[], _mm_memo=None)
+
+
+def _gather_episodes(ctx: DistContext, eps: list[Episode]) -> tuple[list[Episode], list[int]]:
+    """(every rank's episodes in rank order, the rank each came from); one process: (eps, [0, ...]) unchanged."""
+    if not ctx.enabled:
+        return list(eps), [0] * len(eps)
+    parts = ctx.all_gather_object([_light(ep) for ep in eps])
+    return [ep for part in parts for ep in part], [r for r, part in enumerate(parts) for _ in part]
+
+
+def _placeholder(episodes: Sequence[Episode]) -> Episode:
+    """A local episode for the zero-weight micro-batch of a rank that has nothing to train on in a mini-batch."""
+    for ep in episodes:
+        if ep.policy_tokens > 0:
+            return ep
+    for ep in episodes:
+        if len(ep.ids) > ep.prompt_len > 0:
+            return ep
+    raise RuntimeError("vlm_multiturn: this rank has no episode with tokens to run the placeholder micro-batch "
+                       "that keeps the gradient all-reduce paired (every reset failed?)")
 
 
 def _train_loop(cfg: Config, run: Run, states: Any, opt: Any, sched: Any, params: list, fmt: ChatFormat, engine: Any,
-                manager: EnvManager, pad_id: int, eos_id: int, use_ref: bool) -> dict:
+                manager: EnvManager, pad_id: int, eos_id: int, use_ref: bool, ctx: DistContext | None = None) -> dict:
+    ctx = ctx if ctx is not None else DistContext()
+    world, rank = ctx.world_size, ctx.rank
     start_step, task_cursor, summary_extra = 0, 0, {}
     resume = run.find_resume()
     if resume is not None:
@@ -719,80 +803,131 @@ def _train_loop(cfg: Config, run: Run, states: Any, opt: Any, sched: Any, params
         opt.load_state_dict(st["optimizer"])
         sched.load_state_dict(st["scheduler"])
         set_rng_state(st["rng"])
-        start_step, task_cursor = int(st["step"]), int(st["task_cursor"])
+        start_step, task_cursor = int(st["step"]), int(st["task_cursor"])  # task_cursor is global: any world size
         summary_extra = st.get("summary", {})
-        run.truncate_metrics(start_step)
+        if ctx.is_main:
+            run.truncate_metrics(start_step)
     else:
-        if cfg.train.warm_start_steps > 0:
+        if cfg.train.warm_start_steps > 0:  # identical on every rank (same seeded draws)
             summary_extra["warm_start_loss"] = warm_start(cfg, states.model, fmt, params, pad_id, eos_id)
-        ev = evaluate(cfg, engine, fmt, manager)
-        summary_extra["eval_before"] = ev
-        run.log(0, ev)
+        if ctx.is_main:
+            ev = evaluate(cfg, engine, fmt, manager)
+            summary_extra["eval_before"] = ev
+            run.log(0, ev)
+
+    model = states.model
+    # only the optimizer's parameters get gradients from here on (DDP registers those that require grad now;
+    # a frozen vision tower lets the training pass reuse cached image features)
+    rl_ids = {id(p) for p in opt.param_groups[0]["params"]}
+    for p in states.trainable_parameters():
+        p.requires_grad_(id(p) in rl_ids)
+    tmodel = ctx.wrap_model(model, cfg.dist.strategy, find_unused_parameters=cfg.dist.find_unused_parameters)
+    reuse = cfg.train.reuse_vision_features
+    state_ids = {id(p) for p in states.trainable_parameters()}
+    share_ref = reuse and not vision_has_adapters(model) and not any(
+        id(p) in state_ids for p in vision_tower(model).parameters())
 
     sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                               max_new_tokens=cfg.rollout.max_new_tokens)
     bar = run.progress(cfg.train.max_steps, start_step)
     for step in range(start_step + 1, cfg.train.max_steps + 1):
+        if ctx.enabled:  # rank-local randomness as a function of (seed, rank, step): nothing per rank to save
+            seed_everything(ctx.rank_seed(cfg.seed, step))
         timer, stats, t_step = Timer(), RolloutStats(), time.perf_counter()
-        # ---- rollout (+ dynamic sampling)
+        # ---- rollout (+ dynamic sampling); `all_eps`: every rank's episodes (light copies under several processes)
         episodes: list[Episode] = []
+        all_eps: list[Episode] = []
+        all_src: list[int] = []
         kept: list[int] = []
         rounds = 0
         states.model.eval()
         while True:
-            n_new = cfg.rollout.groups_per_step if rounds == 0 else cfg.rollout.groups_per_step - len(kept)
-            specs = _specs(cfg, task_cursor, n_new, task_cursor, cfg.rollout.group_size)
+            need = cfg.rollout.groups_per_step if rounds == 0 else cfg.rollout.groups_per_step - len(kept)
+            n_new = -(-need // world) * world  # whole groups on every rank (refill rounds round up)
+            specs = ctx.shard(_specs(cfg, task_cursor, n_new, task_cursor, cfg.rollout.group_size))
             task_cursor += n_new
-            sp = dataclasses.replace(sampling, seed=cfg.seed * 7919 + step * 101 + rounds)
+            sp = dataclasses.replace(sampling, seed=cfg.seed * 7919 + step * 101 + rounds + rank * 1_000_003)
             eps = rollout_episodes(engine, fmt, manager, specs, sp, cfg.rollout.max_turns, cfg.rollout.max_seq_len,
                                    cfg.rollout.async_mode, stats)
             episodes += eps
+            g_eps, g_src = _gather_episodes(ctx, eps)
+            all_eps += g_eps
+            all_src += g_src
             if not cfg.algo.dynamic_sampling:
-                kept = sorted({ep.group for ep in episodes})
+                kept = sorted({ep.group for ep in all_eps})
                 break
-            kept = informative_groups(episodes, episode_returns(episodes, cfg.algo.gamma))
+            # decided on the gathered episodes: identical on every rank, so all ranks run the same rounds
+            kept = informative_groups(all_eps, episode_returns(all_eps, cfg.algo.gamma))
             rounds += 1
             if len(kept) >= cfg.rollout.groups_per_step or rounds > cfg.algo.max_resample_rounds:
                 break
-        metrics = episode_metrics(episodes, cfg.algo.gamma)  # everything sampled, before filtering
+        metrics = episode_metrics(all_eps, cfg.algo.gamma)  # everything sampled (all ranks), before filtering
         keep = set(kept[:cfg.rollout.groups_per_step])
         train_eps = [ep for ep in episodes if ep.group in keep and ep.policy_tokens > 0]
+        sel = sorted((i for i, ep in enumerate(all_eps) if ep.group in keep and ep.policy_tokens > 0),
+                     key=lambda i: all_src[i])  # rank-major, each rank's own order (stable sort)
+        glob_train = [all_eps[i] for i in sel]
+        lo = sum(all_src[i] < rank for i in sel)
         metrics.update({"dynamic/rounds": rounds, "dynamic/kept_groups": len(keep),
-                        "dynamic/episodes_sampled": len(episodes)})
-        # ---- advantages
+                        "dynamic/episodes_sampled": len(all_eps)})
+        # ---- advantages (statistics and GiGPO anchor groups over the global batch), this rank's rows
         with timer("advantages"):
-            turn_adv = turn_advantages(train_eps, cfg.algo.advantage, cfg.algo.gamma, cfg.algo.omega,
-                                       cfg.algo.scale_by_std) if train_eps else torch.zeros(0, 1)
+            turn_adv = turn_advantages(glob_train, cfg.algo.advantage, cfg.algo.gamma, cfg.algo.omega,
+                                       cfg.algo.scale_by_std) if glob_train else torch.zeros(0, 1)
+            turn_adv = turn_adv[lo:lo + len(train_eps)]
             adv = token_advantages(train_eps, turn_adv)
+            vcache = VisionCache(model) if reuse and train_eps else None  # this step's images, "default" state
             ref_lp = None
             if use_ref and train_eps:
                 from mmrl.vlm.common import compute_logprobs
 
+                ref_cache = vcache if share_ref else (VisionCache(model) if reuse else None)
                 with states.use("ref"):
-                    ref_lp, _ = compute_logprobs(states.model, [e.ids[:e.prompt_len] for e in train_eps],
+                    ref_lp, _ = compute_logprobs(model, [e.ids[:e.prompt_len] for e in train_eps],
                                                  [e.ids[e.prompt_len:] for e in train_eps],
                                                  [e.merged_mm() for e in train_eps], pad_id,
-                                                 cfg.train.micro_batch_size, cfg.rollout.temperature or 1.0)
+                                                 cfg.train.micro_batch_size, cfg.rollout.temperature or 1.0,
+                                                 vision_cache=ref_cache)
         # ---- policy update
         loss_metrics: dict[str, list[float]] = defaultdict(list)
         drift = 0.0
         with timer("train"):
             order = list(range(len(train_eps)))
-            n_mb = max(1, min(cfg.train.mini_batches, len(order)))
+            n_rows = ctx.max_int(len(order)) if ctx.enabled else len(order)  # same mini-batch count on every rank
+            n_mb = max(1, min(cfg.train.mini_batches, n_rows))
             first = True
-            for _ in range(cfg.train.ppo_epochs if train_eps else 0):
+            mbs = cfg.train.micro_batch_size
+            n_placeholder = 0
+            for _ in range(cfg.train.ppo_epochs if glob_train else 0):
                 for mb in [order[i::n_mb] for i in range(n_mb)]:
                     norm = float(sum(train_eps[i].policy_tokens for i in mb))
+                    scale, placeholder = 1.0, False
+                    if ctx.enabled:  # this rank's token share: DDP's average = gradient of the global token-mean
+                        scale = ctx.loss_scale(norm)
+                        if not mb:  # nothing here in this mini-batch: a zero-weight micro-batch joins the all-reduce
+                            scale, placeholder = 0.0, True
+                            n_placeholder += 1
                     states.model.zero_grad(set_to_none=True)  # frozen parameters too (they are not stepped)
-                    for s in range(0, len(mb), cfg.train.micro_batch_size):
-                        idx = mb[s:s + cfg.train.micro_batch_size]
-                        loss, m = policy_loss(
-                            states.model, [train_eps[i] for i in idx], [adv[i] for i in idx], pad_id,
-                            temperature=cfg.rollout.temperature or 1.0, clip_low=cfg.algo.clip_low,
-                            clip_high=cfg.algo.clip_high, normalizer=norm,
-                            ref_logprobs=None if ref_lp is None else [ref_lp[i] for i in idx],
-                            kl_coef=cfg.algo.kl_coef, kl_kind=cfg.algo.kl_kind, entropy_coef=cfg.algo.entropy_coef)
-                        loss.backward()
+                    chunks = [mb[s:s + mbs] for s in range(0, len(mb), mbs)] if mb else [[]]
+                    for ci, idx in enumerate(chunks):
+                        if placeholder:
+                            ph = _placeholder(episodes)
+                            eps_mb, adv_mb, ref_mb = [ph], [torch.zeros(len(ph.ids) - ph.prompt_len)], None
+                        else:
+                            eps_mb, adv_mb = [train_eps[i] for i in idx], [adv[i] for i in idx]
+                            ref_mb = None if ref_lp is None else [ref_lp[i] for i in idx]
+                        with ctx.no_sync(tmodel, sync=ci == len(chunks) - 1):  # forward AND backward inside
+                            loss, m = policy_loss(
+                                tmodel, eps_mb, adv_mb, pad_id,
+                                temperature=cfg.rollout.temperature or 1.0, clip_low=cfg.algo.clip_low,
+                                clip_high=cfg.algo.clip_high, normalizer=norm, ref_logprobs=ref_mb,
+                                kl_coef=cfg.algo.kl_coef, kl_kind=cfg.algo.kl_kind, entropy_coef=cfg.algo.entropy_coef,
+                                vision_cache=vcache)
+                            if scale != 1.0:
+                                loss = loss * scale
+                            loss.backward()
+                        if placeholder:
+                            continue
                         if first:
                             drift = max(drift, m["drift"])
                         for k, v in m.items():
@@ -802,33 +937,49 @@ def _train_loop(cfg: Config, run: Run, states: Any, opt: Any, sched: Any, params
                         loss_metrics["grad_norm"].append(float(gn))
                     opt.step()
                     first = False
+        if ctx.enabled:  # means over every rank's micro-batches; drift = max over ranks
+            merged: dict[str, list[float]] = defaultdict(list)
+            parts = ctx.all_gather_object((dict(loss_metrics), n_placeholder))
+            for part, _ in parts:
+                for k, v in part.items():
+                    merged[k] += v
+            loss_metrics = merged
+            metrics["dist/placeholder_minibatches"] = sum(n for _, n in parts)  # zero-weight, summed over ranks
+            drift = max(ctx.all_gather_object(drift))
         metrics["policy/lr"] = opt.param_groups[0]["lr"]
         sched.step()
         metrics.update({f"policy/{k}": sum(v) / len(v) for k, v in loss_metrics.items()
                         if k not in ("drift", "n_tokens")})
         metrics["diag/logprob_drift"] = drift
         metrics["policy/kl"] = metrics.get("policy/approx_kl", 0.0)
+        if vcache is not None and vcache.vision_calls:
+            metrics["vision_cache/calls"] = vcache.vision_calls
         metrics.update({"time/generation_s": stats.generation_s, "time/environment_s": stats.environment_s,
                         "time/preprocessing_s": stats.preprocessing_s, **timer.pop()})
         metrics["time/step_s"] = time.perf_counter() - t_step
         metrics["env/errors_total"] = len(manager.errors)
-        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != cfg.train.max_steps:
-            metrics.update(evaluate(cfg, engine, fmt, manager))
-        if step == cfg.train.max_steps:
-            ev = evaluate(cfg, engine, fmt, manager)
-            metrics.update(ev)
-            summary_extra["eval_after"] = ev
-        run.log(step, metrics)
-        if step == 1 or step % 10 == 0:
-            _save_samples(run, step, episodes)
+        if ctx.is_main:  # the other ranks wait at the next collective
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != cfg.train.max_steps:
+                metrics.update(evaluate(cfg, engine, fmt, manager))
+            if step == cfg.train.max_steps:
+                ev = evaluate(cfg, engine, fmt, manager)
+                metrics.update(ev)
+                summary_extra["eval_after"] = ev
+            run.log(step, metrics)
+            if step == 1 or step % 10 == 0:
+                _save_samples(run, step, episodes)
         if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.max_steps:
-            with run.checkpoint(step) as d:
-                states.save(d / "policy")
-                run.save_state(d, optimizer=opt.state_dict(), scheduler=sched.state_dict(), rng=get_rng_state(),
-                               step=step, task_cursor=task_cursor, summary=summary_extra)
+            with ctx.checkpoint(run, step) as d:  # rank 0 writes, the others wait
+                if d is not None:
+                    states.save(Path(d) / "policy")
+                    run.save_state(d, optimizer=opt.state_dict(), scheduler=sched.state_dict(), rng=get_rng_state(),
+                                   step=step, task_cursor=task_cursor, summary=summary_extra)
         bar.update(1)
         bar.set_postfix(success=f"{metrics['success_rate']:.2f}", R=f"{metrics['reward/mean']:.2f}")
     bar.close()
+    ctx.close()
+    if not ctx.is_main:
+        return {}
     return run.finish(summary_extra)
 
 

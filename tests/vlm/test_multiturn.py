@@ -334,3 +334,184 @@ def test_grid_demo_success_rate_rises(tiny, tmp_path):
     last = sum(r["success_rate"] for r in rows[-10:]) / 10
     assert last > first + 0.3, (first, last)
     assert max(r["diag/logprob_drift"] for r in rows) < 1e-3
+
+
+# ---------------------------------------------------------------------------------------------- vision cache
+
+def test_vision_cache_logprobs_equal_on_two_turn_episodes_with_images(tiny):
+    """Old/ref-style no-grad log-probs and the training loss with cached image features equal the plain path
+    on 2-turn episodes that show a board image in both turns."""
+    from mmrl.vlm.common import VisionCache, compute_logprobs, vision_tower
+
+    _, model, processor = tiny
+    eps, _ = _rollout(tiny, _far_specs())
+    assert all(len(ep.mm) == 2 and ep.merged_mm()["image_grid_thw"].shape[0] == 2 for ep in eps)
+    assert eps[0].merged_mm() is eps[0].merged_mm()  # one tensor per episode: the cache key stays valid
+    pad = processor.tokenizer.pad_token_id
+    args = ([e.ids[:e.prompt_len] for e in eps], [e.ids[e.prompt_len:] for e in eps], [e.merged_mm() for e in eps], pad)
+    plain, _ = compute_logprobs(model, *args, micro_batch_size=1)
+    cache = VisionCache(model)
+    cached, _ = compute_logprobs(model, *args, micro_batch_size=1, vision_cache=cache)
+    again, _ = compute_logprobs(model, *args, micro_batch_size=2, vision_cache=cache)  # a second pass: all hits
+    for ep, a, b, c in zip(eps, plain, cached, again):  # every position after the first prompt (both turns)
+        assert a.numel() == len(ep.ids) - ep.prompt_len and (a - b).abs().max() < 1e-6 and (a - c).abs().max() < 1e-6
+    assert cache.vision_calls == 2 and cache.hits == 2  # once per episode image set, however many passes
+    kw = dict(temperature=1.0, clip_low=0.2, clip_high=0.28, normalizer=12.0)
+    adv = [torch.ones(len(e.ids) - e.prompt_len) for e in eps]
+    # training pass, vision tower trainable: the cache refuses itself (features need gradients)
+    refused = VisionCache(model)
+    policy_loss(model, eps, adv, pad, vision_cache=refused, **kw)
+    assert refused.vision_calls == 0
+    # training pass, vision tower frozen: same loss and gradients with the cached features
+    visual = list(vision_tower(model).parameters())
+    flags = [p.requires_grad for p in visual]
+    try:
+        for p in visual:
+            p.requires_grad_(False)
+        grads = []
+        for vc in (None, VisionCache(model)):
+            model.zero_grad(set_to_none=True)
+            loss, _ = policy_loss(model, eps, adv, pad, vision_cache=vc, **kw)
+            loss.backward()
+            grads.append((float(loss.detach()), model.lm_head.weight.grad.clone()))
+            assert vc is None or vc.vision_calls == 1
+        assert abs(grads[0][0] - grads[1][0]) < 1e-6 and (grads[0][1] - grads[1][1]).abs().max() < 1e-6
+    finally:
+        for p, f in zip(visual, flags):
+            p.requires_grad_(f)
+        model.zero_grad(set_to_none=True)
+
+
+# ---------------------------------------------------------------------------------------------- several processes
+
+def test_world_size_check_and_episode_gather_one_process():
+    from mmrl.config import load_config
+    from mmrl.distributed import DistContext
+    from mmrl.vlm.multiturn import _gather_episodes, _light, check_world_size
+
+    cfg = load_config({"algorithm": "vlm_multiturn", "rollout": {"groups_per_step": 3}})
+    check_world_size(cfg, 1)
+    check_world_size(cfg, 3)
+    with pytest.raises(ValueError, match=r"rollout.groups_per_step=3 .* number of processes \(2\)"):
+        check_world_size(cfg, 2)
+    with pytest.raises(ValueError, match="dist.strategy=fsdp"):
+        from mmrl.vlm.multiturn import _check_config
+
+        _check_config(load_config({"algorithm": "vlm_multiturn", "dist": {"strategy": "fsdp"}}))
+    ep = _ep(0, 4, [0.5, 1.0], [("a", 1), ("b", 2)])
+    ep.mm = [{"pixel_values": torch.ones(2, 3)}]
+    light = _light(ep)  # what other ranks receive: no vision tensors, turns/anchors/group/token counts kept
+    assert light.mm == [] and light.turns == ep.turns and light.group == 4 and light.loss_mask == ep.loss_mask
+    assert _gather_episodes(DistContext(), [ep]) == ([ep], [0])
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_ddp_then_one_process_resume(tiny, tmp_path):
+    """2 processes (gloo, DDP) train 2 steps; step 1 equals a 1-process run of the same global batch (greedy
+    rollouts, so both sample the same episodes): same rewards, same global gradient norm; then 1 process resumes
+    the 2-process run to step 3. ~30 s on 2 busy cores."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from mmrl.config import load_config
+    from mmrl.vlm.multiturn import train
+
+    root = Path(__file__).resolve().parents[2]
+    cfg_path = root / "configs" / "vlm" / "multiturn_grid_tiny.yaml"
+    # rank 0 rolls out a grid group (2 turns, images), rank 1 a one-turn visual QA group: unequal token shares,
+    # so the loss scaling is exercised
+    tasks = ("env.tasks={grid_puzzle: {width: 5, max_turns: 2}, "
+             "math_feedback: {source: shapes, max_turns: 1, image_size: 56}}")
+    common = [f"model.path={tiny[0]}", tasks, "train.max_steps=2", "train.save_every=1", "train.warm_start_steps=1",
+              "train.warm_start_batch=4", "rollout.groups_per_step=2", "rollout.group_size=2", "rollout.max_turns=2",
+              "rollout.temperature=0", "env.eval_episodes=1", "train.micro_batch_size=1", "train.mini_batches=2",
+              "algo.dynamic_sampling=false", "algo.advantage=turn_grpo", "train.max_grad_norm=1e9",
+              "dist.strategy=ddp"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "MMRL_NO_PROGRESS": "1"}
+    env.pop("WORLD_SIZE", None)
+    out2 = tmp_path / "ddp"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "mmrl.cli", "train", str(cfg_path), f"output_dir={out2}", *common],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows2 = [json.loads(l) for l in (out2 / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows2] == [0, 1, 2]  # rank 0 alone logs
+    assert (out2 / "checkpoints/step_2/COMPLETE").is_file() and (out2 / "samples/step_000001.txt").is_file()
+    assert rows2[1]["dynamic/episodes_sampled"] == 4 and rows2[1]["diag/logprob_drift"] < 1e-4
+    assert rows2[1]["tokens/policy_mean"] == 4.5  # rank 0: 2 x 6 policy tokens, rank 1: 2 x 3 (unequal shares)
+    assert rows2[1]["dist/placeholder_minibatches"] == 0
+    # one process, same global batch: identical statistics and gradient (loss scaling + global advantages)
+    one = train(load_config(cfg_path, [*common, f"output_dir={tmp_path / 'one'}", "train.max_steps=1"]))
+    assert one["eval_after"]
+    row1 = [json.loads(l) for l in (tmp_path / "one/metrics.jsonl").read_text().splitlines()][1]
+    for key in ("reward/mean", "tokens/policy_mean", "policy/pg_loss", "policy/clipfrac", "policy/approx_kl"):
+        assert row1[key] == pytest.approx(rows2[1][key], rel=1e-5, abs=1e-7), key
+    assert row1["policy/grad_norm"] == pytest.approx(rows2[1]["policy/grad_norm"], rel=1e-5)
+    # the 2-process run resumes in one process
+    train(load_config(cfg_path, [*common, f"output_dir={out2}", "train.max_steps=3", "dist.strategy=none"]))
+    rows = [json.loads(l) for l in (out2 / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and (out2 / "checkpoints/step_3/COMPLETE").is_file()
+    assert rows[:3] == rows2
+
+
+SKEW_ENV = """
+from mmrl.vlm.envs import Env, Observation, register_env
+
+
+@register_env("_mt_skew")
+class SkewEnv(Env):
+    \"\"\"One text turn; even seeds reward the response text (informative groups), odd seeds always 0.\"\"\"
+
+    stop_strings = ("<|im_end|>",)
+    max_turns = 1
+
+    def reset(self, seed, **task):
+        self.seed = seed
+        return Observation(f"Task {seed}: say something.", anchor=("task", seed % 2))
+
+    def step(self, action_text):
+        r = (sum(map(ord, action_text)) % 5) / 4 if self.seed % 2 == 0 else 0.0
+        return Observation(""), r, True, {}
+"""
+
+
+@pytest.mark.slow
+def test_torchrun_dynamic_sampling_rank_without_groups_runs_placeholders(tiny, tmp_path):
+    """2 processes, DAPO dynamic sampling: rank 0 gets the even seeds (informative groups), rank 1 the odd ones
+    (all returns 0, dropped), so rank 1 has no episode to train on and joins each all-reduce with a zero-weight
+    micro-batch; both ranks run the same refill rounds (decided on gathered returns) and finish. ~12 s."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "_mt_skew_env.py").write_text(SKEW_ENV)
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "MMRL_NO_PROGRESS": "1",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(root), os.environ.get("PYTHONPATH", "")])}
+    env.pop("WORLD_SIZE", None)
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "mmrl.cli",
+         "train", str(root / "configs/vlm/multiturn_grid_tiny.yaml"), f"output_dir={out}", f"model.path={tiny[0]}",
+         "env.modules=[_mt_skew_env]", "env.tasks={_mt_skew: {}}", "env.eval_episodes=1", "train.max_steps=2",
+         "train.save_every=0", "train.warm_start_steps=0", "train.micro_batch_size=2", "train.mini_batches=2",
+         "rollout.groups_per_step=2", "rollout.group_size=2", "rollout.max_turns=1", "rollout.max_new_tokens=4",
+         "algo.advantage=gigpo", "algo.dynamic_sampling=true", "algo.max_resample_rounds=2", "dist.strategy=ddp",
+         "dist.find_unused_parameters=true"],  # text only: the (trainable) vision tower gets no gradient
+        cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    # step 1, round 1: seeds 0 (rank 0, kept) and 1 (rank 1, dropped); round 2 refills 1 group, rounded up to one
+    # per rank: seeds 2 (kept) and 3 (dropped) -> 2 groups kept, both on rank 0. (Step 2 needed 3 rounds: one even
+    # group happened to tie; every refill round is 1 group per rank.)
+    assert rows[1]["dynamic/rounds"] == 2
+    for r in rows[1:]:
+        assert r["dynamic/kept_groups"] == 2 and r["dynamic/episodes_sampled"] == 4 * r["dynamic/rounds"]
+        assert r["dist/placeholder_minibatches"] == 2  # rank 1: both mini-batches of the step
+        assert r["diag/logprob_drift"] < 1e-4 and r["policy/grad_norm"] > 0
