@@ -14,6 +14,9 @@ Nothing here is an algorithm: it is the setup and bookkeeping around one.
 - `evaluate_ode(...)`: deterministic sampling on held-out prompts with fixed noise, scored and saved.
 - `summarise(run, name)`: `run.finish()` plus the first-5 / last-5 reward check, printed.
 - `TransformerEvalCounter`: transformer evaluations (sample rows through the network), for cost plots.
+- `init_distributed(cfg, global_sizes)`: the process group (`mmrl.distributed.DistContext`) and the `Run`
+  (rank 0 writes the run directory) for a recipe with a `dist:` section; `merge_rank_lists(ctx, lists)`:
+  per-rank metric lists concatenated over ranks (the recipes' whole-batch metrics).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ Tensor = torch.Tensor
 __all__ = [
     "lora_config", "build_policy_states", "load_reward_fn", "score_images", "vae_encode", "LatentCache",
     "sample_sigmas", "noise_latents", "flow_matching_mse", "save_checkpoint", "restore_checkpoint",
-    "evaluate_ode", "summarise", "TransformerEvalCounter", "TIMING_PREFIX",
+    "evaluate_ode", "summarise", "TransformerEvalCounter", "TIMING_PREFIX", "init_distributed", "merge_rank_lists",
 ]
 
 TIMING_PREFIX = "time/"  # metrics that legitimately differ between two identical runs
@@ -121,10 +124,14 @@ class LatentCache:
     shard `<dir>/shard_<k>.pt` atomically; a resumed run (same run dir) loads all shards and encodes
     nothing twice. `enabled=False` keeps nothing (for datasets too large to hold: encode every step).
     Latents are posterior means, so cached and fresh latents are the same numbers.
+    Several processes share one directory with a distinct `shard_suffix` each (e.g. `_r1`): no two ranks
+    write the same file, and every rank (or a later run with any number of ranks) loads all shards.
     """
 
-    def __init__(self, directory: str | Path, height: int, width: int, enabled: bool = True):
+    def __init__(self, directory: str | Path, height: int, width: int, enabled: bool = True,
+                 shard_suffix: str = ""):
         self.dir = Path(directory)
+        self.shard_suffix = shard_suffix
         self.height, self.width = int(height), int(width)
         self.enabled = enabled
         self.latents: dict[str, Tensor] = {}
@@ -166,7 +173,7 @@ class LatentCache:
             self.encoded += len(fresh)
             if self.enabled:
                 self.latents.update(fresh)
-                path = self.dir / f"shard_{self._shards:06d}.pt"
+                path = self.dir / f"shard_{self._shards:06d}{self.shard_suffix}.pt"
                 tmp = path.with_suffix(".pt.tmp")
                 torch.save(fresh, tmp)
                 os.replace(tmp, path)
@@ -328,3 +335,43 @@ class TransformerEvalCounter:
 
     def remove(self) -> None:
         self._handle.remove()
+
+
+# ------------------------------------------------------------------------------------------ several processes
+
+
+def init_distributed(cfg: Any, global_sizes: dict[str, int]) -> tuple[Any, Run]:
+    """(DistContext, Run) for a recipe with a `dist:` section, launched by torchrun / accelerate or plain python.
+
+    Checks: several processes with `dist.strategy: none` is an error (the ranks would train apart silently);
+    every global batch size in `global_sizes` (config key -> value) must be divisible by the number of
+    processes. Rank 0 creates the run directory and writes config.yaml first; the other ranks get no progress
+    bar and use `ctx.device` (cuda:LOCAL_RANK). One process: exactly `Run(cfg)`."""
+    from mmrl.distributed import DistContext
+
+    ctx = DistContext.init(cfg.dist.backend)
+    if ctx.enabled and cfg.dist.strategy == "none":  # unsynchronised ranks would silently train apart
+        raise ValueError(f"{ctx.world_size} processes were launched but dist.strategy is 'none': add "
+                         f"dist.strategy=ddp (gradients are then averaged across processes)")
+    for key, n in global_sizes.items():
+        if n % ctx.world_size:
+            raise ValueError(f"{key}={n} (global) must be divisible by the number of processes ({ctx.world_size})")
+    if not ctx.is_main:
+        os.environ["MMRL_NO_PROGRESS"] = "1"
+    with ctx.main_process_first():
+        run = Run(cfg, write_config=ctx.is_main)
+    if ctx.enabled:
+        run.device = ctx.device  # cuda:LOCAL_RANK (models and rewards load there)
+    return ctx, run
+
+
+def merge_rank_lists(ctx: Any, lists: dict[str, list]) -> dict[str, list]:
+    """{key: values of rank 0 + values of rank 1 + ...} (all-gathered; a rank may lack a key). One process:
+    `lists` unchanged. A collective: every rank must call it."""
+    if not ctx.enabled:
+        return lists
+    merged: dict[str, list] = defaultdict(list)
+    for part in ctx.all_gather_object(dict(lists)):
+        for k, v in part.items():
+            merged[k] += list(v)
+    return merged

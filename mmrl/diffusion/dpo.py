@@ -23,8 +23,19 @@ Metrics: `dpo/implicit_acc`, `dpo/reward_margin`, `dpo/kl_proxy` (mean policy-mi
 `dpo/loss`; online, `reward/mean|std` are the zoo rewards of the generated images; offline there is no
 reward model, so `reward/mean|std` are the implicit reward margins of the step's pairs (the quantity
 DPO raises) - evaluate with a zoo reward via `data.eval_prompts` + `reward.components`.
+Several processes (`torchrun` / `accelerate launch`, `dist.strategy: ddp`), as `flow_grpo`: the batch sizes
+(`data.prompts_per_step` online, `data.pairs_per_step` offline) are global and must be divisible by the number
+of processes; every rank draws the same global batch and keeps its contiguous share (online: whole prompt
+groups, since pairs are formed inside a group). Online, rewards are all-gathered and `build_pairs` runs on the
+global batch (so `dpo.max_pairs_per_step` keeps the largest gaps of the whole batch); each rank trains the pairs
+of its own groups. Each rank's loss is scaled so DDP's gradient average is the gradient of the mean over all
+pairs; every rank runs the same number of micro-steps (zero-weight ones where it has fewer pairs, or none) and
+gradients are all-reduced once per step. Rank 0 alone logs, samples, evaluates and writes checkpoints (any
+number of ranks can resume); the offline latent cache is shared (one shard file series per rank). With one
+process nothing of this changes a number.
+
 What is simplified away versus the official train.py: the VAE posterior mean instead of a fresh
-posterior sample per step (so latents can be cached); no SDXL micro-conditioning; single process.
+posterior sample per step (so latents can be cached); no SDXL micro-conditioning; no FSDP (DDP).
 """
 
 from __future__ import annotations
@@ -39,11 +50,13 @@ import torch
 from mmrl.config import RunConfig, TrainConfig
 from mmrl.core.losses import dpo_loss
 from mmrl.diffusion.common import (TIMING_PREFIX, LatentCache, TransformerEvalCounter, build_policy_states,
-                                   evaluate_ode, flow_matching_mse, load_reward_fn, noise_latents,
-                                   restore_checkpoint, sample_sigmas, save_checkpoint, score_images, summarise)
+                                   evaluate_ode, flow_matching_mse, init_distributed, load_reward_fn,
+                                   merge_rank_lists, noise_latents, restore_checkpoint, sample_sigmas,
+                                   save_checkpoint, score_images, summarise)
 from mmrl.diffusion.flow_grpo import DataConfig, LogConfig, ModelConfig, RewardConfig
 from mmrl.diffusion.models import PromptEmbeds
-from mmrl.runtime import Run, Timer
+from mmrl.distributed import DistConfig, DistContext
+from mmrl.runtime import Timer, seed_everything
 
 __all__ = ["Config", "train", "build_pairs", "PAIRINGS", "make_shapes_preference_file"]
 
@@ -146,6 +159,8 @@ class Config(RunConfig):
     """Zoo rewards (online: pairing; both modes: evaluation). std_mode/history/drop_zero_advantage are unused."""
     log: LogConfig = field(default_factory=LogConfig)
     """Samples, evaluation."""
+    dist: DistConfig = field(default_factory=DistConfig)
+    """Several processes under torchrun / accelerate launch (strategy none|ddp, backend, find_unused_parameters)."""
 
 
 def _check(cfg: Config) -> None:
@@ -162,6 +177,9 @@ def _check(cfg: Config) -> None:
         raise ValueError(f"dpo.mode=online needs sample.group_size >= 2 to form pairs, got {cfg.sample.group_size}")
     if cfg.train.micro_batch_size < 1 or cfg.data.pairs_per_step < 1:
         raise ValueError("train.micro_batch_size and data.pairs_per_step must be >= 1")
+    if cfg.dist.strategy == "fsdp":
+        raise ValueError("dist.strategy=fsdp is not supported by dpo (PolicyStates' ref/save do not follow "
+                         "FSDP2's sharded parameters); use dist.strategy=ddp")
 
 
 # ------------------------------------------------------------------------------------------ pairing
@@ -209,9 +227,10 @@ def train(cfg: Config) -> dict:
     from mmrl.pipelines.data import PromptSampler, load_preference_pairs, load_prompts
 
     _check(cfg)
-    run = Run(cfg)
     s, t, d = cfg.sample, cfg.train, cfg.dpo
     online = d.mode == "online"
+    ctx, run = init_distributed(cfg, {"data.prompts_per_step": cfg.data.prompts_per_step} if online
+                                else {"data.pairs_per_step": cfg.data.pairs_per_step})
     eval_items = load_prompts(cfg.data.eval_prompts)[: cfg.log.eval_max_prompts] if cfg.data.eval_prompts else []
     reward_fn = load_reward_fn(cfg.reward.components, run.device) if (online or eval_items) else None
     model = load_flow_model(cfg.model.path, run.device, run.dtype, cfg.model.max_sequence_length or None)
@@ -221,8 +240,10 @@ def train(cfg: Config) -> dict:
         sampler = PromptSampler(load_prompts(cfg.data.train_prompts), seed=cfg.seed)
     else:
         pairs = load_preference_pairs(cfg.data.preference_file, cfg.data.image_root or None, cfg.data.min_score_gap)
-        cache = LatentCache(run.dir / "latent_cache", s.height, s.width, enabled=cfg.data.cache_latents)
-        print(f"[dpo] {len(pairs)} preference pairs; {cache.loaded_from_disk} image latents already cached")
+        cache = LatentCache(run.dir / "latent_cache", s.height, s.width, enabled=cfg.data.cache_latents,
+                            shard_suffix=f"_r{ctx.rank}" if ctx.enabled else "")  # no two ranks write one file
+        if ctx.is_main:
+            print(f"[dpo] {len(pairs)} preference pairs; {cache.loaded_from_disk} image latents already cached")
         sampler = PromptSampler(list(range(len(pairs))), seed=cfg.seed)  # the stream of pair indices
 
     states = build_policy_states(model, cfg.model, old=False, ref=True)
@@ -232,19 +253,25 @@ def train(cfg: Config) -> dict:
     lr_sched = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda i: min(1.0, (i + 1) / t.warmup_steps) if t.warmup_steps > 0 else 1.0)
     evals = TransformerEvalCounter(model.transformer)
+    # DDP keeps PolicyStates' parameter objects (the "ref" switch works); one process: unchanged
+    model.transformer = ctx.wrap_model(states.model, cfg.dist.strategy,
+                                       find_unused_parameters=cfg.dist.find_unused_parameters)
     stateful = {"optimizer": optimizer, "lr_scheduler": lr_sched, "data": sampler, "transformer_evals": evals}
-    start, _ = restore_checkpoint(run, states, stateful, tag="dpo")
+    start, _ = restore_checkpoint(run, states, stateful, tag="dpo", truncate=ctx.is_main)
+    evals_synced = evals.count  # global count (all ranks) at the last synchronisation
 
     timer = Timer(sync_cuda=run.device.type == "cuda")
     bar = run.progress(t.max_steps, initial=start)
     for step in range(start + 1, t.max_steps + 1):
         metrics: dict[str, Any] = {}
-        images = captions = None
+        images = captions = pad = None
+        if ctx.enabled:  # rank-local noise, a pure function of (seed, rank, step): nothing per rank to checkpoint
+            seed_everything(ctx.rank_seed(cfg.seed, step))
         with timer("step"):
             # ---- 1. pairs: (chosen latents, rejected latents, prompt embeddings)
             if online:
                 with timer("rollout"):
-                    items = sampler.next(cfg.data.prompts_per_step)
+                    items = ctx.shard(sampler.next(cfg.data.prompts_per_step))  # whole groups per rank
                     embeds = model.encode_prompts([it.prompt for it in items])
                     with torch.no_grad():
                         traj = sample_groups(model, embeds, s.group_size, num_steps=s.num_steps, height=s.height,
@@ -254,15 +281,29 @@ def train(cfg: Config) -> dict:
                 with timer("reward"):
                     scores, reward_metrics = score_images(reward_fn, traj.images, prompts,
                                                           [items[i].metadata for i in traj.prompt_index.tolist()])
+                if ctx.enabled:  # equal sample counts per rank: the mean of the ranks' means is the batch mean
+                    reward_metrics = {k: float(ctx.all_reduce_mean(v)) for k, v in reward_metrics.items()}
                 metrics.update(reward_metrics)
-                w, l = build_pairs(scores, traj.prompt_index, d.pairing, d.pair_margin, d.max_pairs_per_step)
+                # pairs from the whole batch's rewards (group id = global prompt index: shards are contiguous);
+                # each rank trains the pairs of its own groups. One process: build_pairs(scores, prompt_index)
+                all_scores = ctx.all_gather_tensor(scores)
+                sizes = list(ctx.last_gather_sizes)
+                gids = ctx.all_gather_tensor(traj.prompt_index + ctx.rank * len(items))
+                w_all, l_all = build_pairs(all_scores, gids, d.pairing, d.pair_margin, d.max_pairs_per_step)
+                lo = sum(sizes[:ctx.rank])
+                mine = (w_all >= lo) & (w_all < lo + sizes[ctx.rank])
+                w, l = w_all[mine] - lo, l_all[mine] - lo
                 x_w, x_l = traj.latents[w, -1], traj.latents[l, -1]
                 pair_embeds = traj.embeds.select(traj.prompt_index[w])
-                metrics["dpo/pairs"] = len(w)
-                metrics["dpo/pair_gap"] = (scores[w] - scores[l]).mean().item() if len(w) else 0.0
+                pad = (traj.latents[:1, -1], traj.latents[:1, -1], traj.embeds.select(traj.prompt_index[:1]))
+                metrics["dpo/pairs"] = len(w_all)
+                metrics["dpo/pair_gap"] = (all_scores[w_all] - all_scores[l_all]).mean().item() if len(w_all) else 0.0
+                if ctx.enabled:  # the whole batch's reward statistics (score_images gave this rank's)
+                    metrics["reward/mean"] = all_scores.mean().item()
+                    metrics["reward/std"] = all_scores.std().item() if len(all_scores) > 1 else 0.0
                 images, captions = traj.images, [f"{p[:48]} | r={v:.3g}" for p, v in zip(prompts, scores.tolist())]
             else:
-                idx = sampler.next(cfg.data.pairs_per_step)
+                idx = ctx.shard(sampler.next(cfg.data.pairs_per_step))  # this rank's share of the global pairs
                 batch = [pairs[i] for i in idx]
                 with timer("encode"):
                     x_w = cache.get(model, [p.chosen for p in batch], model.device)
@@ -273,35 +314,45 @@ def train(cfg: Config) -> dict:
 
             # ---- 2./3. DPO loss on shared (noise level, noise) per pair; one optimizer update
             with timer("train"):
-                m = _dpo_update(cfg, model, states, x_w, x_l, pair_embeds, shift, optimizer, lr_sched, params, timer)
+                m = _dpo_update(cfg, model, states, x_w, x_l, pair_embeds, shift, optimizer, lr_sched, params, timer,
+                                ctx, pad)
             metrics.update(m)
             if not online:  # no reward model offline: the implicit reward margin is what DPO raises
                 metrics["reward/mean"], metrics["reward/std"] = m["dpo/reward_margin"], m.pop("dpo/reward_margin_std")
 
         metrics["lr"] = optimizer.param_groups[0]["lr"]
-        if cfg.log.sample_every and images is not None and (step % cfg.log.sample_every == 0 or step == 1):
+        if ctx.is_main and cfg.log.sample_every and images is not None and (
+                step % cfg.log.sample_every == 0 or step == 1):
             n = min(cfg.log.num_sample_images, len(images))
             run.save_samples(step, images[:n], captions[:n])
-        if not online and cfg.log.eval_every and (step % cfg.log.eval_every == 0 or step in (1, t.max_steps)):
+        eval_step = cfg.log.eval_every and (step % cfg.log.eval_every == 0 or step in (1, t.max_steps))
+        if ctx.is_main and not online and eval_step:
             with timer("eval"):
                 metrics.update(_offline_eval(cfg, model, states, pairs, cache, shift))
-        if eval_items and cfg.log.eval_every and (step % cfg.log.eval_every == 0 or step in (1, t.max_steps)):
+        if ctx.is_main and eval_items and eval_step:
             with timer("eval"):
                 metrics.update(evaluate_ode(model, states, "default", reward_fn, eval_items, run, step,
                                             num_steps=s.eval_num_steps, guidance_scale=s.eval_guidance_scale,
                                             height=s.height, width=s.width, batch_size=max(1, t.micro_batch_size),
                                             seed=cfg.seed, num_images=cfg.log.num_sample_images))
+        evals.count = evals_synced = evals_synced + int(ctx.all_reduce_sum(evals.count - evals_synced))
         metrics["cost/transformer_evals"] = evals.count
         metrics.update(timer.pop(TIMING_PREFIX))
         metrics["time/step_s"] = metrics.pop("time/step_s")
-        run.log(step, metrics)
+        if ctx.is_main:
+            run.log(step, metrics)
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.4g}", acc=f"{metrics.get('dpo/implicit_acc', 0):.2f}")
         if (t.save_every and step % t.save_every == 0) or step == t.max_steps:
-            save_checkpoint(run, step, states, stateful)
+            if ctx.is_main:
+                save_checkpoint(run, step, states, stateful)
+            ctx.barrier()  # nobody reads or resumes from a half-written checkpoint
     bar.close()
     evals.remove()
-    return summarise(run, "dpo", extra_keys=("dpo/implicit_acc",))
+    summary = summarise(run, "dpo", extra_keys=("dpo/implicit_acc",)) if ctx.is_main else {}
+    ctx.barrier()
+    ctx.close()
+    return summary
 
 
 def _pair_errors(model, states, x_w, x_l, embeds, sigma, noise) -> tuple:
@@ -347,36 +398,59 @@ def _offline_eval(cfg: Config, model, states, pairs, cache, shift, draws: int = 
     return {"eval/dpo/implicit_acc": (m > 0).float().mean().item(), "eval/dpo/reward_margin": m.mean().item()}
 
 
-def _dpo_update(cfg: Config, model, states, x_w, x_l, embeds, shift, optimizer, lr_sched, params, timer) -> dict:
-    """Gradient accumulation over all pairs (micro-batches of train.micro_batch_size), one AdamW step."""
+def _dpo_update(cfg: Config, model, states, x_w, x_l, embeds, shift, optimizer, lr_sched, params, timer,
+                ctx: DistContext | None = None, pad: tuple | None = None) -> dict:
+    """Gradient accumulation over all pairs (micro-batches of train.micro_batch_size), one AdamW step.
+
+    Several ranks: each holds its pairs of the step; its loss is weighted by `ctx.loss_scale(n_local)` so DDP's
+    average is the gradient of the mean over all ranks' pairs, all ranks run the same number of micro-steps
+    (zero-weight micro-batches on `pad` = (x_w[1], x_l[1], embeds[1]), or on the first pair, where a rank has
+    fewer) and gradients are all-reduced once (no_sync around the others). Metrics cover all ranks' pairs."""
+    ctx = ctx or DistContext()
     t, d = cfg.train, cfg.dpo
     n = x_w.shape[0]
-    out: dict[str, float] = {"dpo/pairs_trained": n}
-    if n == 0:
+    n_total = int(ctx.all_reduce_sum(n))
+    out: dict[str, float] = {"dpo/pairs_trained": n_total}
+    if n_total == 0:
         return {**out, "dpo/loss": math.nan, "dpo/implicit_acc": math.nan, "dpo/reward_margin": 0.0,
                 "dpo/reward_margin_std": 0.0, "dpo/kl_proxy": 0.0, "train/grad_norm": 0.0}
+    micro = [rows for rows in torch.split(torch.arange(n), t.micro_batch_size) if len(rows)]
+    n_micro = ctx.max_int(len(micro))  # same number of micro-steps on every rank
+    scale = ctx.loss_scale(n)  # local mean -> mean over all ranks' pairs under DDP's gradient average
+    if len(micro) < n_micro and n == 0 and pad is None:
+        raise ValueError("_dpo_update: this rank has no pair and no padding pair (pad=(x_w, x_l, embeds))")
+    pad = (x_w[:1], x_l[:1], embeds.select([0])) if n > 0 else pad
     sums: dict[str, float] = {}
     margins = []
-    for rows in torch.split(torch.arange(n), t.micro_batch_size):
-        b = len(rows)
+    for mi in range(n_micro):
+        real = mi < len(micro)
+        if real:
+            rows = micro[mi]
+            xw, xl, emb = x_w[rows], x_l[rows], embeds.select(rows)
+        else:
+            xw, xl, emb = pad
+        b = xw.shape[0]
         sig = sample_sigmas(b, d.timestep_sampling, shift, d.logit_mean, d.logit_std).to(model.device)
-        noise = torch.randn_like(x_w[rows])  # one level and one noise per pair, shared by chosen and rejected
-        with timer("forward_backward"):
-            errs = _pair_errors(model, states, x_w[rows], x_l[rows], embeds.select(rows), sig, noise)
+        noise = torch.randn_like(xw)  # one level and one noise per pair, shared by chosen and rejected
+        with ctx.no_sync(model.transformer, sync=mi == n_micro - 1), timer("forward_backward"):
+            errs = _pair_errors(model, states, xw, xl, emb, sig, noise)
             loss, m = dpo_loss(*errs, d.beta)
-            (loss * b / n).backward()
-        for key, v in m.items():
-            sums[key] = sums.get(key, 0.0) + v * b
-        margins.append(_margin(d.beta, *errs))
+            (loss * b / n * scale if real else loss * 0.0).backward()
+        if real:
+            for key, v in m.items():
+                sums[key] = sums.get(key, 0.0) + v * b
+            margins.append(_margin(d.beta, *errs))
     grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm if t.max_grad_norm > 0 else math.inf)
     optimizer.step()
     lr_sched.step()
     optimizer.zero_grad(set_to_none=True)
-    mean = {k: v / n for k, v in sums.items()}
-    all_m = torch.cat(margins)
+    if ctx.enabled:  # sums over all ranks' pairs (a rank without pairs contributes nothing)
+        sums = {k: sum(v) for k, v in merge_rank_lists(ctx, {k: [v] for k, v in sums.items()}).items()}
+    mean = {k: v / n_total for k, v in sums.items()}
+    all_m = ctx.all_gather_tensor(torch.cat(margins) if margins else torch.zeros(0))
     out.update({"dpo/loss": mean["dpo_loss"], "dpo/implicit_acc": mean["implicit_acc"],
                 "dpo/reward_margin": mean["reward_margin"],
-                "dpo/reward_margin_std": all_m.std().item() if n > 1 else 0.0,
+                "dpo/reward_margin_std": all_m.std().item() if n_total > 1 else 0.0,
                 "dpo/kl_proxy": mean["kl_proxy"], "dpo/model_mse": mean["model_mse"], "dpo/ref_mse": mean["ref_mse"],
                 "train/grad_norm": float(grad_norm)})
     return out

@@ -27,7 +27,6 @@ after the other (no thread pool); KL as a loss only (no KL-in-reward).
 from __future__ import annotations
 
 import math
-import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -257,26 +256,14 @@ _WINDOW_RANK = 1_000_002
 
 
 def train(cfg: Config) -> dict:
-    from mmrl.diffusion.common import (TransformerEvalCounter, build_policy_states, evaluate_ode, load_reward_fn,
-                                       restore_checkpoint, save_checkpoint, score_images)
+    from mmrl.diffusion.common import (TransformerEvalCounter, build_policy_states, evaluate_ode, init_distributed,
+                                       load_reward_fn, restore_checkpoint, save_checkpoint, score_images)
     from mmrl.diffusion.models import PromptEmbedCache, load_flow_model
     from mmrl.diffusion.sampling import sample_groups
     from mmrl.pipelines.data import PromptSampler, load_prompts
 
     _check(cfg)
-    ctx = DistContext.init(cfg.dist.backend)
-    if ctx.enabled and cfg.dist.strategy == "none":  # unsynchronised ranks would silently train apart
-        raise ValueError(f"{ctx.world_size} processes were launched but dist.strategy is 'none': add "
-                         f"dist.strategy=ddp (gradients are then averaged across processes)")
-    if cfg.data.prompts_per_step % ctx.world_size:
-        raise ValueError(f"data.prompts_per_step={cfg.data.prompts_per_step} (global) must be divisible by the "
-                         f"number of processes ({ctx.world_size})")
-    if not ctx.is_main:
-        os.environ["MMRL_NO_PROGRESS"] = "1"
-    with ctx.main_process_first():
-        run = Run(cfg, write_config=ctx.is_main)
-    if ctx.enabled:
-        run.device = ctx.device  # cuda:LOCAL_RANK (models and rewards load there)
+    ctx, run = init_distributed(cfg, {"data.prompts_per_step": cfg.data.prompts_per_step})
     s, t = cfg.sample, cfg.train
     train_items = load_prompts(cfg.data.train_prompts)
     eval_items = load_prompts(cfg.data.eval_prompts)[: cfg.log.eval_max_prompts] if cfg.data.eval_prompts else []
@@ -402,6 +389,7 @@ def _train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, 
     gradient is the global chunk mean), all ranks run the same number of micro-steps (zero-weight padding
     micro-batches where a rank has fewer or no rows), and gradients are all-reduced once per update (no_sync
     around the forward and backward of every other micro-step)."""
+    from mmrl.diffusion.common import merge_rank_lists
     from mmrl.diffusion.sampling import step_log_prob
 
     ctx = ctx or DistContext()
@@ -469,12 +457,7 @@ def _train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, 
                 states.ema("default", "old", t.ema_decay)
     vals = {k: [float(x) for x in v] for k, v in acc.items()}
     vals["diag/logprob_drift"] = [0.0] + [float(d) for d in drift]
-    if ctx.enabled:  # metrics of the whole batch: every rank's micro-step values (an idle rank has none)
-        merged: dict[str, list[float]] = defaultdict(list)
-        for part in ctx.all_gather_object(vals):
-            for k, v in part.items():
-                merged[k] += v
-        vals = merged
+    vals = merge_rank_lists(ctx, vals)  # metrics of the whole batch: every rank's micro-step values
     out = {k: max(v) if k in ("policy/ratio_max", "diag/logprob_drift") else sum(v) / len(v)
            for k, v in vals.items() if v}
     out["train/updates"] = updates

@@ -17,7 +17,15 @@ samples. One step reads top to bottom:
     from mmrl.diffusion.nft import train
     summary = train(load_config("configs/diffusion/nft_tiny.yaml"))
 
-What is simplified away versus NVlabs/DiffusionNFT's train_nft_sd3.py: single process; the rollout
+Several processes (`torchrun` / `accelerate launch`, `dist.strategy: ddp`), as `flow_grpo`: `data.prompts_per_step`
+is global and each rank rolls out its contiguous share; rewards are all-gathered so the per-prompt advantages
+(and the stat tracker, identical on every rank) see the whole batch; each rank's loss is scaled so DDP's
+gradient average is the global-batch gradient; all ranks run the same number of micro-steps (zero-weight ones
+when a rank has fewer rows) and all-reduce once per update; the "old" EMA then stays identical everywhere;
+rank 0 alone logs, samples, evaluates and writes checkpoints (resumable on any number of ranks). With one
+process nothing of this changes a number.
+
+What is simplified away versus NVlabs/DiffusionNFT's train_nft_sd3.py: no FSDP (DDP); the rollout
 solver is Euler (the official default is DPM-Solver-2); no separate EMA copy for evaluation
 (evaluation uses `log.eval_state`, "default" by default); no per-GPU batch-size search.
 """
@@ -34,10 +42,12 @@ import torch
 from mmrl.config import RunConfig, TrainConfig
 from mmrl.core.losses import nft_loss, nft_optimality_prob
 from mmrl.diffusion.common import (TIMING_PREFIX, TransformerEvalCounter, build_policy_states, evaluate_ode,
-                                   load_reward_fn, noise_latents, restore_checkpoint, save_checkpoint,
-                                   score_images, summarise)
-from mmrl.diffusion.flow_grpo import DataConfig, LogConfig, ModelConfig, PerPromptStatTracker, RewardConfig
-from mmrl.runtime import Run, Timer
+                                   init_distributed, load_reward_fn, merge_rank_lists, noise_latents,
+                                   restore_checkpoint, save_checkpoint, score_images, summarise)
+from mmrl.diffusion.flow_grpo import (DataConfig, LogConfig, ModelConfig, PerPromptStatTracker, RewardConfig,
+                                      global_advantages)
+from mmrl.distributed import DistConfig, DistContext
+from mmrl.runtime import Timer, seed_everything
 
 __all__ = ["Config", "train", "ema_decay", "EMA_SCHEDULES"]
 
@@ -149,6 +159,8 @@ class Config(RunConfig):
     """Rewards and advantages."""
     log: NFTLogConfig = field(default_factory=NFTLogConfig)
     """Samples, evaluation."""
+    dist: DistConfig = field(default_factory=DistConfig)
+    """Several processes under torchrun / accelerate launch (strategy none|ddp, backend, find_unused_parameters)."""
 
 
 def _check(cfg: Config) -> None:
@@ -164,6 +176,9 @@ def _check(cfg: Config) -> None:
         raise ValueError("train.updates_per_step, train.micro_batch_size and train.num_inner_epochs must be >= 1")
     if cfg.log.eval_state not in ("default", "old"):
         raise ValueError(f"log.eval_state: expected 'default' or 'old', got {cfg.log.eval_state!r}")
+    if cfg.dist.strategy == "fsdp":
+        raise ValueError("dist.strategy=fsdp is not supported by nft (PolicyStates' old/EMA/save do not follow "
+                         "FSDP2's sharded parameters); use dist.strategy=ddp")
 
 
 class _Counters:
@@ -188,7 +203,7 @@ def train(cfg: Config) -> dict:
     from mmrl.pipelines.data import PromptSampler, load_prompts
 
     _check(cfg)
-    run = Run(cfg)
+    ctx, run = init_distributed(cfg, {"data.prompts_per_step": cfg.data.prompts_per_step})
     s, t = cfg.sample, cfg.train
     train_items = load_prompts(cfg.data.train_prompts)
     eval_items = load_prompts(cfg.data.eval_prompts)[: cfg.log.eval_max_prompts] if cfg.data.eval_prompts else []
@@ -204,18 +219,24 @@ def train(cfg: Config) -> dict:
     sampler = PromptSampler(train_items, seed=cfg.seed)
     counters = _Counters()
     evals = TransformerEvalCounter(model.transformer)
+    # DDP keeps PolicyStates' parameter objects (so "old"/"ref" switching and the EMA work); one process: unchanged
+    model.transformer = ctx.wrap_model(states.model, cfg.dist.strategy,
+                                       find_unused_parameters=cfg.dist.find_unused_parameters)
     stateful = {"optimizer": optimizer, "lr_scheduler": lr_sched, "tracker": tracker, "data": sampler,
                 "counters": counters, "transformer_evals": evals}
-    start, _ = restore_checkpoint(run, states, stateful, tag="nft")
+    start, _ = restore_checkpoint(run, states, stateful, tag="nft", truncate=ctx.is_main)
+    evals_synced = evals.count  # global count (all ranks) at the last synchronisation
 
     timer = Timer(sync_cuda=run.device.type == "cuda")
     bar = run.progress(t.max_steps, initial=start)
     for step in range(start + 1, t.max_steps + 1):
         metrics: dict[str, Any] = {}
+        if ctx.enabled:  # rank-local noise, a pure function of (seed, rank, step): nothing per rank to checkpoint
+            seed_everything(ctx.rank_seed(cfg.seed, step))
         with timer("step"):
-            # ---- 1. rollout with the frozen "old" policy, deterministic ODE
+            # ---- 1. rollout with the frozen "old" policy, deterministic ODE (this rank's share of the prompts)
             with timer("rollout"):
-                items = sampler.next(cfg.data.prompts_per_step)
+                items = ctx.shard(sampler.next(cfg.data.prompts_per_step))
                 embeds = model.encode_prompts([it.prompt for it in items])
                 with torch.no_grad(), states.use("old"):
                     traj = sample_groups(model, embeds, s.group_size, num_steps=s.num_steps, height=s.height,
@@ -227,71 +248,96 @@ def train(cfg: Config) -> dict:
             # ---- 2. rewards and per-prompt advantages; 3. optimality probability r
             with timer("reward"):
                 scores, reward_metrics = score_images(reward_fn, traj.images, prompts, metadata)
-            metrics.update(reward_metrics)
-            adv = tracker.update(prompts, scores)
+            if ctx.enabled:  # equal sample counts per rank: the mean of the ranks' means is the batch mean
+                reward_metrics = {k: float(ctx.all_reduce_mean(v)) for k, v in reward_metrics.items()}
+            metrics.update(reward_metrics)  # several ranks: reward/mean and reward/std of all samples, below
+            # per-prompt advantages over all ranks' rewards (unclipped here: nft_optimality_prob clips)
+            adv, keep, adv_metrics = global_advantages(ctx, tracker, prompts, scores, math.inf,
+                                                       cfg.reward.drop_zero_advantage)
+            metrics.update(adv_metrics)
             r = nft_optimality_prob(adv, t.adv_clip_max)
-            keep = (adv != 0).nonzero().flatten() if cfg.reward.drop_zero_advantage else torch.arange(len(adv))
-            metrics["train/kept_fraction"] = len(keep) / len(adv)
-            metrics["train/advantage_abs"] = adv.abs().mean().item()
 
-            # ---- 4./5. NFT loss on forward-noised clean samples; updates; EMA of "old"
+            # ---- 4./5. NFT loss on forward-noised clean samples; updates; EMA of "old" (same on every rank)
             with timer("train"):
                 metrics.update(_train_on_rollout(cfg, model, states, traj, r, keep, optimizer, lr_sched, params,
-                                                 counters, timer))
+                                                 counters, timer, ctx))
             decay = ema_decay(cfg.nft.ema_schedule, counters.updates)
             states.ema("default", "old", decay)
             metrics["nft/old_decay"] = decay
 
         metrics["lr"] = optimizer.param_groups[0]["lr"]
-        if cfg.log.sample_every and (step % cfg.log.sample_every == 0 or step == 1):
+        if ctx.is_main and cfg.log.sample_every and (step % cfg.log.sample_every == 0 or step == 1):
             n = min(cfg.log.num_sample_images, len(prompts))
             run.save_samples(step, traj.images[:n], [f"{prompts[i][:48]} | r={scores[i]:.3g}" for i in range(n)])
-        if eval_items and cfg.log.eval_every and (step % cfg.log.eval_every == 0 or step in (1, t.max_steps)):
+        eval_now = eval_items and cfg.log.eval_every and (step % cfg.log.eval_every == 0 or step in (1, t.max_steps))
+        if ctx.is_main and eval_now:
             with timer("eval"):
                 metrics.update(evaluate_ode(model, states, cfg.log.eval_state, reward_fn, eval_items, run, step,
                                             num_steps=s.eval_num_steps, guidance_scale=s.eval_guidance_scale,
                                             height=s.height, width=s.width, batch_size=t.micro_batch_size,
                                             seed=cfg.seed, num_images=cfg.log.num_sample_images))
+        evals.count = evals_synced = evals_synced + int(ctx.all_reduce_sum(evals.count - evals_synced))
         metrics["cost/transformer_evals"] = evals.count
         metrics.update(timer.pop(TIMING_PREFIX))
         metrics["time/step_s"] = metrics.pop("time/step_s")
-        run.log(step, metrics)
+        if ctx.is_main:
+            run.log(step, metrics)
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.4g}", loss=f"{metrics.get('nft/loss', 0):.3g}")
         if (t.save_every and step % t.save_every == 0) or step == t.max_steps:
-            save_checkpoint(run, step, states, stateful)
+            if ctx.is_main:
+                save_checkpoint(run, step, states, stateful)
+            ctx.barrier()  # nobody reads or resumes from a half-written checkpoint
     bar.close()
     evals.remove()
-    return summarise(run, "nft")
+    summary = summarise(run, "nft") if ctx.is_main else {}
+    ctx.barrier()
+    ctx.close()
+    return summary
 
 
 def _train_on_rollout(cfg: Config, model, states, traj, r, keep, optimizer, lr_sched, params, counters,
-                      timer) -> dict:
-    """Inner epochs over one rollout batch: NFT loss (+ velocity KL) at K schedule timesteps per sample."""
+                      timer, ctx: DistContext | None = None) -> dict:
+    """Inner epochs over one rollout batch: NFT loss (+ velocity KL) at K schedule timesteps per sample.
+
+    Several ranks (as `flow_grpo._train_on_rollout`): each holds its rows of the global batch; an update's chunk
+    is the union of the ranks' local chunks, each rank's loss is weighted by `ctx.loss_scale(len(local chunk))`
+    (DDP averages: the gradient is the global chunk mean), every rank runs the same number of micro-steps
+    (zero-weight micro-batches on one of its rows where it has fewer or none) and gradients are all-reduced
+    once per update (no_sync around every other micro-step). One process: ctx is a no-op."""
+    ctx = ctx or DistContext()
     t, s, n = cfg.train, cfg.sample, cfg.nft
     acc: dict[str, list[float]] = defaultdict(list)
-    if len(keep) == 0:
+    if ctx.max_int(len(keep)) == 0:
         return {"train/updates": 0}
     x0_all = traj.latents[:, -1]
     k = int(s.num_steps * n.timestep_fraction)
     train_sigmas = traj.sigmas[:k]
     b_all = len(traj)
+    pad_rows = keep[:1] if len(keep) else torch.zeros(1, dtype=torch.long)  # any real row; weight 0
     updates = 0
     for _ in range(t.num_inner_epochs):
         # each sample visits the K timesteps in its own random order (as the official script)
         order_t = torch.stack([torch.randperm(k) for _ in range(b_all)])
         order = keep[torch.randperm(len(keep))]
-        for chunk in torch.tensor_split(order, min(t.updates_per_step, len(order))):
-            for rows in torch.split(chunk, t.micro_batch_size):
+        n_updates = min(t.updates_per_step, ctx.max_int(len(order)))  # identical on every rank
+        for chunk in torch.tensor_split(order, n_updates):
+            micro = [m for m in torch.split(chunk, t.micro_batch_size) if len(m)]  # (an empty chunk splits into [[]])
+            n_micro = ctx.max_int(len(micro))  # same number of micro-steps on every rank
+            scale = ctx.loss_scale(len(chunk))  # local mean -> global mean under DDP's gradient average
+            for mi in range(n_micro):
+                real = mi < len(micro)
+                rows = micro[mi] if real else pad_rows
                 b = len(rows)
                 emb = traj.embeds.select(traj.prompt_index[rows])
                 x0 = x0_all[rows]
                 rr = r[rows].to(x0.device)
-                weight = b / len(chunk) / k  # mean over the chunk's samples and the K timesteps
+                weight = b / len(chunk) / k * scale if real else 0.0  # mean over the chunk's samples and K timesteps
                 for j in range(k):
+                    last = mi == n_micro - 1 and j == k - 1  # DDP all-reduces in this backward only
                     sig = train_sigmas[order_t[rows, j]].to(x0.device)
                     xt = noise_latents(x0, sig, torch.randn_like(x0))
-                    with timer("forward_backward"):
+                    with ctx.no_sync(model.transformer, sync=last), timer("forward_backward"):  # forward AND backward
                         with torch.no_grad(), states.use("old"):
                             v_old = model.velocity(xt, sig, emb, guidance_scale=s.guidance_scale)
                         v = model.velocity(xt, sig, emb, guidance_scale=s.guidance_scale)
@@ -302,11 +348,13 @@ def _train_on_rollout(cfg: Config, model, states, traj, r, keep, optimizer, lr_s
                                 v_ref = model.velocity(xt, sig, emb, guidance_scale=s.guidance_scale)
                             kl = (v - v_ref).pow(2).mean(dim=tuple(range(1, v.dim()))).mean()
                             loss = loss + t.kl_beta * kl
-                            acc["nft/kl"].append(kl.item())
+                            if real:
+                                acc["nft/kl"].append(kl.item())
                         (loss * weight).backward()
-                    for key in ("pos_loss", "neg_loss", "old_deviate", "nft_loss"):
-                        acc[f"nft/{key}"].append(m[key])
-                    acc["nft/loss"].append(loss.item())
+                    if real:
+                        for key in ("pos_loss", "neg_loss", "old_deviate", "nft_loss"):
+                            acc[f"nft/{key}"].append(m[key])
+                        acc["nft/loss"].append(loss.item())
             grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm if t.max_grad_norm > 0 else math.inf)
             acc["train/grad_norm"].append(float(grad_norm))
             optimizer.step()
@@ -314,7 +362,11 @@ def _train_on_rollout(cfg: Config, model, states, traj, r, keep, optimizer, lr_s
             optimizer.zero_grad(set_to_none=True)
             updates += 1
             counters.updates += 1
-    out = {key: sum(v) / len(v) for key, v in acc.items()}
+    vals = merge_rank_lists(ctx, acc)  # metrics of the whole batch: every rank's micro-step values
+    out = {key: sum(v) / len(v) for key, v in vals.items() if v}
     out["train/updates"] = updates
-    out["nft/r_mean"] = r[keep].mean().item()
+    if ctx.enabled:
+        out["nft/r_mean"] = float(ctx.all_reduce_sum(r[keep].double().sum()) / ctx.all_reduce_sum(len(keep)))
+    else:
+        out["nft/r_mean"] = r[keep].mean().item()
     return out

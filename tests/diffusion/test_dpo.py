@@ -213,3 +213,164 @@ def test_evaluation_does_not_change_training(tmp_path, tiny_sd3_path, pairs_file
     drop = lambda r: {k: v for k, v in _no_time(r).items()  # noqa: E731
                       if not k.startswith("eval/") and k not in ("dpo/latents_cached", "cost/transformer_evals")}
     assert [drop(r) for r in a] == [drop(r) for r in b]
+
+
+# ---------------------------------------------------------------------------------------- several processes
+
+
+def test_latent_cache_shards_of_several_ranks(tmp_path, tiny_sd3, pairs_file):
+    """Ranks share one cache directory with their own shard series; a later run (any world size) loads all."""
+    from mmrl.pipelines.data import load_preference_pairs
+
+    pairs = load_preference_pairs(pairs_file)
+    caches = [LatentCache(tmp_path / "c", 64, 64, shard_suffix=f"_r{r}") for r in range(2)]
+    a = caches[0].get(tiny_sd3, [pairs[0].chosen, pairs[1].chosen])
+    b = caches[1].get(tiny_sd3, [pairs[2].chosen])  # both write their first shard: distinct files
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["shard_000000_r0.pt", "shard_000000_r1.pt"]
+    one = LatentCache(tmp_path / "c", 64, 64)  # e.g. a 1-process resume
+    assert one.loaded_from_disk == 3
+    torch.testing.assert_close(one.get(tiny_sd3, [pairs[0].chosen, pairs[1].chosen, pairs[2].chosen]),
+                               torch.cat([a, b]), rtol=0, atol=0)
+    assert one.encoded == 0
+    one.get(tiny_sd3, [pairs[3].chosen])  # its next shard follows every loaded one: no file is overwritten
+    assert (tmp_path / "c" / "shard_000002.pt").is_file() and len(list((tmp_path / "c").iterdir())) == 3
+
+
+@pytest.mark.slow
+def test_torchrun_online_two_processes_then_resume_with_one(tmp_path):
+    import subprocess
+    import sys
+
+    if not (SHAPES_MODEL / "model_index.json").is_file():
+        pytest.skip("assets/tiny_sd3_shapes not built")
+    out = tmp_path / "ddp"
+    args = ["configs/diffusion/dpo_tiny_online.yaml", f"output_dir={out}", f"model.path={SHAPES_MODEL}",
+            "train.save_every=1", "data.prompts_per_step=2", "sample.group_size=3", "sample.num_steps=3",
+            "train.micro_batch_size=2", "log.sample_every=1", "log.eval_every=0", "dist.backend=gloo"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", MMRL_NO_PROGRESS="1", PYTHONPATH=str(REPO))
+    bad = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "-m", "mmrl.cli", "train", *args, "data.prompts_per_step=3", "dist.strategy=ddp"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0
+    assert "data.prompts_per_step=3 (global) must be divisible by the number of processes (2)" in bad.stderr
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "-m", "mmrl.cli", "train", *args, "train.max_steps=2", "dist.strategy=ddp"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, f"torchrun failed:\n{two.stdout[-2000:]}\n{two.stderr[-5000:]}"
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [1, 2]  # rank 0 alone logs
+    for r in rows:  # all_pairs inside each of the 2 global groups of 3 images: at most 3 pairs per group
+        assert 0 < r["dpo/pairs"] == r["dpo/pairs_trained"] <= 6 and math.isfinite(r["dpo/loss"])
+    assert rows[0]["dpo/implicit_acc"] == 0.0 and rows[0]["dpo/loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_1", "step_2"]
+    assert (out / "samples" / "step_000001.png").is_file()
+    one = subprocess.run([sys.executable, "-m", "mmrl.cli", "train", *args, "train.max_steps=3"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, f"resume failed:\n{one.stdout[-2000:]}\n{one.stderr[-5000:]}"
+    assert "resumed from" in one.stdout and "step_2 (step 2)" in one.stdout
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[2]["cost/transformer_evals"] > rows[1]["cost/transformer_evals"] > rows[0]["cost/transformer_evals"]
+    assert (out / "checkpoints" / "step_3" / "COMPLETE").is_file()
+
+
+# One optimizer update of `_dpo_update`, 2 ranks (this file run as a script, torch.multiprocessing.spawn) vs one
+# process on all pairs. The recipe draws a noise level and noise per micro-batch; the test fixes the level and
+# makes the noise a function of the pair (seeded by its chosen latent), so both set-ups train on the same points.
+N_PAIRS = 4
+SPLITS = {"even": (2, 2), "idle": (4, 0)}  # pairs of rank 0 / rank 1; "idle": rank 1 runs zero-weight micro-steps
+
+
+def _pair_noise(x):
+    rows = []
+    for row in x:
+        g = torch.Generator().manual_seed(int(row.double().abs().sum().item() * 1e6) % (2**31))
+        rows.append(torch.randn(row.shape, generator=g, dtype=row.dtype))
+    return torch.stack(rows)
+
+
+def _one_dpo_update(model_path, split, ctx):
+    import mmrl.diffusion.dpo as dpo_mod
+    from mmrl.diffusion.common import build_policy_states
+    from mmrl.diffusion.models import load_flow_model
+    from mmrl.runtime import Timer, seed_everything
+
+    cfg = _cfg("/tmp/unused", model_path, train={"micro_batch_size": 2, "lr": 1e-3})
+    model = load_flow_model(model_path)
+    seed_everything(0)  # identical LoRA init everywhere
+    states = build_policy_states(model, cfg.model, old=False, ref=True)
+    params = states.trainable_parameters()
+    model.transformer = ctx.wrap_model(states.model, "ddp")
+    # plain SGD, lr 1: the weight change is the (clipped) gradient itself, so the comparison checks the gradient
+    # (Adam's first step, lr * g / (|g| + eps), would hide gradient differences)
+    opt = torch.optim.SGD(params, lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+    g = torch.Generator().manual_seed(3)
+    x_w, x_l = torch.randn(N_PAIRS, 4, 16, 16, generator=g), torch.randn(N_PAIRS, 4, 16, 16, generator=g)  # 64 px
+    prompts = [x.strip() for x in open(PROMPTS).read().splitlines()[:N_PAIRS]]
+    embeds = model.encode_prompts(prompts)
+    sizes = SPLITS[split] if ctx.enabled else (N_PAIRS,)
+    lo = sum(sizes[:ctx.rank])
+    rows = torch.arange(lo, lo + sizes[ctx.rank])
+    pad = (x_w[:1], x_l[:1], embeds.select([0]))
+    names = {id(p): n for n, p in states.model.named_parameters()}
+    before = {names[id(p)]: p.detach().clone() for p in params}
+    randn_like, sigmas = torch.randn_like, dpo_mod.sample_sigmas
+    torch.randn_like, dpo_mod.sample_sigmas = _pair_noise, lambda n, *a, **k: torch.full((n,), 0.6)
+    try:
+        m = dpo_mod._dpo_update(cfg, model, states, x_w[rows], x_l[rows], embeds.select(rows), 1.0, opt, sched,
+                                params, Timer(), ctx, pad)
+    finally:
+        torch.randn_like, dpo_mod.sample_sigmas = randn_like, sigmas
+    after = {names[id(p)]: p.detach().clone() for p in params}
+    return {"params": after, "moved": max((after[k] - v).abs().max().item() for k, v in before.items()),
+            "metrics": m}
+
+
+def _dpo_equality_worker(rank, world, port, model_path, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), MMRL_NO_PROGRESS="1", HF_HUB_OFFLINE="1")
+    torch.set_num_threads(1)
+    from mmrl.distributed import DistContext
+
+    ctx = DistContext.init("gloo")
+    res = {name: _one_dpo_update(model_path, name, ctx) for name in SPLITS}
+    torch.save(res, Path(out_dir) / f"rank{rank}.pt")
+    ctx.barrier()
+    ctx.close()
+
+
+@pytest.mark.slow
+def test_two_ranks_one_update_equals_one_process(tmp_path, tiny_sd3_path):
+    import subprocess
+    import sys
+
+    from mmrl.distributed import DistContext
+
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, __file__, str(tiny_sd3_path), str(tmp_path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"2-rank run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    one = _one_dpo_update(tiny_sd3_path, "even", DistContext())
+    assert one["moved"] > 1e-4 and one["metrics"]["dpo/pairs_trained"] == N_PAIRS
+    for name in SPLITS:
+        r0, r1 = ranks[0][name], ranks[1][name]
+        assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in r0["params"])  # same weights everywhere
+        diff = max((r0["params"][k] - v).abs().max().item() for k, v in one["params"].items())
+        print(f"[{name}] max |LoRA param diff| 2 ranks vs 1 process: {diff:.2e} (update {one['moved']:.2e})")
+        assert diff < 1e-6
+        for key in ("dpo/pairs_trained", "dpo/loss", "dpo/implicit_acc", "dpo/reward_margin", "dpo/model_mse",
+                    "dpo/reward_margin_std", "train/grad_norm"):
+            assert r0["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5, abs=1e-7), key
+
+
+if __name__ == "__main__":  # 2 ranks for test_two_ranks_one_update_equals_one_process
+    import socket
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        free_port = sock.getsockname()[1]
+    torch.multiprocessing.spawn(_dpo_equality_worker, args=(2, free_port, sys.argv[1], sys.argv[2]), nprocs=2,
+                                join=True)

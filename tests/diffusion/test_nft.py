@@ -195,3 +195,185 @@ def test_evaluation_does_not_change_training(tmp_path, tiny_sd3_path):
     drop = lambda r: {k: v for k, v in _no_time(r).items()  # noqa: E731
                       if not k.startswith("eval/") and k != "cost/transformer_evals"}
     assert [drop(r) for r in a] == [drop(r) for r in b]
+
+
+# ---------------------------------------------------------------------------------------- several processes
+#
+# Real processes (gloo on CPU). The CLI test runs nft_tiny under torchrun and resumes with one process; the
+# equality test runs this file as a script: 2 ranks (torch.multiprocessing.spawn) each run ONE optimizer update of
+# the recipe's `_train_on_rollout` (+ the old-policy EMA) on their share of a fixed rollout batch, which must give
+# the same weights as one process on the whole batch. NFT draws fresh forward noise per micro-batch, so the test
+# makes that noise a function of the sample (seeded by its clean latent) and trains on K = 1 timestep: then both
+# set-ups see the same training points and only the summation order differs.
+
+P, G = 4, 3  # prompts, images per prompt: global batch of 12; ranks hold prompts 0-1 and 2-3
+# scenario -> (per-prompt rewards, drop_zero_advantage); a constant group has advantage 0
+SCENARIOS = {
+    "all_rows": ([[0.1, 0.9, 0.4], [2.0, -1.0, 0.5], [0.3, 1.7, 1.1], [0.5, 0.5, 0.5]], False),  # 6 + 6 rows
+    "idle": ([[0.1, 0.9, 0.4], [2.0, -1.0, 0.5], [0.7, 0.7, 0.7], [0.5, 0.5, 0.5]], True),  # 5 + 0: rank 1 idles
+}
+
+
+def _equality_cfg(model_path):
+    return _cfg("/tmp/unused", model_path, sample={"num_steps": 3, "group_size": G},
+                nft={"timestep_fraction": 0.34, "guidance_beta": 0.5},  # K = int(3 * 0.34) = 1
+                train={"micro_batch_size": 2, "updates_per_step": 1, "kl_beta": 0.1, "lr": 1e-3},
+                data={"prompts_per_step": P})
+
+
+def _sample_noise(x):
+    """Noise for torch.randn_like(x0) that depends on each sample only (seeded by its clean latent)."""
+    rows = []
+    for row in x:
+        g = torch.Generator().manual_seed(int(row.double().abs().sum().item() * 1e6) % (2**31))
+        rows.append(torch.randn(row.shape, generator=g, dtype=row.dtype))
+    return torch.stack(rows)
+
+
+def _one_update(model_path, scenario, ctx):
+    """One NFT update + EMA on this rank's share of a fixed global rollout batch: (default, old) weights, adv."""
+    import math as _math
+
+    from mmrl.core.losses import nft_optimality_prob
+    from mmrl.diffusion.common import build_policy_states
+    from mmrl.diffusion.flow_grpo import PerPromptStatTracker, global_advantages
+    from mmrl.diffusion.models import load_flow_model
+    from mmrl.diffusion.nft import _Counters, _train_on_rollout
+    from mmrl.diffusion.sampling import Trajectory, sample_groups
+    from mmrl.runtime import Timer, seed_everything
+
+    cfg = _equality_cfg(model_path)
+    s, t = cfg.sample, cfg.train
+    scores_pp, drop_zero = SCENARIOS[scenario]
+    model = load_flow_model(model_path)
+    seed_everything(0)  # identical LoRA init everywhere
+    states = build_policy_states(model, cfg.model, old=True, ref=True)
+    params = states.trainable_parameters()
+    model.transformer = ctx.wrap_model(states.model, "ddp")
+    # plain SGD, lr 1: the weight change is the (clipped) gradient itself, so the comparison checks the gradient
+    # (Adam's first step, lr * g / (|g| + eps), would hide gradient differences)
+    opt = torch.optim.SGD(params, lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+    prompts_all = [x.strip() for x in open(PROMPTS).read().splitlines()[:P]]
+    with torch.no_grad():  # the fixed rollout: every process computes the global batch, then keeps its rows
+        full = sample_groups(model, model.encode_prompts(prompts_all), G, num_steps=s.num_steps, height=s.height,
+                             width=s.width, guidance_scale=1.0, noise_level=0.0,
+                             generator=torch.Generator().manual_seed(7))
+    k = P // ctx.world_size
+    pi = torch.arange(ctx.rank * k, (ctx.rank + 1) * k)
+    rows = torch.arange(ctx.rank * k * G, (ctx.rank + 1) * k * G)
+    traj = Trajectory(latents=full.latents[rows], log_probs=full.log_probs[rows], sigmas=full.sigmas,
+                      sde_mask=full.sde_mask, train_steps=full.train_steps,
+                      prompt_index=full.prompt_index[rows] - ctx.rank * k, embeds=full.embeds.select(pi))
+    scores = torch.tensor(scores_pp).flatten()[rows]
+    prompts = [prompts_all[i] for i in full.prompt_index[rows].tolist()]
+    tracker = PerPromptStatTracker("group")
+    adv, keep, _ = global_advantages(ctx, tracker, prompts, scores, _math.inf, drop_zero)
+    r = nft_optimality_prob(adv, t.adv_clip_max)
+    counters = _Counters()
+    names = {id(p): n for n, p in states.model.named_parameters()}
+    before = {names[id(p)]: p.detach().clone() for p in params}
+    randn_like = torch.randn_like
+    torch.randn_like = _sample_noise
+    try:
+        torch.manual_seed(100 + ctx.rank)  # the sample order inside a chunk does not matter for one update
+        out = _train_on_rollout(cfg, model, states, traj, r, keep, opt, sched, params, counters, Timer(), ctx)
+    finally:
+        torch.randn_like = randn_like
+    states.ema("default", "old", 0.25)
+    default = {names[id(p)]: p.detach().clone() for p in params}
+    old = {n: p.detach().clone() for n, p in states.model.named_parameters() if ".old." in n}  # the old adapter
+    moved = max((default[k] - v).abs().max().item() for k, v in before.items())
+    return {"default": default, "old": old, "adv": adv, "n_keep": len(keep), "updates": counters.updates,
+            "moved": moved, "metrics": out}
+
+
+def _equality_worker(rank, world, port, model_path, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), MMRL_NO_PROGRESS="1", HF_HUB_OFFLINE="1")
+    torch.set_num_threads(1)
+    from mmrl.distributed import DistContext
+
+    ctx = DistContext.init("gloo")
+    res = {name: _one_update(model_path, name, ctx) for name in SCENARIOS}
+    torch.save(res, Path(out_dir) / f"rank{rank}.pt")
+    ctx.barrier()
+    ctx.close()
+
+
+@pytest.mark.slow
+def test_two_ranks_one_update_equals_one_process(tmp_path, tiny_sd3_path):
+    import subprocess
+    import sys
+
+    from mmrl.distributed import DistContext
+
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, __file__, str(tiny_sd3_path), str(tmp_path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"2-rank run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for name in SCENARIOS:
+        one = _one_update(tiny_sd3_path, name, DistContext())
+        r0, r1 = ranks[0][name], ranks[1][name]
+        # advantages from the all-gathered rewards = one process's
+        torch.testing.assert_close(torch.cat([r0["adv"], r1["adv"]]), one["adv"], rtol=0, atol=0)
+        # (the 0.5 of [2.0, -1.0, 0.5] is its group mean: advantage 0, dropped too in "idle")
+        assert (r0["n_keep"], r1["n_keep"]) == ((6, 6) if name == "all_rows" else (5, 0))
+        assert r0["updates"] == r1["updates"] == one["updates"] == 1
+        # both ranks hold the same weights (default and EMA "old") after the update
+        for state in ("default", "old"):
+            assert r0[state].keys() == r1[state].keys() == one[state].keys() and len(one[state]) > 0
+            assert all(torch.equal(r0[state][k], r1[state][k]) for k in r0[state])
+        assert one["moved"] > 1e-4  # the update is not trivially zero
+        for state in ("default", "old"):
+            diff = max((r0[state][k] - v).abs().max().item() for k, v in one[state].items())
+            print(f"[{name}] max |{state} param diff| 2 ranks vs 1 process: {diff:.2e}")
+            assert diff < 1e-6
+        for key in ("nft/loss", "nft/kl", "train/grad_norm", "nft/r_mean"):
+            assert r0["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.slow
+def test_torchrun_cli_two_processes_then_resume_with_one(tmp_path):
+    import subprocess
+    import sys
+
+    if not (SHAPES_MODEL / "model_index.json").is_file():
+        pytest.skip("assets/tiny_sd3_shapes not built")
+    out = tmp_path / "ddp"
+    args = ["configs/diffusion/nft_tiny.yaml", f"output_dir={out}", f"model.path={SHAPES_MODEL}",
+            "train.save_every=1", "data.prompts_per_step=2", "sample.group_size=3", "sample.num_steps=4",
+            "train.micro_batch_size=2", "log.sample_every=1", "log.eval_every=0", "dist.backend=gloo"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", MMRL_NO_PROGRESS="1", PYTHONPATH=str(REPO))
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "-m", "mmrl.cli", "train", *args, "train.max_steps=2", "dist.strategy=ddp"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, f"torchrun failed:\n{two.stdout[-2000:]}\n{two.stderr[-5000:]}"
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [1, 2]  # rank 0 alone logs
+    # 2 ranks x (3 images x 4 ODE steps + 3 images x K=2 timesteps x (policy + old)) per step
+    assert [r["cost/transformer_evals"] for r in rows] == [48, 96]
+    assert all(r["train/updates"] == 1 and r["train/kept_fraction"] == 1.0 for r in rows)
+    assert [r["nft/old_decay"] for r in rows] == [0.001, 0.002]
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_1", "step_2"]
+    assert (out / "samples" / "step_000001.png").is_file()
+    one = subprocess.run([sys.executable, "-m", "mmrl.cli", "train", *args, "train.max_steps=3"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, f"resume failed:\n{one.stdout[-2000:]}\n{one.stderr[-5000:]}"
+    assert "resumed from" in one.stdout and "step_2 (step 2)" in one.stdout
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[2]["cost/transformer_evals"] == 96 + 48  # the same global batch (6 images), now in one process
+    assert rows[2]["nft/old_decay"] == 0.003  # the update counter (EMA schedule position) was restored
+    assert (out / "checkpoints" / "step_3" / "COMPLETE").is_file()
+
+
+if __name__ == "__main__":  # 2 ranks for test_two_ranks_one_update_equals_one_process
+    import socket
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        free_port = sock.getsockname()[1]
+    torch.multiprocessing.spawn(_equality_worker, args=(2, free_port, sys.argv[1], sys.argv[2]), nprocs=2, join=True)
