@@ -39,6 +39,12 @@ or ``set_peft_model_state_dict``. For diffusers models the same weights are also
 ``adapter_model.safetensors``. A "ref" that is the base model is not written. Full fine-tuning writes
 ``dir/<name>/model.safetensors`` (parameter names as in ``model.named_parameters()``) per state.
 
+FSDP2 (``DistContext.wrap_model(model, "fsdp")`` / ``fully_shard``) replaces every parameter by a DTensor
+shard: call :meth:`PolicyStates.refresh` right after wrapping (and build the optimizer after it). Then
+``copy``/``ema`` run on the local shards (all states are sharded identically; asserted), ``save`` and
+``state_dict`` gather full tensors (collectives: every rank calls them; only rank 0 writes files, the files are
+the same as one process writes) and ``load``/``load_state_dict`` take full tensors and keep each rank's slice.
+
 Cost (benchmarks/adapter_states.py, d=256 CPU models, r=8): "old" + a "ref" adapter add 2-3% of the
 base parameter memory (deep copies: 200%); a ``use`` switch costs ~0.5-1.5 ms (it walks every LoRA
 layer through peft's public switches), ``copy("default", "old")`` ~0.1 ms.
@@ -86,6 +92,49 @@ def _tensor_bytes(tensors) -> int:
 def _is_diffusers_model(model: nn.Module) -> bool:
     diffusers = sys.modules.get("diffusers")
     return diffusers is not None and isinstance(model, diffusers.ModelMixin)
+
+
+def _is_dtensor(t) -> bool:
+    return hasattr(t, "device_mesh") and hasattr(t, "full_tensor")
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 (DTensor) shard -- a collective: every rank must call it; plain tensors
+    unchanged."""
+    t = t.detach()
+    return t.full_tensor() if _is_dtensor(t) else t
+
+
+def _locals(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local shards of two tensors for elementwise updates (a plain tensor pair is returned unchanged).
+    Elementwise on local shards is exact only when both are sharded identically: asserted."""
+    da, db = _is_dtensor(a), _is_dtensor(b)
+    if not (da or db):
+        return a, b
+    if not (da and db) or a.device_mesh != b.device_mesh or tuple(a.placements) != tuple(b.placements) \
+            or a.shape != b.shape:
+        raise ValueError("PolicyStates: copy/ema between tensors that are not sharded identically "
+                         f"(dst {type(a).__name__} {getattr(a, 'placements', None)}, src {type(b).__name__} "
+                         f"{getattr(b, 'placements', None)})")
+    return a.to_local(), b.to_local()
+
+
+def _copy_full_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst <- src where src is a full (unsharded) tensor and dst a plain tensor or an FSDP2 DTensor shard
+    (this rank's slice, no communication)."""
+    if _is_dtensor(dst):
+        from torch.distributed.tensor import distribute_tensor
+
+        src = src.to(device=dst.device, dtype=dst.dtype)
+        dst.to_local().copy_(distribute_tensor(src, dst.device_mesh, dst.placements, src_data_rank=None).to_local())
+    else:
+        dst.copy_(src)
+
+
+def _main_rank() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def _config_json_dict(cfg) -> dict:
@@ -271,6 +320,36 @@ class PolicyStates:
         if list(pa) != list(pb) or any(pa[k].shape != pb[k].shape for k in pa):
             raise ValueError(f"PolicyStates: adapters {a!r} and {b!r} do not have the same tensors/shapes")
 
+    def refresh(self) -> None:
+        """Re-collect every state's parameter references by name from ``self.model``.
+
+        Call it after something replaced the model's parameter objects, e.g. FSDP2 ``fully_shard``
+        (``DistContext.wrap_model(model, "fsdp")``), which swaps every parameter for a DTensor shard. Then
+        build the optimizer from :meth:`trainable_parameters`. Under FSDP2: ``copy``/``ema`` work on the local
+        shards (all states are sharded identically), ``save``/``state_dict`` gather full tensors (collective:
+        every rank calls them; only rank 0 writes files), ``load``/``load_state_dict`` take full tensors and
+        keep this rank's slice. Full fine-tuning: only without "old"/"ref" snapshots."""
+        named = dict(self.model.named_parameters())
+        if self.mode == "lora":
+            for name, pnames in self._param_names.items():
+                missing = [n for n in pnames if n not in named]
+                if missing:
+                    raise ValueError(f"PolicyStates.refresh: parameters of state {name!r} not found in the model: "
+                                     f"{missing[:5]} ({len(missing)})")
+                self._params[name] = {k: named[n] for k, n in zip(self._params[name], pnames)}
+        else:
+            if self._store:
+                raise ValueError("PolicyStates.refresh: full fine-tuning with 'old'/'ref' snapshots cannot follow "
+                                 "replaced (e.g. FSDP-sharded) parameters; use LoRA or no snapshots")
+            missing = [n for n in self._full_names if n not in named]
+            if missing:
+                raise ValueError(f"PolicyStates.refresh: parameters not found in the model: {missing[:5]}")
+            self._full_params = [named[n] for n in self._full_names]
+        self._all_params = list(self.model.parameters())
+
+    def _sharded(self) -> bool:
+        return any(_is_dtensor(p) for p in self._all_params)
+
     def _init_full(self, keep_ref_copy: bool, snapshot_device) -> None:
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         if not named:
@@ -444,6 +523,7 @@ class PolicyStates:
         """``dst <- src`` exactly (in place)."""
         s, d = self._pair(src, dst)
         for a, b in zip(d, s):
+            a, b = _locals(a, b)
             a.copy_(b)
 
     @torch.no_grad()
@@ -454,6 +534,9 @@ class PolicyStates:
         if not 0.0 <= decay <= 1.0:
             raise ValueError(f"PolicyStates.ema: decay must be in [0, 1], got {decay}")
         s, d = self._pair(src, dst)
+        if any(_is_dtensor(a) or _is_dtensor(b) for a, b in zip(d, s)):  # FSDP2: local shards
+            pairs = [_locals(a, b) for a, b in zip(d, s)]
+            d, s = [a for a, _ in pairs], [b for _, b in pairs]
         if all(a.device == b.device for a, b in zip(d, s)):
             torch._foreach_mul_(d, decay)
             torch._foreach_add_(d, s, alpha=1.0 - decay)
@@ -467,7 +550,7 @@ class PolicyStates:
         ("ref" as base model has no tensors and is not included.) Full mode clones whole weights."""
         out = {}
         for name in self._written_states():
-            out[name] = {k: t.detach().clone() for k, t in zip(self._keys(name), self._tensors(name))}
+            out[name] = {k: _full(t).clone() for k, t in zip(self._keys(name), self._tensors(name))}
         return {"mode": self.mode, "states": out}
 
     @torch.no_grad()
@@ -513,13 +596,24 @@ class PolicyStates:
                 )
         with torch.no_grad():
             for k, t in zip(keys, dst):
-                t.copy_(tensors[k])
+                _copy_full_into(t, tensors[k])
 
     # ------------------------------------------------------------------ files
     def save(self, directory: str | os.PathLike) -> None:
-        """Write every kept state (see module docstring for the layout)."""
+        """Write every kept state (see module docstring for the layout).
+
+        FSDP2-sharded model (after :meth:`refresh`): a collective -- every rank must call it (the shards are
+        gathered into full tensors); only rank 0 writes, other ranks may pass ``directory=None``."""
         from safetensors.torch import save_file
 
+        if self._sharded():
+            gathered = {name: {k: _full(t).to("cpu").contiguous()
+                               for k, t in zip(self._keys(name), self._tensors(name))}
+                        for name in self._written_states()}
+            if not _main_rank():
+                return
+        else:
+            gathered = None
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         written = self._written_states()
@@ -527,7 +621,7 @@ class PolicyStates:
             sub = directory / name
             sub.mkdir(parents=True, exist_ok=True)
             if self.mode == "lora":
-                sd = self._peft_state_dict(name)
+                sd = gathered[name] if gathered is not None else self._peft_state_dict(name)
                 save_file({_PEFT_PREFIX + k: v for k, v in sd.items()}, str(sub / PEFT_WEIGHTS_NAME),
                           metadata={"format": "pt"})
                 self._configs[name].save_pretrained(str(sub))
@@ -538,7 +632,8 @@ class PolicyStates:
                     save_file({pre + k: v for k, v in sd.items()}, str(sub / DIFFUSERS_WEIGHTS_NAME),
                               metadata={"format": "pt", "lora_adapter_metadata": json.dumps(meta, sort_keys=True)})
             else:
-                tensors = {k: t.detach().to("cpu").contiguous() for k, t in zip(self._full_names, self._tensors(name))}
+                tensors = gathered[name] if gathered is not None else \
+                    {k: t.detach().to("cpu").contiguous() for k, t in zip(self._full_names, self._tensors(name))}
                 save_file(tensors, str(sub / FULL_WEIGHTS_NAME), metadata={"format": "pt"})
         index = {"mode": self.mode, "states": list(self.states), "written": written,
                  "ref": "base_model" if self._ref_is_base else ("adapter" if self.mode == "lora" else "snapshot")}
@@ -581,6 +676,10 @@ class PolicyStates:
         if not path.is_file():
             raise FileNotFoundError(f"PolicyStates: {str(path)!r} not found (adapter {name!r})")
         sd = load_file(str(path))
+        if self._sharded():  # FSDP2: full tensors from the file, this rank's slice into each shard
+            tensors = {k[len(_PEFT_PREFIX):] if k.startswith(_PEFT_PREFIX) else k: v for k, v in sd.items()}
+            self._copy_into(name, tensors, where=str(path))
+            return
         flags = [(p, p.requires_grad) for p in self.model.parameters()]
         try:
             result = set_peft_model_state_dict(self.model, sd, adapter_name=name)

@@ -20,7 +20,13 @@ scaled so DDP's gradient average equals the global-batch gradient, every rank ru
 micro-steps (zero-weight ones when it has nothing left), and rank 0 alone logs, samples, evaluates and writes
 checkpoints (which any number of ranks can resume). With one process nothing of this changes a number.
 
-What is simplified away versus flow_grpo's scripts: no FSDP (LoRA + DDP); the rollout and reward run one
+`dist.strategy: fsdp` (LoRA only): the transformer is sharded with FSDP2 `fully_shard` per block before the
+optimizer is built, `PolicyStates.refresh()` follows the sharded parameters (EMA on local shards), every rank runs
+the same transformer forwards (equal prompts per rank, zero-weight padding micro-steps, no reference-mean cache,
+evaluation on every rank), and checkpoints gather full tensors (all ranks) that rank 0 writes: they resume with
+any strategy and any number of processes.
+
+What is simplified away versus flow_grpo's scripts: the rollout and reward run one
 after the other (no thread pool); KL as a loss only (no KL-in-reward).
 """
 
@@ -181,7 +187,8 @@ class Config(RunConfig):
     log: LogConfig = field(default_factory=LogConfig)
     """Samples, evaluation."""
     dist: DistConfig = field(default_factory=DistConfig)
-    """Several processes under torchrun / accelerate launch (strategy none|ddp, backend, find_unused_parameters)."""
+    """Several processes under torchrun / accelerate launch (strategy none|ddp|fsdp (LoRA only), backend,
+    find_unused_parameters)."""
 
 
 # ------------------------------------------------------------------------------------------ advantages
@@ -238,9 +245,9 @@ def _check(cfg: Config) -> None:
         raise ValueError(f"sample.noise_level must be > 0 for training rollouts, got {s.noise_level}")
     if t.updates_per_step < 1 or t.micro_batch_size < 1 or t.num_inner_epochs < 1:
         raise ValueError("train.updates_per_step, train.micro_batch_size and train.num_inner_epochs must be >= 1")
-    if cfg.dist.strategy == "fsdp":
-        raise ValueError("dist.strategy=fsdp is not supported by flow_grpo (PolicyStates' old/EMA/save do not follow "
-                         "FSDP2's sharded parameters, request R3); use dist.strategy=ddp (LoRA gradients are small)")
+    if cfg.dist.strategy == "fsdp" and not cfg.model.lora:
+        raise ValueError("dist.strategy=fsdp: flow_grpo supports FSDP with model.lora=true only (full fine-tuning "
+                         "under FSDP is not wired); use dist.strategy=ddp or model.lora=true")
 
 
 def _warmup(steps: int):
@@ -274,17 +281,21 @@ def train(cfg: Config) -> dict:
 
     # policy states: "default" trains, "old" = EMA for eval, "ref" = adapters off (KL)
     states = build_policy_states(model, cfg.model, old=t.ema, ref=t.beta > 0)
-    params = states.trainable_parameters()
     evals = TransformerEvalCounter(model.transformer)
     # DDP keeps PolicyStates' parameter objects; one process: unchanged
     model.transformer = ctx.wrap_model(states.model, cfg.dist.strategy,
                                        find_unused_parameters=cfg.dist.find_unused_parameters)
+    fsdp = ctx.enabled and cfg.dist.strategy == "fsdp"
+    if fsdp:  # fully_shard replaced every parameter by a DTensor shard: follow them before building the optimizer
+        states.refresh()
+    params = states.trainable_parameters()
     optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.adam_betas), eps=t.adam_eps,
                                   weight_decay=t.weight_decay)
     lr_sched = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup(t.warmup_steps))
     tracker = PerPromptStatTracker(cfg.reward.std_mode, cfg.reward.history)
     sampler = PromptSampler(train_items, seed=cfg.seed)
-    stateful = {"optimizer": optimizer, "lr_scheduler": lr_sched, "tracker": tracker, "data": sampler,
+    stateful = {"optimizer": _FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,
+                "tracker": tracker, "data": sampler,
                 "transformer_evals": evals}
     start, _ = restore_checkpoint(run, states, stateful, tag="flow_grpo", truncate=ctx.is_main)
     evals_synced = evals.count  # global count (all ranks) at the last synchronisation
@@ -335,10 +346,11 @@ def train(cfg: Config) -> dict:
             n = min(cfg.log.num_sample_images, len(prompts))
             run.save_samples(step, traj.images[:n], [f"r={scores[i]:.3g} {prompts[i]}" for i in range(n)])
         eval_now = eval_items and cfg.log.eval_every and (step % cfg.log.eval_every == 0 or step == t.max_steps)
-        if ctx.is_main and eval_now:
+        if (ctx.is_main or fsdp) and eval_now:  # FSDP: every rank runs the forwards, rank 0 writes
             with timer("eval"):
                 metrics.update(evaluate_ode(
-                    model, states, "old" if t.ema else "default", reward_fn, eval_items, run, step,
+                    model, states, "old" if t.ema else "default", reward_fn, eval_items,
+                    run if ctx.is_main else _NoSamples(), step,
                     num_steps=s.eval_num_steps, guidance_scale=s.eval_guidance_scale, height=s.height,
                     width=s.width, batch_size=t.micro_batch_size, seed=cfg.seed, num_images=cfg.log.num_sample_images))
         metrics.update(timer.pop())
@@ -348,7 +360,9 @@ def train(cfg: Config) -> dict:
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.4g}", drift=f"{metrics.get('diag/logprob_drift', 0):.1e}")
         if (t.save_every and step % t.save_every == 0) or step == t.max_steps:
-            if ctx.is_main:
+            if fsdp:  # gathering the shards is a collective: every rank takes part, rank 0 writes
+                _save_checkpoint_fsdp(ctx, run, step, states, stateful)
+            elif ctx.is_main:
                 save_checkpoint(run, step, states, stateful)
             ctx.barrier()  # nobody reads or resumes from a half-written checkpoint
     bar.close()
@@ -402,7 +416,9 @@ def _train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, 
     if ctx.max_int(len(keep)) == 0 or not steps:
         return {"diag/logprob_drift": 0.0, "train/updates": 0}
     # the reference is frozen: its step means are computed once per (sample, step) and reused by later epochs
-    ref_cache = RefMeanCache(traj) if t.beta > 0 and t.num_inner_epochs > 1 else None
+    # (not under FSDP: cache hits differ between ranks with padding micro-steps, and FSDP needs equal forwards)
+    fsdp = ctx.enabled and getattr(cfg, "dist", None) is not None and cfg.dist.strategy == "fsdp"
+    ref_cache = RefMeanCache(traj) if t.beta > 0 and t.num_inner_epochs > 1 and not fsdp else None
     pad_rows = keep[:1] if len(keep) else torch.zeros(1, dtype=torch.long)  # any real row; weight 0
     updates = 0
     for epoch in range(t.num_inner_epochs):
@@ -448,6 +464,8 @@ def _train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, 
                         acc["policy/ratio_max"].append(m["ratio_max"])
                         acc["train/loss"].append(loss.detach())
             grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm if t.max_grad_norm > 0 else math.inf)
+            if hasattr(grad_norm, "full_tensor"):  # FSDP2: DTensor norm
+                grad_norm = grad_norm.full_tensor()
             acc["train/grad_norm"].append(grad_norm)
             optimizer.step()
             lr_sched.step()
@@ -510,6 +528,55 @@ class RefMeanCache:
         k = self.index[j]
         self.means[rows.to(self.means.device), k] = mean.detach().float()
         self.filled[rows, k] = True
+
+
+class _NoSamples:
+    """Stand-in run for ranks > 0 in an FSDP evaluation (they compute, rank 0 writes the grid)."""
+
+    def save_samples(self, *args, **kwargs) -> None:
+        pass
+
+
+class _FullOptimizerState:
+    """An optimizer over FSDP2 DTensor parameters whose state_dict holds full (gathered, CPU) tensors -- a
+    collective -- and whose load_state_dict takes full tensors (from any strategy) and keeps this rank's slice,
+    so checkpoints are the same as one process writes."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict:
+        sd = self.optimizer.state_dict()
+        state = {i: {k: (v.full_tensor().cpu() if hasattr(v, "full_tensor") else v) for k, v in st.items()}
+                 for i, st in sd["state"].items()}
+        return {"state": state, "param_groups": sd["param_groups"]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        from torch.distributed.tensor import distribute_tensor
+
+        self.optimizer.load_state_dict(sd)  # full tensors; the sharded ones are replaced below
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        for p in params:
+            st = self.optimizer.state.get(p, {})
+            if not hasattr(p, "device_mesh"):
+                continue
+            for k, v in list(st.items()):
+                if torch.is_tensor(v) and not hasattr(v, "device_mesh") and tuple(v.shape) == tuple(p.shape):
+                    st[k] = distribute_tensor(v.to(p.device, p.dtype), p.device_mesh, p.placements,
+                                              src_data_rank=None)
+
+
+def _save_checkpoint_fsdp(ctx: DistContext, run: Run, step: int, states, stateful: dict) -> None:
+    """`save_checkpoint`'s layout (adapters/ + state.pt) from an FSDP run: every rank gathers, rank 0 writes."""
+    from pathlib import Path
+
+    from mmrl.runtime import get_rng_state
+
+    with ctx.checkpoint(run, step) as d:
+        states.save(Path(d) / "adapters" if d is not None else None)
+        full = {k: v.state_dict() for k, v in stateful.items()}
+        if d is not None:
+            run.save_state(d, stateful=full, extra={}, rng=get_rng_state())
 
 
 def _summarise(run: Run) -> dict:
