@@ -368,8 +368,8 @@ class DistContext:
           in `fsdp_block_types` (default: the model's ``_no_split_modules``, i.e. its transformer blocks) is
           sharded, then the root. The module is changed in place (same object, same attributes), but its
           parameters are replaced by sharded DTensor parameters: build the optimizer AFTER wrapping from
-          ``[p for p in model.parameters() if p.requires_grad]``. PolicyStates' copy/ema/save keep pointers
-          to the pre-sharding parameters and are not supported under FSDP (see README_SCALE.md).
+          ``[p for p in model.parameters() if p.requires_grad]``, and call ``PolicyStates.refresh()`` after
+          wrapping so copy/ema/save follow the sharded parameters (LoRA only).
         kwargs go to DistributedDataParallel / fully_shard."""
         if strategy not in STRATEGIES:
             raise ValueError(f"dist.strategy: expected one of {list(STRATEGIES)}, got {strategy!r}")
