@@ -17,6 +17,9 @@ Nothing here is an algorithm: it is the setup and bookkeeping around one.
 - `init_distributed(cfg, global_sizes)`: the process group (`mmrl.distributed.DistContext`) and the `Run`
   (rank 0 writes the run directory) for a recipe with a `dist:` section; `merge_rank_lists(ctx, lists)`:
   per-rank metric lists concatenated over ranks (the recipes' whole-batch metrics).
+- FSDP (LoRA only; all three recipes): `check_fsdp(cfg, recipe)` refuses full fine-tuning,
+  `FullOptimizerState` (full-tensor optimizer state), `save_checkpoint_fsdp` (collective save, rank 0
+  writes), `NoSamples` (ranks > 0 in an evaluation every rank runs), `grad_norm_value`.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ __all__ = [
     "lora_config", "build_policy_states", "load_reward_fn", "score_images", "vae_encode", "LatentCache",
     "sample_sigmas", "noise_latents", "flow_matching_mse", "save_checkpoint", "restore_checkpoint",
     "evaluate_ode", "summarise", "TransformerEvalCounter", "TIMING_PREFIX", "init_distributed", "merge_rank_lists",
+    "check_fsdp", "grad_norm_value", "NoSamples", "FullOptimizerState", "save_checkpoint_fsdp",
 ]
 
 TIMING_PREFIX = "time/"  # metrics that legitimately differ between two identical runs
@@ -375,3 +379,65 @@ def merge_rank_lists(ctx: Any, lists: dict[str, list]) -> dict[str, list]:
         for k, v in part.items():
             merged[k] += list(v)
     return merged
+
+
+# ------------------------------------------------------------------------------------------ FSDP (LoRA)
+
+
+def check_fsdp(cfg: Any, recipe: str) -> None:
+    """`dist.strategy: fsdp` is wired for LoRA only: full fine-tuning under FSDP is refused."""
+    if cfg.dist.strategy == "fsdp" and not cfg.model.lora:
+        raise ValueError(f"dist.strategy=fsdp: {recipe} supports FSDP with model.lora=true only (full fine-tuning "
+                         "under FSDP is not wired); use dist.strategy=ddp or model.lora=true")
+
+
+def grad_norm_value(grad_norm: Any) -> float:
+    """clip_grad_norm_'s result as a float (FSDP2 returns a DTensor: its full value)."""
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    return float(grad_norm)
+
+
+class NoSamples:
+    """Stand-in run for ranks > 0 in an FSDP evaluation (they compute, rank 0 writes the grid)."""
+
+    def save_samples(self, *args, **kwargs) -> None:
+        pass
+
+
+class FullOptimizerState:
+    """An optimizer over FSDP2 DTensor parameters whose state_dict holds full (gathered, CPU) tensors -- a
+    collective -- and whose load_state_dict takes full tensors (from any strategy) and keeps this rank's slice,
+    so checkpoints are the same as one process writes."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict:
+        sd = self.optimizer.state_dict()
+        state = {i: {k: (v.full_tensor().cpu() if hasattr(v, "full_tensor") else v) for k, v in st.items()}
+                 for i, st in sd["state"].items()}
+        return {"state": state, "param_groups": sd["param_groups"]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        from torch.distributed.tensor import distribute_tensor
+
+        self.optimizer.load_state_dict(sd)  # full tensors; the sharded ones are replaced below
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        for p in params:
+            st = self.optimizer.state.get(p, {})
+            if not hasattr(p, "device_mesh"):
+                continue
+            for k, v in list(st.items()):
+                if torch.is_tensor(v) and not hasattr(v, "device_mesh") and tuple(v.shape) == tuple(p.shape):
+                    st[k] = distribute_tensor(v.to(p.device, p.dtype), p.device_mesh, p.placements,
+                                              src_data_rank=None)
+
+
+def save_checkpoint_fsdp(ctx: Any, run: Run, step: int, states, stateful: dict) -> None:
+    """`save_checkpoint`'s layout (adapters/ + state.pt) from an FSDP run: every rank gathers, rank 0 writes."""
+    with ctx.checkpoint(run, step) as d:
+        states.save(Path(d) / "adapters" if d is not None else None)
+        full = {k: v.state_dict() for k, v in stateful.items()}
+        if d is not None:
+            run.save_state(d, stateful=full, extra={}, rng=get_rng_state())

@@ -34,8 +34,15 @@ gradients are all-reduced once per step. Rank 0 alone logs, samples, evaluates a
 number of ranks can resume); the offline latent cache is shared (one shard file series per rank). With one
 process nothing of this changes a number.
 
+`dist.strategy: fsdp` (LoRA only, as `flow_grpo`): the transformer is sharded with FSDP2 before the optimizer is
+built, `PolicyStates.refresh()` follows the shards (the reference = adapters off or a frozen init adapter), the
+optimizer state and checkpoints hold full tensors (saved collectively, rank 0 writes; resumable under any
+strategy), and every rank runs the same transformer forwards: equal rollouts, the same number of (padding)
+micro-steps with their reference passes, and evaluation (ODE and offline implicit accuracy) on every rank.
+Full fine-tuning under FSDP is refused.
+
 What is simplified away versus the official train.py: the VAE posterior mean instead of a fresh
-posterior sample per step (so latents can be cached); no SDXL micro-conditioning; no FSDP (DDP).
+posterior sample per step (so latents can be cached); no SDXL micro-conditioning.
 """
 
 from __future__ import annotations
@@ -49,10 +56,11 @@ import torch
 
 from mmrl.config import RunConfig, TrainConfig
 from mmrl.core.losses import dpo_loss
-from mmrl.diffusion.common import (TIMING_PREFIX, LatentCache, TransformerEvalCounter, build_policy_states,
-                                   evaluate_ode, flow_matching_mse, init_distributed, load_reward_fn,
-                                   merge_rank_lists, noise_latents, restore_checkpoint, sample_sigmas,
-                                   save_checkpoint, score_images, summarise)
+from mmrl.diffusion.common import (TIMING_PREFIX, FullOptimizerState, LatentCache, NoSamples, TransformerEvalCounter,
+                                   build_policy_states, check_fsdp, evaluate_ode, flow_matching_mse,
+                                   grad_norm_value, init_distributed, load_reward_fn, merge_rank_lists,
+                                   noise_latents, restore_checkpoint, sample_sigmas, save_checkpoint,
+                                   save_checkpoint_fsdp, score_images, summarise)
 from mmrl.diffusion.flow_grpo import DataConfig, LogConfig, ModelConfig, RewardConfig
 from mmrl.diffusion.models import PromptEmbeds
 from mmrl.distributed import DistConfig, DistContext
@@ -160,7 +168,7 @@ class Config(RunConfig):
     log: LogConfig = field(default_factory=LogConfig)
     """Samples, evaluation."""
     dist: DistConfig = field(default_factory=DistConfig)
-    """Several processes under torchrun / accelerate launch (strategy none|ddp, backend, find_unused_parameters)."""
+    """Several processes under torchrun / accelerate launch (strategy none|ddp|fsdp (LoRA only), backend, find_unused_parameters)."""
 
 
 def _check(cfg: Config) -> None:
@@ -177,9 +185,7 @@ def _check(cfg: Config) -> None:
         raise ValueError(f"dpo.mode=online needs sample.group_size >= 2 to form pairs, got {cfg.sample.group_size}")
     if cfg.train.micro_batch_size < 1 or cfg.data.pairs_per_step < 1:
         raise ValueError("train.micro_batch_size and data.pairs_per_step must be >= 1")
-    if cfg.dist.strategy == "fsdp":
-        raise ValueError("dist.strategy=fsdp is not supported by dpo (PolicyStates' ref/save do not follow "
-                         "FSDP2's sharded parameters); use dist.strategy=ddp")
+    check_fsdp(cfg, "dpo")
 
 
 # ------------------------------------------------------------------------------------------ pairing
@@ -247,16 +253,20 @@ def train(cfg: Config) -> dict:
         sampler = PromptSampler(list(range(len(pairs))), seed=cfg.seed)  # the stream of pair indices
 
     states = build_policy_states(model, cfg.model, old=False, ref=True)
+    evals = TransformerEvalCounter(model.transformer)
+    # DDP keeps PolicyStates' parameter objects (the "ref" switch works); one process: unchanged
+    model.transformer = ctx.wrap_model(states.model, cfg.dist.strategy,
+                                       find_unused_parameters=cfg.dist.find_unused_parameters)
+    fsdp = ctx.enabled and cfg.dist.strategy == "fsdp"
+    if fsdp:  # fully_shard replaced every parameter by a DTensor shard: follow them before building the optimizer
+        states.refresh()
     params = states.trainable_parameters()
     optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.adam_betas), eps=t.adam_eps,
                                   weight_decay=t.weight_decay)
     lr_sched = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda i: min(1.0, (i + 1) / t.warmup_steps) if t.warmup_steps > 0 else 1.0)
-    evals = TransformerEvalCounter(model.transformer)
-    # DDP keeps PolicyStates' parameter objects (the "ref" switch works); one process: unchanged
-    model.transformer = ctx.wrap_model(states.model, cfg.dist.strategy,
-                                       find_unused_parameters=cfg.dist.find_unused_parameters)
-    stateful = {"optimizer": optimizer, "lr_scheduler": lr_sched, "data": sampler, "transformer_evals": evals}
+    stateful = {"optimizer": FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,
+                "data": sampler, "transformer_evals": evals}
     start, _ = restore_checkpoint(run, states, stateful, tag="dpo", truncate=ctx.is_main)
     evals_synced = evals.count  # global count (all ranks) at the last synchronisation
 
@@ -326,12 +336,13 @@ def train(cfg: Config) -> dict:
             n = min(cfg.log.num_sample_images, len(images))
             run.save_samples(step, images[:n], captions[:n])
         eval_step = cfg.log.eval_every and (step % cfg.log.eval_every == 0 or step in (1, t.max_steps))
-        if ctx.is_main and not online and eval_step:
+        if (ctx.is_main or fsdp) and not online and eval_step:  # FSDP: every rank runs the forwards
             with timer("eval"):
                 metrics.update(_offline_eval(cfg, model, states, pairs, cache, shift))
-        if ctx.is_main and eval_items and eval_step:
+        if (ctx.is_main or fsdp) and eval_items and eval_step:  # FSDP: every rank runs the forwards, rank 0 writes
             with timer("eval"):
-                metrics.update(evaluate_ode(model, states, "default", reward_fn, eval_items, run, step,
+                metrics.update(evaluate_ode(model, states, "default", reward_fn, eval_items,
+                                            run if ctx.is_main else NoSamples(), step,
                                             num_steps=s.eval_num_steps, guidance_scale=s.eval_guidance_scale,
                                             height=s.height, width=s.width, batch_size=max(1, t.micro_batch_size),
                                             seed=cfg.seed, num_images=cfg.log.num_sample_images))
@@ -344,7 +355,9 @@ def train(cfg: Config) -> dict:
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.4g}", acc=f"{metrics.get('dpo/implicit_acc', 0):.2f}")
         if (t.save_every and step % t.save_every == 0) or step == t.max_steps:
-            if ctx.is_main:
+            if fsdp:  # gathering the shards is a collective: every rank takes part, rank 0 writes
+                save_checkpoint_fsdp(ctx, run, step, states, stateful)
+            elif ctx.is_main:
                 save_checkpoint(run, step, states, stateful)
             ctx.barrier()  # nobody reads or resumes from a half-written checkpoint
     bar.close()
@@ -452,7 +465,7 @@ def _dpo_update(cfg: Config, model, states, x_w, x_l, embeds, shift, optimizer, 
                 "dpo/reward_margin": mean["reward_margin"],
                 "dpo/reward_margin_std": all_m.std().item() if n_total > 1 else 0.0,
                 "dpo/kl_proxy": mean["kl_proxy"], "dpo/model_mse": mean["model_mse"], "dpo/ref_mse": mean["ref_mse"],
-                "train/grad_norm": float(grad_norm)})
+                "train/grad_norm": grad_norm_value(grad_norm)})
     return out
 
 

@@ -42,6 +42,7 @@ import torch
 from mmrl.config import RunConfig, TrainConfig
 from mmrl.core.kl import gaussian_kl_equal_std
 from mmrl.core.losses import clipped_policy_loss
+from mmrl.diffusion.common import FullOptimizerState, NoSamples, check_fsdp, save_checkpoint_fsdp
 from mmrl.distributed import DistConfig, DistContext, rank_seed
 from mmrl.runtime import Run, Timer, seed_everything
 
@@ -245,9 +246,7 @@ def _check(cfg: Config) -> None:
         raise ValueError(f"sample.noise_level must be > 0 for training rollouts, got {s.noise_level}")
     if t.updates_per_step < 1 or t.micro_batch_size < 1 or t.num_inner_epochs < 1:
         raise ValueError("train.updates_per_step, train.micro_batch_size and train.num_inner_epochs must be >= 1")
-    if cfg.dist.strategy == "fsdp" and not cfg.model.lora:
-        raise ValueError("dist.strategy=fsdp: flow_grpo supports FSDP with model.lora=true only (full fine-tuning "
-                         "under FSDP is not wired); use dist.strategy=ddp or model.lora=true")
+    check_fsdp(cfg, "flow_grpo")
 
 
 def _warmup(steps: int):
@@ -294,7 +293,7 @@ def train(cfg: Config) -> dict:
     lr_sched = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup(t.warmup_steps))
     tracker = PerPromptStatTracker(cfg.reward.std_mode, cfg.reward.history)
     sampler = PromptSampler(train_items, seed=cfg.seed)
-    stateful = {"optimizer": _FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,
+    stateful = {"optimizer": FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,
                 "tracker": tracker, "data": sampler,
                 "transformer_evals": evals}
     start, _ = restore_checkpoint(run, states, stateful, tag="flow_grpo", truncate=ctx.is_main)
@@ -350,7 +349,7 @@ def train(cfg: Config) -> dict:
             with timer("eval"):
                 metrics.update(evaluate_ode(
                     model, states, "old" if t.ema else "default", reward_fn, eval_items,
-                    run if ctx.is_main else _NoSamples(), step,
+                    run if ctx.is_main else NoSamples(), step,
                     num_steps=s.eval_num_steps, guidance_scale=s.eval_guidance_scale, height=s.height,
                     width=s.width, batch_size=t.micro_batch_size, seed=cfg.seed, num_images=cfg.log.num_sample_images))
         metrics.update(timer.pop())
@@ -361,7 +360,7 @@ def train(cfg: Config) -> dict:
         bar.set_postfix(reward=f"{metrics['reward/mean']:.4g}", drift=f"{metrics.get('diag/logprob_drift', 0):.1e}")
         if (t.save_every and step % t.save_every == 0) or step == t.max_steps:
             if fsdp:  # gathering the shards is a collective: every rank takes part, rank 0 writes
-                _save_checkpoint_fsdp(ctx, run, step, states, stateful)
+                save_checkpoint_fsdp(ctx, run, step, states, stateful)
             elif ctx.is_main:
                 save_checkpoint(run, step, states, stateful)
             ctx.barrier()  # nobody reads or resumes from a half-written checkpoint
@@ -528,55 +527,6 @@ class RefMeanCache:
         k = self.index[j]
         self.means[rows.to(self.means.device), k] = mean.detach().float()
         self.filled[rows, k] = True
-
-
-class _NoSamples:
-    """Stand-in run for ranks > 0 in an FSDP evaluation (they compute, rank 0 writes the grid)."""
-
-    def save_samples(self, *args, **kwargs) -> None:
-        pass
-
-
-class _FullOptimizerState:
-    """An optimizer over FSDP2 DTensor parameters whose state_dict holds full (gathered, CPU) tensors -- a
-    collective -- and whose load_state_dict takes full tensors (from any strategy) and keeps this rank's slice,
-    so checkpoints are the same as one process writes."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        self.optimizer = optimizer
-
-    def state_dict(self) -> dict:
-        sd = self.optimizer.state_dict()
-        state = {i: {k: (v.full_tensor().cpu() if hasattr(v, "full_tensor") else v) for k, v in st.items()}
-                 for i, st in sd["state"].items()}
-        return {"state": state, "param_groups": sd["param_groups"]}
-
-    def load_state_dict(self, sd: dict) -> None:
-        from torch.distributed.tensor import distribute_tensor
-
-        self.optimizer.load_state_dict(sd)  # full tensors; the sharded ones are replaced below
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        for p in params:
-            st = self.optimizer.state.get(p, {})
-            if not hasattr(p, "device_mesh"):
-                continue
-            for k, v in list(st.items()):
-                if torch.is_tensor(v) and not hasattr(v, "device_mesh") and tuple(v.shape) == tuple(p.shape):
-                    st[k] = distribute_tensor(v.to(p.device, p.dtype), p.device_mesh, p.placements,
-                                              src_data_rank=None)
-
-
-def _save_checkpoint_fsdp(ctx: DistContext, run: Run, step: int, states, stateful: dict) -> None:
-    """`save_checkpoint`'s layout (adapters/ + state.pt) from an FSDP run: every rank gathers, rank 0 writes."""
-    from pathlib import Path
-
-    from mmrl.runtime import get_rng_state
-
-    with ctx.checkpoint(run, step) as d:
-        states.save(Path(d) / "adapters" if d is not None else None)
-        full = {k: v.state_dict() for k, v in stateful.items()}
-        if d is not None:
-            run.save_state(d, stateful=full, extra={}, rng=get_rng_state())
 
 
 def _summarise(run: Run) -> dict:

@@ -25,7 +25,13 @@ when a rank has fewer rows) and all-reduce once per update; the "old" EMA then s
 rank 0 alone logs, samples, evaluates and writes checkpoints (resumable on any number of ranks). With one
 process nothing of this changes a number.
 
-What is simplified away versus NVlabs/DiffusionNFT's train_nft_sd3.py: no FSDP (DDP); the rollout
+`dist.strategy: fsdp` (LoRA only, as `flow_grpo`): the transformer is sharded with FSDP2 before the optimizer is
+built, `PolicyStates.refresh()` follows the shards (the "old" EMA works on local shards), the optimizer state and
+checkpoints hold full tensors (saved collectively, rank 0 writes; resumable under any strategy), and every rank
+runs the same transformer forwards: equal rollouts, the same number of (padding) micro-steps with their "old" and
+reference passes, and evaluation on every rank. Full fine-tuning under FSDP is refused.
+
+What is simplified away versus NVlabs/DiffusionNFT's train_nft_sd3.py: the rollout
 solver is Euler (the official default is DPM-Solver-2); no separate EMA copy for evaluation
 (evaluation uses `log.eval_state`, "default" by default); no per-GPU batch-size search.
 """
@@ -41,9 +47,10 @@ import torch
 
 from mmrl.config import RunConfig, TrainConfig
 from mmrl.core.losses import nft_loss, nft_optimality_prob
-from mmrl.diffusion.common import (TIMING_PREFIX, TransformerEvalCounter, build_policy_states, evaluate_ode,
-                                   init_distributed, load_reward_fn, merge_rank_lists, noise_latents,
-                                   restore_checkpoint, save_checkpoint, score_images, summarise)
+from mmrl.diffusion.common import (TIMING_PREFIX, FullOptimizerState, NoSamples, TransformerEvalCounter,
+                                   build_policy_states, check_fsdp, evaluate_ode, grad_norm_value, init_distributed,
+                                   load_reward_fn, merge_rank_lists, noise_latents, restore_checkpoint,
+                                   save_checkpoint, save_checkpoint_fsdp, score_images, summarise)
 from mmrl.diffusion.flow_grpo import (DataConfig, LogConfig, ModelConfig, PerPromptStatTracker, RewardConfig,
                                       global_advantages)
 from mmrl.distributed import DistConfig, DistContext
@@ -160,7 +167,7 @@ class Config(RunConfig):
     log: NFTLogConfig = field(default_factory=NFTLogConfig)
     """Samples, evaluation."""
     dist: DistConfig = field(default_factory=DistConfig)
-    """Several processes under torchrun / accelerate launch (strategy none|ddp, backend, find_unused_parameters)."""
+    """Several processes under torchrun / accelerate launch (strategy none|ddp|fsdp (LoRA only), backend, find_unused_parameters)."""
 
 
 def _check(cfg: Config) -> None:
@@ -176,9 +183,7 @@ def _check(cfg: Config) -> None:
         raise ValueError("train.updates_per_step, train.micro_batch_size and train.num_inner_epochs must be >= 1")
     if cfg.log.eval_state not in ("default", "old"):
         raise ValueError(f"log.eval_state: expected 'default' or 'old', got {cfg.log.eval_state!r}")
-    if cfg.dist.strategy == "fsdp":
-        raise ValueError("dist.strategy=fsdp is not supported by nft (PolicyStates' old/EMA/save do not follow "
-                         "FSDP2's sharded parameters); use dist.strategy=ddp")
+    check_fsdp(cfg, "nft")
 
 
 class _Counters:
@@ -210,6 +215,13 @@ def train(cfg: Config) -> dict:
     reward_fn = load_reward_fn(cfg.reward.components, run.device)
     model = load_flow_model(cfg.model.path, run.device, run.dtype, cfg.model.max_sequence_length or None)
     states = build_policy_states(model, cfg.model, old=True, ref=t.kl_beta > 0)
+    evals = TransformerEvalCounter(model.transformer)
+    # DDP keeps PolicyStates' parameter objects (so "old"/"ref" switching and the EMA work); one process: unchanged
+    model.transformer = ctx.wrap_model(states.model, cfg.dist.strategy,
+                                       find_unused_parameters=cfg.dist.find_unused_parameters)
+    fsdp = ctx.enabled and cfg.dist.strategy == "fsdp"
+    if fsdp:  # fully_shard replaced every parameter by a DTensor shard: follow them before building the optimizer
+        states.refresh()
     params = states.trainable_parameters()
     optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.adam_betas), eps=t.adam_eps,
                                   weight_decay=t.weight_decay)
@@ -218,12 +230,8 @@ def train(cfg: Config) -> dict:
     tracker = PerPromptStatTracker(cfg.reward.std_mode, cfg.reward.history)
     sampler = PromptSampler(train_items, seed=cfg.seed)
     counters = _Counters()
-    evals = TransformerEvalCounter(model.transformer)
-    # DDP keeps PolicyStates' parameter objects (so "old"/"ref" switching and the EMA work); one process: unchanged
-    model.transformer = ctx.wrap_model(states.model, cfg.dist.strategy,
-                                       find_unused_parameters=cfg.dist.find_unused_parameters)
-    stateful = {"optimizer": optimizer, "lr_scheduler": lr_sched, "tracker": tracker, "data": sampler,
-                "counters": counters, "transformer_evals": evals}
+    stateful = {"optimizer": FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,
+                "tracker": tracker, "data": sampler, "counters": counters, "transformer_evals": evals}
     start, _ = restore_checkpoint(run, states, stateful, tag="nft", truncate=ctx.is_main)
     evals_synced = evals.count  # global count (all ranks) at the last synchronisation
 
@@ -270,9 +278,10 @@ def train(cfg: Config) -> dict:
             n = min(cfg.log.num_sample_images, len(prompts))
             run.save_samples(step, traj.images[:n], [f"{prompts[i][:48]} | r={scores[i]:.3g}" for i in range(n)])
         eval_now = eval_items and cfg.log.eval_every and (step % cfg.log.eval_every == 0 or step in (1, t.max_steps))
-        if ctx.is_main and eval_now:
+        if (ctx.is_main or fsdp) and eval_now:  # FSDP: every rank runs the forwards, rank 0 writes
             with timer("eval"):
-                metrics.update(evaluate_ode(model, states, cfg.log.eval_state, reward_fn, eval_items, run, step,
+                metrics.update(evaluate_ode(model, states, cfg.log.eval_state, reward_fn, eval_items,
+                                            run if ctx.is_main else NoSamples(), step,
                                             num_steps=s.eval_num_steps, guidance_scale=s.eval_guidance_scale,
                                             height=s.height, width=s.width, batch_size=t.micro_batch_size,
                                             seed=cfg.seed, num_images=cfg.log.num_sample_images))
@@ -285,7 +294,9 @@ def train(cfg: Config) -> dict:
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.4g}", loss=f"{metrics.get('nft/loss', 0):.3g}")
         if (t.save_every and step % t.save_every == 0) or step == t.max_steps:
-            if ctx.is_main:
+            if fsdp:  # gathering the shards is a collective: every rank takes part, rank 0 writes
+                save_checkpoint_fsdp(ctx, run, step, states, stateful)
+            elif ctx.is_main:
                 save_checkpoint(run, step, states, stateful)
             ctx.barrier()  # nobody reads or resumes from a half-written checkpoint
     bar.close()
@@ -356,7 +367,7 @@ def _train_on_rollout(cfg: Config, model, states, traj, r, keep, optimizer, lr_s
                             acc[f"nft/{key}"].append(m[key])
                         acc["nft/loss"].append(loss.item())
             grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm if t.max_grad_norm > 0 else math.inf)
-            acc["train/grad_norm"].append(float(grad_norm))
+            acc["train/grad_norm"].append(grad_norm_value(grad_norm))
             optimizer.step()
             lr_sched.step()
             optimizer.zero_grad(set_to_none=True)

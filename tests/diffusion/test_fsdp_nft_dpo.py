@@ -1,0 +1,117 @@
+"""FSDP2 (`dist.strategy: fsdp`, LoRA) for DiffusionNFT and online Diffusion-DPO on 2 real CPU processes (gloo).
+
+For each recipe: ``torchrun --nproc_per_node 2 -m mmrl.cli train <tiny config> model.lora=true ...`` for 2 steps
+under ``dist.strategy=fsdp`` gives the same adapters (and AdamW moments, rewards, losses) as the same run under
+``dist.strategy=ddp`` (within 1e-6); the run covers padding micro-steps (micro-batch 3 does not divide the
+rows), the NFT "old" EMA and the reference passes, evaluation on every rank and the collective save. A
+1-process run (``dist.strategy=none``) then resumes from the FSDP checkpoint and continues. Full fine-tuning
+under FSDP is refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["model.lora=true", "data.prompts_per_step=2", "sample.group_size=4", "sample.num_steps=4",
+          "sample.eval_num_steps=2", "log.eval_every=2", "log.eval_max_prompts=2", "log.sample_every=0",
+          "train.micro_batch_size=3", "train.save_every=2"]
+RECIPES = {
+    "nft": ("configs/diffusion/nft_tiny.yaml", ["default", "old"],
+            ["train.updates_per_step=2", "train.kl_beta=0.01", "nft.ema_schedule=linear"],
+            ("reward/mean", "nft/loss", "nft/kl", "train/grad_norm")),
+    "dpo": ("configs/diffusion/dpo_tiny_online.yaml", ["default"], ["dpo.max_pairs_per_step=5"],
+            ("reward/mean", "dpo/loss", "dpo/implicit_acc", "train/grad_norm")),
+}
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", MMRL_NO_PROGRESS="1")
+
+
+def _train(recipe: str, out: Path, strategy: str, max_steps: int, nproc: int = 2) -> float:
+    config, _, extra, _ = RECIPES[recipe]
+    launcher = ([str(TORCHRUN), "--standalone", "--nproc_per_node", str(nproc), "-m", "mmrl.cli"] if nproc > 1
+                else [sys.executable, "-m", "mmrl.cli"])
+    t0 = time.perf_counter()
+    proc = subprocess.run(launcher + ["train", config, f"output_dir={out}", f"dist.strategy={strategy}",
+                                      f"train.max_steps={max_steps}", *COMMON, *extra],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, \
+        f"{recipe} {strategy} x{nproc} failed:\nSTDOUT\n{proc.stdout[-3000:]}\nSTDERR\n{proc.stderr[-6000:]}"
+    return time.perf_counter() - t0
+
+
+def _adapters(ckpt: Path, names) -> dict:
+    from safetensors.torch import load_file
+
+    return {n: load_file(str(ckpt / "adapters" / n / "adapter_model.safetensors")) for n in names}
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b)
+    for n in a:
+        assert sorted(a[n]) == sorted(b[n]), n
+    return max((a[n][k] - b[n][k]).abs().max().item() for n in a for k in a[n])
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not in the venv")
+@pytest.mark.parametrize("recipe", ["nft", "dpo"])
+def test_fsdp_equals_ddp_and_resumes(recipe, tmp_path):
+    names, keys = RECIPES[recipe][1], RECIPES[recipe][3]
+    fsdp, ddp = tmp_path / "fsdp", tmp_path / "ddp"
+    walls = {"fsdp": _train(recipe, fsdp, "fsdp", 2), "ddp": _train(recipe, ddp, "ddp", 2)}
+    ck_f, ck_d = fsdp / "checkpoints" / "step_2", ddp / "checkpoints" / "step_2"
+    assert (ck_f / "COMPLETE").is_file()
+    a_f, a_d = _adapters(ck_f, names), _adapters(ck_d, names)
+    diff = _max_diff(a_f, a_d)
+    moved = max(v.abs().max().item() for v in a_f["default"].values() if v.abs().max() > 0)
+    print(f"[test_fsdp_{recipe}] step 2 adapters max |fsdp - ddp| {diff:.2e} (max |param| {moved:.3g})")
+    assert diff < 1e-6
+    m_f, m_d = _metrics(fsdp), _metrics(ddp)
+    assert [m["step"] for m in m_f] == [1, 2]
+    for mf, md in zip(m_f, m_d):
+        for key in keys:
+            assert abs(mf[key] - md[key]) <= 1e-6 * max(1.0, abs(md[key])), (key, mf[key], md[key])
+    assert abs(m_f[1]["eval/reward/mean"] - m_d[1]["eval/reward/mean"]) < 1e-6
+    opt_f = torch.load(ck_f / "state.pt", weights_only=False)["stateful"]["optimizer"]
+    opt_d = torch.load(ck_d / "state.pt", weights_only=False)["stateful"]["optimizer"]
+    assert sorted(opt_f["state"]) == sorted(opt_d["state"]) and opt_f["state"]
+    for i, st in opt_f["state"].items():  # full (gathered) AdamW tensors, as DDP writes them
+        assert type(st["exp_avg"]) is torch.Tensor
+        assert (st["exp_avg"] - opt_d["state"][i]["exp_avg"]).abs().max() < 1e-6
+        assert (st["exp_avg_sq"] - opt_d["state"][i]["exp_avg_sq"]).abs().max() < 1e-6
+
+    # one process (no FSDP) resumes from the FSDP checkpoint and continues
+    walls["single_resume"] = _train(recipe, fsdp, "none", 3, nproc=1)
+    assert (fsdp / "checkpoints" / "step_3" / "COMPLETE").is_file()
+    assert [m["step"] for m in _metrics(fsdp)] == [1, 2, 3]
+    assert _metrics(fsdp)[1] == m_f[1]  # steps before the resume point untouched
+    assert _max_diff(_adapters(fsdp / "checkpoints" / "step_3", names), a_f) > 0  # it trained on
+    print(f"[test_fsdp_{recipe}] walls " + ", ".join(f"{k} {v:.1f}s" for k, v in walls.items()))
+
+
+@pytest.mark.parametrize("recipe", ["nft", "dpo"])
+def test_fsdp_full_finetuning_is_refused(recipe):
+    from mmrl.config import load_config
+
+    cfg = load_config(str(ROOT / RECIPES[recipe][0]), ["dist.strategy=fsdp", "model.lora=false"])
+    mod = __import__(f"mmrl.diffusion.{recipe}", fromlist=["_check"])
+    with pytest.raises(ValueError, match="model.lora=true only"):
+        mod._check(cfg)
