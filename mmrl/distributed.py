@@ -50,7 +50,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["DistConfig", "DistContext", "rank_seed", "STRATEGIES", "BACKENDS"]
+__all__ = ["DistConfig", "DistContext", "rank_seed", "STRATEGIES", "BACKENDS", "full_optimizer_state_dict",
+           "load_full_optimizer_state_dict"]
 
 STRATEGIES = ("none", "ddp", "fsdp")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -464,6 +465,37 @@ class DistContext:
                 yield None
         finally:
             self.barrier()
+
+
+# ---------------------------------------------------------------------------------------------- optimizer state
+
+
+def full_optimizer_state_dict(optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer.state_dict()`` with every FSDP2 DTensor state tensor (Adam moments) gathered into a full CPU
+    tensor, so the file is the one a single process or DDP writes. A collective under FSDP: every rank must call
+    it. Plain tensors are returned as they are (no copy)."""
+    sd = optimizer.state_dict()
+    state = {i: {k: (v.full_tensor().cpu() if hasattr(v, "full_tensor") else v) for k, v in st.items()}
+             for i, st in sd["state"].items()}
+    return {"state": state, "param_groups": sd["param_groups"]}
+
+
+def load_full_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+    """Load a full-tensor optimizer state (written by any strategy) into an optimizer over FSDP2 DTensor
+    parameters: each state tensor shaped like its parameter is replaced by this rank's shard. For plain
+    parameters this is ``optimizer.load_state_dict``."""
+    optimizer.load_state_dict(state_dict)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not hasattr(p, "device_mesh"):
+                continue
+            st = optimizer.state.get(p, {})
+            for k, v in list(st.items()):
+                if torch.is_tensor(v) and not hasattr(v, "device_mesh") and tuple(v.shape) == tuple(p.shape):
+                    from torch.distributed.tensor import distribute_tensor
+
+                    st[k] = distribute_tensor(v.to(p.device, p.dtype), p.device_mesh, p.placements,
+                                              src_data_rank=None)
 
 
 # ---------------------------------------------------------------------------------------------- self-check

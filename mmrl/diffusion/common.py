@@ -414,24 +414,14 @@ class FullOptimizerState:
         self.optimizer = optimizer
 
     def state_dict(self) -> dict:
-        sd = self.optimizer.state_dict()
-        state = {i: {k: (v.full_tensor().cpu() if hasattr(v, "full_tensor") else v) for k, v in st.items()}
-                 for i, st in sd["state"].items()}
-        return {"state": state, "param_groups": sd["param_groups"]}
+        from mmrl.distributed import full_optimizer_state_dict
+
+        return full_optimizer_state_dict(self.optimizer)
 
     def load_state_dict(self, sd: dict) -> None:
-        from torch.distributed.tensor import distribute_tensor
+        from mmrl.distributed import load_full_optimizer_state_dict
 
-        self.optimizer.load_state_dict(sd)  # full tensors; the sharded ones are replaced below
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        for p in params:
-            st = self.optimizer.state.get(p, {})
-            if not hasattr(p, "device_mesh"):
-                continue
-            for k, v in list(st.items()):
-                if torch.is_tensor(v) and not hasattr(v, "device_mesh") and tuple(v.shape) == tuple(p.shape):
-                    st[k] = distribute_tensor(v.to(p.device, p.dtype), p.device_mesh, p.placements,
-                                              src_data_rank=None)
+        load_full_optimizer_state_dict(self.optimizer, sd)
 
 
 def save_checkpoint_fsdp(ctx: Any, run: Run, step: int, states, stateful: dict) -> None:

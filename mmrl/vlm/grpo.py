@@ -14,6 +14,12 @@ gradient average equals the gradient of the global mini-batch loss, every rank r
 mini-batches (a zero-weight micro-batch when it has nothing left), DAPO rounds stop on the minimum kept count over
 ranks, and rank 0 alone logs, saves samples, evaluates and writes checkpoints (resumable on any number of ranks).
 
+`dist.strategy=fsdp` (LoRA, HF engine, no dynamic sampling): the model is sharded with FSDP2 before the optimizer is
+built and `PolicyStates.refresh()` follows the shards. FSDP needs equal forwards on every rank: ranks get equal
+prompt counts, a rank whose responses all finished keeps running masked decode forwards until every rank is done
+(`HFRolloutEngine(step_sync=ctx.any_rank)`), the vision-feature cache is off, and evaluation runs on every rank
+(rank 0 reports). Checkpoints gather full adapters and AdamW state (collective; the same files DDP writes).
+
 Vision features (`train.reuse_vision_features`): each prompt's images go through the vision tower once per step
 and the features are reused by its n responses and by the reference / old / training log-prob passes
 (`mmrl.vlm.common.VisionCache`); the training pass recomputes them when the vision tower is trained.
@@ -39,7 +45,7 @@ import torch
 from mmrl.config import RunConfig, TrainConfig
 from mmrl.core import agg_loss, clipped_policy_loss, get_advantage_estimator, kl_estimate
 from mmrl.pipelines.data import GEO3K_TEMPLATE, PromptSampler, VQAItem, load_visual_qa
-from mmrl.distributed import DistConfig, DistContext
+from mmrl.distributed import DistConfig, DistContext, full_optimizer_state_dict, load_full_optimizer_state_dict
 from mmrl.runtime import Run, Timer, get_rng_state, seed_everything, set_rng_state
 from mmrl.vlm.common import (ShapesQA, VisionCache, collate, compute_logprobs, encode_prompt, load_policy,
                              messages_from_text, pad_to, render_prompt, response_logprobs, vision_has_adapters,
@@ -243,7 +249,8 @@ class Config(RunConfig):
     train: VLMTrainConfig = field(default_factory=VLMTrainConfig)
     """Training loop."""
     dist: DistConfig = field(default_factory=DistConfig)
-    """Multi-process training under torchrun / accelerate launch (strategy none|ddp, backend, find_unused_parameters)."""
+    """Multi-process training under torchrun / accelerate launch (strategy none|ddp|fsdp (LoRA, hf engine, no
+    dynamic sampling), backend, find_unused_parameters)."""
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -526,6 +533,8 @@ def policy_update(model: Any, optimizer: Any, sched: Any, params: list, P_ids: l
                 stats.setdefault("actor/entropy", []).append(float(ent_mean.detach()))
             if cfg.train.grad_clip > 0:
                 gn = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
+                if hasattr(gn, "full_tensor"):  # FSDP2: a DTensor norm
+                    gn = gn.full_tensor()
                 stats.setdefault("actor/grad_norm", []).append(float(gn))
             optimizer.step()
             sched.step()
@@ -549,8 +558,15 @@ def check_config(cfg: Config) -> None:
         if getattr(al, name) < 1:
             raise ValueError(f"algo.{name}: expected >= 1, got {getattr(al, name)}")
     if cfg.dist.strategy == "fsdp":
-        raise ValueError("dist.strategy=fsdp: not supported by vlm_grpo yet (the optimizer and PolicyStates hold the "
-                         "parameters from before sharding); use dist.strategy=ddp")
+        if cfg.model.finetune != "lora":
+            raise ValueError("dist.strategy=fsdp: vlm_grpo supports FSDP with model.finetune=lora only (full "
+                             "fine-tuning under FSDP is not wired: the reference snapshot would not follow the shards); "
+                             "use dist.strategy=ddp or model.finetune=lora")
+        if cfg.rollout.engine != "hf":
+            raise ValueError("dist.strategy=fsdp: vlm_grpo supports FSDP with rollout.engine=hf only")
+        if al.dynamic_sampling:
+            raise ValueError("dist.strategy=fsdp: algo.dynamic_sampling is not supported (ranks would keep different "
+                             "numbers of rows and run different numbers of forwards); use dist.strategy=ddp")
     if al.old_logprobs == "rollout" and (al.ppo_epochs > 1 or al.mini_batch_size not in (0, cfg.rollout.batch_size * cfg.rollout.n)):
         raise ValueError("algo.old_logprobs=rollout needs exactly one update per rollout (ppo_epochs=1, mini_batch_size=0)")
 
@@ -577,7 +593,10 @@ def train(cfg: Config) -> dict:
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     eos_id = tok.convert_tokens_to_ids("<|im_end|>")
     ro, al = cfg.rollout, cfg.algo
+    fsdp = ctx.enabled and cfg.dist.strategy == "fsdp"
     engine_kw = {"batch_size": ro.gen_batch_size} if ro.engine == "hf" else dict(ro.vllm_kwargs)
+    if fsdp:  # every rank runs the same number of decode forwards (finished ranks run masked ones)
+        engine_kw["step_sync"] = ctx.any_rank
     engine = make_engine(ro.engine, model, processor, model_path=cfg.model.path, **engine_kw)
     syncer = None
     if ro.engine == "vllm":
@@ -599,7 +618,7 @@ def train(cfg: Config) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.train.lr_warmup_steps)))
     start, summary = 0, {}
     ckpt = run.find_resume()
-    if ckpt is not None:
+    if ckpt is not None and not fsdp:  # FSDP: optimizer and resume are set up after sharding (below)
         states.load(Path(ckpt) / "policy")
         state = run.load_state(ckpt)
         optimizer.load_state_dict(state["optimizer"])
@@ -609,7 +628,7 @@ def train(cfg: Config) -> dict:
         start = state["step"]
         if ctx.is_main:
             run.truncate_metrics(start)
-    elif cfg.warmup.sft_steps > 0:
+    elif ckpt is None and cfg.warmup.sft_steps > 0:  # (before sharding under FSDP: identical on every rank)
         with timer("warmup"):
             summary["warmup_loss"] = format_warmup(states, processor, data, cfg, pad_id, eos_id)
         summary["warmup_s"] = timer.times["warmup"]
@@ -620,16 +639,37 @@ def train(cfg: Config) -> dict:
         p.requires_grad_(id(p) in updated)  # only the optimizer's parameters get gradients from here on
     # DDP registers the parameters that require grad now; used only for the training forward
     tmodel = ctx.wrap_model(model, cfg.dist.strategy, find_unused_parameters=cfg.dist.find_unused_parameters)
+    if fsdp:  # fully_shard replaced every parameter by a DTensor shard: follow them, then build the optimizer
+        states.refresh()
+        params = [p for n, p in states.named_trainable_parameters() if not any(f in n for f in cfg.model.freeze)]
+        updated = {id(p) for p in params}
+        for p in states.trainable_parameters():
+            p.requires_grad_(id(p) in updated)
+        optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.train.lr_warmup_steps)))
+        if ckpt is not None:  # full tensors from the files (any strategy wrote them), this rank's slice kept
+            states.load(Path(ckpt) / "policy")
+            state = run.load_state(ckpt)
+            load_full_optimizer_state_dict(optimizer, state["optimizer"])
+            sched.load_state_dict(state["scheduler"])
+            data.load_state_dict(state["data"])
+            set_rng_state(state["rng"])
+            start = state["step"]
+            if ctx.is_main:
+                run.truncate_metrics(start)
     # vision features may be shared between the policy and reference passes only when no state can change the
     # tower: no LoRA on it and none of its weights in PolicyStates (full fine-tuning with the tower frozen)
-    reuse = cfg.train.reuse_vision_features
+    # (off under FSDP: cache hits decide which ranks run the vision tower, and FSDP needs equal forwards)
+    reuse = cfg.train.reuse_vision_features and not fsdp
     state_ids = {id(p) for p in states.trainable_parameters()}
     share_ref = reuse and not vision_has_adapters(model) and not any(
         id(p) in state_ids for p in vision_tower(model).parameters())
-    if start == 0 and ctx.is_main:
+    if start == 0 and (ctx.is_main or fsdp):  # FSDP: every rank runs the eval forwards, rank 0 reports
         first = evaluate(engine, processor, eval_items, reward_model, cfg)
         summary.update({k.replace("eval/accuracy", "eval_accuracy_first"): v for k, v in first.items()})
-        print(f"[vlm_grpo] eval accuracy before RL: {first}", flush=True)
+        if ctx.is_main:
+            print(f"[vlm_grpo] eval accuracy before RL: {first}", flush=True)
     bar = run.progress(cfg.train.max_steps, start)
     timer.pop()
     for step in range(start + 1, cfg.train.max_steps + 1):
@@ -733,7 +773,7 @@ def train(cfg: Config) -> dict:
                 caps = [f"{kept_items[i].prompt.replace('<image>', '')[:40]} -> {kept[i].text[:24]!r} r={float(R[i]):.2f}"
                         for i in idx]
                 run.save_samples(step, [kept_items[i].images[0] for i in idx], caps)
-            if ctx.is_main and ((cfg.log.eval_every and step % cfg.log.eval_every == 0) or step == cfg.train.max_steps):
+            if (ctx.is_main or fsdp) and ((cfg.log.eval_every and step % cfg.log.eval_every == 0) or step == cfg.train.max_steps):
                 metrics.update(evaluate(engine, processor, eval_items, reward_model, cfg))
             if step == cfg.train.max_steps:
                 summary.update({k.replace("eval/accuracy", "eval_accuracy_last"): v for k, v in metrics.items()
@@ -746,7 +786,13 @@ def train(cfg: Config) -> dict:
         bar.set_postfix(reward=f"{float(metrics['reward/mean']):.3f}", acc=f"{float(metrics['accuracy']):.2f}")
         if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.max_steps:
             with ctx.checkpoint(run, step) as d:  # rank 0 writes, the others wait
-                if d is not None:
+                if fsdp:  # gathering the shards is a collective: every rank takes part, rank 0 writes
+                    states.save(Path(d) / "policy" if d is not None else None)
+                    opt_sd = full_optimizer_state_dict(optimizer)
+                    if d is not None:
+                        run.save_state(d, optimizer=opt_sd, scheduler=sched.state_dict(),
+                                       data=data.state_dict(), rng=get_rng_state(), step=step)
+                elif d is not None:
                     states.save(Path(d) / "policy")
                     run.save_state(d, optimizer=optimizer.state_dict(), scheduler=sched.state_dict(),
                                    data=data.state_dict(), rng=get_rng_state(), step=step)

@@ -138,8 +138,12 @@ class HFRolloutEngine:
     """
 
     def __init__(self, model: Any, processor: Any, ban_vision_tokens: bool = True, batch_size: int = 64,
-                 eos_token_ids: Iterable[int] | None = None):
+                 eos_token_ids: Iterable[int] | None = None, step_sync: Any = None):
         self.model, self.processor = model, processor
+        # step_sync(still_generating: bool) -> bool: "is any rank still generating?" (a collective). Set under FSDP,
+        # where every rank must run the same number of decode forwards: a rank whose rows are all finished keeps
+        # running masked forwards (no sampling) until every rank is done. None = stop as soon as this rank is done.
+        self.step_sync = step_sync
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.batch_size = int(batch_size)
         self.banned = vision_token_ids(processor) if ban_vision_tokens else []
@@ -240,7 +244,11 @@ class HFRolloutEngine:
                         done[i] = True
                         reason[i] = hit[0]
             if bool(done.all()) or t == sp.max_new_tokens - 1:
+                if self.step_sync is not None and t < sp.max_new_tokens - 1:
+                    self._idle_steps(model, cache, attn, next_pos, t, sp.max_new_tokens, N, device)
                 break
+            if self.step_sync is not None:
+                self.step_sync(True)
             attn = torch.cat([attn, torch.ones(N, 1, dtype=attn.dtype, device=device)], 1)
             pos = (next_pos + t).view(1, N, 1).expand(3, N, 1)
             out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos, past_key_values=cache,
@@ -263,6 +271,17 @@ class HFRolloutEngine:
                     metadata=req.metadata))
                 k += 1
         return results
+
+    def _idle_steps(self, model, cache, attn, next_pos, t: int, max_new_tokens: int, N: int, device) -> None:
+        """This rank is done at decode step t: run masked forwards (pad tokens, nothing sampled or recorded) as
+        long as another rank is still generating, so every rank runs the same forwards (FSDP)."""
+        pad = torch.full((N, 1), self.pad_id, dtype=torch.long, device=device)
+        while t < max_new_tokens - 1 and self.step_sync(False):
+            attn = torch.cat([attn, torch.ones(N, 1, dtype=attn.dtype, device=device)], 1)
+            pos = (next_pos + t).view(1, N, 1).expand(3, N, 1)
+            cache = model(input_ids=pad, attention_mask=attn, position_ids=pos, past_key_values=cache,
+                          use_cache=True).past_key_values
+            t += 1
 
 
 # ---------------------------------------------------------------------------------------------- vLLM
