@@ -27,12 +27,14 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
+from mmrl.config import TrainConfig
 from mmrl.runtime import Run, checkpoint_step, get_rng_state, set_rng_state
 
 Tensor = torch.Tensor
@@ -431,3 +433,33 @@ def save_checkpoint_fsdp(ctx: Any, run: Run, step: int, states, stateful: dict) 
         full = {k: v.state_dict() for k, v in stateful.items()}
         if d is not None:
             run.save_state(d, stateful=full, extra={}, rng=get_rng_state())
+
+
+# ------------------------------------------------------------------------------------------ optimizer
+
+
+@dataclass
+class AdamWTrainConfig(TrainConfig):
+    """Optimizer keys shared by the diffusion recipes' `train:` sections."""
+
+    lr: float = 3e-4
+    """AdamW learning rate."""
+    weight_decay: float = 1e-4
+    """AdamW weight decay."""
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up over this many optimizer updates."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clipping (0 = off)."""
+
+
+def make_optimizer(params, t: AdamWTrainConfig):
+    """AdamW over `params` and its linear warm-up schedule (constant after `t.warmup_steps` updates)."""
+    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.adam_betas), eps=t.adam_eps,
+                                  weight_decay=t.weight_decay)
+    warmup = t.warmup_steps
+    lr_sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warmup) if warmup > 0 else 1.0)
+    return optimizer, lr_sched

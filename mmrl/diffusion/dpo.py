@@ -54,9 +54,9 @@ from typing import Any
 
 import torch
 
-from mmrl.config import RunConfig, TrainConfig
+from mmrl.config import RunConfig
 from mmrl.core.losses import dpo_loss
-from mmrl.diffusion.common import (TIMING_PREFIX, FullOptimizerState, LatentCache, NoSamples, TransformerEvalCounter,
+from mmrl.diffusion.common import (TIMING_PREFIX, AdamWTrainConfig, make_optimizer, FullOptimizerState, LatentCache, NoSamples, TransformerEvalCounter,
                                    build_policy_states, check_fsdp, evaluate_ode, flow_matching_mse,
                                    grad_norm_value, init_distributed, load_reward_fn, merge_rank_lists,
                                    noise_latents, restore_checkpoint, sample_sigmas, save_checkpoint,
@@ -132,21 +132,15 @@ class DPOConfig:
 
 
 @dataclass
-class DPOTrainConfig(TrainConfig):
+class DPOTrainConfig(AdamWTrainConfig):
     lr: float = 1e-5
     """AdamW learning rate."""
     weight_decay: float = 1e-2
     """AdamW weight decay."""
-    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    """AdamW betas."""
-    adam_eps: float = 1e-8
-    """AdamW epsilon."""
     warmup_steps: int = 0
     """Linear learning-rate warm-up over this many optimizer updates (official: 500, constant after)."""
     micro_batch_size: int = 4
     """Pairs per forward/backward pass (each pair = 2 policy + 2 reference rows)."""
-    max_grad_norm: float = 1.0
-    """Gradient-norm clipping (0 = off)."""
 
 
 @dataclass
@@ -261,10 +255,7 @@ def train(cfg: Config) -> dict:
     if fsdp:  # fully_shard replaced every parameter by a DTensor shard: follow them before building the optimizer
         states.refresh()
     params = states.trainable_parameters()
-    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.adam_betas), eps=t.adam_eps,
-                                  weight_decay=t.weight_decay)
-    lr_sched = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda i: min(1.0, (i + 1) / t.warmup_steps) if t.warmup_steps > 0 else 1.0)
+    optimizer, lr_sched = make_optimizer(params, t)
     stateful = {"optimizer": FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,
                 "data": sampler, "transformer_evals": evals}
     start, _ = restore_checkpoint(run, states, stateful, tag="dpo", truncate=ctx.is_main)

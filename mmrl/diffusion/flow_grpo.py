@@ -39,10 +39,11 @@ from typing import Any
 
 import torch
 
-from mmrl.config import RunConfig, TrainConfig
+from mmrl.config import RunConfig
 from mmrl.core.kl import gaussian_kl_equal_std
 from mmrl.core.losses import clipped_policy_loss
-from mmrl.diffusion.common import FullOptimizerState, NoSamples, check_fsdp, save_checkpoint_fsdp
+from mmrl.diffusion.common import (AdamWTrainConfig, FullOptimizerState, NoSamples, check_fsdp, make_optimizer,
+                                   save_checkpoint_fsdp)
 from mmrl.distributed import DistConfig, DistContext, rank_seed
 from mmrl.runtime import Run, Timer, seed_everything
 
@@ -116,17 +117,7 @@ class SampleConfig:
 
 
 @dataclass
-class FlowGRPOTrainConfig(TrainConfig):
-    lr: float = 3e-4
-    """AdamW learning rate."""
-    weight_decay: float = 1e-4
-    """AdamW weight decay."""
-    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    """AdamW betas."""
-    adam_eps: float = 1e-8
-    """AdamW epsilon."""
-    warmup_steps: int = 0
-    """Linear learning-rate warm-up over this many optimizer updates."""
+class FlowGRPOTrainConfig(AdamWTrainConfig):
     micro_batch_size: int = 8
     """Images per forward/backward pass in training."""
     updates_per_step: int = 2
@@ -139,8 +130,6 @@ class FlowGRPOTrainConfig(TrainConfig):
     """Advantages are clipped to [-adv_clip_max, adv_clip_max]."""
     beta: float = 0.04
     """Weight of the Gaussian KL to the reference policy (0 = no reference pass)."""
-    max_grad_norm: float = 1.0
-    """Gradient-norm clipping (0 = off)."""
     ema: bool = True
     """Keep an EMA of the trainable weights (the "old" state) and evaluate with it."""
     ema_decay: float = 0.9
@@ -249,10 +238,6 @@ def _check(cfg: Config) -> None:
     check_fsdp(cfg, "flow_grpo")
 
 
-def _warmup(steps: int):
-    return lambda i: min(1.0, (i + 1) / steps) if steps > 0 else 1.0
-
-
 # ------------------------------------------------------------------------------------------ training
 
 
@@ -288,9 +273,7 @@ def train(cfg: Config) -> dict:
     if fsdp:  # fully_shard replaced every parameter by a DTensor shard: follow them before building the optimizer
         states.refresh()
     params = states.trainable_parameters()
-    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.adam_betas), eps=t.adam_eps,
-                                  weight_decay=t.weight_decay)
-    lr_sched = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup(t.warmup_steps))
+    optimizer, lr_sched = make_optimizer(params, t)
     tracker = PerPromptStatTracker(cfg.reward.std_mode, cfg.reward.history)
     sampler = PromptSampler(train_items, seed=cfg.seed)
     stateful = {"optimizer": FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,

@@ -45,9 +45,9 @@ from typing import Any
 
 import torch
 
-from mmrl.config import RunConfig, TrainConfig
+from mmrl.config import RunConfig
 from mmrl.core.losses import nft_loss, nft_optimality_prob
-from mmrl.diffusion.common import (TIMING_PREFIX, FullOptimizerState, NoSamples, TransformerEvalCounter,
+from mmrl.diffusion.common import (TIMING_PREFIX, AdamWTrainConfig, make_optimizer, FullOptimizerState, NoSamples, TransformerEvalCounter,
                                    build_policy_states, check_fsdp, evaluate_ode, grad_norm_value, init_distributed,
                                    load_reward_fn, merge_rank_lists, noise_latents, restore_checkpoint,
                                    save_checkpoint, save_checkpoint_fsdp, score_images, summarise)
@@ -111,17 +111,7 @@ class NFTConfig:
 
 
 @dataclass
-class NFTTrainConfig(TrainConfig):
-    lr: float = 3e-4
-    """AdamW learning rate."""
-    weight_decay: float = 1e-4
-    """AdamW weight decay."""
-    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    """AdamW betas."""
-    adam_eps: float = 1e-8
-    """AdamW epsilon."""
-    warmup_steps: int = 0
-    """Linear learning-rate warm-up over this many optimizer updates."""
+class NFTTrainConfig(AdamWTrainConfig):
     micro_batch_size: int = 9
     """Images per forward/backward pass."""
     updates_per_step: int = 1
@@ -132,8 +122,6 @@ class NFTTrainConfig(TrainConfig):
     """Advantages clipped to [-m, m] and mapped to r in [0, 1]; also the loss scale (as the official code)."""
     kl_beta: float = 1e-4
     """Weight of the velocity-space KL ||v - v_ref||^2 to the reference (adapters off); 0 = no reference pass."""
-    max_grad_norm: float = 1.0
-    """Gradient-norm clipping (0 = off)."""
 
 
 @dataclass
@@ -223,10 +211,7 @@ def train(cfg: Config) -> dict:
     if fsdp:  # fully_shard replaced every parameter by a DTensor shard: follow them before building the optimizer
         states.refresh()
     params = states.trainable_parameters()
-    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.adam_betas), eps=t.adam_eps,
-                                  weight_decay=t.weight_decay)
-    lr_sched = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda i: min(1.0, (i + 1) / t.warmup_steps) if t.warmup_steps > 0 else 1.0)
+    optimizer, lr_sched = make_optimizer(params, t)
     tracker = PerPromptStatTracker(cfg.reward.std_mode, cfg.reward.history)
     sampler = PromptSampler(train_items, seed=cfg.seed)
     counters = _Counters()
