@@ -34,6 +34,7 @@ import torch
 
 from mmrl.config import RunConfig
 from mmrl.distributed import DistConfig
+from mmrl.testing import child_env, run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 N, C, H = 6, 4, 8  # global batch, latent channels, latent side
@@ -468,11 +469,9 @@ def test_dist_config_embeds_in_a_recipe_config():
 
 @pytest.mark.skipif(not (Path(sys.executable).parent / "torchrun").exists(), reason="torchrun not in the venv")
 def test_torchrun_two_processes(tmp_path):
-    torchrun = Path(sys.executable).parent / "torchrun"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = child_env()
     t0 = time.perf_counter()
-    proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "mmrl.distributed"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = run_torchrun(["-m", "mmrl.distributed"], cwd=ROOT, env=env, timeout=120)
     wall = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("MMRL_DIST_CHECK "))
@@ -482,6 +481,9 @@ def test_torchrun_two_processes(tmp_path):
     assert out["gather_sizes"] == [1, 2] and out["gather_rows"] == [0.0, 1.0, 1.0]
     assert out["local_slice_ok"] and out["rank_mean"] == 0.5 and out["shard"] == [0, 1]
     assert out["objects"] == [{"rank": 0}, {"rank": 1}]
+    # LockstepForwards on an FSDP2 model: rank 0 runs 1 real forward, rank 1 runs 3; rank 0 pairs the extra 2 with
+    # dummies, so both ran 3 forwards (a hang or a collective mismatch would fail the launch) and outputs are exact
+    assert out["lockstep_all"] == [[1, 2, True], [3, 0, True]]
 
 
 # ---------------------------------------------------------------------------------------------- script entry

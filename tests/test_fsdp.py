@@ -13,6 +13,7 @@ Run the 2-rank part by hand: ``torchrun --standalone --nproc_per_node 2 tests/te
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -23,6 +24,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from mmrl.testing import child_env, run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -88,13 +91,12 @@ def _exact(a: dict, b: dict) -> None:
 
 
 def _env():
-    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", MMRL_NO_PROGRESS="1")
+    return child_env()
 
 
 def test_policy_states_under_fsdp(tmp_path):
     t0 = time.perf_counter()
-    proc = subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node", "2", __file__, str(tmp_path)],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    proc = run_torchrun([__file__, str(tmp_path)], cwd=ROOT, env=_env(), timeout=120)
     assert proc.returncode == 0, f"STDOUT\n{proc.stdout[-3000:]}\nSTDERR\n{proc.stderr[-6000:]}"
     print(f"[test_fsdp] PolicyStates 2 ranks: {time.perf_counter() - t0:.1f}s")
     res = [torch.load(tmp_path / f"states_rank{r}.pt", weights_only=False) for r in range(2)]
@@ -143,12 +145,11 @@ OVERRIDES = ["data.prompts_per_step=2", "sample.group_size=4", "sample.num_steps
 
 
 def _train(out: Path, strategy: str, max_steps: int, nproc: int = 2) -> float:
-    launcher = ([str(TORCHRUN), "--standalone", "--nproc_per_node", str(nproc), "-m", "mmrl.cli"] if nproc > 1
-                else [sys.executable, "-m", "mmrl.cli"])
+    args = ["-m", "mmrl.cli", "train", "configs/diffusion/flow_grpo_tiny.yaml", f"output_dir={out}",
+            f"dist.strategy={strategy}", f"train.max_steps={max_steps}", *OVERRIDES]
     t0 = time.perf_counter()
-    proc = subprocess.run(launcher + ["train", "configs/diffusion/flow_grpo_tiny.yaml", f"output_dir={out}",
-                                      f"dist.strategy={strategy}", f"train.max_steps={max_steps}", *OVERRIDES],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
+    proc = (run_torchrun(args, nproc, cwd=ROOT, env=_env(), timeout=180) if nproc > 1 else
+            subprocess.run([sys.executable, *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180))
     assert proc.returncode == 0, \
         f"{strategy} x{nproc} failed:\nSTDOUT\n{proc.stdout[-3000:]}\nSTDERR\n{proc.stderr[-6000:]}"
     return time.perf_counter() - t0
@@ -271,7 +272,11 @@ def _update_worker(model_path: str, out: str) -> None:
 
     ctx = DistContext.init("gloo")
     tfg = _flow_grpo_tests()
-    res = {name: _one_update_fsdp(tfg, model_path, name, ctx) for name in tfg.SCENARIOS}
+    res = {}
+    for name in tfg.SCENARIOS:
+        res[name] = _one_update_fsdp(tfg, model_path, name, ctx)
+        gc.collect()  # free the scenario's sharded model on every rank before the next one is wrapped
+        ctx.barrier()
     torch.save(res, Path(out) / f"update_rank{ctx.rank}.pt")
     ctx.barrier()
     ctx.close()
@@ -285,9 +290,7 @@ def test_one_update_under_fsdp_equals_one_process(tmp_path):
 
     model_path = build_tiny_sd3(tmp_path / "pipe")
     t0 = time.perf_counter()
-    proc = subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node", "2", __file__, "update",
-                           str(model_path), str(tmp_path)], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=180)
+    proc = run_torchrun([__file__, "update", str(model_path), str(tmp_path)], cwd=ROOT, env=_env(), timeout=180)
     assert proc.returncode == 0, f"STDOUT\n{proc.stdout[-3000:]}\nSTDERR\n{proc.stderr[-6000:]}"
     wall = time.perf_counter() - t0
     ranks = [torch.load(tmp_path / f"update_rank{r}.pt", weights_only=False) for r in range(2)]

@@ -271,6 +271,24 @@ def _vlm_base(model: Any) -> torch.nn.Module:
     return found
 
 
+def language_block_types(model: Any) -> list[str]:
+    """The model's transformer-block class names (``_no_split_modules``) that are not in the vision tower: the
+    decoder layers every forward runs. Sharding only these with FSDP2 (the vision tower stays in the root unit)
+    makes text-only and image forwards issue the same collectives (see ``mmrl.distributed.LockstepForwards``)."""
+    inner = model
+    while not hasattr(inner, "_no_split_modules") or inner._no_split_modules is None:
+        nxt = getattr(inner, "base_model", None) or getattr(inner, "model", None)
+        if nxt is None or nxt is inner:
+            raise ValueError(f"language_block_types: {type(model).__name__} declares no _no_split_modules")
+        inner = nxt
+    vision = {type(m).__name__ for m in vision_tower(model).modules()}
+    blocks = [n for n in inner._no_split_modules if n not in vision]
+    if not blocks:
+        raise ValueError(f"language_block_types: every block type of {type(model).__name__} "
+                         f"({inner._no_split_modules}) is in the vision tower")
+    return blocks
+
+
 def vision_tower_trainable(model: Any) -> bool:
     """True when some vision-tower parameter requires grad (LoRA on the vision blocks, or full fine-tuning)."""
     return any(p.requires_grad for p in vision_tower(model).parameters())

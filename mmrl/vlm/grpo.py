@@ -14,11 +14,14 @@ gradient average equals the gradient of the global mini-batch loss, every rank r
 mini-batches (a zero-weight micro-batch when it has nothing left), DAPO rounds stop on the minimum kept count over
 ranks, and rank 0 alone logs, saves samples, evaluates and writes checkpoints (resumable on any number of ranks).
 
-`dist.strategy=fsdp` (LoRA, HF engine, no dynamic sampling): the model is sharded with FSDP2 before the optimizer is
-built and `PolicyStates.refresh()` follows the shards. FSDP needs equal forwards on every rank: ranks get equal
-prompt counts, a rank whose responses all finished keeps running masked decode forwards until every rank is done
-(`HFRolloutEngine(step_sync=ctx.any_rank)`), the vision-feature cache is off, and evaluation runs on every rank
-(rank 0 reports). Checkpoints gather full adapters and AdamW state (collective; the same files DDP writes).
+`dist.strategy=fsdp` (LoRA, HF engine): the model's decoder layers are sharded with FSDP2 (the vision tower stays in
+the root unit, so text-only and image forwards issue the same collectives) before the optimizer is built, and
+`PolicyStates.refresh()` follows the shards. FSDP needs paired forwards on every rank: ranks get equal prompt counts,
+a rank whose responses all finished keeps running masked decode forwards until every rank is done
+(`HFRolloutEngine(step_sync=ctx.any_rank)`); with DAPO dynamic sampling ranks keep different numbers of rows, so the
+old/reference passes run inside `LockstepForwards` (dummy forwards pair the extra ones) and training mini-batches are
+padded to equal micro-batch counts with zero-weight ones; the vision-feature cache is off, and evaluation runs on
+every rank (rank 0 reports). Checkpoints gather full adapters and AdamW state (collective; the same files DDP writes).
 
 Vision features (`train.reuse_vision_features`): each prompt's images go through the vision tower once per step
 and the features are reused by its n responses and by the reference / old / training log-prob passes
@@ -45,11 +48,12 @@ import torch
 from mmrl.config import RunConfig, TrainConfig
 from mmrl.core import agg_loss, clipped_policy_loss, get_advantage_estimator, kl_estimate
 from mmrl.pipelines.data import GEO3K_TEMPLATE, PromptSampler, VQAItem, load_visual_qa
-from mmrl.distributed import DistConfig, DistContext, full_optimizer_state_dict, load_full_optimizer_state_dict
+from mmrl.distributed import (DistConfig, DistContext, LockstepForwards, full_optimizer_state_dict,
+                               load_full_optimizer_state_dict)
 from mmrl.runtime import Run, Timer, get_rng_state, seed_everything, set_rng_state
-from mmrl.vlm.common import (ShapesQA, VisionCache, collate, compute_logprobs, encode_prompt, load_policy,
-                             messages_from_text, pad_to, render_prompt, response_logprobs, vision_has_adapters,
-                             vision_tower)
+from mmrl.vlm.common import (ShapesQA, VisionCache, collate, compute_logprobs, encode_prompt, language_block_types,
+                             load_policy, messages_from_text, pad_to, render_prompt, response_logprobs,
+                             vision_has_adapters, vision_tower)
 from mmrl.vlm.rollout import GenRequest, SamplingParams, make_engine
 
 
@@ -466,7 +470,7 @@ def format_warmup(states: Any, processor: Any, data: ShapesQA, cfg: Config, pad_
 def policy_update(model: Any, optimizer: Any, sched: Any, params: list, P_ids: list, R_ids: list, MM: list,
                   old_lp: list, ref_lp: list | None, adv: torch.Tensor, pad_id: int, cfg: Config, *,
                   ctx: DistContext | None = None, train_model: Any = None, vision_cache: VisionCache | None = None,
-                  n_local: int | None = None) -> tuple[dict[str, float], float]:
+                  n_local: int | None = None, equal_micro_batches: bool = False) -> tuple[dict[str, float], float]:
     """`ppo_epochs` passes of mini-batch optimizer steps with micro-batch gradient accumulation.
 
     Returns (mean metrics, drift): drift = max |log p - old log p| over the first mini-batch, before any step.
@@ -478,7 +482,8 @@ def policy_update(model: Any, optimizer: Any, sched: Any, params: list, P_ids: l
     others); loss weights `ctx.loss_scale` make DDP's average the gradient of the global mini-batch loss.
     `n_local` = rows that really count (0: the rows are a placeholder for a rank that kept nothing; default all).
     `vision_cache`: reuse image features in the training forward (bypassed by the cache itself when the vision
-    tower requires grad)."""
+    tower requires grad). `equal_micro_batches` (FSDP, where every forward/backward is a collective): each
+    mini-batch runs max-over-ranks micro-batches, the missing ones as zero-weight micro-batches on row 0."""
     al, ro = cfg.algo, cfg.rollout
     ctx = ctx if ctx is not None else DistContext()
     fwd = train_model if train_model is not None else model
@@ -490,6 +495,7 @@ def policy_update(model: Any, optimizer: Any, sched: Any, params: list, P_ids: l
         mb, n_rows = al.mini_batch_size or N, N
     stats: dict[str, list[float]] = {}
     drift = 0.0
+    n_padding = 0
     for epoch in range(al.ppo_epochs):
         for s0 in range(0, n_rows, mb):
             idx = list(range(s0, min(N, s0 + mb)))
@@ -500,9 +506,14 @@ def policy_update(model: Any, optimizer: Any, sched: Any, params: list, P_ids: l
                 if not idx:  # nothing left on this rank: a zero-weight micro-batch joins the all-reduce
                     idx, scale, placeholder = [0], 0.0, True
             optimizer.zero_grad(set_to_none=True)
-            for m0 in range(0, len(idx), al.micro_batch_size):
-                mi = idx[m0:m0 + al.micro_batch_size]
-                with ctx.no_sync(fwd, sync=m0 + al.micro_batch_size >= len(idx)):  # forward AND backward inside
+            micro = [idx[m0:m0 + al.micro_batch_size] for m0 in range(0, len(idx), al.micro_batch_size)]
+            if equal_micro_batches and ctx.enabled:
+                micro += [None] * (ctx.max_int(len(micro)) - len(micro))
+            for j, mi in enumerate(micro):
+                padding = mi is None  # FSDP: a zero-weight micro-batch that pairs another rank's extra one
+                mi = [0] if padding else mi
+                n_padding += padding
+                with ctx.no_sync(fwd, sync=j == len(micro) - 1):  # forward AND backward inside
                     batch, P, mask = collate(model, [P_ids[i] for i in mi], [R_ids[i] for i in mi],
                                              [MM[i] for i in mi], pad_id)
                     if vision_cache is not None:
@@ -511,7 +522,7 @@ def policy_update(model: Any, optimizer: Any, sched: Any, params: list, P_ids: l
                     old = pad_to([old_lp[i].tolist() for i in mi], 0.0, torch.float32, length=T).to(mask.device)
                     logp, ent = response_logprobs(fwd, batch, P, batch["input_ids"][:, P:], ro.temperature,
                                                   with_entropy=True, entropy_grad=al.entropy_coef != 0)
-                    if epoch == 0 and s0 == 0 and not placeholder:  # before the first optimizer step
+                    if epoch == 0 and s0 == 0 and not (placeholder or padding):  # before the first optimizer step
                         drift = max(drift, float(((logp.detach() - old).abs() * mask).max()) if T else 0.0)
                     loss, m = clipped_policy_loss(logp, old, adv[mi], mask, al.clip_low, al.clip_high,
                                                   al.dual_clip or None, al.loss_agg, ro.max_new_tokens)
@@ -523,8 +534,9 @@ def policy_update(model: Any, optimizer: Any, sched: Any, params: list, P_ids: l
                         ref = pad_to([ref_lp[i].tolist() for i in mi], 0.0, torch.float32, length=T).to(mask.device)
                         kl = agg_loss(kl_estimate(logp, ref, al.kl_estimator), mask, al.loss_agg, ro.max_new_tokens)
                         loss = loss + al.kl_coef * kl
-                    (loss * (agg_weight(mask, mini_tokens, len(idx), al.loss_agg) * scale)).backward()
-                if placeholder:
+                    weight = 0.0 if padding else agg_weight(mask, mini_tokens, len(idx), al.loss_agg) * scale
+                    (loss * weight).backward()
+                if placeholder or padding:
                     continue
                 if kl is not None:
                     stats.setdefault("kl", []).append(float(kl.detach()))
@@ -540,6 +552,8 @@ def policy_update(model: Any, optimizer: Any, sched: Any, params: list, P_ids: l
             sched.step()
     out = {k: max(v) if k.endswith("ratio_max") else sum(v) / len(v) for k, v in stats.items()}
     out["actor/lr"] = sched.get_last_lr()[0]
+    if equal_micro_batches and ctx.enabled:
+        out["dist/padding_micro_batches"] = sum(ctx.all_gather_object(n_padding))  # summed over ranks
     return out, drift
 
 
@@ -564,9 +578,6 @@ def check_config(cfg: Config) -> None:
                              "use dist.strategy=ddp or model.finetune=lora")
         if cfg.rollout.engine != "hf":
             raise ValueError("dist.strategy=fsdp: vlm_grpo supports FSDP with rollout.engine=hf only")
-        if al.dynamic_sampling:
-            raise ValueError("dist.strategy=fsdp: algo.dynamic_sampling is not supported (ranks would keep different "
-                             "numbers of rows and run different numbers of forwards); use dist.strategy=ddp")
     if al.old_logprobs == "rollout" and (al.ppo_epochs > 1 or al.mini_batch_size not in (0, cfg.rollout.batch_size * cfg.rollout.n)):
         raise ValueError("algo.old_logprobs=rollout needs exactly one update per rollout (ppo_epochs=1, mini_batch_size=0)")
 
@@ -638,7 +649,10 @@ def train(cfg: Config) -> dict:
     for p in states.trainable_parameters():
         p.requires_grad_(id(p) in updated)  # only the optimizer's parameters get gradients from here on
     # DDP registers the parameters that require grad now; used only for the training forward
-    tmodel = ctx.wrap_model(model, cfg.dist.strategy, find_unused_parameters=cfg.dist.find_unused_parameters)
+    # FSDP: only the decoder layers are sharded (the vision tower stays in the root unit), so a text-only forward
+    # (decode steps, LockstepForwards dummies) issues the same collectives as an image forward
+    tmodel = ctx.wrap_model(model, cfg.dist.strategy, find_unused_parameters=cfg.dist.find_unused_parameters,
+                            **({"fsdp_block_types": language_block_types(model)} if fsdp else {}))
     if fsdp:  # fully_shard replaced every parameter by a DTensor shard: follow them, then build the optimizer
         states.refresh()
         params = [p for n, p in states.named_trainable_parameters() if not any(f in n for f in cfg.model.freeze)]
@@ -662,6 +676,17 @@ def train(cfg: Config) -> dict:
     # tower: no LoRA on it and none of its weights in PolicyStates (full fine-tuning with the tower frozen)
     # (off under FSDP: cache hits decide which ranks run the vision tower, and FSDP needs equal forwards)
     reuse = cfg.train.reuse_vision_features and not fsdp
+    dummy_ids = torch.full((1, 1), pad_id, dtype=torch.long, device=run.device)
+    dummies = [0]  # dummy forwards this rank ran in the current step
+
+    def dummy() -> None:
+        dummies[0] += 1
+        model(input_ids=dummy_ids, use_cache=False)
+
+    def lockstep() -> LockstepForwards:
+        """FSDP + dynamic sampling: ranks keep different numbers of rows, so the old/reference passes run different
+        numbers of forwards; pair them with 1-token dummies (no-op without FSDP)."""
+        return LockstepForwards(ctx, model, dummy=dummy, enabled=fsdp)
     state_ids = {id(p) for p in states.trainable_parameters()}
     share_ref = reuse and not vision_has_adapters(model) and not any(
         id(p) in state_ids for p in vision_tower(model).parameters())
@@ -727,7 +752,7 @@ def train(cfg: Config) -> dict:
                 ref_lp = None
                 if al.kl_coef > 0:
                     ref_cache = vcache if share_ref else (VisionCache(model) if reuse else None)
-                    with timer("ref"), states.use("ref"):
+                    with timer("ref"), states.use("ref"), lockstep():
                         ref_lp, _ = compute_logprobs(model, P_ids, R_ids, MM, pad_id, al.micro_batch_size, ro.temperature,
                                                      vision_cache=ref_cache)
                     if al.kl_in_reward:
@@ -746,7 +771,7 @@ def train(cfg: Config) -> dict:
                 # ---- old log-probs
                 drift = None
                 if recompute:
-                    with timer("old_logprob"):
+                    with timer("old_logprob"), lockstep():
                         old_lp, _ = compute_logprobs(model, P_ids, R_ids, MM, pad_id, al.micro_batch_size, ro.temperature,
                                                      vision_cache=vcache)
                     drift = max(float((a - b).abs().max()) if a.numel() else 0.0
@@ -757,7 +782,7 @@ def train(cfg: Config) -> dict:
                 with timer("train"):
                     stats, d = policy_update(model, optimizer, sched, params, P_ids, R_ids, MM, old_lp, ref_lp, adv,
                                              pad_id, cfg, ctx=ctx, train_model=tmodel, vision_cache=vcache,
-                                             n_local=len(kept))
+                                             n_local=len(kept), equal_micro_batches=fsdp)
                 drift = d if drift is None else drift
                 if ctx.enabled:
                     drift = max(ctx.all_gather_object(drift))
@@ -767,6 +792,9 @@ def train(cfg: Config) -> dict:
                     metrics.update(syncer.sync())
                 metrics["diag/logprob_drift"] = drift
                 metrics.update(stats)
+                if fsdp:  # forwards run only to pair another rank's old/reference forwards, summed over ranks
+                    metrics["dist/lockstep_dummy_forwards"] = sum(ctx.all_gather_object(dummies[0]))
+                    dummies[0] = 0
             if ctx.is_main and cfg.log.sample_every and kept and (step % cfg.log.sample_every == 0 or step == 1) and all(
                     it.images for it in kept_items):
                 idx = sorted(range(len(kept)), key=lambda i: kept[i].sample_index)[:cfg.log.n_samples]  # prompts first

@@ -31,6 +31,13 @@ optimizer steps (a zero-weight placeholder micro-batch when it has no episode in
 all-reduced once per mini-batch (``no_sync`` on the other micro-batches); rank 0 alone evaluates, logs, saves
 samples and writes checkpoints, which resume on any number of processes.
 
+FSDP (``dist.strategy=fsdp``, LoRA only): every forward of a sharded model is a collective, but ranks run different
+numbers of forwards (turns, stop steps, kept episodes). Only the decoder layers are sharded (the vision tower stays
+in the root unit, so image and text forwards issue the same collectives); rollouts, evaluation (on every rank) and
+the reference pass run inside ``mmrl.distributed.LockstepForwards`` (a finished rank runs dummy forwards while
+another is busy); training mini-batches are padded to equal micro-batch counts with zero-weight ones; the vision
+cache is off; checkpoints are gathered collectively (full tensors: they resume under any strategy).
+
 Vision features (``train.reuse_vision_features``): the reference pass, and the training pass when the vision tower
 is frozen, take each episode's image features from ``mmrl.vlm.common.VisionCache`` (computed once per step).
 
@@ -56,7 +63,8 @@ import torch
 from mmrl.config import RunConfig, TrainConfig
 from mmrl.core import (clipped_policy_loss, discounted_returns, gigpo_advantages, group_advantages, hash_anchors,
                        kl_estimate)
-from mmrl.distributed import DistConfig, DistContext
+from mmrl.distributed import (DistConfig, DistContext, LockstepForwards, full_optimizer_state_dict,
+                               load_full_optimizer_state_dict)
 from mmrl.runtime import Run, Timer, get_rng_state, seed_everything, set_rng_state
 from mmrl.vlm.common import (EncodedPrompt, VisionCache, collate, encode_prompt, render_prompt, response_logprobs,
                              vision_has_adapters, vision_tower)
@@ -435,7 +443,7 @@ def policy_loss(model: Any, episodes: Sequence[Episode], adv: Sequence[torch.Ten
         ref = pad([r.tolist() for r in ref_logprobs])
         kl = torch.where(mask, kl_estimate(logp, ref, kl_kind), torch.zeros((), device=dev))
         loss = loss + kl_coef * kl.sum() / max(normalizer, 1.0)
-        m["kl_ref"] = float(kl.sum() / max(n_tok, 1.0))
+        m["kl_ref"] = float(kl.detach().sum() / max(n_tok, 1.0))
     if ent is not None:  # entropy bonus on policy positions (token-mean over the mini-batch)
         ent_sum = torch.where(mask, ent, torch.zeros((), device=dev)).sum()
         loss = loss - entropy_coef * ent_sum / max(normalizer, 1.0)
@@ -583,7 +591,8 @@ class Config(RunConfig):
     train: MultiTurnTrainConfig = field(default_factory=MultiTurnTrainConfig)
     """Training loop."""
     dist: DistConfig = field(default_factory=DistConfig)
-    """Multi-process training under torchrun / accelerate launch (strategy none|ddp, backend, find_unused_parameters)."""
+    """Multi-process training under torchrun / accelerate launch (strategy none|ddp|fsdp (LoRA), backend,
+    find_unused_parameters)."""
 
 
 # ============================================================================================ recipe
@@ -603,9 +612,10 @@ def _check_config(cfg: Config) -> None:
     if cfg.rollout.group_size < 2 and cfg.algo.advantage != "turn_grpo":
         raise ValueError(f"rollout.group_size: group advantages need >= 2 episodes per task, "
                          f"got {cfg.rollout.group_size}")
-    if cfg.dist.strategy == "fsdp":
-        raise ValueError("dist.strategy=fsdp: not supported by vlm_multiturn (PolicyStates and the optimizer hold the "
-                         "parameters from before sharding); use dist.strategy=ddp")
+    if cfg.dist.strategy == "fsdp" and cfg.model.lora_rank <= 0:
+        raise ValueError("dist.strategy=fsdp: vlm_multiturn supports FSDP with LoRA only (model.lora_rank > 0; full "
+                         "fine-tuning under FSDP is not wired: the reference copy would not follow the shards); use "
+                         "dist.strategy=ddp or set model.lora_rank")
 
 
 def check_world_size(cfg: Config, world_size: int) -> None:
@@ -748,6 +758,13 @@ def train(cfg: Config) -> dict:
         use_ref = cfg.algo.kl_coef > 0
         lora = _lora(cfg)
         states = PolicyStates(model, lora, old=False, **({"keep_ref_copy": use_ref} if lora is None else {}))
+        fsdp = ctx.enabled and cfg.dist.strategy == "fsdp"
+        if fsdp:  # shard the decoder layers (the vision tower stays in the root unit: text-only and image forwards
+            # then run the same collectives), follow the shards, and build the optimizer from them (below)
+            from mmrl.vlm.common import language_block_types
+
+            ctx.wrap_model(states.model, "fsdp", fsdp_block_types=language_block_types(states.model))
+            states.refresh()
         params = states.named_trainable_parameters()
         rl_params = [p for n, p in states.named_trainable_parameters() if not any(f in n for f in cfg.model.freeze)]
         if not rl_params:
@@ -758,7 +775,8 @@ def train(cfg: Config) -> dict:
         fmt = ChatFormat(processor, cfg.rollout.system_prompt or None)
         engine = HFRolloutEngine(states.model, processor, batch_size=cfg.rollout.batch_size)
         manager = EnvManager(cfg.env.max_workers, cfg.env.backend, modules=cfg.env.modules)
-        return _train_loop(cfg, run, states, opt, sched, params, fmt, engine, manager, pad_id, eos_id, use_ref, ctx)
+        return _train_loop(cfg, run, states, opt, sched, params, fmt, engine, manager, pad_id, eos_id, use_ref, ctx,
+                           fsdp=fsdp)
     finally:
         if manager is not None:
             manager.close()
@@ -792,15 +810,29 @@ def _placeholder(episodes: Sequence[Episode]) -> Episode:
 
 
 def _train_loop(cfg: Config, run: Run, states: Any, opt: Any, sched: Any, params: list, fmt: ChatFormat, engine: Any,
-                manager: EnvManager, pad_id: int, eos_id: int, use_ref: bool, ctx: DistContext | None = None) -> dict:
+                manager: EnvManager, pad_id: int, eos_id: int, use_ref: bool, ctx: DistContext | None = None,
+                fsdp: bool = False) -> dict:
     ctx = ctx if ctx is not None else DistContext()
     world, rank = ctx.world_size, ctx.rank
+    model = states.model
+    dummy_ids = torch.full((1, 1), pad_id, dtype=torch.long, device=next(model.parameters()).device)
+
+    dummies = [0]  # dummy forwards this rank ran in the current step (FSDP)
+
+    def dummy() -> None:
+        dummies[0] += 1
+        model(input_ids=dummy_ids, use_cache=False)
+
+    def lockstep() -> LockstepForwards:
+        """FSDP: ranks run different numbers of rollout / reference forwards; pair them (one process, DDP: no-op)."""
+        return LockstepForwards(ctx, model, dummy=dummy, enabled=fsdp)
+
     start_step, task_cursor, summary_extra = 0, 0, {}
     resume = run.find_resume()
     if resume is not None:
         states.load(resume / "policy")
         st = run.load_state(resume)
-        opt.load_state_dict(st["optimizer"])
+        load_full_optimizer_state_dict(opt, st["optimizer"])  # FSDP: this rank's shard of the full tensors
         sched.load_state_dict(st["scheduler"])
         set_rng_state(st["rng"])
         start_step, task_cursor = int(st["step"]), int(st["task_cursor"])  # task_cursor is global: any world size
@@ -808,21 +840,24 @@ def _train_loop(cfg: Config, run: Run, states: Any, opt: Any, sched: Any, params
         if ctx.is_main:
             run.truncate_metrics(start_step)
     else:
-        if cfg.train.warm_start_steps > 0:  # identical on every rank (same seeded draws)
+        if cfg.train.warm_start_steps > 0:  # identical on every rank (same seeded draws; FSDP: equal forwards)
             summary_extra["warm_start_loss"] = warm_start(cfg, states.model, fmt, params, pad_id, eos_id)
-        if ctx.is_main:
-            ev = evaluate(cfg, engine, fmt, manager)
+        if ctx.is_main or fsdp:  # FSDP: every rank runs the evaluation forwards, rank 0 reports
+            with lockstep():
+                ev = evaluate(cfg, engine, fmt, manager)
             summary_extra["eval_before"] = ev
-            run.log(0, ev)
+            if ctx.is_main:
+                run.log(0, ev)
 
-    model = states.model
     # only the optimizer's parameters get gradients from here on (DDP registers those that require grad now;
     # a frozen vision tower lets the training pass reuse cached image features)
     rl_ids = {id(p) for p in opt.param_groups[0]["params"]}
     for p in states.trainable_parameters():
         p.requires_grad_(id(p) in rl_ids)
-    tmodel = ctx.wrap_model(model, cfg.dist.strategy, find_unused_parameters=cfg.dist.find_unused_parameters)
-    reuse = cfg.train.reuse_vision_features
+    # FSDP: already sharded in train(). The vision cache calls the tower outside the root forward: off under FSDP
+    tmodel = model if fsdp else ctx.wrap_model(model, cfg.dist.strategy,
+                                               find_unused_parameters=cfg.dist.find_unused_parameters)
+    reuse = cfg.train.reuse_vision_features and not fsdp
     state_ids = {id(p) for p in states.trainable_parameters()}
     share_ref = reuse and not vision_has_adapters(model) and not any(
         id(p) in state_ids for p in vision_tower(model).parameters())
@@ -834,6 +869,7 @@ def _train_loop(cfg: Config, run: Run, states: Any, opt: Any, sched: Any, params
         if ctx.enabled:  # rank-local randomness as a function of (seed, rank, step): nothing per rank to save
             seed_everything(ctx.rank_seed(cfg.seed, step))
         timer, stats, t_step = Timer(), RolloutStats(), time.perf_counter()
+        dummies[0] = 0
         # ---- rollout (+ dynamic sampling); `all_eps`: every rank's episodes (light copies under several processes)
         episodes: list[Episode] = []
         all_eps: list[Episode] = []
@@ -847,8 +883,9 @@ def _train_loop(cfg: Config, run: Run, states: Any, opt: Any, sched: Any, params
             specs = ctx.shard(_specs(cfg, task_cursor, n_new, task_cursor, cfg.rollout.group_size))
             task_cursor += n_new
             sp = dataclasses.replace(sampling, seed=cfg.seed * 7919 + step * 101 + rounds + rank * 1_000_003)
-            eps = rollout_episodes(engine, fmt, manager, specs, sp, cfg.rollout.max_turns, cfg.rollout.max_seq_len,
-                                   cfg.rollout.async_mode, stats)
+            with lockstep():
+                eps = rollout_episodes(engine, fmt, manager, specs, sp, cfg.rollout.max_turns, cfg.rollout.max_seq_len,
+                                       cfg.rollout.async_mode, stats)
             episodes += eps
             g_eps, g_src = _gather_episodes(ctx, eps)
             all_eps += g_eps
@@ -878,11 +915,11 @@ def _train_loop(cfg: Config, run: Run, states: Any, opt: Any, sched: Any, params
             adv = token_advantages(train_eps, turn_adv)
             vcache = VisionCache(model) if reuse and train_eps else None  # this step's images, "default" state
             ref_lp = None
-            if use_ref and train_eps:
+            if use_ref and (train_eps or fsdp):
                 from mmrl.vlm.common import compute_logprobs
 
                 ref_cache = vcache if share_ref else (VisionCache(model) if reuse else None)
-                with states.use("ref"):
+                with states.use("ref"), lockstep():
                     ref_lp, _ = compute_logprobs(model, [e.ids[:e.prompt_len] for e in train_eps],
                                                  [e.ids[e.prompt_len:] for e in train_eps],
                                                  [e.merged_mm() for e in train_eps], pad_id,
@@ -909,8 +946,10 @@ def _train_loop(cfg: Config, run: Run, states: Any, opt: Any, sched: Any, params
                             n_placeholder += 1
                     states.model.zero_grad(set_to_none=True)  # frozen parameters too (they are not stepped)
                     chunks = [mb[s:s + mbs] for s in range(0, len(mb), mbs)] if mb else [[]]
+                    if fsdp:  # every forward/backward is a collective: equal micro-batch counts, zero-weight padding
+                        chunks += [[]] * (ctx.max_int(len(chunks)) - len(chunks))
                     for ci, idx in enumerate(chunks):
-                        if placeholder:
+                        if placeholder or not idx:
                             ph = _placeholder(episodes)
                             eps_mb, adv_mb, ref_mb = [ph], [torch.zeros(len(ph.ids) - ph.prompt_len)], None
                         else:
@@ -923,18 +962,19 @@ def _train_loop(cfg: Config, run: Run, states: Any, opt: Any, sched: Any, params
                                 clip_high=cfg.algo.clip_high, normalizer=norm, ref_logprobs=ref_mb,
                                 kl_coef=cfg.algo.kl_coef, kl_kind=cfg.algo.kl_kind, entropy_coef=cfg.algo.entropy_coef,
                                 vision_cache=vcache)
-                            if scale != 1.0:
-                                loss = loss * scale
+                            weight = 0.0 if not idx else scale
+                            if weight != 1.0:
+                                loss = loss * weight
                             loss.backward()
-                        if placeholder:
+                        if placeholder or not idx:
                             continue
                         if first:
                             drift = max(drift, m["drift"])
                         for k, v in m.items():
                             loss_metrics[k].append(v)
                     if cfg.train.max_grad_norm > 0:
-                        gn = torch.nn.utils.clip_grad_norm_(opt.param_groups[0]["params"], cfg.train.max_grad_norm)
-                        loss_metrics["grad_norm"].append(float(gn))
+                        gn = ctx.clip_grad_norm_(opt.param_groups[0]["params"], cfg.train.max_grad_norm)
+                        loss_metrics["grad_norm"].append(gn)
                     opt.step()
                     first = False
         if ctx.enabled:  # means over every rank's micro-batches; drift = max over ranks
@@ -945,6 +985,8 @@ def _train_loop(cfg: Config, run: Run, states: Any, opt: Any, sched: Any, params
                     merged[k] += v
             loss_metrics = merged
             metrics["dist/placeholder_minibatches"] = sum(n for _, n in parts)  # zero-weight, summed over ranks
+        if fsdp:  # forwards a rank ran only to pair another rank's rollout / reference forwards, summed over ranks
+            metrics["dist/lockstep_dummy_forwards"] = sum(ctx.all_gather_object(dummies[0]))
             drift = max(ctx.all_gather_object(drift))
         metrics["policy/lr"] = opt.param_groups[0]["lr"]
         sched.step()
@@ -958,21 +1000,30 @@ def _train_loop(cfg: Config, run: Run, states: Any, opt: Any, sched: Any, params
                         "time/preprocessing_s": stats.preprocessing_s, **timer.pop()})
         metrics["time/step_s"] = time.perf_counter() - t_step
         metrics["env/errors_total"] = len(manager.errors)
-        if ctx.is_main:  # the other ranks wait at the next collective
+        if ctx.is_main or fsdp:  # the other ranks wait at the next collective (FSDP: all evaluate, rank 0 logs)
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != cfg.train.max_steps:
-                metrics.update(evaluate(cfg, engine, fmt, manager))
+                with lockstep():
+                    metrics.update(evaluate(cfg, engine, fmt, manager))
             if step == cfg.train.max_steps:
-                ev = evaluate(cfg, engine, fmt, manager)
+                with lockstep():
+                    ev = evaluate(cfg, engine, fmt, manager)
                 metrics.update(ev)
                 summary_extra["eval_after"] = ev
+        if ctx.is_main:
             run.log(step, metrics)
             if step == 1 or step % 10 == 0:
                 _save_samples(run, step, episodes)
         if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.max_steps:
             with ctx.checkpoint(run, step) as d:  # rank 0 writes, the others wait
+                if fsdp:  # gathering the shards is a collective: every rank takes part, rank 0 writes
+                    states.save(Path(d) / "policy" if d is not None else None)
+                    opt_sd = full_optimizer_state_dict(opt)
+                else:
+                    opt_sd = opt.state_dict() if d is not None else None
+                    if d is not None:
+                        states.save(Path(d) / "policy")
                 if d is not None:
-                    states.save(Path(d) / "policy")
-                    run.save_state(d, optimizer=opt.state_dict(), scheduler=sched.state_dict(), rng=get_rng_state(),
+                    run.save_state(d, optimizer=opt_sd, scheduler=sched.state_dict(), rng=get_rng_state(),
                                    step=step, task_cursor=task_cursor, summary=summary_extra)
         bar.update(1)
         bar.set_postfix(success=f"{metrics['success_rate']:.2f}", R=f"{metrics['reward/mean']:.2f}")

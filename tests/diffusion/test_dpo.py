@@ -12,6 +12,7 @@ import torch
 from mmrl.config import load_config
 from mmrl.diffusion.common import LatentCache, flow_matching_mse, noise_latents, sample_sigmas
 from mmrl.diffusion.dpo import Config, build_pairs, make_shapes_preference_file, train
+from mmrl.testing import child_env, run_torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = str(REPO / "assets" / "prompts" / "shapes_train.txt")
@@ -247,15 +248,12 @@ def test_torchrun_online_two_processes_then_resume_with_one(tmp_path):
     args = ["configs/diffusion/dpo_tiny_online.yaml", f"output_dir={out}", f"model.path={SHAPES_MODEL}",
             "train.save_every=1", "data.prompts_per_step=2", "sample.group_size=3", "sample.num_steps=3",
             "train.micro_batch_size=2", "log.sample_every=1", "log.eval_every=0", "dist.backend=gloo"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", MMRL_NO_PROGRESS="1", PYTHONPATH=str(REPO))
-    bad = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "-m", "mmrl.cli", "train", *args, "data.prompts_per_step=3", "dist.strategy=ddp"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    env = child_env()
+    bad = run_torchrun(["-m", "mmrl.cli", "train", *args, "data.prompts_per_step=3", "dist.strategy=ddp"], cwd=REPO,
+                       env=env)
     assert bad.returncode != 0
     assert "data.prompts_per_step=3 (global) must be divisible by the number of processes (2)" in bad.stderr
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "-m", "mmrl.cli", "train", *args, "train.max_steps=2", "dist.strategy=ddp"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    two = run_torchrun(["-m", "mmrl.cli", "train", *args, "train.max_steps=2", "dist.strategy=ddp"], cwd=REPO, env=env)
     assert two.returncode == 0, f"torchrun failed:\n{two.stdout[-2000:]}\n{two.stderr[-5000:]}"
     rows = _rows(out)
     assert [r["step"] for r in rows] == [1, 2]  # rank 0 alone logs

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from mmrl.testing import child_env, run_torchrun
+
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 
@@ -38,17 +40,16 @@ RECIPES = {
 
 
 def _env():
-    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", MMRL_NO_PROGRESS="1")
+    return child_env()
 
 
 def _train(recipe: str, out: Path, strategy: str, max_steps: int, nproc: int = 2) -> float:
     config, _, extra, _ = RECIPES[recipe]
-    launcher = ([str(TORCHRUN), "--standalone", "--nproc_per_node", str(nproc), "-m", "mmrl.cli"] if nproc > 1
-                else [sys.executable, "-m", "mmrl.cli"])
+    args = ["-m", "mmrl.cli", "train", config, f"output_dir={out}", f"dist.strategy={strategy}",
+            f"train.max_steps={max_steps}", *COMMON, *extra]
     t0 = time.perf_counter()
-    proc = subprocess.run(launcher + ["train", config, f"output_dir={out}", f"dist.strategy={strategy}",
-                                      f"train.max_steps={max_steps}", *COMMON, *extra],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
+    proc = (run_torchrun(args, nproc, cwd=ROOT, env=_env(), timeout=180) if nproc > 1 else
+            subprocess.run([sys.executable, *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180))
     assert proc.returncode == 0, \
         f"{recipe} {strategy} x{nproc} failed:\nSTDOUT\n{proc.stdout[-3000:]}\nSTDERR\n{proc.stderr[-6000:]}"
     return time.perf_counter() - t0

@@ -12,6 +12,7 @@ import torch
 from mmrl.config import ConfigError, load_config
 from mmrl.core.losses import nft_loss
 from mmrl.diffusion.nft import EMA_SCHEDULES, Config, ema_decay, train
+from mmrl.testing import child_env, run_torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = str(REPO / "assets" / "prompts" / "shapes_train.txt")
@@ -345,10 +346,8 @@ def test_torchrun_cli_two_processes_then_resume_with_one(tmp_path):
     args = ["configs/diffusion/nft_tiny.yaml", f"output_dir={out}", f"model.path={SHAPES_MODEL}",
             "train.save_every=1", "data.prompts_per_step=2", "sample.group_size=3", "sample.num_steps=4",
             "train.micro_batch_size=2", "log.sample_every=1", "log.eval_every=0", "dist.backend=gloo"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", MMRL_NO_PROGRESS="1", PYTHONPATH=str(REPO))
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "-m", "mmrl.cli", "train", *args, "train.max_steps=2", "dist.strategy=ddp"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    env = child_env()
+    two = run_torchrun(["-m", "mmrl.cli", "train", *args, "train.max_steps=2", "dist.strategy=ddp"], cwd=REPO, env=env)
     assert two.returncode == 0, f"torchrun failed:\n{two.stdout[-2000:]}\n{two.stderr[-5000:]}"
     rows = _rows(out)
     assert [r["step"] for r in rows] == [1, 2]  # rank 0 alone logs

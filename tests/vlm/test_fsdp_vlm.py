@@ -2,7 +2,9 @@
 model.finetune=lora ... dist.strategy=fsdp` gives the same adapters, optimizer moments and metrics as the same run
 with dist.strategy=ddp; a 1-process run resumes from the FSDP checkpoint (and ends where the 1-process resume of
 the DDP checkpoint ends). Responses stop at a stop string, so ranks finish decoding at different steps (the
-finished rank runs masked decode forwards: HFRolloutEngine.step_sync); the overlong penalty gives varied rewards.
+finished rank runs masked decode forwards: HFRolloutEngine.step_sync); the overlong penalty gives varied rewards;
+DAPO dynamic sampling is on (uneven kept rows under FSDP are covered row-exactly by
+tests/vlm/test_grpo.py::test_two_rank_policy_update_under_fsdp_equals_one_rank).
 Also: the masked extra decode forwards leave the sampled results unchanged, and full fine-tuning is refused."""
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from mmrl.testing import child_env, run_torchrun
+
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 
@@ -27,17 +31,17 @@ def _args(out: Path, tiny: Path, *extra: str) -> list[str]:
     return ["train", str(ROOT / "configs/vlm/grpo_tiny_shapes.yaml"), f"output_dir={out}", f"model.path={tiny}",
             "model.finetune=lora", "model.lora_rank=4", "rollout.batch_size=4", "rollout.n=4",
             "rollout.max_new_tokens=6", "rollout.stop=[e]", "reward.overlong_buffer=5", "data.eval_size=4",
-            "warmup.sft_steps=0", "log.sample_every=0", "log.eval_every=0", "algo.micro_batch_size=4",
-            "algo.mini_batch_size=8", "algo.kl_coef=0.05", "train.lr=1e-3", *extra]
+            "warmup.sft_steps=0", "log.sample_every=0", "log.eval_every=0", "algo.micro_batch_size=2",
+            "algo.mini_batch_size=8", "algo.kl_coef=0.05", "train.lr=1e-3", "algo.dynamic_sampling=true",
+            "algo.max_gen_batches=2", *extra]
 
 
 def _env() -> dict:
-    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", MMRL_NO_PROGRESS="1")
+    return child_env()
 
 
 def _torchrun(args: list[str]) -> None:
-    proc = subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "-m", "mmrl.cli", *args],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = run_torchrun(["-m", "mmrl.cli", *args], cwd=ROOT, env=_env())
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 

@@ -20,6 +20,7 @@ import torch
 from PIL import Image
 
 from mmrl.config import load_config
+from mmrl.testing import child_env, run_torchrun
 from mmrl.vlm import grpo
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -275,18 +276,25 @@ def _fixed_rollouts(tiny_path):
             "gids": torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]), "pad": proc.tokenizer.pad_token_id}
 
 
-def _run_update(tiny_path, batch, case, ctx=None, reuse=True):
+def _run_update(tiny_path, batch, case, ctx=None, reuse=True, strategy="ddp"):
     """The recipe's own pieces on this rank's share: global advantages, old/ref log-probs, policy_update.
-    Returns the trainable (LoRA) parameters after the update."""
+    Returns the trainable (LoRA) parameters after the update (full tensors).
+    strategy="fsdp": the recipe's FSDP path: decoder layers sharded before the optimizer is built, no vision cache,
+    old/ref passes inside LockstepForwards (ranks hold different row counts), equal micro-batch counts."""
     from mmrl.core import get_advantage_estimator
-    from mmrl.distributed import DistContext
-    from mmrl.vlm.common import VisionCache, compute_logprobs, vision_has_adapters
+    from mmrl.distributed import DistContext, LockstepForwards
+    from mmrl.vlm.common import VisionCache, compute_logprobs, language_block_types, vision_has_adapters
 
     ctx = ctx or DistContext()
+    fsdp = strategy == "fsdp" and ctx.enabled
+    reuse = reuse and not fsdp
     cfg = _update_cfg(tiny_path, case)
     torch.manual_seed(0)
     states, _ = grpo.build_policy(cfg, torch.device("cpu"), torch.float32)
     model = states.model
+    if fsdp:
+        ctx.wrap_model(model, "fsdp", fsdp_block_types=language_block_types(model))
+        states.refresh()
     params = [p for _, p in states.named_trainable_parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.train.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
@@ -297,14 +305,22 @@ def _run_update(tiny_path, batch, case, ctx=None, reuse=True):
     r_all, g_all = ctx.gather_group_rewards(batch["rewards"][start:start + n_local], batch["gids"][start:start + n_local])
     adv = ctx.local_slice(get_advantage_estimator("grpo")(r_all, g_all)) if n_local else torch.zeros(1)
     cache = VisionCache(model) if reuse else None
-    old_lp, _ = compute_logprobs(model, P, R, MM, batch["pad"], 2, vision_cache=cache)
-    with states.use("ref"):
+    pad_1 = torch.full((1, 1), batch["pad"], dtype=torch.long)
+    with LockstepForwards(ctx, model, dummy=lambda: model(input_ids=pad_1), enabled=fsdp) as ls_old:
+        old_lp, _ = compute_logprobs(model, P, R, MM, batch["pad"], 2, vision_cache=cache)
+    with states.use("ref"), LockstepForwards(ctx, model, dummy=lambda: model(input_ids=pad_1), enabled=fsdp):
         ref_cache = VisionCache(model) if reuse and vision_has_adapters(model) else cache
         ref_lp, _ = compute_logprobs(model, P, R, MM, batch["pad"], 2, vision_cache=ref_cache)
-    tmodel = ctx.wrap_model(model, "ddp")
-    grpo.policy_update(model, opt, sched, params, P, R, MM, old_lp, ref_lp, adv, batch["pad"], cfg, ctx=ctx,
-                       train_model=tmodel, vision_cache=cache, n_local=n_local)
-    return {n: p.detach().clone() for n, p in states.named_trainable_parameters()}
+    tmodel = model if fsdp else ctx.wrap_model(model, "ddp")
+    stats, _ = grpo.policy_update(model, opt, sched, params, P, R, MM, old_lp, ref_lp, adv, batch["pad"], cfg,
+                                  ctx=ctx, train_model=tmodel, vision_cache=cache, n_local=n_local,
+                                  equal_micro_batches=fsdp)
+    out = {n: (p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()).clone()
+           for n, p in states.named_trainable_parameters()}
+    if fsdp:
+        out["_padding"] = torch.tensor(stats["dist/padding_micro_batches"])
+        out["_dummies"] = torch.tensor(sum(ctx.all_gather_object(ls_old.dummies)))
+    return out
 
 
 def _free_port() -> int:
@@ -313,7 +329,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _update_worker(rank: int, world: int, port: int, out: str) -> None:
+def _update_worker(rank: int, world: int, port: int, out: str, strategy: str = "ddp") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), MMRL_NO_PROGRESS="1")
     torch.set_num_threads(1)
@@ -321,8 +337,9 @@ def _update_worker(rank: int, world: int, port: int, out: str) -> None:
 
     ctx = DistContext.init("gloo")
     data = torch.load(Path(out) / "batch.pt", weights_only=False)
-    res = {name: _run_update(data["tiny"], data["batch"], case, ctx) for name, case in _UPDATE_CASES.items()}
-    torch.save(res, Path(out) / f"rank{rank}.pt")
+    res = {name: _run_update(data["tiny"], data["batch"], case, ctx, strategy=strategy)
+           for name, case in _UPDATE_CASES.items()}
+    torch.save(res, Path(out) / f"{strategy}_rank{rank}.pt")
     ctx.close()
 
 
@@ -339,7 +356,7 @@ def test_two_rank_policy_update_equals_one_rank_on_combined_batch(tiny_path, tmp
                           text=True, timeout=300)
     assert proc.returncode == 0, f"2-rank update failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
     print(f"[test_grpo] 2-rank policy_update wall {time.perf_counter() - t0:.1f}s")
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ranks = [torch.load(tmp_path / f"ddp_rank{r}.pt", weights_only=False) for r in range(2)]
     for name, case in _UPDATE_CASES.items():
         single = _run_update(tiny_path, batch, case)
         worst = 0.0
@@ -355,6 +372,32 @@ def test_two_rank_policy_update_equals_one_rank_on_combined_batch(tiny_path, tmp
 
 
 @pytest.mark.slow
+def test_two_rank_policy_update_under_fsdp_equals_one_rank(tiny_path, tmp_path):
+    """The FSDP path of the recipe with uneven rows per rank (what DAPO dynamic sampling produces): 5 + 3 rows and
+    8 + 0 rows (placeholder rank, vision LoRA trained); old/ref passes in LockstepForwards, micro-batch counts
+    padded with zero-weight micro-batches. The full adapters equal 1 process on the 8 rows together."""
+    batch = _fixed_rollouts(tiny_path)
+    torch.save({"tiny": str(tiny_path), "batch": batch}, tmp_path / "batch.pt")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, "update", str(tmp_path), "fsdp"], cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"2-rank FSDP update failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
+    ranks = [torch.load(tmp_path / f"fsdp_rank{r}.pt", weights_only=False) for r in range(2)]
+    for name, case in _UPDATE_CASES.items():
+        single = _run_update(tiny_path, batch, case)
+        # the ranks really ran different forward counts: dummy forwards in the old pass, padded micro-batches
+        assert int(ranks[0][name]["_dummies"]) > 0 and int(ranks[0][name]["_padding"]) > 0
+        worst = 0.0
+        for key, value in single.items():
+            for r in range(2):
+                torch.testing.assert_close(ranks[r][name][key], value, atol=1e-6, rtol=0, msg=f"{name} {key} rank {r}")
+                worst = max(worst, float((ranks[r][name][key] - value).abs().max()))
+        print(f"[test_grpo] FSDP {name}: max |2 ranks - 1 rank| {worst:.2e}; dummy forwards "
+              f"{int(ranks[0][name]['_dummies'])}, padding micro-batches {int(ranks[0][name]['_padding'])} "
+              f"({time.perf_counter() - t0:.1f}s)")
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(not (Path(sys.executable).parent / "torchrun").exists(), reason="torchrun not in the venv")
 def test_torchrun_ddp_train_then_resume_on_one_process(tmp_path):
     """`torchrun --nproc_per_node 2 -m mmrl.cli train configs/vlm/grpo_tiny_shapes.yaml ... dist.strategy=ddp`
@@ -366,11 +409,9 @@ def test_torchrun_ddp_train_then_resume_on_one_process(tmp_path):
             "warmup.batch_size=8", "data.eval_size=4", "log.sample_every=1", "log.eval_every=0", "train.save_every=1",
             "algo.dynamic_sampling=true", "algo.max_gen_batches=2", "algo.mini_batch_size=8",
             "algo.micro_batch_size=3", "dist.strategy=ddp"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", MMRL_NO_PROGRESS="1")
-    torchrun = Path(sys.executable).parent / "torchrun"
+    env = child_env()
     t0 = time.perf_counter()
-    proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "mmrl.cli", *args,
-                           "train.max_steps=2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_torchrun(["-m", "mmrl.cli", *args, "train.max_steps=2"], cwd=ROOT, env=env)
     wall = time.perf_counter() - t0
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     rows = _rows(out)
@@ -394,4 +435,5 @@ if __name__ == "__main__":  # the 2-rank worker of test_two_rank_policy_update_e
     import torch.multiprocessing as mp
 
     if sys.argv[1] == "update":
-        mp.spawn(_update_worker, args=(2, _free_port(), sys.argv[2]), nprocs=2, join=True)
+        mp.spawn(_update_worker, args=(2, _free_port(), sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "ddp"),
+                 nprocs=2, join=True)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mmrl.vlm.envs import Env, EnvManager, Observation, register_env, turn_discounted_return
+from mmrl.testing import child_env, run_torchrun
 from mmrl.vlm.multiturn import (ChatFormat, Episode, Turn, _encode_observation, episode_returns, informative_groups,
                                 policy_loss, rollout_episodes, token_advantages, turn_advantages)
 from mmrl.vlm.rollout import HFRolloutEngine, SamplingParams
@@ -430,12 +431,9 @@ def test_torchrun_two_processes_ddp_then_one_process_resume(tiny, tmp_path):
               "rollout.temperature=0", "env.eval_episodes=1", "train.micro_batch_size=1", "train.mini_batches=2",
               "algo.dynamic_sampling=false", "algo.advantage=turn_grpo", "train.max_grad_norm=1e9",
               "dist.strategy=ddp"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "MMRL_NO_PROGRESS": "1"}
-    env.pop("WORLD_SIZE", None)
+    env = child_env()
     out2 = tmp_path / "ddp"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "-m", "mmrl.cli", "train", str(cfg_path), f"output_dir={out2}", *common],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_torchrun(["-m", "mmrl.cli", "train", str(cfg_path), f"output_dir={out2}", *common], cwd=root, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows2 = [json.loads(l) for l in (out2 / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows2] == [0, 1, 2]  # rank 0 alone logs
@@ -491,19 +489,16 @@ def test_torchrun_dynamic_sampling_rank_without_groups_runs_placeholders(tiny, t
 
     (tmp_path / "_mt_skew_env.py").write_text(SKEW_ENV)
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "MMRL_NO_PROGRESS": "1",
-           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(root), os.environ.get("PYTHONPATH", "")])}
-    env.pop("WORLD_SIZE", None)
+    env = child_env(PYTHONPATH=os.pathsep.join([str(tmp_path), str(root), os.environ.get("PYTHONPATH", "")]))
     out = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "mmrl.cli",
-         "train", str(root / "configs/vlm/multiturn_grid_tiny.yaml"), f"output_dir={out}", f"model.path={tiny[0]}",
+    proc = run_torchrun(
+        ["-m", "mmrl.cli", "train", str(root / "configs/vlm/multiturn_grid_tiny.yaml"), f"output_dir={out}", f"model.path={tiny[0]}",
          "env.modules=[_mt_skew_env]", "env.tasks={_mt_skew: {}}", "env.eval_episodes=1", "train.max_steps=2",
          "train.save_every=0", "train.warm_start_steps=0", "train.micro_batch_size=2", "train.mini_batches=2",
          "rollout.groups_per_step=2", "rollout.group_size=2", "rollout.max_turns=1", "rollout.max_new_tokens=4",
          "algo.advantage=gigpo", "algo.dynamic_sampling=true", "algo.max_resample_rounds=2", "dist.strategy=ddp",
          "dist.find_unused_parameters=true"],  # text only: the (trainable) vision tower gets no gradient
-        cwd=root, env=env, capture_output=True, text=True, timeout=300)
+        cwd=root, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
