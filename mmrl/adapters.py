@@ -44,6 +44,11 @@ shard: call :meth:`PolicyStates.refresh` right after wrapping (and build the opt
 ``copy``/``ema`` run on the local shards (all states are sharded identically; asserted), ``save`` and
 ``state_dict`` gather full tensors (collectives: every rank calls them; only rank 0 writes files, the files are
 the same as one process writes) and ``load``/``load_state_dict`` take full tensors and keep each rank's slice.
+Full fine-tuning under FSDP2: ``refresh`` re-lays the "old"/"ref" snapshots (built before wrapping, full on every
+rank) out like their parameters (each rank keeps its slice, so the snapshots shrink to 1/world), and a state switch
+copies values into the parameter shards instead of swapping pointers (FSDP all-gathers from its own shard storage).
+Every in-place change of a sharded state first reshards the FSDP units (FSDP2 keeps the root unit's parameters
+unsharded after a no-grad forward; without this the next forward would not see the change).
 
 Cost (benchmarks/adapter_states.py, d=256 CPU models, r=8): "old" + a "ref" adapter add 2-3% of the
 base parameter memory (deep copies: 200%); a ``use`` switch costs ~0.5-1.5 ms (it walks every LoRA
@@ -129,6 +134,21 @@ def _copy_full_into(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.to_local().copy_(distribute_tensor(src, dst.device_mesh, dst.placements, src_data_rank=None).to_local())
     else:
         dst.copy_(src)
+
+
+def _reshard_fsdp(model: nn.Module) -> None:
+    """Free every FSDP2 unit's unsharded parameters so the next forward all-gathers the shards again.
+
+    After a no-grad forward FSDP2 leaves the root unit's parameters unsharded (it expects a backward); an in-place
+    change of the shards (copy/ema/load, a full-mode state switch) would then not reach that forward. A no-op for
+    modules that are not sharded."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def _main_rank() -> bool:
@@ -328,7 +348,8 @@ class PolicyStates:
         build the optimizer from :meth:`trainable_parameters`. Under FSDP2: ``copy``/``ema`` work on the local
         shards (all states are sharded identically), ``save``/``state_dict`` gather full tensors (collective:
         every rank calls them; only rank 0 writes files), ``load``/``load_state_dict`` take full tensors and
-        keep this rank's slice. Full fine-tuning: only without "old"/"ref" snapshots."""
+        keep this rank's slice. Full fine-tuning: "old"/"ref" snapshots are re-laid out like their parameters
+        (each rank keeps its slice of the full snapshot it built before wrapping)."""
         named = dict(self.model.named_parameters())
         if self.mode == "lora":
             for name, pnames in self._param_names.items():
@@ -338,14 +359,34 @@ class PolicyStates:
                                      f"{missing[:5]} ({len(missing)})")
                 self._params[name] = {k: named[n] for k, n in zip(self._params[name], pnames)}
         else:
-            if self._store:
-                raise ValueError("PolicyStates.refresh: full fine-tuning with 'old'/'ref' snapshots cannot follow "
-                                 "replaced (e.g. FSDP-sharded) parameters; use LoRA or no snapshots")
+            if self._loaded != "default":
+                raise ValueError(f"PolicyStates.refresh: called inside use({self._loaded!r}); call it with "
+                                 f"'default' active")
             missing = [n for n in self._full_names if n not in named]
             if missing:
                 raise ValueError(f"PolicyStates.refresh: parameters not found in the model: {missing[:5]}")
             self._full_params = [named[n] for n in self._full_names]
+            if self._store:  # "old"/"ref" snapshots follow the sharding: this rank keeps its slice, as a DTensor
+                self._store = {name: [self._shard_like(s, p) for s, p in zip(snaps, self._full_params)]
+                               for name, snaps in self._store.items()}
         self._all_params = list(self.model.parameters())
+
+    def _shard_like(self, snap: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """A full-mode snapshot laid out like parameter `p`: p's sharding (this rank's slice of the full
+        snapshot, no communication: every rank holds the same full snapshot) or, unsharded, `snap` itself."""
+        if _is_dtensor(snap):
+            if not _is_dtensor(p) or snap.device_mesh != p.device_mesh or tuple(snap.placements) != tuple(p.placements):
+                raise ValueError("PolicyStates.refresh: a snapshot is sharded differently from its parameter")
+            return snap
+        if not _is_dtensor(p):
+            return snap
+        if self._snapshot_device is not None and self._snapshot_device != p.device:
+            raise ValueError(f"PolicyStates: snapshot_device={self._snapshot_device} is not supported with FSDP-sharded "
+                             f"parameters (on {p.device}): the shards of the snapshots stay with the parameters")
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(snap.detach().to(p.device, p.dtype), p.device_mesh, p.placements,
+                                 src_data_rank=None)
 
     def _sharded(self) -> bool:
         return any(_is_dtensor(p) for p in self._all_params)
@@ -458,11 +499,25 @@ class PolicyStates:
         self._active = name
 
     def _full_load(self, name: str) -> None:
-        """Make the parameters hold state ``name``'s tensors (pointer swap when on the same device)."""
+        """Make the parameters hold state ``name``'s tensors (pointer swap when on the same device; FSDP2 shards:
+        copies into the shards, whose storage FSDP all-gathers from)."""
         cur = self._loaded
         if cur == name:
             return
         params = self._full_params
+        if self._sharded():
+            _reshard_fsdp(self.model)
+            with torch.no_grad():
+                if cur == "default":  # DTensor clones: "default" stays usable by copy/ema while another is loaded
+                    self._store["default"] = [p.detach().clone() for p in params]
+                else:  # keep changes made while `cur` was loaded
+                    for s, p in zip(self._store[cur], params):
+                        s.to_local().copy_(p.detach().to_local())
+                src = self._store.pop("default") if name == "default" else self._store[name]
+                for p, s in zip(params, src):
+                    p.detach().to_local().copy_(s.to_local())
+            self._loaded = name
+            return
         if cur == "default":
             self._store["default"] = [p.data for p in params]
         else:
@@ -522,6 +577,8 @@ class PolicyStates:
     def copy(self, src: str = "default", dst: str = "old") -> None:
         """``dst <- src`` exactly (in place)."""
         s, d = self._pair(src, dst)
+        if self._sharded():
+            _reshard_fsdp(self.model)
         for a, b in zip(d, s):
             a, b = _locals(a, b)
             a.copy_(b)
@@ -534,6 +591,8 @@ class PolicyStates:
         if not 0.0 <= decay <= 1.0:
             raise ValueError(f"PolicyStates.ema: decay must be in [0, 1], got {decay}")
         s, d = self._pair(src, dst)
+        if self._sharded():
+            _reshard_fsdp(self.model)
         if any(_is_dtensor(a) or _is_dtensor(b) for a, b in zip(d, s)):  # FSDP2: local shards
             pairs = [_locals(a, b) for a, b in zip(d, s)]
             d, s = [a for a, _ in pairs], [b for _, b in pairs]
@@ -594,6 +653,8 @@ class PolicyStates:
                 raise ValueError(
                     f"PolicyStates: {where}: {k} expected shape {tuple(t.shape)}, got {tuple(tensors[k].shape)}"
                 )
+        if self._sharded():
+            _reshard_fsdp(self.model)
         with torch.no_grad():
             for k, t in zip(keys, dst):
                 _copy_full_into(t, tensors[k])

@@ -368,9 +368,11 @@ class DistContext:
           would need use_orig_params=True for LoRA's mixed requires_grad). Each sub-module whose class name is
           in `fsdp_block_types` (default: the model's ``_no_split_modules``, i.e. its transformer blocks) is
           sharded, then the root. The module is changed in place (same object, same attributes), but its
-          parameters are replaced by sharded DTensor parameters: build the optimizer AFTER wrapping from
-          ``[p for p in model.parameters() if p.requires_grad]``, and call ``PolicyStates.refresh()`` after
-          wrapping so copy/ema/save follow the sharded parameters (LoRA only).
+          parameters are replaced by sharded DTensor parameters: call ``PolicyStates.refresh()`` after wrapping
+          so copy/ema/save and state switches follow the sharded parameters (LoRA or full fine-tuning), then build
+          the optimizer from ``states.trainable_parameters()``. Drop gradients through those references
+          (``optimizer.zero_grad``): after a forward FSDP2 leaves the root unit's parameters unsharded, so
+          ``module.parameters()`` / ``module.zero_grad()`` then miss the sharded ones that hold the gradients.
         kwargs go to DistributedDataParallel / fully_shard."""
         if strategy not in STRATEGIES:
             raise ValueError(f"dist.strategy: expected one of {list(STRATEGIES)}, got {strategy!r}")

@@ -35,7 +35,9 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not in the venv")]
 
 
-def build_states():
+def build_states(full: bool = False):
+    """Tiny SD3 transformer with LoRA "default"/"old" (adapters-off "ref"), or full fine-tuning with "old" and
+    "ref" snapshots."""
     from diffusers import SD3Transformer2DModel
     from peft import LoraConfig
 
@@ -45,9 +47,55 @@ def build_states():
     tr = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16,
                                num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32,
                                pooled_projection_dim=32, out_channels=4, pos_embed_max_size=32).eval()
+    if full:
+        return PolicyStates(tr, None, old=True, keep_ref_copy=True)
     cfg = LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian",
                      target_modules=["to_q", "to_k", "to_v", "to_out.0"])
     return PolicyStates(tr, cfg, old=True)
+
+
+def _inputs() -> dict:
+    g = torch.Generator().manual_seed(3)
+    return {"hidden_states": torch.randn(2, 4, 8, 8, generator=g),
+            "encoder_hidden_states": torch.randn(2, 5, 32, generator=g),
+            "pooled_projections": torch.randn(2, 32, generator=g), "timestep": torch.tensor([100.0, 700.0])}
+
+
+def full_mode_script(states, shard=None) -> dict:
+    """Full fine-tuning states through a training-like sequence; forwards with every state. `shard(states)` wraps
+    with FSDP after the snapshots exist (as the recipes do). Returns gathered states and forward outputs."""
+    x = _inputs()
+    if shard is not None:
+        shard(states)
+    res = {}
+    with torch.no_grad():
+        res["fwd_default0"] = states.model(**x).sample
+        sd = states.state_dict()
+        g = torch.Generator().manual_seed(2)  # an "optimizer step": new default weights
+        new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in sd["states"]["default"].items()}
+        states.load_state_dict({"mode": "full", "states": {**sd["states"], "default": new}})
+        res["fwd_default1"] = states.model(**x).sample  # (the root unit was left unsharded by the forward above)
+        with states.use("ref"):
+            res["fwd_ref"] = states.model(**x).sample
+        states.ema("default", "old", DECAY)
+        with states.use("old"):
+            res["fwd_old"] = states.model(**x).sample
+            states.copy("default", "ref")  # "default" is not loaded here: its values come from the side store
+        res["fwd_default2"] = states.model(**x).sample
+    res["states"] = states.state_dict()["states"]
+    return res
+
+
+def _full_worker(out: str, ctx) -> None:
+    def shard(states):
+        ctx.wrap_model(states.model, "fsdp")
+        states.refresh()
+
+    states = build_states(full=True)
+    res = full_mode_script(states, shard)
+    res["sharded_snapshots"] = all(hasattr(s, "device_mesh") for s in states._store["ref"])
+    states.save(Path(out) / "saved_full" if ctx.is_main else None)
+    torch.save(res, Path(out) / f"full_rank{ctx.rank}.pt")
 
 
 def new_default(states) -> dict:
@@ -78,6 +126,7 @@ def _worker(out: str) -> None:
     states.copy("default", "old")
     res["copied"] = states.state_dict()
     torch.save(res, Path(out) / f"states_rank{ctx.rank}.pt")
+    _full_worker(out, ctx)
     ctx.barrier()
     ctx.close()
 
@@ -135,6 +184,20 @@ def test_policy_states_under_fsdp(tmp_path):
     sd = get_peft_model_state_dict(other.model, adapter_name="default")
     for k, v in ema["states"]["old"].items():
         assert torch.equal(sd[k], v), k
+
+    # full fine-tuning with "old"/"ref" snapshots: sharded like the parameters, switches reach the forward
+    one = full_mode_script(build_states(full=True))
+    assert not torch.allclose(one["fwd_default1"], one["fwd_ref"])  # the states really differ
+    assert torch.equal(one["fwd_default0"], one["fwd_ref"]) and torch.equal(one["fwd_default1"], one["fwd_default2"])
+    for r in range(2):
+        full = torch.load(tmp_path / f"full_rank{r}.pt", weights_only=False)
+        assert full["sharded_snapshots"]
+        for key in ("fwd_default0", "fwd_default1", "fwd_ref", "fwd_old", "fwd_default2"):
+            torch.testing.assert_close(full[key], one[key], atol=1e-6, rtol=0, msg=f"rank {r} {key}")
+        _exact(full["states"], one["states"])
+    reloaded = build_states(full=True)
+    reloaded.load(tmp_path / "saved_full")
+    _exact(reloaded.state_dict()["states"], one["states"])
 
 
 # ---------------------------------------------------------------------------------------------- the recipe

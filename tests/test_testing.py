@@ -1,6 +1,7 @@
 """mmrl.testing: torchrun launches are retried once only when a rank died from a fatal signal (real 2-process runs)."""
 
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -31,9 +32,12 @@ def test_signal_death_reads_torchrun_report():
 def test_run_torchrun_retries_an_abort_once(tmp_path):
     script = tmp_path / "abort_once.py"
     script.write_text(ABORT_ONCE)
-    with pytest.warns(RuntimeWarning, match="died from signal 6"):
+    with pytest.warns(RuntimeWarning, match="died from signal 6") as caught:
         proc = run_torchrun([str(script), str(tmp_path)], timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    log = Path(str(caught[0].message).split("Full output: ", 1)[1].split("\n", 1)[0])
+    assert "Fatal Python error: Aborted" in log.read_text()  # the first attempt's output, with Python's stack
+    log.unlink()
     assert sorted(p.name for p in tmp_path.glob("seen_*")) == ["seen_0", "seen_1"]
     # retries=0: the abort is reported, not hidden
     for p in tmp_path.glob("seen_*"):

@@ -17,8 +17,7 @@ Nothing here is an algorithm: it is the setup and bookkeeping around one.
 - `init_distributed(cfg, global_sizes)`: the process group (`mmrl.distributed.DistContext`) and the `Run`
   (rank 0 writes the run directory) for a recipe with a `dist:` section; `merge_rank_lists(ctx, lists)`:
   per-rank metric lists concatenated over ranks (the recipes' whole-batch metrics).
-- FSDP (LoRA only; all three recipes): `check_fsdp(cfg, recipe)` refuses full fine-tuning,
-  `FullOptimizerState` (full-tensor optimizer state), `save_checkpoint_fsdp` (collective save, rank 0
+- FSDP (LoRA or full fine-tuning; all three recipes): `FullOptimizerState` (full-tensor optimizer state), `save_checkpoint_fsdp` (collective save, rank 0
   writes), `NoSamples` (ranks > 0 in an evaluation every rank runs), `grad_norm_value`.
 """
 
@@ -43,7 +42,7 @@ __all__ = [
     "lora_config", "build_policy_states", "load_reward_fn", "score_images", "vae_encode", "LatentCache",
     "sample_sigmas", "noise_latents", "flow_matching_mse", "save_checkpoint", "restore_checkpoint",
     "evaluate_ode", "summarise", "TransformerEvalCounter", "TIMING_PREFIX", "init_distributed", "merge_rank_lists",
-    "check_fsdp", "grad_norm_value", "NoSamples", "FullOptimizerState", "save_checkpoint_fsdp",
+    "grad_norm_value", "NoSamples", "FullOptimizerState", "save_checkpoint_fsdp",
 ]
 
 TIMING_PREFIX = "time/"  # metrics that legitimately differ between two identical runs
@@ -383,14 +382,7 @@ def merge_rank_lists(ctx: Any, lists: dict[str, list]) -> dict[str, list]:
     return merged
 
 
-# ------------------------------------------------------------------------------------------ FSDP (LoRA)
-
-
-def check_fsdp(cfg: Any, recipe: str) -> None:
-    """`dist.strategy: fsdp` is wired for LoRA only: full fine-tuning under FSDP is refused."""
-    if cfg.dist.strategy == "fsdp" and not cfg.model.lora:
-        raise ValueError(f"dist.strategy=fsdp: {recipe} supports FSDP with model.lora=true only (full fine-tuning "
-                         "under FSDP is not wired); use dist.strategy=ddp or model.lora=true")
+# ------------------------------------------------------------------------------------------ FSDP
 
 
 def grad_norm_value(grad_norm: Any) -> float:

@@ -34,12 +34,11 @@ gradients are all-reduced once per step. Rank 0 alone logs, samples, evaluates a
 number of ranks can resume); the offline latent cache is shared (one shard file series per rank). With one
 process nothing of this changes a number.
 
-`dist.strategy: fsdp` (LoRA only, as `flow_grpo`): the transformer is sharded with FSDP2 before the optimizer is
+`dist.strategy: fsdp` (LoRA or full fine-tuning, as `flow_grpo`): the transformer is sharded with FSDP2 before the optimizer is
 built, `PolicyStates.refresh()` follows the shards (the reference = adapters off or a frozen init adapter), the
 optimizer state and checkpoints hold full tensors (saved collectively, rank 0 writes; resumable under any
 strategy), and every rank runs the same transformer forwards: equal rollouts, the same number of (padding)
 micro-steps with their reference passes, and evaluation (ODE and offline implicit accuracy) on every rank.
-Full fine-tuning under FSDP is refused.
 
 What is simplified away versus the official train.py: the VAE posterior mean instead of a fresh
 posterior sample per step (so latents can be cached); no SDXL micro-conditioning.
@@ -57,7 +56,7 @@ import torch
 from mmrl.config import RunConfig
 from mmrl.core.losses import dpo_loss
 from mmrl.diffusion.common import (TIMING_PREFIX, AdamWTrainConfig, make_optimizer, FullOptimizerState, LatentCache, NoSamples, TransformerEvalCounter,
-                                   build_policy_states, check_fsdp, evaluate_ode, flow_matching_mse,
+                                   build_policy_states, evaluate_ode, flow_matching_mse,
                                    grad_norm_value, init_distributed, load_reward_fn, merge_rank_lists,
                                    noise_latents, restore_checkpoint, sample_sigmas, save_checkpoint,
                                    save_checkpoint_fsdp, score_images, summarise)
@@ -162,7 +161,7 @@ class Config(RunConfig):
     log: LogConfig = field(default_factory=LogConfig)
     """Samples, evaluation."""
     dist: DistConfig = field(default_factory=DistConfig)
-    """Several processes under torchrun / accelerate launch (strategy none|ddp|fsdp (LoRA only), backend, find_unused_parameters)."""
+    """Several processes under torchrun / accelerate launch (strategy none|ddp|fsdp, backend, find_unused_parameters)."""
 
 
 def _check(cfg: Config) -> None:
@@ -179,7 +178,6 @@ def _check(cfg: Config) -> None:
         raise ValueError(f"dpo.mode=online needs sample.group_size >= 2 to form pairs, got {cfg.sample.group_size}")
     if cfg.train.micro_batch_size < 1 or cfg.data.pairs_per_step < 1:
         raise ValueError("train.micro_batch_size and data.pairs_per_step must be >= 1")
-    check_fsdp(cfg, "dpo")
 
 
 # ------------------------------------------------------------------------------------------ pairing

@@ -20,8 +20,9 @@ scaled so DDP's gradient average equals the global-batch gradient, every rank ru
 micro-steps (zero-weight ones when it has nothing left), and rank 0 alone logs, samples, evaluates and writes
 checkpoints (which any number of ranks can resume). With one process nothing of this changes a number.
 
-`dist.strategy: fsdp` (LoRA only): the transformer is sharded with FSDP2 `fully_shard` per block before the
-optimizer is built, `PolicyStates.refresh()` follows the sharded parameters (EMA on local shards), every rank runs
+`dist.strategy: fsdp` (LoRA or full fine-tuning): the transformer is sharded with FSDP2 `fully_shard` per block
+before the optimizer is built, `PolicyStates.refresh()` follows the sharded parameters (EMA on local shards; full
+fine-tuning's "old"/"ref" snapshots are sharded like their parameters), every rank runs
 the same transformer forwards (equal prompts per rank, zero-weight padding micro-steps, no reference-mean cache,
 evaluation on every rank), and checkpoints gather full tensors (all ranks) that rank 0 writes: they resume with
 any strategy and any number of processes.
@@ -42,7 +43,7 @@ import torch
 from mmrl.config import RunConfig
 from mmrl.core.kl import gaussian_kl_equal_std
 from mmrl.core.losses import clipped_policy_loss
-from mmrl.diffusion.common import (AdamWTrainConfig, FullOptimizerState, NoSamples, check_fsdp, make_optimizer,
+from mmrl.diffusion.common import (AdamWTrainConfig, FullOptimizerState, NoSamples, make_optimizer,
                                    save_checkpoint_fsdp)
 from mmrl.distributed import DistConfig, DistContext, rank_seed
 from mmrl.runtime import Run, Timer, seed_everything
@@ -177,7 +178,7 @@ class Config(RunConfig):
     log: LogConfig = field(default_factory=LogConfig)
     """Samples, evaluation."""
     dist: DistConfig = field(default_factory=DistConfig)
-    """Several processes under torchrun / accelerate launch (strategy none|ddp|fsdp (LoRA only), backend,
+    """Several processes under torchrun / accelerate launch (strategy none|ddp|fsdp, backend,
     find_unused_parameters)."""
 
 
@@ -235,7 +236,6 @@ def _check(cfg: Config) -> None:
         raise ValueError(f"sample.noise_level must be > 0 for training rollouts, got {s.noise_level}")
     if t.updates_per_step < 1 or t.micro_batch_size < 1 or t.num_inner_epochs < 1:
         raise ValueError("train.updates_per_step, train.micro_batch_size and train.num_inner_epochs must be >= 1")
-    check_fsdp(cfg, "flow_grpo")
 
 
 # ------------------------------------------------------------------------------------------ training

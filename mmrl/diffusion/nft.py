@@ -25,11 +25,11 @@ when a rank has fewer rows) and all-reduce once per update; the "old" EMA then s
 rank 0 alone logs, samples, evaluates and writes checkpoints (resumable on any number of ranks). With one
 process nothing of this changes a number.
 
-`dist.strategy: fsdp` (LoRA only, as `flow_grpo`): the transformer is sharded with FSDP2 before the optimizer is
+`dist.strategy: fsdp` (LoRA or full fine-tuning, as `flow_grpo`): the transformer is sharded with FSDP2 before the optimizer is
 built, `PolicyStates.refresh()` follows the shards (the "old" EMA works on local shards), the optimizer state and
 checkpoints hold full tensors (saved collectively, rank 0 writes; resumable under any strategy), and every rank
 runs the same transformer forwards: equal rollouts, the same number of (padding) micro-steps with their "old" and
-reference passes, and evaluation on every rank. Full fine-tuning under FSDP is refused.
+reference passes, and evaluation on every rank.
 
 What is simplified away versus NVlabs/DiffusionNFT's train_nft_sd3.py: the rollout
 solver is Euler (the official default is DPM-Solver-2); no separate EMA copy for evaluation
@@ -48,7 +48,7 @@ import torch
 from mmrl.config import RunConfig
 from mmrl.core.losses import nft_loss, nft_optimality_prob
 from mmrl.diffusion.common import (TIMING_PREFIX, AdamWTrainConfig, make_optimizer, FullOptimizerState, NoSamples, TransformerEvalCounter,
-                                   build_policy_states, check_fsdp, evaluate_ode, grad_norm_value, init_distributed,
+                                   build_policy_states, evaluate_ode, grad_norm_value, init_distributed,
                                    load_reward_fn, merge_rank_lists, noise_latents, restore_checkpoint,
                                    save_checkpoint, save_checkpoint_fsdp, score_images, summarise)
 from mmrl.diffusion.flow_grpo import (DataConfig, LogConfig, ModelConfig, PerPromptStatTracker, RewardConfig,
@@ -155,7 +155,7 @@ class Config(RunConfig):
     log: NFTLogConfig = field(default_factory=NFTLogConfig)
     """Samples, evaluation."""
     dist: DistConfig = field(default_factory=DistConfig)
-    """Several processes under torchrun / accelerate launch (strategy none|ddp|fsdp (LoRA only), backend, find_unused_parameters)."""
+    """Several processes under torchrun / accelerate launch (strategy none|ddp|fsdp, backend, find_unused_parameters)."""
 
 
 def _check(cfg: Config) -> None:
@@ -171,7 +171,6 @@ def _check(cfg: Config) -> None:
         raise ValueError("train.updates_per_step, train.micro_batch_size and train.num_inner_epochs must be >= 1")
     if cfg.log.eval_state not in ("default", "old"):
         raise ValueError(f"log.eval_state: expected 'default' or 'old', got {cfg.log.eval_state!r}")
-    check_fsdp(cfg, "nft")
 
 
 class _Counters:

@@ -14,7 +14,7 @@ gradient average equals the gradient of the global mini-batch loss, every rank r
 mini-batches (a zero-weight micro-batch when it has nothing left), DAPO rounds stop on the minimum kept count over
 ranks, and rank 0 alone logs, saves samples, evaluates and writes checkpoints (resumable on any number of ranks).
 
-`dist.strategy=fsdp` (LoRA, HF engine): the model's decoder layers are sharded with FSDP2 (the vision tower stays in
+`dist.strategy=fsdp` (LoRA or full fine-tuning, HF engine): the model's decoder layers are sharded with FSDP2 (the vision tower stays in
 the root unit, so text-only and image forwards issue the same collectives) before the optimizer is built, and
 `PolicyStates.refresh()` follows the shards. FSDP needs paired forwards on every rank: ranks get equal prompt counts,
 a rank whose responses all finished keeps running masked decode forwards until every rank is done
@@ -41,7 +41,7 @@ import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -53,7 +53,7 @@ from mmrl.distributed import (DistConfig, DistContext, LockstepForwards, full_op
 from mmrl.runtime import Run, Timer, get_rng_state, seed_everything, set_rng_state
 from mmrl.vlm.common import (ShapesQA, VisionCache, collate, compute_logprobs, encode_prompt, language_block_types,
                              load_policy, messages_from_text, pad_to, render_prompt, response_logprobs,
-                             vision_has_adapters, vision_tower)
+                             vision_has_adapters, vision_tower, vision_tower_trainable)
 from mmrl.vlm.rollout import GenRequest, SamplingParams, make_engine
 
 
@@ -557,6 +557,17 @@ def policy_update(model: Any, optimizer: Any, sched: Any, params: list, P_ids: l
     return out, drift
 
 
+def check_fsdp_images(items: Sequence[Any]) -> None:
+    """FSDP with a trained vision tower: every prompt must show an image. A text-only row leaves the tower without
+    gradients on one rank, and FSDP2 reduce-scatters only the gradients that exist, so the collectives would not
+    pair (DDP handles it with find_unused_parameters)."""
+    bad = [i for i, it in enumerate(items) if not getattr(it, "images", None)]
+    if bad:
+        raise ValueError(f"dist.strategy=fsdp with a trained vision tower (model.train_vision=true) needs an image in "
+                         f"every prompt; {len(bad)} of {len(items)} prompts have none (first: index {bad[0]}); set "
+                         f"model.train_vision=false or use dist.strategy=ddp")
+
+
 def check_config(cfg: Config) -> None:
     """Fail before loading any model on names and numbers that would only be read mid-run."""
     from mmrl.core import AGG_MODES
@@ -572,10 +583,6 @@ def check_config(cfg: Config) -> None:
         if getattr(al, name) < 1:
             raise ValueError(f"algo.{name}: expected >= 1, got {getattr(al, name)}")
     if cfg.dist.strategy == "fsdp":
-        if cfg.model.finetune != "lora":
-            raise ValueError("dist.strategy=fsdp: vlm_grpo supports FSDP with model.finetune=lora only (full "
-                             "fine-tuning under FSDP is not wired: the reference snapshot would not follow the shards); "
-                             "use dist.strategy=ddp or model.finetune=lora")
         if cfg.rollout.engine != "hf":
             raise ValueError("dist.strategy=fsdp: vlm_grpo supports FSDP with rollout.engine=hf only")
     if al.old_logprobs == "rollout" and (al.ppo_epochs > 1 or al.mini_batch_size not in (0, cfg.rollout.batch_size * cfg.rollout.n)):
@@ -676,6 +683,7 @@ def train(cfg: Config) -> dict:
     # tower: no LoRA on it and none of its weights in PolicyStates (full fine-tuning with the tower frozen)
     # (off under FSDP: cache hits decide which ranks run the vision tower, and FSDP needs equal forwards)
     reuse = cfg.train.reuse_vision_features and not fsdp
+    vision_grads_need_images = fsdp and vision_tower_trainable(model)
     dummy_ids = torch.full((1, 1), pad_id, dtype=torch.long, device=run.device)
     dummies = [0]  # dummy forwards this rank ran in the current step
 
@@ -707,6 +715,8 @@ def train(cfg: Config) -> dict:
             generated: list = []
 
             def generate(items):
+                if vision_grads_need_images:
+                    check_fsdp_images(items)
                 with timer("rollout"):
                     results = engine.generate([to_request(it, processor, cfg.data) for it in items], sampling)
                 generated[:] = results[:1]  # a placeholder row if this rank keeps nothing (several processes)

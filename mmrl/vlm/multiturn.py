@@ -31,7 +31,7 @@ optimizer steps (a zero-weight placeholder micro-batch when it has no episode in
 all-reduced once per mini-batch (``no_sync`` on the other micro-batches); rank 0 alone evaluates, logs, saves
 samples and writes checkpoints, which resume on any number of processes.
 
-FSDP (``dist.strategy=fsdp``, LoRA only): every forward of a sharded model is a collective, but ranks run different
+FSDP (``dist.strategy=fsdp``; LoRA, or full fine-tuning with the vision tower frozen): every forward of a sharded model is a collective, but ranks run different
 numbers of forwards (turns, stop steps, kept episodes). Only the decoder layers are sharded (the vision tower stays
 in the root unit, so image and text forwards issue the same collectives); rollouts, evaluation (on every rank) and
 the reference pass run inside ``mmrl.distributed.LockstepForwards`` (a finished rank runs dummy forwards while
@@ -612,10 +612,19 @@ def _check_config(cfg: Config) -> None:
     if cfg.rollout.group_size < 2 and cfg.algo.advantage != "turn_grpo":
         raise ValueError(f"rollout.group_size: group advantages need >= 2 episodes per task, "
                          f"got {cfg.rollout.group_size}")
-    if cfg.dist.strategy == "fsdp" and cfg.model.lora_rank <= 0:
-        raise ValueError("dist.strategy=fsdp: vlm_multiturn supports FSDP with LoRA only (model.lora_rank > 0; full "
-                         "fine-tuning under FSDP is not wired: the reference copy would not follow the shards); use "
-                         "dist.strategy=ddp or set model.lora_rank")
+
+
+def check_fsdp_rl_params(model: Any, rl_params: Sequence[torch.Tensor]) -> None:
+    """Under FSDP the RL update must not train the vision tower: a text-only turn leaves it without gradients on
+    some ranks, and FSDP2 reduce-scatters only the gradients that exist, so the ranks' collectives would not pair."""
+    from mmrl.vlm.common import vision_tower
+
+    vision_ids = {id(p) for p in vision_tower(model).parameters()}
+    if any(id(p) in vision_ids for p in rl_params):
+        raise ValueError("dist.strategy=fsdp: the RL update would train the vision tower, but text-only turns leave "
+                         "it without gradients on some ranks and FSDP's gradient reduce-scatter would not pair; add "
+                         "model.freeze=[visual] (full fine-tuning), keep LoRA off the vision tower, or use "
+                         "dist.strategy=ddp with dist.find_unused_parameters=true")
 
 
 def check_world_size(cfg: Config, world_size: int) -> None:
@@ -690,7 +699,8 @@ def warm_start(cfg: Config, model: Any, fmt: ChatFormat, params: list[tuple[str,
     """Format-only SFT: first-turn prompts -> random well-formed actions + EOS. `params`: (name, parameter)
     pairs. Returns the last loss."""
     keep = cfg.train.warm_start_params
-    params = [p for n, p in params if not keep or any(k in n for k in keep)]
+    named = list(params)
+    params = [p for n, p in named if not keep or any(k in n for k in keep)]
     if not params:
         raise ValueError(f"train.warm_start_params={keep!r} matches no trainable parameter")
     opt = torch.optim.AdamW(params, lr=cfg.train.warm_start_lr)
@@ -715,11 +725,23 @@ def warm_start(cfg: Config, model: Any, fmt: ChatFormat, params: list[tuple[str,
         batch, P, rmask = collate(model, prompts, resps, mms, pad_id)
         logp, _ = response_logprobs(model, batch, P, batch["input_ids"][:, P:], cfg.rollout.temperature or 1.0)
         loss = -(logp * rmask).sum() / rmask.sum()
-        model.zero_grad(set_to_none=True)
+        zero_grads(model, [p for _, p in named])
         loss.backward()
         opt.step()
         loss_v = float(loss.detach())
+    zero_grads(model, [p for _, p in named])  # the other trainable parameters got gradients too
     return loss_v
+
+
+def zero_grads(model: Any, params: Sequence[torch.Tensor]) -> None:
+    """Drop the gradients of `params` and of everything ``model.parameters()`` yields now.
+
+    Both are needed under FSDP2: after a forward the root unit's parameters are unsharded, so
+    ``model.zero_grad()`` would not reach the sharded parameters that hold (and accumulate) the gradients;
+    `params` (the optimizer's / PolicyStates' references) are those sharded ones."""
+    for p in params:
+        p.grad = None
+    model.zero_grad(set_to_none=True)
 
 
 def evaluate(cfg: Config, engine: Any, fmt: ChatFormat, manager: EnvManager) -> dict[str, float]:
@@ -769,6 +791,8 @@ def train(cfg: Config) -> dict:
         rl_params = [p for n, p in states.named_trainable_parameters() if not any(f in n for f in cfg.model.freeze)]
         if not rl_params:
             raise ValueError(f"model.freeze={cfg.model.freeze!r} excludes every trainable parameter")
+        if fsdp:
+            check_fsdp_rl_params(states.model, rl_params)
         opt = torch.optim.AdamW(rl_params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         n_steps, end = max(cfg.train.max_steps, 1), cfg.train.lr_end_factor
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 - (1.0 - end) * min(k, n_steps) / n_steps)
@@ -944,7 +968,7 @@ def _train_loop(cfg: Config, run: Run, states: Any, opt: Any, sched: Any, params
                         if not mb:  # nothing here in this mini-batch: a zero-weight micro-batch joins the all-reduce
                             scale, placeholder = 0.0, True
                             n_placeholder += 1
-                    states.model.zero_grad(set_to_none=True)  # frozen parameters too (they are not stepped)
+                    zero_grads(states.model, states.trainable_parameters())  # (frozen ones too: never stepped)
                     chunks = [mb[s:s + mbs] for s in range(0, len(mb), mbs)] if mb else [[]]
                     if fsdp:  # every forward/backward is a collective: equal micro-batch counts, zero-weight padding
                         chunks += [[]] * (ctx.max_int(len(chunks)) - len(chunks))

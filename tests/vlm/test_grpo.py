@@ -214,10 +214,11 @@ def test_tiny_shapes_demo_learns(tmp_path):
 @pytest.mark.parametrize("override, match", [
     ("algo.loss_agg=mean", "loss_agg"), ("algo.kl_estimator=k9", "KL estimator"), ("algo.advantage=ppo", "advantage"),
     ("algo.old_logprobs=rollout", "one update per rollout"), ("data.kind=coco", "data.kind"),
-    ("rollout.engine=sglang", "rollout engine"), ("dist.strategy=fsdp", "fsdp"), ("dist.strategy=zero3", "dist.strategy"),
+    ("rollout.engine=sglang", "rollout engine"), ("dist.strategy=fsdp", "FSDP with rollout.engine=hf only"), ("dist.strategy=zero3", "dist.strategy"),
 ])
 def test_bad_config_fails_with_clear_error(tiny_path, tmp_path, override, match):
     extra = ["algo.ppo_epochs=2"] if "rollout" in override and "old" in override else []
+    extra += ["rollout.engine=vllm"] if override == "dist.strategy=fsdp" else []  # FSDP: the HF engine only
     with pytest.raises(ValueError, match=match):
         grpo.train(_cfg(tiny_path, tmp_path / "bad", override, *extra, "warmup.sft_steps=0"))
 

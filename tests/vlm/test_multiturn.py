@@ -395,10 +395,6 @@ def test_world_size_check_and_episode_gather_one_process():
     check_world_size(cfg, 3)
     with pytest.raises(ValueError, match=r"rollout.groups_per_step=3 .* number of processes \(2\)"):
         check_world_size(cfg, 2)
-    with pytest.raises(ValueError, match="dist.strategy=fsdp"):
-        from mmrl.vlm.multiturn import _check_config
-
-        _check_config(load_config({"algorithm": "vlm_multiturn", "dist": {"strategy": "fsdp"}}))
     ep = _ep(0, 4, [0.5, 1.0], [("a", 1), ("b", 2)])
     ep.mm = [{"pixel_values": torch.ones(2, 3)}]
     light = _light(ep)  # what other ranks receive: no vision tensors, turns/anchors/group/token counts kept
