@@ -26,7 +26,7 @@ import time
 import warnings
 from pathlib import Path
 
-__all__ = ["child_env", "metrics_rows", "run_torchrun", "signal_death"]
+__all__ = ["child_env", "metrics_rows", "run_torchrun", "signal_death", "without_time"]
 
 # torchrun's failure report names each rank's fate: "exitcode  : -6 (pid: 17647)" / "Signal 6 (SIGABRT) received"
 _SIGNAL_EXIT = re.compile(r"exitcode\s*:\s*-(\d+)")
@@ -87,3 +87,8 @@ def metrics_rows(out_dir: str | Path) -> list[dict]:
     """The rows of ``OUT_DIR/metrics.jsonl``."""
     path = Path(out_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def without_time(row: dict) -> dict:
+    """A metrics row without its wall-clock keys (``time/...``): what two equal runs must agree on."""
+    return {k: v for k, v in row.items() if not k.startswith("time/")}

@@ -282,7 +282,7 @@ def test_nested_use():
 
 def test_gradients_reach_only_default():
     model, x = tiny_qwen2_vl(), qwen_inputs()
-    states = PolicyStates(model, lora(QWEN_TARGETS), old=True)
+    PolicyStates(model, lora(QWEN_TARGETS), old=True)  # injects "default" and "old" into `model`
     qwen_forward(model, x).square().mean().backward()
     for n, p in model.named_parameters():
         if ".default." in n:  # lora_B starts at 0, so only B gets a non-zero gradient on step one

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib
 import io
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from mmrl.pipelines.data import VQAItem
 from mmrl.pipelines.qwen_vl import get_rope_index, mm_token_type_ids, rope_kwargs_from_config

@@ -23,7 +23,6 @@ conversion are tested here (no GPU, vLLM not installed).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Protocol, Sequence
 

@@ -1,7 +1,6 @@
 """Diffusion-DPO recipe: pairing by hand, log 2 at init, latent cache, exact resume, accuracy / reward rise."""
 
 import glob
-import json
 import math
 import os
 from pathlib import Path
@@ -12,7 +11,7 @@ import torch
 from mmrl.config import load_config
 from mmrl.diffusion.common import LatentCache, flow_matching_mse, noise_latents, sample_sigmas
 from mmrl.diffusion.dpo import Config, build_pairs, make_shapes_preference_file, train
-from mmrl.testing import child_env, run_torchrun
+from mmrl.testing import child_env, metrics_rows, run_torchrun, without_time
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = str(REPO / "assets" / "prompts" / "shapes_train.txt")
@@ -42,12 +41,6 @@ def _cfg(out, model_path, overrides=(), **sections) -> Config:
     return load_config(d, list(overrides))
 
 
-def _rows(out):
-    return [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-
-
-def _no_time(row):
-    return {k: v for k, v in row.items() if not k.startswith("time/")}
 
 
 # ---------------------------------------------------------------------------------------- pairing
@@ -99,7 +92,7 @@ def test_log2_at_init_offline(tmp_path, tiny_sd3_path, pairs_file):
     cfg = _cfg(tmp_path / "run", tiny_sd3_path, ["train.max_steps=1", "dpo.mode=offline",
                                                  f"data.preference_file={pairs_file}"])
     train(cfg)
-    row = _rows(tmp_path / "run")[0]
+    row = metrics_rows(tmp_path / "run")[0]
     assert row["dpo/reward_margin"] == 0.0 and row["dpo/kl_proxy"] == 0.0
     assert row["dpo/loss"] == pytest.approx(math.log(2), abs=1e-7)
     assert row["dpo/implicit_acc"] == 0.0  # ties count as wrong
@@ -110,7 +103,7 @@ def test_log2_at_init_offline(tmp_path, tiny_sd3_path, pairs_file):
 def test_log2_at_init_full_finetuning(tmp_path, tiny_sd3_path):
     cfg = _cfg(tmp_path / "run", tiny_sd3_path, ["train.max_steps=1", "model.lora=false"])
     train(cfg)
-    row = _rows(tmp_path / "run")[0]
+    row = metrics_rows(tmp_path / "run")[0]
     assert row["dpo/reward_margin"] == 0.0 and row["dpo/loss"] == pytest.approx(math.log(2), abs=1e-7)
     assert row["dpo/pairs"] == row["dpo/pairs_trained"] > 0
     for key in ("reward/mean", "reward/std", "reward/jpeg_compressibility", "time/step_s", "dpo/pair_gap"):
@@ -146,9 +139,9 @@ def test_resume_equals_uninterrupted_run(tmp_path, tiny_sd3_path, pairs_file, mo
     train(_cfg(tmp_path / "full", tiny_sd3_path, ["train.max_steps=4"] + extra))
     train(_cfg(tmp_path / "half", tiny_sd3_path, ["train.max_steps=2"] + extra))
     train(_cfg(tmp_path / "half", tiny_sd3_path, ["train.max_steps=4"] + extra))
-    a, b = _rows(tmp_path / "full"), _rows(tmp_path / "half")
+    a, b = metrics_rows(tmp_path / "full"), metrics_rows(tmp_path / "half")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
-    assert [_no_time(r) for r in a] == [_no_time(r) for r in b]
+    assert [without_time(r) for r in a] == [without_time(r) for r in b]
     if mode == "offline":
         # the latents encoded before the interruption were read back, not encoded again
         cache = LatentCache(tmp_path / "half" / "latent_cache", 64, 64)
@@ -186,7 +179,7 @@ def test_offline_dpo_raises_implicit_accuracy(tmp_path, tiny_sd3_path):
                        "train.max_steps=40", "log.eval_every=20", "log.eval_max_prompts=16", "train.resume=never",
                        "train.save_every=0"])
     train(cfg)
-    evals = [r["eval/dpo/implicit_acc"] for r in _rows(tmp_path / "run") if "eval/dpo/implicit_acc" in r]
+    evals = [r["eval/dpo/implicit_acc"] for r in metrics_rows(tmp_path / "run") if "eval/dpo/implicit_acc" in r]
     print("offline DPO eval implicit accuracy (16 pairs x 4 fixed draws):", evals)
     assert evals[-1] > 0.5
 
@@ -209,9 +202,9 @@ def test_evaluation_does_not_change_training(tmp_path, tiny_sd3_path, pairs_file
     extra = ["dpo.mode=offline", f"data.preference_file={pairs_file}", "train.max_steps=3", "log.eval_max_prompts=6"]
     train(_cfg(tmp_path / "a", tiny_sd3_path, extra + ["log.eval_every=1"]))
     train(_cfg(tmp_path / "b", tiny_sd3_path, extra + ["log.eval_every=0"]))
-    a, b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
+    a, b = metrics_rows(tmp_path / "a"), metrics_rows(tmp_path / "b")
     assert all("eval/dpo/implicit_acc" in r for r in a) and not any("eval/dpo/implicit_acc" in r for r in b)
-    drop = lambda r: {k: v for k, v in _no_time(r).items()  # noqa: E731
+    drop = lambda r: {k: v for k, v in without_time(r).items()  # noqa: E731
                       if not k.startswith("eval/") and k not in ("dpo/latents_cached", "cost/transformer_evals")}
     assert [drop(r) for r in a] == [drop(r) for r in b]
 
@@ -255,7 +248,7 @@ def test_torchrun_online_two_processes_then_resume_with_one(tmp_path):
     assert "data.prompts_per_step=3 (global) must be divisible by the number of processes (2)" in bad.stderr
     two = run_torchrun(["-m", "mmrl.cli", "train", *args, "train.max_steps=2", "dist.strategy=ddp"], cwd=REPO, env=env)
     assert two.returncode == 0, f"torchrun failed:\n{two.stdout[-2000:]}\n{two.stderr[-5000:]}"
-    rows = _rows(out)
+    rows = metrics_rows(out)
     assert [r["step"] for r in rows] == [1, 2]  # rank 0 alone logs
     for r in rows:  # all_pairs inside each of the 2 global groups of 3 images: at most 3 pairs per group
         assert 0 < r["dpo/pairs"] == r["dpo/pairs_trained"] <= 6 and math.isfinite(r["dpo/loss"])
@@ -266,7 +259,7 @@ def test_torchrun_online_two_processes_then_resume_with_one(tmp_path):
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, f"resume failed:\n{one.stdout[-2000:]}\n{one.stderr[-5000:]}"
     assert "resumed from" in one.stdout and "step_2 (step 2)" in one.stdout
-    rows = _rows(out)
+    rows = metrics_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[2]["cost/transformer_evals"] > rows[1]["cost/transformer_evals"] > rows[0]["cost/transformer_evals"]
     assert (out / "checkpoints" / "step_3" / "COMPLETE").is_file()

@@ -1,7 +1,6 @@
 """Flow-GRPO recipe: advantages, configs, clear errors, short runs, exact resume, checkpoints, LoRA export."""
 
 import glob
-import json
 import os
 from pathlib import Path
 
@@ -10,7 +9,7 @@ import torch
 
 from mmrl.config import load_config
 from mmrl.diffusion.flow_grpo import Config, PerPromptStatTracker, train
-from mmrl.testing import child_env, run_torchrun
+from mmrl.testing import child_env, metrics_rows, run_torchrun, without_time
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = str(REPO / "assets" / "prompts" / "shapes_train.txt")
@@ -34,12 +33,6 @@ def _cfg(out, model_path, overrides=(), **sections) -> Config:
     return load_config(d, list(overrides))
 
 
-def _rows(out):
-    return [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-
-
-def _no_time(row):
-    return {k: v for k, v in row.items() if not k.startswith("time/")}
 
 
 # ---------------------------------------------------------------------------------------- advantages
@@ -107,7 +100,7 @@ def test_short_run_logs_drift_and_writes_checkpoint(tmp_path, tiny_sd3_path):
     summary = train(_cfg(out, tiny_sd3_path, sample={"guidance_scale": 2.0, "window_size": 2, "num_steps": 4},
                          train={"beta": 0.04, "ema": True}, data={"eval_prompts": EVAL_PROMPTS},
                          log={"sample_every": 1, "eval_every": 2, "eval_max_prompts": 2}))
-    rows = _rows(out)
+    rows = metrics_rows(out)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         for key in ("reward/mean", "reward/std", "reward/jpeg_compressibility", "policy/clipfrac", "policy/kl",
@@ -133,9 +126,9 @@ def test_resume_reproduces_metrics_exactly(tmp_path, tiny_sd3_path):
     split = tmp_path / "split"
     train(_cfg(split, tiny_sd3_path, ["train.max_steps=2"], **common))
     train(_cfg(split, tiny_sd3_path, ["train.max_steps=4"], **common))  # resume=auto picks step_2
-    a, b = _rows(full), _rows(split)
+    a, b = metrics_rows(full), metrics_rows(split)
     assert [r["step"] for r in b] == [1, 2, 3, 4]
-    assert [_no_time(r) for r in a] == [_no_time(r) for r in b]
+    assert [without_time(r) for r in a] == [without_time(r) for r in b]
 
 
 def test_interrupted_checkpoint_is_not_used(tmp_path, tiny_sd3_path, monkeypatch):
@@ -156,7 +149,7 @@ def test_interrupted_checkpoint_is_not_used(tmp_path, tiny_sd3_path, monkeypatch
     assert names == ["step_1"]  # no half-written step_2, no temp dir left
     monkeypatch.setattr(PolicyStates, "save", real_save)
     train(_cfg(out, tiny_sd3_path, train={"save_every": 1, "max_steps": 2}))
-    assert [r["step"] for r in _rows(out)] == [1, 2]
+    assert [r["step"] for r in metrics_rows(out)] == [1, 2]
 
 
 def test_saved_lora_loads_into_plain_diffusers_pipeline(tmp_path, tiny_sd3_path):
@@ -195,7 +188,7 @@ def test_full_finetuning_and_cps_window(tmp_path, tiny_sd3_path):
     train(_cfg(out, tiny_sd3_path, model={"lora": False},
                sample={"sde_type": "cps", "window_size": 2, "window_range": [0, 3]},
                train={"max_steps": 1, "beta": 0.01, "ema": True, "lr": 1e-5}))
-    row = _rows(out)[0]
+    row = metrics_rows(out)[0]
     assert row["diag/logprob_drift"] < 1e-4 and row["train/updates"] >= 1
     assert (out / "checkpoints" / "step_1" / "adapters" / "default" / "model.safetensors").is_file()
 
@@ -212,7 +205,7 @@ def test_tiny_demo_reward_rises(tmp_path):
     summary = train(cfg)
     assert summary["reward_rose"], summary
     assert summary["reward_rise_in_std"] > 2 and summary["max_logprob_drift"] < 1e-4
-    rows = _rows(tmp_path / "demo")
+    rows = metrics_rows(tmp_path / "demo")
     assert len(rows) == cfg.train.max_steps and all(r["diag/logprob_drift"] < 1e-4 for r in rows)
 
 
@@ -220,7 +213,7 @@ def test_flux_run_with_guidance_embedding(tmp_path, tiny_flux_path):
     """FLUX: LoRA on the joint/single-stream attention, packed latents inside the wrapper, guidance embedding."""
     out = tmp_path / "flux"
     summary = train(_cfg(out, tiny_flux_path, sample={"guidance_scale": 3.5}, train={"max_steps": 1, "beta": 0.01}))
-    row = _rows(out)[0]
+    row = metrics_rows(out)[0]
     assert row["diag/logprob_drift"] < 1e-4 and row["train/updates"] == 2 and "policy/kl" in row
     assert summary["steps_logged"] == 1
 
@@ -254,7 +247,7 @@ def test_reference_forward_once_per_sample_and_step(tmp_path, tiny_sd3_path):
     out = tmp_path / "run"
     train(_cfg(out, tiny_sd3_path, sample={"num_steps": 3},
                train={"max_steps": 2, "beta": 0.04, "num_inner_epochs": 2}))
-    rows, total = _rows(out), 0
+    rows, total = metrics_rows(out), 0
     for r in rows:
         kept = round(r["train/kept_fraction"] * 6)  # 2 prompts x 3 images; K = int(3 * 0.99) = 2 trained steps
         total += 6 * 3 + 2 * kept * 2 + kept * 2
@@ -410,7 +403,7 @@ def test_torchrun_cli_two_processes_then_resume_with_one(tmp_path):
     env = child_env()
     two = run_torchrun(["-m", "mmrl.cli", "train", *args, "train.max_steps=2", "dist.strategy=ddp"], cwd=REPO, env=env)
     assert two.returncode == 0, f"torchrun failed:\n{two.stdout[-2000:]}\n{two.stderr[-5000:]}"
-    rows = _rows(out)
+    rows = metrics_rows(out)
     assert [r["step"] for r in rows] == [1, 2]  # rank 0 alone logs
     assert all(r["diag/logprob_drift"] < 1e-4 and r["train/updates"] == 1 for r in rows)
     assert rows[1]["cost/transformer_evals"] > rows[0]["cost/transformer_evals"] > 0
@@ -420,7 +413,7 @@ def test_torchrun_cli_two_processes_then_resume_with_one(tmp_path):
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, f"resume failed:\n{one.stdout[-2000:]}\n{one.stderr[-5000:]}"
     assert "resumed from" in one.stdout and "step_2 (step 2)" in one.stdout
-    rows = _rows(out)
+    rows = metrics_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[2]["cost/transformer_evals"] > rows[1]["cost/transformer_evals"]
     assert (out / "checkpoints" / "step_3" / "COMPLETE").is_file()

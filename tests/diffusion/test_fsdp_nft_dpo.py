@@ -11,7 +11,6 @@ fine-tuning (full-weight "old"/"ref" snapshots sharded by FSDP) equals DDP too.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import subprocess
 import time

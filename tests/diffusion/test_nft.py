@@ -1,7 +1,6 @@
 """DiffusionNFT recipe: EMA schedules by hand, v = v_old symmetry, configs, exact resume, reward rise."""
 
 import glob
-import json
 import math
 import os
 from pathlib import Path
@@ -12,7 +11,7 @@ import torch
 from mmrl.config import ConfigError, load_config
 from mmrl.core.losses import nft_loss
 from mmrl.diffusion.nft import EMA_SCHEDULES, Config, ema_decay, train
-from mmrl.testing import child_env, run_torchrun
+from mmrl.testing import child_env, metrics_rows, run_torchrun, without_time
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = str(REPO / "assets" / "prompts" / "shapes_train.txt")
@@ -37,12 +36,6 @@ def _cfg(out, model_path, overrides=(), **sections) -> Config:
     return load_config(d, list(overrides))
 
 
-def _rows(out):
-    return [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-
-
-def _no_time(row):
-    return {k: v for k, v in row.items() if not k.startswith("time/")}
 
 
 # ---------------------------------------------------------------------------------------- EMA schedules
@@ -82,7 +75,7 @@ def test_recipe_first_step_has_v_equal_v_old(tmp_path, tiny_sd3_path):
     """Before the first optimizer update "old" == "default" (copied at init): pos and neg losses are equal."""
     cfg = _cfg(tmp_path / "run", tiny_sd3_path, ["train.max_steps=1", "train.updates_per_step=1"])
     train(cfg)
-    row = _rows(tmp_path / "run")[0]
+    row = metrics_rows(tmp_path / "run")[0]
     assert row["nft/pos_loss"] == row["nft/neg_loss"]
     assert row["nft/old_deviate"] == 0.0
     assert row["nft/old_decay"] == pytest.approx(0.001)  # 1 update done -> min(0.001 * 1, 0.5)
@@ -133,9 +126,9 @@ def test_resume_equals_uninterrupted_run(tmp_path, tiny_sd3_path):
     train(half)
     resumed = _cfg(tmp_path / "half", tiny_sd3_path, ["train.max_steps=4", "train.save_every=2"])
     train(resumed)
-    a, b = _rows(tmp_path / "full"), _rows(tmp_path / "half")
+    a, b = metrics_rows(tmp_path / "full"), metrics_rows(tmp_path / "half")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
-    assert [_no_time(r) for r in a] == [_no_time(r) for r in b]
+    assert [without_time(r) for r in a] == [without_time(r) for r in b]
     # the old adapter (EMA state) and the default adapter are identical too
     from safetensors.torch import load_file
 
@@ -167,7 +160,7 @@ def test_old_follows_the_schedule(tmp_path, tiny_sd3_path):
 def test_full_finetuning_runs(tmp_path, tiny_sd3_path):
     train(_cfg(tmp_path / "full", tiny_sd3_path, ["train.max_steps=1", "model.lora=false",
                                                    "train.updates_per_step=1"]))
-    assert _rows(tmp_path / "full")[0]["nft/pos_loss"] == _rows(tmp_path / "full")[0]["nft/neg_loss"]
+    assert metrics_rows(tmp_path / "full")[0]["nft/pos_loss"] == metrics_rows(tmp_path / "full")[0]["nft/neg_loss"]
 
 
 # ---------------------------------------------------------------------------------------- reward rises
@@ -191,9 +184,9 @@ def test_evaluation_does_not_change_training(tmp_path, tiny_sd3_path):
     extra = ["train.max_steps=2", f"data.eval_prompts={EVAL_PROMPTS}", "log.eval_max_prompts=3"]
     train(_cfg(tmp_path / "a", tiny_sd3_path, extra + ["log.eval_every=1"]))
     train(_cfg(tmp_path / "b", tiny_sd3_path, extra + ["log.eval_every=0"]))
-    a, b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
+    a, b = metrics_rows(tmp_path / "a"), metrics_rows(tmp_path / "b")
     assert all("eval/reward/mean" in r for r in a) and not any("eval/reward/mean" in r for r in b)
-    drop = lambda r: {k: v for k, v in _no_time(r).items()  # noqa: E731
+    drop = lambda r: {k: v for k, v in without_time(r).items()  # noqa: E731
                       if not k.startswith("eval/") and k != "cost/transformer_evals"}
     assert [drop(r) for r in a] == [drop(r) for r in b]
 
@@ -349,7 +342,7 @@ def test_torchrun_cli_two_processes_then_resume_with_one(tmp_path):
     env = child_env()
     two = run_torchrun(["-m", "mmrl.cli", "train", *args, "train.max_steps=2", "dist.strategy=ddp"], cwd=REPO, env=env)
     assert two.returncode == 0, f"torchrun failed:\n{two.stdout[-2000:]}\n{two.stderr[-5000:]}"
-    rows = _rows(out)
+    rows = metrics_rows(out)
     assert [r["step"] for r in rows] == [1, 2]  # rank 0 alone logs
     # 2 ranks x (3 images x 4 ODE steps + 3 images x K=2 timesteps x (policy + old)) per step
     assert [r["cost/transformer_evals"] for r in rows] == [48, 96]
@@ -361,7 +354,7 @@ def test_torchrun_cli_two_processes_then_resume_with_one(tmp_path):
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, f"resume failed:\n{one.stdout[-2000:]}\n{one.stderr[-5000:]}"
     assert "resumed from" in one.stdout and "step_2 (step 2)" in one.stdout
-    rows = _rows(out)
+    rows = metrics_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[2]["cost/transformer_evals"] == 96 + 48  # the same global batch (6 images), now in one process
     assert rows[2]["nft/old_decay"] == 0.003  # the update counter (EMA schedule position) was restored

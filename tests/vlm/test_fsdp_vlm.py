@@ -9,8 +9,6 @@ Also: the masked extra decode forwards leave the sampled results unchanged, and 
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 import time
@@ -19,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmrl.testing import child_env, run_torchrun
+from mmrl.testing import child_env, metrics_rows, run_torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -63,9 +61,6 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def _rows(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
 
 def test_fsdp_equals_ddp_and_resumes_on_one_process(tmp_path):
     from mmrl.tiny import build_tiny_qwen2_vl
@@ -85,7 +80,7 @@ def test_fsdp_equals_ddp_and_resumes_on_one_process(tmp_path):
     assert s_f.keys() == s_d.keys() and all(not hasattr(v, "device_mesh") for st in s_f.values() for v in st.values())
     opt_diff = max(float((s_f[i][k] - s_d[i][k]).abs().max()) for i in s_f for k in ("exp_avg", "exp_avg_sq"))
     assert opt_diff < 1e-5
-    rf, rd = _rows(tmp_path / "fsdp"), _rows(tmp_path / "ddp")
+    rf, rd = metrics_rows(tmp_path / "fsdp"), metrics_rows(tmp_path / "ddp")
     assert [r["step"] for r in rf] == [1, 2]
     for key in ("reward/mean", "response_length/mean", "kl", "actor/pg_loss", "actor/grad_norm"):
         for a, b in zip(rf, rd):
@@ -97,7 +92,7 @@ def test_fsdp_equals_ddp_and_resumes_on_one_process(tmp_path):
     for name in ("fsdp", "ddp"):
         proc = _one_process(_args(tmp_path / name, tiny, "train.max_steps=3", "dist.strategy=none"))
         assert "eval accuracy before RL" not in proc.stdout  # resumed, not restarted
-        assert [r["step"] for r in _rows(tmp_path / name)] == [1, 2, 3]
+        assert [r["step"] for r in metrics_rows(tmp_path / name)] == [1, 2, 3]
     resumed = _max_diff(_adapters(tmp_path / "fsdp", 3), _adapters(tmp_path / "ddp", 3))
     assert resumed < 1e-5
     print(f"[test_fsdp_vlm] fsdp 2 steps {t_fsdp:.1f}s; adapters fsdp vs ddp {diff:.2e} (lora_B max {moved:.3g}), "
@@ -144,7 +139,7 @@ def test_fsdp_full_finetuning_equals_ddp(tmp_path):
     _torchrun(_args(tmp_path / "fsdp", tiny, *full, "dist.strategy=fsdp"))
     t_fsdp = time.perf_counter() - t0
     _torchrun(_args(tmp_path / "ddp", tiny, *full, "dist.strategy=ddp"))
-    rf, rd = _rows(tmp_path / "fsdp"), _rows(tmp_path / "ddp")
+    rf, rd = metrics_rows(tmp_path / "fsdp"), metrics_rows(tmp_path / "ddp")
     for key in ("reward/mean", "response_length/mean", "kl", "actor/pg_loss", "actor/grad_norm"):
         for a, b in zip(rf, rd):
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (key, a[key], b[key])
@@ -157,7 +152,7 @@ def test_fsdp_full_finetuning_equals_ddp(tmp_path):
     assert any(".visual." in f".{k}" and float((w["fsdp"][k] - ref[k]).abs().max()) > 0 for k in ref)
     _one_process(_args(tmp_path / "fsdp", tiny, "model.finetune=full", "train.lr=1e-4", "train.max_steps=3",
                        "dist.strategy=none"))
-    assert [r["step"] for r in _rows(tmp_path / "fsdp")] == [1, 2, 3]
+    assert [r["step"] for r in metrics_rows(tmp_path / "fsdp")] == [1, 2, 3]
     print(f"[test_fsdp_vlm] full fine-tuning: fsdp 2 steps {t_fsdp:.1f}s; weights |fsdp - ddp| {diff:.2e} "
           f"(moved {moved:.3g})")
 

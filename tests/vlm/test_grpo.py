@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 from mmrl.config import load_config
-from mmrl.testing import child_env, run_torchrun
+from mmrl.testing import child_env, metrics_rows, run_torchrun
 from mmrl.vlm import grpo
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,9 +48,6 @@ def _cfg(tiny_path, out, *overrides):
     }
     return load_config(base, list(overrides))
 
-
-def _rows(out):
-    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
 # ------------------------------------------------------------------ pure pieces
@@ -133,7 +130,7 @@ def test_lora_vision_included_or_excluded(tiny_path, tmp_path):
 def test_metrics_and_logprob_drift(tiny_path, tmp_path):
     out = tmp_path / "run"
     summary = grpo.train(_cfg(tiny_path, out))
-    rows = _rows(out)
+    rows = metrics_rows(out)
     assert [r["step"] for r in rows] == [1, 2]
     for key in ("reward/mean", "reward/std", "accuracy", "response_length/mean", "response_length/max",
                 "response/clip_ratio", "actor/clipfrac", "actor/entropy", "actor/pg_loss", "time/rollout_s",
@@ -150,7 +147,7 @@ def test_recompute_old_logprobs_kl_loss_and_minibatches(tiny_path, tmp_path):
                "algo.kl_estimator=k3", "algo.advantage=rloo", "algo.loss_agg=seq-mean-token-sum-norm",
                "reward.overlong_buffer=2", "warmup.sft_steps=0", "log.sample_every=0")
     grpo.train(cfg)
-    rows = _rows(out)
+    rows = metrics_rows(out)
     for r in rows:
         assert r["diag/logprob_drift"] < 1e-4
         assert "kl" in r and r["kl"] >= 0 and "time/old_logprob_s" in r and "time/ref_s" in r
@@ -169,7 +166,7 @@ def test_resume_equals_uninterrupted_run(tiny_path, tmp_path):
     def strip(rows):
         return [{k: v for k, v in r.items() if not k.startswith(("time/", "eval/"))} for r in rows]
 
-    a, b = strip(_rows(full)), strip(_rows(part))
+    a, b = strip(metrics_rows(full)), strip(metrics_rows(part))
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     assert a == b
     assert any(r["actor/grad_norm"] > 0 for r in a)  # the runs really updated the adapters
@@ -193,7 +190,7 @@ def test_corrupt_image_skipped_or_raised(tiny_path, tmp_path):
         warnings.simplefilter("always")
         grpo.train(_cfg(tiny_path, tmp_path / "skip", "data.on_error=skip", *opts))
     assert any("img1.png" in str(w.message) for w in caught)
-    assert len(_rows(tmp_path / "skip")) == 1
+    assert len(metrics_rows(tmp_path / "skip")) == 1
     with pytest.raises(ValueError, match="img1.png"):
         grpo.train(_cfg(tiny_path, tmp_path / "raise", "data.on_error=raise", *opts))
 
@@ -415,7 +412,7 @@ def test_torchrun_ddp_train_then_resume_on_one_process(tmp_path):
     proc = run_torchrun(["-m", "mmrl.cli", *args, "train.max_steps=2"], cwd=ROOT, env=env)
     wall = time.perf_counter() - t0
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    rows = _rows(out)
+    rows = metrics_rows(out)
     assert [r["step"] for r in rows] == [1, 2]  # rank 0 alone logs
     assert all(r["diag/logprob_drift"] < 1e-4 for r in rows if "diag/logprob_drift" in r)
     assert all(r["dynamic/rounds"] in (1, 2) for r in rows)
@@ -427,7 +424,7 @@ def test_torchrun_ddp_train_then_resume_on_one_process(tmp_path):
     assert proc.returncode == 0, f"1-process resume failed:\n{proc.stderr[-6000:]}"
     print(f"[test_grpo] torchrun 2 procs 2 steps {wall:.1f}s; 1-process resume to step 3 {time.perf_counter() - t1:.1f}s")
     assert "eval accuracy before RL" not in proc.stdout  # resumed, not restarted
-    rows = _rows(out)
+    rows = metrics_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert (out / "checkpoints" / "step_3" / "COMPLETE").is_file()
 

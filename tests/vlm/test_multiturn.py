@@ -408,9 +408,6 @@ def test_torchrun_two_processes_ddp_then_one_process_resume(tiny, tmp_path):
     rollouts, so both sample the same episodes): same rewards, same global gradient norm; then 1 process resumes
     the 2-process run to step 3. ~30 s on 2 busy cores."""
     import json
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     from mmrl.config import load_config
@@ -479,8 +476,6 @@ def test_torchrun_dynamic_sampling_rank_without_groups_runs_placeholders(tiny, t
     micro-batch; both ranks run the same refill rounds (decided on gathered returns) and finish. ~12 s."""
     import json
     import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     (tmp_path / "_mt_skew_env.py").write_text(SKEW_ENV)
