@@ -105,9 +105,10 @@ def _is_dtensor(t) -> bool:
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of an FSDP2 (DTensor) shard -- a collective: every rank must call it; plain tensors
-    unchanged."""
-    t = t.detach()
-    return t.full_tensor() if _is_dtensor(t) else t
+    unchanged (``mmrl.distributed.full_tensor``: plain c10d all_gather)."""
+    from mmrl.distributed import full_tensor
+
+    return full_tensor(t.detach())
 
 
 def _locals(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

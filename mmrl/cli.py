@@ -135,5 +135,15 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The `mmrl` console script and `python -m mmrl.cli`: :func:`main`, then exit. A process started by a launcher
+    (torchrun / accelerate launch) exits without interpreter finalization (`mmrl.distributed.exit_launched_process`)."""
+    code = main()
+    from mmrl.distributed import exit_launched_process
+
+    exit_launched_process(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

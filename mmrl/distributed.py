@@ -51,7 +51,8 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["DistConfig", "DistContext", "rank_seed", "STRATEGIES", "BACKENDS", "full_optimizer_state_dict",
-           "load_full_optimizer_state_dict", "LockstepForwards"]
+           "load_full_optimizer_state_dict", "LockstepForwards", "full_tensor", "clip_grad_norm",
+           "exit_launched_process"]
 
 STRATEGIES = ("none", "ddp", "fsdp")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -434,11 +435,8 @@ class DistContext:
 
     @staticmethod
     def clip_grad_norm_(parameters: Sequence[torch.Tensor], max_norm: float) -> float:
-        """torch.nn.utils.clip_grad_norm_ that also returns a float for FSDP2's DTensor gradients."""
-        norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        return float(norm)
+        """:func:`clip_grad_norm` (torch's formula; FSDP2 DTensor gradients handled with plain c10d)."""
+        return clip_grad_norm(list(parameters), max_norm)
 
     def full_state_dict(self, module: nn.Module, trainable_only: bool = True) -> dict[str, torch.Tensor]:
         """Unsharded CPU copy of the (trainable) parameters of a DDP/FSDP/plain module, names as in the
@@ -448,10 +446,7 @@ class DistContext:
         for name, p in inner.named_parameters():
             if trainable_only and not p.requires_grad:
                 continue
-            t = p.detach()
-            if hasattr(t, "full_tensor"):
-                t = t.full_tensor()
-            out[name] = t.cpu().clone()
+            out[name] = full_tensor(p.detach()).cpu().clone()
         return out
 
     # ------------------------------------------------------------------ checkpoints
@@ -530,6 +525,92 @@ class LockstepForwards:
             self._in_dummy = False
 
 
+def exit_launched_process(code: int) -> None:
+    """End a process that a launcher started (WORLD_SIZE > 1) with `code`, skipping interpreter finalization.
+
+    On gloo/CPU a rank sometimes aborted *after* its work was done and its process group destroyed ("terminate
+    called without an active exception", no Python frame: C++ teardown during interpreter finalization), which
+    torchrun reports as a failed job. Output is flushed first; files written by the recipes are already closed
+    (checkpoints are renamed into place, metrics are appended and closed per row). Does nothing (returns) for a
+    process that no launcher started."""
+    if (_env_int("WORLD_SIZE") or 1) <= 1:
+        return
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream must not keep the process alive
+            pass
+    os._exit(code)
+
+
+# ---------------------------------------------------------------------------------------------- sharded tensors
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole value of an FSDP2 DTensor (a collective: every rank of its mesh calls it); plain tensors as they are.
+
+    For the 1-D ``Shard(d)`` / ``Replicate`` layouts FSDP2 uses, the shards are gathered with a plain, synchronous
+    ``torch.distributed.all_gather`` (shards padded to the torch.chunk size, then trimmed), not with
+    ``DTensor.full_tensor()``, whose asynchronous functional collectives crashed the process on gloo/CPU here
+    ("malloc(): unaligned tcache chunk detected" inside ``full_tensor`` during a checkpoint save). Other layouts
+    fall back to ``full_tensor()``."""
+    if not (hasattr(t, "device_mesh") and hasattr(t, "to_local")):
+        return t
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = tuple(t.placements)
+    local = t.to_local()
+    if t.device_mesh.ndim != 1 or not isinstance(placements[0], (Shard, Replicate)):
+        return t.full_tensor()
+    if isinstance(placements[0], Replicate):
+        return local
+    d, n = placements[0].dim, t.shape[placements[0].dim]
+    group = t.device_mesh.get_group()
+    world = dist.get_world_size(group)
+    chunk = -(-n // world)  # torch.chunk: ceil(n / world) rows per rank, the last ranks get fewer or none
+    if t.numel() == 0:  # (gloo cannot all_gather empty tensors)
+        return local.new_zeros(t.shape)
+    sizes = [max(0, min(chunk, n - r * chunk)) for r in range(world)]
+    shape = list(local.shape)
+    shape[d] = chunk
+    buf = local.new_zeros(shape)
+    buf.narrow(d, 0, local.shape[d]).copy_(local)
+    parts = [torch.empty_like(buf) for _ in range(world)]
+    dist.all_gather(parts, buf, group=group)
+    return torch.cat([p.narrow(d, 0, k) for p, k in zip(parts, sizes)], dim=d)
+
+
+def clip_grad_norm(parameters: Sequence[torch.Tensor], max_norm: float) -> float:
+    """``torch.nn.utils.clip_grad_norm_`` (2-norm, the same formula: per-tensor norms, their norm, coefficient
+    ``max_norm / (total + 1e-6)`` clamped to 1) that also takes FSDP2 DTensor gradients and returns a float.
+
+    Sharded gradients: each rank sums the squares of its local shards per tensor, one ``all_reduce`` adds them up
+    (plain c10d, no DTensor dispatch), and every rank scales its own shards. Plain (unsharded) gradients are the
+    same on every rank and counted once."""
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return 0.0
+    grads = [p.grad for p in params]
+    sharded = [hasattr(g, "device_mesh") for g in grads]
+    if not any(sharded):
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    group = next(g for g, s in zip(grads, sharded) if s).device_mesh.get_group()
+    first = dist.get_rank(group) == 0
+    locals_ = [g.to_local() if s else g for g, s in zip(grads, sharded)]
+    sq = torch.stack([l.detach().float().pow(2).sum() if (s or first) else torch.zeros((), device=l.device)
+                      for l, s in zip(locals_, sharded)])
+    dist.all_reduce(sq, group=group)
+    total = float(torch.linalg.vector_norm(sq.sqrt(), 2))
+    coef = min(1.0, float(max_norm) / (total + 1e-6))
+    if coef < 1.0:
+        with torch.no_grad():
+            for l in locals_:
+                l.mul_(coef)
+    return total
+
+
 # ---------------------------------------------------------------------------------------------- optimizer state
 
 
@@ -538,7 +619,7 @@ def full_optimizer_state_dict(optimizer: torch.optim.Optimizer) -> dict:
     tensor, so the file is the one a single process or DDP writes. A collective under FSDP: every rank must call
     it. Plain tensors are returned as they are (no copy)."""
     sd = optimizer.state_dict()
-    state = {i: {k: (v.full_tensor().cpu() if hasattr(v, "full_tensor") else v) for k, v in st.items()}
+    state = {i: {k: (full_tensor(v).cpu() if hasattr(v, "device_mesh") else v) for k, v in st.items()}
              for i, st in sd["state"].items()}
     return {"state": state, "param_groups": sd["param_groups"]}
 
@@ -590,6 +671,32 @@ def _self_check() -> dict:
     out.update(lockstep_real=ls.real, lockstep_dummies=ls.dummies,
                lockstep_equal=all(bool(torch.allclose(o, want, atol=1e-6)) for o in outs))
     out["lockstep_all"] = ctx.all_gather_object([ls.real, ls.dummies, out["lockstep_equal"]])
+    # full_tensor (plain all_gather) on uneven Shard(0) layouts, and clip_grad_norm on FSDP2 gradients, against
+    # the same computation on a plain copy (every rank sees the same batch, so FSDP's averaged gradient equals it)
+    if ctx.enabled:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (ctx.world_size,))
+        g = torch.Generator().manual_seed(5)
+        full = [torch.randn(shape, generator=g) for shape in ((5, 3), (1, 4), (3,), (4, 2, 2))]
+        out["full_tensor_exact"] = all(
+            torch.equal(full_tensor(distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None)), t) for t in full)
+    torch.manual_seed(1)
+    plain = nn.Sequential(nn.Linear(4, 7), nn.Tanh(), nn.Linear(7, 3))
+    sharded = nn.Sequential(nn.Linear(4, 7), nn.Tanh(), nn.Linear(7, 3))
+    sharded.load_state_dict(plain.state_dict())
+    if ctx.enabled:
+        sharded = ctx.wrap_model(sharded, "fsdp", fsdp_block_types=["Linear"])
+    xb = torch.randn(6, 4, generator=torch.Generator().manual_seed(2))
+    for m in (plain, sharded):
+        m(xb).square().sum().backward()
+    want = float(torch.nn.utils.clip_grad_norm_(list(plain.parameters()), 0.5))
+    got = clip_grad_norm(list(sharded.parameters()), 0.5)
+    clipped = [full_tensor(p.grad) for p in sharded.parameters()]
+    out["clip_norm"] = [got, want]
+    out["clip_grads_close"] = all(bool(torch.allclose(a, p.grad, rtol=1e-5, atol=1e-7))
+                                  for a, p in zip(clipped, plain.parameters()))
     ctx.barrier()
     ctx.close()
     return out
@@ -601,3 +708,4 @@ if __name__ == "__main__":  # pragma: no cover - exercised through torchrun in t
     result = _self_check()
     if result["rank"] == 0:
         print("MMRL_DIST_CHECK " + json.dumps(result), flush=True)
+    exit_launched_process(0)

@@ -484,6 +484,11 @@ def test_torchrun_two_processes(tmp_path):
     # LockstepForwards on an FSDP2 model: rank 0 runs 1 real forward, rank 1 runs 3; rank 0 pairs the extra 2 with
     # dummies, so both ran 3 forwards (a hang or a collective mismatch would fail the launch) and outputs are exact
     assert out["lockstep_all"] == [[1, 2, True], [3, 0, True]]
+    # plain-c10d gather of uneven Shard(0) DTensors is exact; clip_grad_norm on FSDP2 gradients = torch's on one copy
+    assert out["full_tensor_exact"] is True
+    got, want = out["clip_norm"]
+    assert want > 0.5 and abs(got - want) <= 1e-5 * want, (got, want)  # the norm exceeds 0.5: clipping happened
+    assert out["clip_grads_close"] is True
 
 
 # ---------------------------------------------------------------------------------------------- script entry

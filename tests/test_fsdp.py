@@ -382,7 +382,10 @@ def _param_name(key: str) -> str:
 
 
 if __name__ == "__main__":
+    from mmrl.distributed import exit_launched_process
+
     if sys.argv[1] == "update":
         _update_worker(sys.argv[2], sys.argv[3])
     else:
         _worker(sys.argv[1])
+    exit_launched_process(0)

@@ -62,3 +62,19 @@ def test_child_env_and_metrics_rows(tmp_path, monkeypatch):
     assert env["PYTHONFAULTHANDLER"] == "1" and env["OMP_NUM_THREADS"] == "1"
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n\n{"step": 2}\n')
     assert [r["step"] for r in metrics_rows(tmp_path)] == [1, 2]
+
+
+def test_exit_launched_process(tmp_path, monkeypatch):
+    """Under a launcher the process ends at once with the given code (its output flushed); outside one it returns."""
+    from mmrl.distributed import exit_launched_process
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert exit_launched_process(0) is None  # not launched: nothing happens
+    script = tmp_path / "exit_code.py"
+    script.write_text("import os, sys\nfrom mmrl.distributed import exit_launched_process\n"
+                      "print('rank', os.environ['RANK'], 'done')\nexit_launched_process(int(sys.argv[1]))\n"
+                      "print('not reached')\n")
+    ok = run_torchrun([str(script), "0"], timeout=120)
+    assert ok.returncode == 0 and ok.stdout.count("done") == 2 and "not reached" not in ok.stdout
+    bad = run_torchrun([str(script), "3"], timeout=120)
+    assert bad.returncode != 0 and "exitcode  : 3" in bad.stderr and signal_death(bad.stderr) is None

@@ -18,12 +18,13 @@ Nothing here is an algorithm: it is the setup and bookkeeping around one.
   (rank 0 writes the run directory) for a recipe with a `dist:` section; `merge_rank_lists(ctx, lists)`:
   per-rank metric lists concatenated over ranks (the recipes' whole-batch metrics).
 - FSDP (LoRA or full fine-tuning; all three recipes): `FullOptimizerState` (full-tensor optimizer state), `save_checkpoint_fsdp` (collective save, rank 0
-  writes), `NoSamples` (ranks > 0 in an evaluation every rank runs), `grad_norm_value`.
+  writes), `NoSamples` (ranks > 0 in an evaluation every rank runs), `clip_grads`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ __all__ = [
     "lora_config", "build_policy_states", "load_reward_fn", "score_images", "vae_encode", "LatentCache",
     "sample_sigmas", "noise_latents", "flow_matching_mse", "save_checkpoint", "restore_checkpoint",
     "evaluate_ode", "summarise", "TransformerEvalCounter", "TIMING_PREFIX", "init_distributed", "merge_rank_lists",
-    "grad_norm_value", "NoSamples", "FullOptimizerState", "save_checkpoint_fsdp",
+    "clip_grads", "NoSamples", "FullOptimizerState", "save_checkpoint_fsdp",
 ]
 
 TIMING_PREFIX = "time/"  # metrics that legitimately differ between two identical runs
@@ -385,11 +386,12 @@ def merge_rank_lists(ctx: Any, lists: dict[str, list]) -> dict[str, list]:
 # ------------------------------------------------------------------------------------------ FSDP
 
 
-def grad_norm_value(grad_norm: Any) -> float:
-    """clip_grad_norm_'s result as a float (FSDP2 returns a DTensor: its full value)."""
-    if hasattr(grad_norm, "full_tensor"):
-        grad_norm = grad_norm.full_tensor()
-    return float(grad_norm)
+def clip_grads(params: Any, max_grad_norm: float) -> float:
+    """Clip the gradients of `params` to `max_grad_norm` (<= 0: no clipping) and return their total 2-norm as a
+    float (``mmrl.distributed.clip_grad_norm``: torch's formula, FSDP2 DTensor gradients included)."""
+    from mmrl.distributed import clip_grad_norm
+
+    return clip_grad_norm(list(params), max_grad_norm if max_grad_norm > 0 else math.inf)
 
 
 class NoSamples:

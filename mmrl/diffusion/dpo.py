@@ -57,7 +57,7 @@ from mmrl.config import RunConfig
 from mmrl.core.losses import dpo_loss
 from mmrl.diffusion.common import (TIMING_PREFIX, AdamWTrainConfig, make_optimizer, FullOptimizerState, LatentCache, NoSamples, TransformerEvalCounter,
                                    build_policy_states, evaluate_ode, flow_matching_mse,
-                                   grad_norm_value, init_distributed, load_reward_fn, merge_rank_lists,
+                                   clip_grads, init_distributed, load_reward_fn, merge_rank_lists,
                                    noise_latents, restore_checkpoint, sample_sigmas, save_checkpoint,
                                    save_checkpoint_fsdp, score_images, summarise)
 from mmrl.diffusion.flow_grpo import DataConfig, LogConfig, ModelConfig, RewardConfig
@@ -442,7 +442,7 @@ def _dpo_update(cfg: Config, model, states, x_w, x_l, embeds, shift, optimizer, 
             for key, v in m.items():
                 sums[key] = sums.get(key, 0.0) + v * b
             margins.append(_margin(d.beta, *errs))
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm if t.max_grad_norm > 0 else math.inf)
+    grad_norm = clip_grads(params, t.max_grad_norm)
     optimizer.step()
     lr_sched.step()
     optimizer.zero_grad(set_to_none=True)
@@ -454,7 +454,7 @@ def _dpo_update(cfg: Config, model, states, x_w, x_l, embeds, shift, optimizer, 
                 "dpo/reward_margin": mean["reward_margin"],
                 "dpo/reward_margin_std": all_m.std().item() if n_total > 1 else 0.0,
                 "dpo/kl_proxy": mean["kl_proxy"], "dpo/model_mse": mean["model_mse"], "dpo/ref_mse": mean["ref_mse"],
-                "train/grad_norm": grad_norm_value(grad_norm)})
+                "train/grad_norm": grad_norm})
     return out
 
 

@@ -43,7 +43,7 @@ import torch
 from mmrl.config import RunConfig
 from mmrl.core.kl import gaussian_kl_equal_std
 from mmrl.core.losses import clipped_policy_loss
-from mmrl.diffusion.common import (AdamWTrainConfig, FullOptimizerState, NoSamples, make_optimizer,
+from mmrl.diffusion.common import (AdamWTrainConfig, FullOptimizerState, NoSamples, clip_grads, make_optimizer,
                                    save_checkpoint_fsdp)
 from mmrl.distributed import DistConfig, DistContext, rank_seed
 from mmrl.runtime import Run, Timer, seed_everything
@@ -445,9 +445,7 @@ def _train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, 
                         acc["policy/approx_kl"].append(m["approx_kl"])
                         acc["policy/ratio_max"].append(m["ratio_max"])
                         acc["train/loss"].append(loss.detach())
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm if t.max_grad_norm > 0 else math.inf)
-            if hasattr(grad_norm, "full_tensor"):  # FSDP2: DTensor norm
-                grad_norm = grad_norm.full_tensor()
+            grad_norm = clip_grads(params, t.max_grad_norm)
             acc["train/grad_norm"].append(grad_norm)
             optimizer.step()
             lr_sched.step()

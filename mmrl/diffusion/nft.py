@@ -48,7 +48,7 @@ import torch
 from mmrl.config import RunConfig
 from mmrl.core.losses import nft_loss, nft_optimality_prob
 from mmrl.diffusion.common import (TIMING_PREFIX, AdamWTrainConfig, make_optimizer, FullOptimizerState, NoSamples, TransformerEvalCounter,
-                                   build_policy_states, evaluate_ode, grad_norm_value, init_distributed,
+                                   build_policy_states, evaluate_ode, clip_grads, init_distributed,
                                    load_reward_fn, merge_rank_lists, noise_latents, restore_checkpoint,
                                    save_checkpoint, save_checkpoint_fsdp, score_images, summarise)
 from mmrl.diffusion.flow_grpo import (DataConfig, LogConfig, ModelConfig, PerPromptStatTracker, RewardConfig,
@@ -350,8 +350,7 @@ def _train_on_rollout(cfg: Config, model, states, traj, r, keep, optimizer, lr_s
                         for key in ("pos_loss", "neg_loss", "old_deviate", "nft_loss"):
                             acc[f"nft/{key}"].append(m[key])
                         acc["nft/loss"].append(loss.item())
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm if t.max_grad_norm > 0 else math.inf)
-            acc["train/grad_norm"].append(grad_norm_value(grad_norm))
+            acc["train/grad_norm"].append(clip_grads(params, t.max_grad_norm))
             optimizer.step()
             lr_sched.step()
             optimizer.zero_grad(set_to_none=True)

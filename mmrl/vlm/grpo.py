@@ -544,10 +544,8 @@ def policy_update(model: Any, optimizer: Any, sched: Any, params: list, P_ids: l
                     stats.setdefault(f"actor/{k}", []).append(m[k])
                 stats.setdefault("actor/entropy", []).append(float(ent_mean.detach()))
             if cfg.train.grad_clip > 0:
-                gn = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
-                if hasattr(gn, "full_tensor"):  # FSDP2: a DTensor norm
-                    gn = gn.full_tensor()
-                stats.setdefault("actor/grad_norm", []).append(float(gn))
+                gn = ctx.clip_grad_norm_(params, cfg.train.grad_clip)  # FSDP2 DTensor gradients included
+                stats.setdefault("actor/grad_norm", []).append(gn)
             optimizer.step()
             sched.step()
     out = {k: max(v) if k.endswith("ratio_max") else sum(v) / len(v) for k, v in stats.items()}

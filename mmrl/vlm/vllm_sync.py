@@ -119,7 +119,9 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     """Unsharded tensor (FSDP2 DTensor -> full; a collective every rank must join)."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    from mmrl.distributed import full_tensor
+
+    return full_tensor(t)
 
 
 def _lora_delta(mod: Any, adapter: str) -> torch.Tensor:
