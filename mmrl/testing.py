@@ -26,7 +26,7 @@ import time
 import warnings
 from pathlib import Path
 
-__all__ = ["child_env", "metrics_rows", "run_torchrun", "signal_death", "without_time"]
+__all__ = ["child_env", "metrics_rows", "run_torchrun", "signal_death", "spawn_ranks", "without_time"]
 
 # torchrun's failure report names each rank's fate: "exitcode  : -6 (pid: 17647)" / "Signal 6 (SIGABRT) received"
 _SIGNAL_EXIT = re.compile(r"exitcode\s*:\s*-(\d+)")
@@ -74,6 +74,38 @@ def run_torchrun(args: list[str], nproc: int = 2, *, cwd: str | Path | None = No
         log.write_text(f"$ {' '.join(cmd)}\n\nSTDOUT\n{proc.stdout}\n\nSTDERR\n{proc.stderr}")
         warnings.warn(f"torchrun: a rank died from signal {sig} (attempt {attempt}); retrying. Full output: {log}\n"
                       f"{_crash_excerpt(proc.stderr)}", RuntimeWarning, stacklevel=2)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, fn, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), MMRL_NO_PROGRESS="1", HF_HUB_OFFLINE="1")
+    import torch
+
+    from mmrl.distributed import DistContext
+
+    torch.set_num_threads(1)
+    ctx = DistContext.init("gloo")
+    fn(ctx, *args)
+    ctx.barrier()
+    ctx.close()
+
+
+def spawn_ranks(fn, *args, world: int = 2) -> None:
+    """Run ``fn(ctx, *args)`` in `world` local processes (``torch.multiprocessing.spawn``), each with a gloo
+    ``DistContext`` on a free port, one intra-op thread and the hub offline; returns when all have finished (a
+    failing rank raises here). `fn` must be importable by the children: a module-level function (of ``__main__``
+    when called from a script's ``if __name__ == "__main__"`` block)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_main, args=(world, _free_port(), fn, args), nprocs=world, join=True)
 
 
 def _crash_excerpt(stderr: str, limit: int = 4000) -> str:

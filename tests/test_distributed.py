@@ -255,7 +255,7 @@ def _single_process_step():
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
     t0 = time.perf_counter()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    env = child_env()
     proc = subprocess.run([sys.executable, __file__, str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=240)
     wall = time.perf_counter() - t0

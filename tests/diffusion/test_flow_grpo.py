@@ -9,7 +9,7 @@ import torch
 
 from mmrl.config import load_config
 from mmrl.diffusion.flow_grpo import Config, PerPromptStatTracker, train
-from mmrl.testing import child_env, metrics_rows, run_torchrun, without_time
+from mmrl.testing import child_env, metrics_rows, run_torchrun, spawn_ranks, without_time
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = str(REPO / "assets" / "prompts" / "shapes_train.txt")
@@ -331,17 +331,9 @@ def _one_update(model_path, scenario, ctx):
             "tracker": tracker.state_dict(), "metrics": {**out, **adv_metrics}}
 
 
-def _equality_worker(rank, world, port, model_path, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), MMRL_NO_PROGRESS="1", HF_HUB_OFFLINE="1")
-    torch.set_num_threads(1)
-    from mmrl.distributed import DistContext
-
-    ctx = DistContext.init("gloo")
+def _equality_worker(ctx, model_path, out_dir):
     res = {name: _one_update(model_path, name, ctx) for name in SCENARIOS}
-    torch.save(res, Path(out_dir) / f"rank{rank}.pt")
-    ctx.barrier()
-    ctx.close()
+    torch.save(res, Path(out_dir) / f"rank{ctx.rank}.pt")
 
 
 @pytest.mark.slow
@@ -351,7 +343,7 @@ def test_two_ranks_one_update_equals_one_process(tmp_path, tiny_sd3_path):
 
     from mmrl.distributed import DistContext
 
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    env = child_env()
     proc = subprocess.run([sys.executable, __file__, str(tiny_sd3_path), str(tmp_path)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"2-rank run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
@@ -420,10 +412,6 @@ def test_torchrun_cli_two_processes_then_resume_with_one(tmp_path):
 
 
 if __name__ == "__main__":  # 2 ranks for test_two_ranks_one_update_equals_one_process
-    import socket
     import sys
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        free_port = sock.getsockname()[1]
-    torch.multiprocessing.spawn(_equality_worker, args=(2, free_port, sys.argv[1], sys.argv[2]), nprocs=2, join=True)
+    spawn_ranks(_equality_worker, sys.argv[1], sys.argv[2])

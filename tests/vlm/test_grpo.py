@@ -6,8 +6,6 @@ in the update (bypassed when the vision tower trains)."""
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +18,7 @@ import torch
 from PIL import Image
 
 from mmrl.config import load_config
-from mmrl.testing import child_env, metrics_rows, run_torchrun
+from mmrl.testing import child_env, metrics_rows, run_torchrun, spawn_ranks
 from mmrl.vlm import grpo
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -321,24 +319,11 @@ def _run_update(tiny_path, batch, case, ctx=None, reuse=True, strategy="ddp"):
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _update_worker(rank: int, world: int, port: int, out: str, strategy: str = "ddp") -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), MMRL_NO_PROGRESS="1")
-    torch.set_num_threads(1)
-    from mmrl.distributed import DistContext
-
-    ctx = DistContext.init("gloo")
+def _update_worker(ctx, out: str, strategy: str = "ddp") -> None:
     data = torch.load(Path(out) / "batch.pt", weights_only=False)
     res = {name: _run_update(data["tiny"], data["batch"], case, ctx, strategy=strategy)
            for name, case in _UPDATE_CASES.items()}
-    torch.save(res, Path(out) / f"{strategy}_rank{rank}.pt")
-    ctx.close()
+    torch.save(res, Path(out) / f"{strategy}_rank{ctx.rank}.pt")
 
 
 @pytest.mark.slow
@@ -348,7 +333,7 @@ def test_two_rank_policy_update_equals_one_rank_on_combined_batch(tiny_path, tmp
     trained vision LoRA. 2 PPO epochs (two AdamW steps), KL loss, grad clipping."""
     batch = _fixed_rollouts(tiny_path)
     torch.save({"tiny": str(tiny_path), "batch": batch}, tmp_path / "batch.pt")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    env = child_env()
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, __file__, "update", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
@@ -430,8 +415,5 @@ def test_torchrun_ddp_train_then_resume_on_one_process(tmp_path):
 
 
 if __name__ == "__main__":  # the 2-rank worker of test_two_rank_policy_update_equals_one_rank_on_combined_batch
-    import torch.multiprocessing as mp
-
     if sys.argv[1] == "update":
-        mp.spawn(_update_worker, args=(2, _free_port(), sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "ddp"),
-                 nprocs=2, join=True)
+        spawn_ranks(_update_worker, sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "ddp")
