@@ -1,18 +1,20 @@
-"""Reward protocol, registry and input normalisation shared by every reward model.
+"""Reward protocol, `load` and input normalisation shared by every reward model.
 
 `load(name, **kw) -> RewardModel`; `reward(images, prompts, metadata) -> RewardOutput(scores[B], details)`.
-Heavy models are imported lazily: the registry maps names to modules that are imported on first use.
+Heavy models are imported lazily: the registry (registry.py) maps names to modules imported on first use.
 """
 
 from __future__ import annotations
 
-import importlib
 import io
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
+
+# the registry lives in registry.py (no mmrl imports); its names stay importable from here
+from mmrl.rewards.registry import _LAZY, _REGISTRY, available, create, register, register_lazy  # noqa: F401
 
 
 @dataclass
@@ -189,32 +191,7 @@ def to_pil_list(images: torch.Tensor) -> list:
     return [Image.fromarray(a) for a in arr]
 
 
-# ------------------------------------------------------------------------------------- registry
-
-_REGISTRY: dict[str, Callable[..., RewardModel]] = {}
-# name -> module that registers it when imported (so heavy models load only on use)
-_LAZY: dict[str, str] = {}
-
-
-def register(name: str, *aliases: str):
-    """Decorator registering a RewardModel class (or factory) under `name` (and aliases)."""
-
-    def deco(obj):
-        for n in (name, *aliases):
-            _REGISTRY[n] = obj
-        return obj
-
-    return deco
-
-
-def register_lazy(module: str, *names: str) -> None:
-    for n in names:
-        _LAZY.setdefault(n, module)
-
-
-def available() -> list[str]:
-    """Names `load` accepts."""
-    return sorted(set(_REGISTRY) | set(_LAZY))
+# ------------------------------------------------------------------------------------- loading
 
 
 def load(name: Any, **kwargs: Any) -> RewardModel:
@@ -222,17 +199,11 @@ def load(name: Any, **kwargs: Any) -> RewardModel:
     builds a weighted composite."""
     if isinstance(name, RewardModel):
         return name
-    if isinstance(name, dict):
-        from mmrl.rewards.composite import CompositeReward
-
-        return CompositeReward.from_mapping(name, **kwargs)
+    if isinstance(name, dict):  # the "composite" reward (composite.py) is found through the registry, not imported
+        return create("composite", components=name, **kwargs)
     if not isinstance(name, str):
         raise TypeError(f"reward name must be a string or a mapping, got {type(name).__name__}")
-    if name not in _REGISTRY and name in _LAZY:
-        importlib.import_module(_LAZY[name])
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown reward '{name}'; available: {available()}")
-    return _REGISTRY[name](**kwargs)
+    return create(name, **kwargs)
 
 
 # ------------------------------------------------------------------------------------- JPEG

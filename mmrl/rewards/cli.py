@@ -2,15 +2,24 @@
 
     mmrl reward list
     mmrl reward score --reward NAME_OR_YAML [--weights P] [--kw k=v ...] --images DIR_OR_FILES... \
-                      [--prompts FILE] [--out scores.csv] [--batch-size N] [--device auto]
+                      [--prompts FILE] [--out scores.csv|scores.jsonl|DIR] [--on-error skip|raise] \
+                      [--batch-size N] [--device auto]
     mmrl reward score --reward geo3k --prompts answers.jsonl       # text rewards: rows with a 'completion'
-    mmrl reward serve NAME_OR_YAML [--weights P] [--kw k=v ...] [--host 127.0.0.1] --port P [--max-batch N]
+    mmrl reward serve NAME_OR_YAML [--weights P] [--kw k=v ...] [--host 127.0.0.1] --port P [--max-batch N] \
+                      [--max-pixels N] [--read-timeout S]
 
 `--prompts` is a text file (one prompt per line; blank lines skipped) or a ``.jsonl`` file whose rows hold
 ``prompt`` and optionally ``metadata`` (an object; without it, the row's other keys are the metadata) and
 ``completion`` (scored by text rewards). `--kw` values are parsed as YAML scalars (``tol=1e-3``,
 ``threshold=0.5``, ``normalize=batch``). Errors (missing files, count mismatch, bad options) print one
 line to stderr and exit with code 2.
+
+`score` writes each chunk of rows as soon as it is scored (flushed, in input order), so an interrupted run
+keeps what was scored. `--out` ending in ``.jsonl`` writes one JSON object per sample (non-finite scores as
+``null``), anything else CSV; an existing directory (or a path ending in ``/``) gets ``DIR/scores.csv``. An
+image that cannot be read (truncated, not an image, too large for PIL) is skipped with one warning line and
+counted in the final summary (`--on-error skip`, the default) or stops the run with exit code 2 naming the
+file (`--on-error raise`; rows already written are kept).
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import argparse
 import csv
 import importlib
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -49,7 +59,12 @@ def add_reward_subparsers(subparsers: argparse._SubParsersAction) -> argparse.Ar
                    help="image files and/or directories (their images, sorted by name); "
                         "omit for text rewards scoring --prompts .jsonl completions")
     p.add_argument("--prompts", help="prompts: .txt (one per line) or .jsonl (prompt, metadata, completion)")
-    p.add_argument("--out", help="CSV to write (path,prompt,score + per-sample detail columns); default stdout")
+    p.add_argument("--out", help="file to write: CSV (path,prompt,score + per-sample detail columns), or JSONL if "
+                                 "it ends in .jsonl; an existing directory gets DIR/scores.csv; default: CSV "
+                                 "on stdout. Rows are written as they are scored")
+    p.add_argument("--on-error", choices=["skip", "raise"], default="skip",
+                   help="an unreadable image: skip it with a warning (default) or stop with exit code 2 "
+                        "(rows scored so far are kept)")
     p.add_argument("--batch-size", type=int, default=16, help="images per reward call (default 16)")
     p.add_argument("--device", default="auto", help="auto|cpu|cuda[:i] (passed to the reward as device=)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -62,6 +77,12 @@ def add_reward_subparsers(subparsers: argparse._SubParsersAction) -> argparse.Ar
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--max-batch", type=int, default=64, help="largest batch per request and per model call")
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="how long to wait to merge concurrent requests")
+    p.add_argument("--max-pixels", type=int, default=4096 * 4096,
+                   help="largest image (width*height, read from its header before decoding) a request may "
+                        "hold; larger ones get HTTP 413 (default 4096*4096 = 16777216)")
+    p.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds a connection may stay silent (stalled body, idle keep-alive) before the "
+                        "server drops it (default 30)")
     p.add_argument("--device", default="auto", help="auto|cpu|cuda[:i] (passed to the reward as device=)")
     p.set_defaults(func=cmd_serve)
     return reward
@@ -258,6 +279,7 @@ def cmd_score(args: argparse.Namespace) -> int:
         _fail(f"--batch-size must be >= 1, got {args.batch_size}")
     if paths is None and completions is None:
         _fail("pass --images DIR_OR_FILES (image rewards) or --prompts FILE.jsonl with 'completion' rows (text rewards)")
+    out_path = resolve_out_path(args.out) if args.out else None  # checked before the reward loads
     reward = load_reward_from_args(args.reward, args.weights, args.kw, _device(args.device))
     if getattr(reward, "needs_prompts", False) and prompts is None:
         _fail(f"reward {args.reward!r} needs prompts: pass --prompts FILE")
@@ -266,68 +288,158 @@ def cmd_score(args: argparse.Namespace) -> int:
     if reward.kind != "text" and paths is None:
         _fail(f"reward {args.reward!r} scores images: pass --images DIR_OR_FILES")
 
-    from tqdm import tqdm
+    if out_path is None:
+        return _score_to(sys.stdout, "csv", args, reward, paths, prompts, metadata, completions)
+    try:
+        f = open(out_path, "w", newline="", encoding="utf-8")
+    except OSError as exc:
+        _fail(f"cannot write --out {str(out_path)!r}: {exc.strerror or exc}")
+    with f:
+        return _score_to(f, "jsonl" if out_path.suffix.lower() == ".jsonl" else "csv", args, reward, paths, prompts,
+                         metadata, completions, out_path)
 
+
+def resolve_out_path(out: str) -> Path:
+    """--out as a file path: an existing directory (or a path ending in a separator) -> DIR/scores.csv; the
+    parent directories are created. CLIError if the path cannot be a file."""
+    p = Path(out)
+    if p.is_dir() or out.endswith(("/", "\\")):
+        p = p / "scores.csv"
+        if p.is_dir():
+            _fail(f"--out {out!r} is a directory and {str(p)!r} is a directory too; pass a file path")
+    for parent in p.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                _fail(f"--out {out!r}: {str(parent)!r} is a file, not a directory")
+            break
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        _fail(f"--out {out!r}: cannot create directory {str(p.parent)!r}: {exc.strerror or exc}")
+    return p
+
+
+class _RowWriter:
+    """CSV (header from the first rows written) or JSONL rows, flushed after every write."""
+
+    def __init__(self, f, fmt: str):
+        self.f, self.fmt = f, fmt
+        self.header: list[str] | None = None
+        self.writer: csv.DictWriter | None = None
+        self.count = 0
+
+    def write(self, rows: list[dict], detail_keys: list[str]) -> None:
+        if not rows:  # e.g. a chunk of unreadable images: the CSV header waits for rows with their details
+            return
+        if self.fmt == "jsonl":
+            for r in rows:
+                self.f.write(json.dumps({k: _json_value(v) for k, v in r.items()}, allow_nan=False) + "\n")
+        else:
+            if self.writer is None:
+                fixed = ("path", "prompt", "score")
+                self.header = [*fixed, *[k for k in detail_keys if k not in fixed]]
+                self.writer = csv.DictWriter(self.f, fieldnames=self.header, extrasaction="ignore")
+                self.writer.writeheader()
+            for r in rows:
+                self.writer.writerow({k: r.get(k, "") for k in self.header})
+        self.count += len(rows)
+        self.f.flush()
+
+
+def _json_value(v: Any) -> Any:
+    """Non-finite floats -> null so every JSONL line is strict JSON."""
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
+def _load_image_file(path: Path) -> torch.Tensor:
+    from mmrl.pipelines.images import load_image
     from mmrl.rewards.base import to_image_list
 
+    return to_image_list([load_image(path)])[0]
+
+
+def _score_to(f, fmt: str, args: argparse.Namespace, reward, paths, prompts, metadata, completions,
+              out_path: Path | None = None) -> int:
+    """Score chunk by chunk, writing each chunk's rows (in input order) as soon as they are scored."""
+    from tqdm import tqdm
+
     n = len(paths) if paths is not None else len(completions)
-    rows: list[dict[str, Any]] = []
-    detail_keys: list[str] = []
+    writer = _RowWriter(f, fmt)
+    skipped: list[str] = []
+    total = 0.0
+    where = f" -> {out_path}" if out_path is not None else ""
     bar = tqdm(total=n, desc=f"reward {args.reward}", unit="sample", disable=args.no_progress, file=sys.stderr)
-    for start in range(0, n, args.batch_size):
-        idx = list(range(start, min(n, start + args.batch_size)))
-        images = to_image_list([str(paths[i]) for i in idx]) if paths is not None else None
-        # rewards take one image size per call: score each size group of the chunk separately
-        groups: dict[tuple, list[int]] = {}
-        for j in range(len(idx)):
-            groups.setdefault(tuple(images[j].shape) if images is not None else (), []).append(j)
-        for js in groups.values():
-            sel = [idx[j] for j in js]
-            out = reward(images=None if images is None else torch.stack([images[j] for j in js]),
-                         prompts=None if prompts is None else [prompts[i] for i in sel],
-                         metadata=None if metadata is None else [metadata[i] for i in sel],
-                         completions=None if completions is None else [completions[i] for i in sel])
-            cols = per_sample_columns(out.details, len(sel))
-            scores = out.scores.detach().float().cpu().tolist()
-            for k in cols:
-                if k not in detail_keys:
-                    detail_keys.append(k)
-            for r, i in enumerate(sel):
-                rows.append({"_i": i, "path": "" if paths is None else str(paths[i]),
-                             "prompt": "" if prompts is None else prompts[i],
-                             "score": scores[r], **{k: v[r] for k, v in cols.items()}})
-        bar.update(len(idx))
-    bar.close()
-    rows.sort(key=lambda r: r.pop("_i"))
-    header = ["path", "prompt", "score", *[k for k in detail_keys if k not in ("path", "prompt", "score")]]
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "w", newline="", encoding="utf-8") as f:
-            _write_csv(f, header, rows)
-        mean = sum(r["score"] for r in rows) / len(rows)
-        print(f"scored {len(rows)} samples with {args.reward}: mean {mean:.6g} -> {args.out}", file=sys.stderr)
-    else:
-        _write_csv(sys.stdout, header, rows)
+    try:
+        for start in range(0, n, args.batch_size):
+            idx = list(range(start, min(n, start + args.batch_size)))
+            chunk_len = len(idx)
+            images: dict[int, torch.Tensor] = {}
+            stop: str | None = None  # --on-error raise: the error, raised once the images before it are written
+            if paths is not None:
+                for i in idx:
+                    try:
+                        images[i] = _load_image_file(paths[i])
+                    except Exception as exc:  # noqa: BLE001 - any unreadable file (truncated, bomb, bad mode)
+                        reason = str(exc) if isinstance(exc, (ValueError, OSError)) else f"{type(exc).__name__}: {exc}"
+                        reason = reason.replace(f"cannot read image file {str(paths[i])!r}: ", "")  # named once
+                        if args.on_error == "raise":
+                            stop = f"cannot read image {str(paths[i])!r}: {reason}"
+                            break
+                        bar.clear()
+                        print(f"mmrl reward: warning: skipping {paths[i]}: {reason}", file=sys.stderr)
+                        skipped.append(str(paths[i]))
+                idx = [i for i in idx if i in images]
+            # rewards take one image size per call: score each size group of the chunk separately
+            groups: dict[tuple, list[int]] = {}
+            for i in idx:
+                groups.setdefault(tuple(images[i].shape) if paths is not None else (), []).append(i)
+            rows: list[dict[str, Any]] = []
+            detail_keys: list[str] = []
+            for sel in groups.values():
+                out = reward(images=None if paths is None else torch.stack([images[i] for i in sel]),
+                             prompts=None if prompts is None else [prompts[i] for i in sel],
+                             metadata=None if metadata is None else [metadata[i] for i in sel],
+                             completions=None if completions is None else [completions[i] for i in sel])
+                cols = per_sample_columns(out.details, len(sel))
+                scores = out.scores.detach().float().cpu().tolist()
+                detail_keys += [k for k in cols if k not in detail_keys]
+                for r, i in enumerate(sel):
+                    rows.append({"_i": i, "path": "" if paths is None else str(paths[i]),
+                                 "prompt": "" if prompts is None else prompts[i],
+                                 "score": scores[r], **{k: v[r] for k, v in cols.items()}})
+            rows.sort(key=lambda r: r.pop("_i"))
+            writer.write(rows, detail_keys)
+            total += sum(r["score"] for r in rows)
+            if stop is not None:
+                _fail(f"{stop} (--on-error raise; the {writer.count} row(s) before it were written{where})")
+            bar.update(chunk_len)
+    except KeyboardInterrupt:
+        bar.close()
+        print(f"mmrl reward: interrupted; {writer.count} scored row(s) kept{where}", file=sys.stderr)
+        raise SystemExit(130) from None
+    finally:
+        bar.close()
+    note = f"; skipped {len(skipped)} unreadable image(s)" if skipped else ""
+    if writer.count == 0:
+        _fail(f"none of the {n} image(s) could be read{note}")
+    print(f"scored {writer.count} samples with {args.reward}: mean {total / writer.count:.6g}{where}{note}",
+          file=sys.stderr)
     return 0
-
-
-def _write_csv(f, header: list[str], rows: list[dict]) -> None:
-    w = csv.DictWriter(f, fieldnames=header, extrasaction="ignore")
-    w.writeheader()
-    for r in rows:
-        w.writerow({k: r.get(k, "") for k in header})
 
 
 @_exit_on_error
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a reward over HTTP until Ctrl-C."""
-    from mmrl.rewards.remote import serve
+    from mmrl.rewards.remote import check_server_options, serve
 
     if not 0 <= args.port <= 65535:
         _fail(f"--port must be in 0..65535 (0 = any free port), got {args.port}")
+    check_server_options(max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_pixels=args.max_pixels,
+                         read_timeout=args.read_timeout, flags=True)  # before the (slow) reward load
     reward = load_reward_from_args(args.reward, args.weights, args.kw, _device(args.device))
     try:
-        serve(reward, host=args.host, port=args.port, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms)
+        serve(reward, host=args.host, port=args.port, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
+              max_pixels=args.max_pixels, read_timeout=args.read_timeout)
     except (OSError, OverflowError) as exc:
         _fail(f"cannot serve on {args.host}:{args.port}: {exc}")
     return 0

@@ -10,8 +10,15 @@ Server (stdlib ``ThreadingHTTPServer``)::
 
 Every field but one of ``images`` / ``completions`` is optional; lists must all have one entry per sample.
 Errors are JSON ``{"error": message}``: 400 bad JSON / base64 / not an image / count mismatch / bad input
-to the reward (its ValueError), 404 unknown path, 411 no Content-Length, 413 batch larger than
-``max_batch`` or body larger than ``max_body_mb``, 500 model failure (message included).
+to the reward (its ValueError), 404 unknown path, 408 request body stalled longer than ``read_timeout``,
+411 no Content-Length, 413 batch larger than ``max_batch``, body larger than ``max_body_mb`` or an image
+larger than ``max_pixels`` (width * height, read from the image header before any pixel is decoded; PIL's
+own decompression-bomb limit, ``2 * Image.MAX_IMAGE_PIXELS``, also answers 413), 500 model failure.
+
+Bounded resources: ``max_pixels`` (default 4096 * 4096) caps the memory one decoded image can take;
+``read_timeout`` (default 30 s) is the socket timeout of each connection, so a client that sends headers
+and then stalls (or keeps an idle keep-alive connection) frees its handler thread after that long; the
+listen ``backlog`` (default 128) holds bursts of concurrent connections without resets.
 
 Request batching: handler threads decode requests in parallel and put them on a queue; one worker thread
 takes the first request, waits up to ``max_wait_ms`` for more requests with the same fields and image
@@ -19,13 +26,19 @@ size, scores them in one model call (at most ``max_batch`` samples) and splits t
 details back. A merged call that fails is retried request by request so one bad request fails alone.
 The worker is the only thread that calls the model, so the model need not be thread-safe.
 
-Client: ``RemoteReward(url, timeout=30, retries=3, backoff=0.5)`` (``load("remote", url=...)``) encodes
-images as base64 PNG. PNG is lossless for uint8 images; float images are rounded to the uint8 grid first
+Client: ``RemoteReward(url, timeout=30, retries=3, backoff=0.5, check_health=True)`` (``load("remote",
+url=...)``) calls ``GET /health`` when it is built (so a recipe that loads its rewards before its model fails
+before the model loads: "reward server URL is not reachable: <reason>"; ``check_health=False`` skips it) and
+encodes images as base64 PNG. PNG is lossless for uint8 images; float images are rounded to the uint8 grid first
 (``round(clamp(x, 0, 1) * 255)``, the same rounding ``to_pil_list`` uses), so a reward that itself reads
 uint8 pixels (JPEG size, every PIL-based preprocessor) scores identically remotely and locally.
 Connection errors, timeouts, 408/429 and 5xx are retried with exponential backoff
 (``backoff * 2**k`` seconds before retry k+1); then ``RemoteRewardError`` names the url and the last error.
-Other 4xx raise ``RemoteRewardError`` at once with the server's message.
+Other 4xx raise ``RemoteRewardError`` at once with the server's message. Every reply is validated: a JSON
+object whose ``scores`` is a flat list with one number per input (no strings, nulls, booleans or nested
+lists), else ``RemoteRewardError`` naming the url, what was expected and (truncated) what came. JSON
+``NaN`` / ``Infinity`` scores are numbers: they come back as ``nan`` / ``inf`` in ``scores`` and are not an
+error here; the training recipes' reward validation (``reward.on_nonfinite``) rejects or drops them.
 """
 
 from __future__ import annotations
@@ -35,6 +48,8 @@ import binascii
 import http.client
 import io
 import json
+import math
+import numbers
 import queue
 import socket
 import threading
@@ -50,16 +65,27 @@ import torch
 
 from mmrl.rewards.base import RewardModel, RewardOutput, register, to_image_list, to_pil_list
 
-__all__ = ["RemoteRewardError", "RemoteReward", "RewardServer", "serve", "request_json",
-           "encode_image_base64", "decode_image_base64", "to_jsonable"]
+__all__ = ["RemoteRewardError", "RemoteRewardUnreachableError", "ImageTooLargeError", "RemoteReward", "RewardServer",
+           "serve", "check_server_options", "request_json", "encode_image_base64", "decode_image_base64",
+           "to_jsonable"]
 
 
 class RemoteRewardError(RuntimeError):
     """A remote reward request failed; `url`, `status` (HTTP code or None) and the message say why."""
 
-    def __init__(self, message: str, url: str | None = None, status: int | None = None):
+    def __init__(self, message: str, url: str | None = None, status: int | None = None, reason: str | None = None):
         super().__init__(message)
         self.url, self.status = url, status
+        self.reason = reason if reason is not None else message  # the cause alone, without the url preamble
+
+
+class RemoteRewardUnreachableError(RemoteRewardError, ValueError):
+    """The start-up health check failed. Also a ValueError: a wrong url or a server not started yet is fixed
+    by the user, so the CLI prints it as one line (exit 2) instead of a traceback."""
+
+
+class ImageTooLargeError(ValueError):
+    """An image whose header says it has more pixels than allowed (decoding it could exhaust memory)."""
 
 
 # ----------------------------------------------------------------------------------- encoding
@@ -74,9 +100,11 @@ def encode_image_base64(image: torch.Tensor, data_url: bool = False) -> str:
     return f"data:image/png;base64,{b64}" if data_url else b64
 
 
-def decode_image_base64(s: Any, index: int = 0) -> torch.Tensor:
+def decode_image_base64(s: Any, index: int = 0, max_pixels: int | None = None) -> torch.Tensor:
     """Base64 image (bare or data URL) -> float CHW RGB tensor in [0,1]; ValueError naming `index`.
-    Never treats the string as a path or URL."""
+    Never treats the string as a path or URL. With `max_pixels`, an image whose header declares more than
+    that many pixels (width * height) raises `ImageTooLargeError` before any pixel is decoded, as does one
+    over PIL's decompression-bomb limit."""
     from PIL import Image, UnidentifiedImageError
 
     if not isinstance(s, str):
@@ -88,13 +116,21 @@ def decode_image_base64(s: Any, index: int = 0) -> torch.Tensor:
     except (binascii.Error, ValueError) as exc:
         raise ValueError(f"images[{index}] is not valid base64: {exc}") from None
     try:
-        with Image.open(io.BytesIO(data)) as im:
+        with Image.open(io.BytesIO(data)) as im:  # reads the header only
+            w, h = im.size
+            if max_pixels is not None and w * h > max_pixels:
+                raise ImageTooLargeError(f"images[{index}] is {w}x{h} = {w * h} pixels, more than max_pixels="
+                                         f"{max_pixels}; resize it (the server refuses to decode it)")
             im.load()
-            rgb = im.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+            rgb = im if im.mode == "RGB" else im.convert("RGB")
+            arr = np.array(rgb, dtype=np.uint8)  # one writable copy, shared by the tensor below
+    except ImageTooLargeError:
+        raise
+    except Image.DecompressionBombError as exc:
+        raise ImageTooLargeError(f"images[{index}] is too large to decode safely: {exc}") from None
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
         raise ValueError(f"images[{index}] is not a decodable image ({len(data)} bytes): {exc}") from None
-    arr = np.asarray(rgb, dtype=np.uint8)
-    return torch.from_numpy(arr.copy()).permute(2, 0, 1).float() / 255.0
+    return torch.from_numpy(arr).permute(2, 0, 1).float().div_(255.0)
 
 
 def to_jsonable(v: Any) -> Any:
@@ -168,7 +204,8 @@ def request_json(url: str, payload: Any = None, *, timeout: float = 30.0, retrie
         except urllib.error.HTTPError as err:
             msg = _http_error_message(err)
             if 400 <= err.code < 500 and err.code not in _RETRY_4XX:
-                raise RemoteRewardError(f"{url} rejected the request (HTTP {err.code}): {msg}", url, err.code) from None
+                raise RemoteRewardError(f"{url} rejected the request (HTTP {err.code}): {msg}", url, err.code,
+                                        reason=f"HTTP {err.code}: {msg}") from None
             last = f"HTTP {err.code}: {msg}"
         except urllib.error.URLError as err:
             last = f"{type(err.reason).__name__}: {err.reason}"
@@ -179,7 +216,7 @@ def request_json(url: str, payload: Any = None, *, timeout: float = 30.0, retrie
         except ValueError as err:  # JSON decode
             last = f"invalid JSON reply: {err}"
     raise RemoteRewardError(f"request to {url} failed after {attempts} attempt(s) ({retries} retries); "
-                            f"last error: {last}", url)
+                            f"last error: {last}", url, reason=f"{last} (after {attempts} attempt(s))")
 
 
 # ----------------------------------------------------------------------------------- client
@@ -187,27 +224,59 @@ def request_json(url: str, payload: Any = None, *, timeout: float = 30.0, retrie
 
 @register("remote")
 class RemoteReward(RewardModel):
-    """Reward computed by an `mmrl reward serve` server at `url` (JSON over HTTP, retries with backoff)."""
+    """Reward computed by an `mmrl reward serve` server at `url` (JSON over HTTP, retries with backoff).
+
+    `check_health=True` calls ``GET /health`` here, with the same timeout and retries as scoring, and raises
+    `RemoteRewardUnreachableError` ("reward server URL is not reachable: <reason>") if it fails. `kind=None`
+    takes the served reward's kind from that reply ("image" without a health check); an explicit `kind` that
+    differs from the served one is a ValueError."""
 
     name = "remote"
 
     def __init__(self, url: str, timeout: float = 30.0, retries: int = 3, backoff: float = 0.5,
-                 batch_size: int = 64, kind: str = "image", headers: dict[str, str] | None = None,
-                 device: Any = None):
+                 batch_size: int = 64, kind: str | None = None, headers: dict[str, str] | None = None,
+                 device: Any = None, check_health: bool = True):
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"remote reward url must start with http:// or https://, got {url!r}")
-        if kind not in ("image", "text"):
+        if kind not in ("image", "text", None):
             raise ValueError(f"remote reward kind must be 'image' or 'text', got {kind!r}")
         self.url = url.rstrip("/")
         self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
         self.batch_size = int(batch_size)
-        self.kind = kind
+        self.kind = kind or "image"
+        self._kind_given = kind is not None
         self.headers = dict(headers or {})
         self.name = f"remote({self.url})"
+        if check_health:
+            self.check_health()
 
     def health(self) -> dict:
-        return request_json(self.url + "/health", None, timeout=self.timeout, retries=self.retries,
-                            backoff=self.backoff, headers=self.headers)
+        """The server's ``GET /health`` reply (a JSON object; RemoteRewardError if it is anything else)."""
+        reply = request_json(self.url + "/health", None, timeout=self.timeout, retries=self.retries,
+                             backoff=self.backoff, headers=self.headers)
+        if not isinstance(reply, dict):
+            raise RemoteRewardError(f"{self.url}/health: expected a JSON object, got {_preview(reply)}", self.url,
+                                    reason=f"/health replied {_preview(reply)}, expected a JSON object")
+        return reply
+
+    def check_health(self) -> dict:
+        """`health()`, raising `RemoteRewardUnreachableError` naming the url and the reason if it fails,
+        and ValueError if the server serves a reward of another kind (image vs text)."""
+        try:
+            reply = self.health()
+        except RemoteRewardError as exc:
+            raise RemoteRewardUnreachableError(f"reward server {self.url} is not reachable: {exc.reason}",
+                                               self.url, exc.status, reason=exc.reason) from None
+        if reply.get("status", "ok") != "ok":
+            raise RemoteRewardUnreachableError(f"reward server {self.url} is not healthy: /health replied "
+                                               f"{_preview(reply)}", self.url)
+        served = reply.get("kind")
+        if served in ("image", "text") and not self._kind_given:
+            self.kind = served
+        elif served in ("image", "text") and served != self.kind:
+            raise ValueError(f"reward server {self.url} serves a {served} reward ({reply.get('reward')!r}) but "
+                             f"the client was built with kind={self.kind!r}; pass kind={served!r}")
+        return reply
 
     def __call__(self, images: Any = None, prompts: Sequence[str] | None = None,
                  metadata: Sequence[dict] | None = None, completions: Sequence[str] | None = None) -> RewardOutput:
@@ -235,11 +304,54 @@ class RemoteReward(RewardModel):
             raise ValueError(f"reward '{self.name}': prompts/metadata/completions must be JSON-serialisable: {exc}") from None
         reply = request_json(self.url + "/score", payload, timeout=self.timeout, retries=self.retries,
                              backoff=self.backoff, headers=self.headers)
-        if not isinstance(reply, dict) or "scores" not in reply:
-            raise RemoteRewardError(f"{self.url}/score returned no 'scores': {str(reply)[:200]}", self.url)
-        scores = torch.tensor(reply["scores"], dtype=torch.float32)
-        details = {k: _from_json_detail(v) for k, v in (reply.get("details") or {}).items()}
+        scores = _validate_scores(reply, s.stop - s.start, self.url + "/score")
+        details = reply.get("details")
+        if details is not None and not isinstance(details, dict):
+            raise RemoteRewardError(f"{self.url}/score: expected 'details' to be a JSON object, got "
+                                    f"{_preview(details)}", self.url)
+        details = {k: _from_json_detail(v) for k, v in (details or {}).items()}
         return RewardOutput(scores, details)
+
+
+def _preview(v: Any, limit: int = 200) -> str:
+    """Short description of a JSON value for error messages: type and (truncated) text."""
+    try:
+        text = json.dumps(v)
+    except (TypeError, ValueError):
+        text = repr(v)
+    if len(text) > limit:
+        text = text[:limit] + f"... ({len(text)} chars)"
+    return f"{type(v).__name__} {text}"
+
+
+def _validate_scores(reply: Any, n: int, url: str) -> torch.Tensor:
+    """The reply's ``scores`` as a float32 tensor of shape [n], or RemoteRewardError saying what was expected
+    and what came. JSON NaN/Infinity literals are numbers here (nan/inf): the recipes decide what to do."""
+    expected = f"a JSON object with 'scores': a flat list of {n} number(s)"
+    if not isinstance(reply, dict):
+        raise RemoteRewardError(f"{url}: expected {expected}, got {_preview(reply)}", url)
+    if "scores" not in reply:
+        raise RemoteRewardError(f"{url}: expected {expected}, got an object without 'scores' "
+                                f"(keys {sorted(reply)[:10]}): {_preview(reply)}", url)
+    scores = reply["scores"]
+    if not isinstance(scores, list):
+        raise RemoteRewardError(f"{url}: expected 'scores' to be a flat list of {n} number(s), got "
+                                f"{_preview(scores)}", url)
+    if len(scores) != n:
+        raise RemoteRewardError(f"{url}: expected {n} score(s), one per input, got {len(scores)}: "
+                                f"{_preview(scores)}", url)
+    for i, x in enumerate(scores):
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            raise RemoteRewardError(f"{url}: expected scores[{i}] to be a number, got {_preview(x)} "
+                                    f"(scores: {_preview(scores)})", url)
+    return torch.tensor([_to_float(x) for x in scores], dtype=torch.float32)
+
+
+def _to_float(x: int | float) -> float:
+    try:
+        return float(x)
+    except OverflowError:  # an integer beyond float range: non-finite, like a JSON Infinity
+        return math.copysign(math.inf, x)
 
 
 def _from_json_detail(v: Any) -> Any:
@@ -290,21 +402,62 @@ def _split_details(details: dict, offsets: list[int], total: int) -> list[dict]:
     return outs
 
 
+DEFAULT_MAX_PIXELS = 4096 * 4096
+
+
+def check_server_options(*, max_batch: Any = 64, max_wait_ms: Any = 5.0, max_body_mb: Any = 256.0,
+                         max_pixels: Any = DEFAULT_MAX_PIXELS, read_timeout: Any = 30.0, backlog: Any = 128,
+                         flags: bool = False) -> None:
+    """ValueError naming the first bad server option (as ``--max-batch`` when `flags`, else ``max_batch``)."""
+    def name(key: str) -> str:
+        return "--" + key.replace("_", "-") if flags else key
+
+    def number(v: Any) -> bool:
+        return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+    for key, v in (("max_batch", max_batch), ("max_pixels", max_pixels), ("backlog", backlog)):
+        if not (isinstance(v, numbers.Integral) and not isinstance(v, bool)) or v < 1:
+            raise ValueError(f"{name(key)} must be an integer >= 1, got {v!r}")
+    for key, v in (("read_timeout", read_timeout), ("max_body_mb", max_body_mb)):
+        if not number(v) or v <= 0:
+            raise ValueError(f"{name(key)} must be a number > 0, got {v!r}")
+    if not number(max_wait_ms) or max_wait_ms < 0:
+        raise ValueError(f"{name('max_wait_ms')} must be a number >= 0, got {max_wait_ms!r}")
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True  # handler threads never keep the process alive
+
+
 class RewardServer:
-    """HTTP server around one reward model; see the module docstring for the protocol."""
+    """HTTP server around one reward model; see the module docstring for the protocol and the limits
+    (`max_pixels` per image, `read_timeout` per socket operation, listen `backlog`)."""
 
     def __init__(self, reward: RewardModel, host: str = "127.0.0.1", port: int = 0, max_batch: int = 64,
-                 max_wait_ms: float = 5.0, max_body_mb: float = 256.0, quiet: bool = True):
+                 max_wait_ms: float = 5.0, max_body_mb: float = 256.0, quiet: bool = True,
+                 max_pixels: int = DEFAULT_MAX_PIXELS, read_timeout: float = 30.0, backlog: int = 128):
+        check_server_options(max_batch=max_batch, max_wait_ms=max_wait_ms, max_body_mb=max_body_mb,
+                             max_pixels=max_pixels, read_timeout=read_timeout, backlog=backlog)
         self.reward = reward
         self.max_batch = int(max_batch)
         self.max_wait = float(max_wait_ms) / 1000.0
         self.max_body = int(max_body_mb * 1024 * 1024)
+        self.max_pixels = int(max_pixels)
+        self.read_timeout = float(read_timeout)
         self.quiet = quiet
         self.model_calls = 0  # number of reward invocations (tests check that batching merged requests)
         self._queue: "queue.Queue[_Pending]" = queue.Queue()
         self._stop = threading.Event()
-        self.httpd = ThreadingHTTPServer((host, int(port)), self._handler_class())
-        self.httpd.daemon_threads = True
+        self.httpd = _HTTPServer((host, int(port)), self._handler_class(), bind_and_activate=False)
+        # socketserver listens with a backlog of 5: bursts of concurrent clients overflow it and get
+        # dropped or reset connections; the kernel caps the value at net.core.somaxconn
+        self.httpd.request_queue_size = int(backlog)
+        try:
+            self.httpd.server_bind()
+            self.httpd.server_activate()
+        except BaseException:
+            self.httpd.server_close()
+            raise
         self.host, self.port = self.httpd.server_address[:2]
         self._worker = threading.Thread(target=self._batch_loop, name="reward-batcher", daemon=True)
         self._worker.start()
@@ -450,7 +603,10 @@ class RewardServer:
         images = None
         if fields["images"] is not None:
             try:
-                tensors = [decode_image_base64(s, i) for i, s in enumerate(fields["images"])]
+                tensors = [decode_image_base64(s, i, max_pixels=self.max_pixels)
+                           for i, s in enumerate(fields["images"])]
+            except ImageTooLargeError as exc:
+                raise _BadRequest(413, str(exc)) from None
             except ValueError as exc:
                 raise _BadRequest(400, str(exc)) from None
             sizes = sorted({tuple(t.shape[1:]) for t in tensors})
@@ -465,6 +621,9 @@ class RewardServer:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
             server_version = "mmrl-reward/1"
+            # socket timeout of every read/write on the connection (StreamRequestHandler.setup applies it):
+            # a stalled request line/headers or an idle keep-alive connection ends the handler thread
+            timeout = server.read_timeout
 
             def log_message(self, fmt, *args):  # noqa: N802 - stdlib name
                 if not server.quiet:
@@ -472,11 +631,14 @@ class RewardServer:
 
             def _send(self, status: int, obj: Any) -> None:
                 body = json.dumps(obj).encode("utf-8")
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except OSError:  # the client went away or stopped reading (write timeout): drop the connection
+                    self.close_connection = True
 
             def do_GET(self):  # noqa: N802
                 if self.path.rstrip("/") == "/health":
@@ -499,7 +661,16 @@ class RewardServer:
                     self.close_connection = True
                     self._send(413, {"error": f"body of {length} bytes exceeds {server.max_body} bytes"})
                     return
-                body = self.rfile.read(int(length))
+                try:
+                    body = self.rfile.read(int(length))
+                except TimeoutError:
+                    self.close_connection = True
+                    self._send(408, {"error": f"request body not received: nothing arrived for "
+                                              f"{server.read_timeout:g} s (read_timeout)"})
+                    return
+                if len(body) < int(length):  # the client closed the connection early
+                    self.close_connection = True
+                    return
                 try:
                     req = server._parse(body)
                 except _BadRequest as exc:
@@ -523,10 +694,12 @@ class RewardServer:
 
 
 def serve(reward: RewardModel, host: str = "127.0.0.1", port: int = 8008, max_batch: int = 64,
-          max_wait_ms: float = 5.0, block: bool = True, quiet: bool = False) -> RewardServer:
+          max_wait_ms: float = 5.0, block: bool = True, quiet: bool = False, max_pixels: int = DEFAULT_MAX_PIXELS,
+          read_timeout: float = 30.0, backlog: int = 128, max_body_mb: float = 256.0) -> RewardServer:
     """Serve `reward` on http://host:port. `block=True` serves until Ctrl-C; `block=False` starts a background
     thread and returns the `RewardServer` (``.url``, ``.shutdown()``). port=0 picks a free port."""
-    server = RewardServer(reward, host=host, port=port, max_batch=max_batch, max_wait_ms=max_wait_ms, quiet=quiet)
+    server = RewardServer(reward, host=host, port=port, max_batch=max_batch, max_wait_ms=max_wait_ms, quiet=quiet,
+                          max_pixels=max_pixels, read_timeout=read_timeout, backlog=backlog, max_body_mb=max_body_mb)
     if not block:
         return server.start()
     print(f"serving reward '{reward.name}' on {server.url} (POST /score, GET /health)", flush=True)

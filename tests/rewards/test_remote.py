@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 import mmrl.rewards.remote as R
-from mmrl.rewards import RewardModel, load
+from mmrl.rewards import RewardModel, RewardOutput, load
 from mmrl.rewards.remote import RemoteReward, RemoteRewardError, serve
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -259,12 +259,12 @@ def _flaky_server(fails, delay=0.0):
 def test_retry_after_two_503_then_success():
     httpd, handler, url = _flaky_server(fails=2)
     try:
-        out = RemoteReward(url, retries=3, backoff=0.01)(_images(1))
+        out = RemoteReward(url, retries=3, backoff=0.01, check_health=False)(_images(1))
         assert out.scores.tolist() == [1.5] and out.details["k"].tolist() == [2.0] and out.details["s"] == "x"
         assert handler.calls == 3
         handler.fails_left, handler.calls = 5, 0
         with pytest.raises(RemoteRewardError, match=r"failed after 2 attempt\(s\).*HTTP 503: warming up") as ei:
-            RemoteReward(url, retries=1, backoff=0.01)(_images(1))
+            RemoteReward(url, retries=1, backoff=0.01, check_health=False)(_images(1))
         assert url in str(ei.value) and handler.calls == 2
     finally:
         httpd.shutdown()
@@ -276,7 +276,7 @@ def test_timeout_is_retried_then_reported():
     try:
         t0 = time.monotonic()
         with pytest.raises(RemoteRewardError, match="timed out|timeout"):
-            RemoteReward(url, timeout=0.2, retries=1, backoff=0.01)(_images(1))
+            RemoteReward(url, timeout=0.2, retries=1, backoff=0.01, check_health=False)(_images(1))
         assert time.monotonic() - t0 < 5
         # the client may give up before a busy server thread has even counted the 2nd request: wait for it
         deadline = time.monotonic() + 10
@@ -302,7 +302,7 @@ def test_dead_port_raises_after_retries_within_bounded_time():
 def test_client_validates_inputs():
     with pytest.raises(ValueError, match="http://"):
         RemoteReward("127.0.0.1:8000")
-    c = RemoteReward("http://127.0.0.1:9")
+    c = RemoteReward("http://127.0.0.1:9", check_health=False)
     with pytest.raises(ValueError, match="2 inputs but 1 prompts"):
         c(_images(2), prompts=["a"])
     with pytest.raises(ValueError, match="JSON-serialisable"):
@@ -312,3 +312,260 @@ def test_client_validates_inputs():
 def test_no_pickle_in_protocol():
     src = open(R.__file__).read()
     assert "import pickle" not in src and "pickle.loads" not in src and "torch.load" not in src
+
+
+# ----------------------------------------------------------------------------- client: reply validation, health
+
+
+class _ReplyHandler(BaseHTTPRequestHandler):
+    """Answers GET /health like an mmrl server and POST /score with the raw bytes in `reply`."""
+
+    reply = b"{}"
+
+    def log_message(self, *a):
+        pass
+
+    def _raw(self, status, body):
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):  # noqa: N802
+        self._raw(200, b'{"status": "ok", "reward": "fake", "kind": "image", "max_batch": 64}')
+
+    def do_POST(self):  # noqa: N802
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self._raw(200, type(self).reply)
+
+
+@pytest.fixture
+def reply_server():
+    handler = type("H", (_ReplyHandler,), {})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield handler, f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+@pytest.mark.parametrize("reply,msg", [
+    (b'{"scores": [1.0]}', r"expected 2 score\(s\), one per input, got 1"),
+    (b'{"scores": [1.0, 2.0, 3.0]}', r"expected 2 score\(s\), one per input, got 3"),
+    (b'{"scores": [[1.0], [2.0]]}', r"expected scores\[0\] to be a number, got list \[1.0\]"),
+    (b'{"scores": [1.0, "2.5"]}', r"expected scores\[1\] to be a number, got str \"2.5\""),
+    (b'{"scores": [null, 1.0]}', r"expected scores\[0\] to be a number, got NoneType null"),
+    (b'{"scores": [true, 1.0]}', r"expected scores\[0\] to be a number, got bool true"),
+    (b'{"scores": {"a": 1}}', r"expected 'scores' to be a flat list of 2 number\(s\), got dict"),
+    (b'{"scores": 3.0}', r"expected 'scores' to be a flat list of 2 number\(s\), got float 3.0"),
+    (b'{"score": [1.0, 2.0]}', r"got an object without 'scores' \(keys \['score'\]\)"),
+    (b'[1.0, 2.0]', r"expected a JSON object with 'scores'.*got list \[1.0, 2.0\]"),
+    (b'{"scores": [1.0, 2.0], "details": [1]}', r"expected 'details' to be a JSON object, got list"),
+])
+def test_client_rejects_malformed_replies(reply_server, reply, msg):
+    handler, url = reply_server
+    handler.reply = reply
+    with pytest.raises(RemoteRewardError, match=msg) as ei:
+        RemoteReward(url, retries=0)(_images(2))
+    assert url + "/score" in str(ei.value)
+
+
+def test_client_error_truncates_long_replies(reply_server):
+    handler, url = reply_server
+    handler.reply = json.dumps({"scores": list(range(5000))}).encode()
+    with pytest.raises(RemoteRewardError, match=r"expected 2 score\(s\).*got 5000.*\(\d+ chars\)") as ei:
+        RemoteReward(url, retries=0)(_images(2))
+    assert len(str(ei.value)) < 600
+
+
+def test_json_infinity_and_nan_come_back_as_nonfinite_scores(reply_server):
+    handler, url = reply_server
+    handler.reply = b'{"scores": [Infinity, NaN, -Infinity, 1.5], "details": {}}'
+    s = RemoteReward(url, retries=0)(_images(4)).scores
+    assert s.dtype == torch.float32 and s.shape == (4,)
+    assert s[0] == float("inf") and torch.isnan(s[1]) and s[2] == float("-inf") and s[3] == 1.5
+
+
+class _NaNReward(RewardModel):
+    name = "nan_reward"
+
+    def score_images(self, images, prompts, metadata):
+        return RewardOutput(torch.tensor([float("nan"), float("inf")] * (len(images) // 2)), {})
+
+
+def test_nonfinite_scores_from_our_server_reach_the_client_as_nonfinite():
+    srv = serve(_NaNReward(), port=0, block=False)
+    try:
+        s = RemoteReward(srv.url)(_images(2)).scores
+        assert torch.isnan(s[0]) and s[1] == float("inf")
+    finally:
+        srv.shutdown()
+
+
+def test_health_check_when_built_fails_fast_with_url_and_reason():
+    url = f"http://127.0.0.1:{_free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(R.RemoteRewardUnreachableError, match=r"^reward server http://127\.0\.0\.1:\d+ is not "
+                       r"reachable: ConnectionRefusedError.*refused \(after 2 attempt\(s\)\)$") as ei:
+        load("remote", url=url, retries=1, backoff=0.01, timeout=2)
+    assert ei.value.url == url and time.monotonic() - t0 < 5
+    assert isinstance(ei.value, ValueError) and isinstance(ei.value, RemoteRewardError)  # CLI: one line, exit 2
+    RemoteReward(url, check_health=False)  # opting out: nothing is contacted
+
+
+def test_health_check_reports_http_errors_and_adopts_the_served_kind(jpeg_server):
+    httpd, _, url = _flaky_server(fails=0)  # a server without GET /health: 501
+    try:
+        with pytest.raises(R.RemoteRewardUnreachableError, match=r"is not reachable: HTTP 501"):
+            RemoteReward(url, retries=0)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert RemoteReward(jpeg_server.url).kind == "image"
+    srv = serve(load("math_accuracy"), port=0, block=False)
+    try:
+        assert RemoteReward(srv.url).kind == "text"  # kind=None: taken from /health
+        with pytest.raises(ValueError, match=r"serves a text reward \('math_accuracy'\).*kind='image'"):
+            RemoteReward(srv.url, kind="image")
+    finally:
+        srv.shutdown()
+
+
+# ----------------------------------------------------------------------------- server limits
+
+
+def _png_b64(w, h):
+    import io
+
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (10, 20, 30)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_server_refuses_images_over_max_pixels_from_the_header():
+    srv = serve(load("jpeg_compressibility"), port=0, block=False, max_pixels=64 * 64)
+    try:
+        ok = base64.b64encode(_png_b64(64, 64)).decode()
+        code, reply = _post_raw(srv.url + "/score", json.dumps({"images": [ok]}).encode())
+        assert code == 200 and len(reply["scores"]) == 1
+        big = _png_b64(65, 64)
+        body = json.dumps({"images": [ok, base64.b64encode(big).decode()]}).encode()
+        code, reply = _post_raw(srv.url + "/score", body)
+        assert code == 413 and "images[1] is 65x64 = 4160 pixels, more than max_pixels=4096" in reply["error"]
+        # a PNG cut after its header: refused by size (413), so its pixels were never decoded (else: 400)
+        cut = _png_b64(3000, 3000)[:100]
+        code, reply = _post_raw(srv.url + "/score", json.dumps({"images": [base64.b64encode(cut).decode()]}).encode())
+        assert code == 413 and "3000x3000" in reply["error"]
+        with pytest.raises(RemoteRewardError, match=r"HTTP 413.*max_pixels=4096") as ei:
+            RemoteReward(srv.url, retries=3, backoff=5)(torch.zeros(1, 3, 80, 80))  # 4xx: no retry
+        assert ei.value.status == 413
+    finally:
+        srv.shutdown()
+
+
+def test_pil_decompression_bomb_is_413(monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # PIL raises above 2 * 100 pixels at open
+    with pytest.raises(R.ImageTooLargeError, match=r"images\[0\] is too large to decode safely"):
+        R.decode_image_base64(base64.b64encode(_png_b64(20, 20)).decode())
+    srv = serve(load("jpeg_compressibility"), port=0, block=False, max_pixels=10**9)
+    try:
+        body = json.dumps({"images": [base64.b64encode(_png_b64(20, 20)).decode()]}).encode()
+        code, reply = _post_raw(srv.url + "/score", body)
+        assert code == 413 and "too large to decode safely" in reply["error"]
+    finally:
+        srv.shutdown()
+
+
+def _recv_all(sock, limit_s):
+    data, deadline = b"", time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            chunk = sock.recv(65536)
+        except socket.timeout:
+            continue
+        if not chunk:
+            return data, True  # the server closed the connection
+        data += chunk
+    return data, False
+
+
+def test_stalled_request_body_and_headers_time_out():
+    srv = serve(load("jpeg_compressibility"), port=0, block=False, read_timeout=0.5)
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=0.2) as s:
+            s.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{\"images\": [")  # then stall
+            t0 = time.monotonic()
+            data, closed = _recv_all(s, 10)
+        assert closed and time.monotonic() - t0 < 5
+        assert data.startswith(b"HTTP/1.1 408") and b"read_timeout" in data
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=0.2) as s:
+            s.sendall(b"POST /score HTT")  # a stalled request line
+            data, closed = _recv_all(s, 10)
+        assert closed
+        assert RemoteReward(srv.url)(_images(1)).scores.shape == (1,)  # still serving
+    finally:
+        srv.shutdown()
+
+
+def test_listen_backlog_holds_32_waiting_connections():
+    srv = R.RewardServer(load("jpeg_compressibility"), port=0)  # listening, not accepting yet
+    socks = []
+    try:
+        for _ in range(32):  # a full accept queue drops the SYN: connect() would time out
+            socks.append(socket.create_connection(("127.0.0.1", srv.port), timeout=0.5))
+        srv.start()
+        for s in socks:
+            s.settimeout(10)
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        for s in socks:
+            data, closed = _recv_all(s, 10)
+            assert data.startswith(b"HTTP/1.1 200") and closed
+    finally:
+        for s in socks:
+            s.close()
+        srv.shutdown()
+
+
+def test_32_concurrent_clients_get_no_connection_errors():
+    srv = serve(load("jpeg_compressibility"), port=0, block=False, max_batch=64, max_wait_ms=5)
+    imgs = _images(1, size=8)
+    want = load("jpeg_compressibility")(imgs).scores
+    errors, done = [], []
+    barrier = threading.Barrier(32)
+
+    def worker():
+        try:
+            client = RemoteReward(srv.url, retries=0, timeout=30)
+            barrier.wait(timeout=30)
+            for _ in range(3):
+                assert torch.equal(client(imgs).scores, want)
+                done.append(1)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=worker) for _ in range(32)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        srv.shutdown()
+    assert not errors, errors[:3]
+    assert len(done) == 96
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"max_batch": 0}, "max_batch must be an integer >= 1, got 0"),
+    ({"max_batch": -3}, "max_batch must be an integer >= 1, got -3"),
+    ({"max_pixels": 0}, "max_pixels must be an integer >= 1, got 0"),
+    ({"read_timeout": 0}, "read_timeout must be a number > 0, got 0"),
+    ({"read_timeout": float("nan")}, "read_timeout must be a number > 0, got nan"),
+    ({"max_wait_ms": -1}, "max_wait_ms must be a number >= 0, got -1"),
+])
+def test_server_rejects_bad_options(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        R.RewardServer(load("jpeg_compressibility"), port=0, **kw)

@@ -178,7 +178,7 @@ def test_python_m_mmrl_cli_reward_serve(image_dir):
     proc = subprocess.Popen([PY, "-m", "mmrl.cli", "reward", "serve", "jpeg_compressibility", "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
     try:
-        client = RemoteReward(f"http://127.0.0.1:{port}", retries=0, timeout=5)
+        client = RemoteReward(f"http://127.0.0.1:{port}", retries=0, timeout=5, check_health=False)
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -193,3 +193,154 @@ def test_python_m_mmrl_cli_reward_serve(image_dir):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+# ----------------------------------------------------------------------------- bad files, incremental output
+
+
+@pytest.fixture
+def dir_with_truncated(image_dir):
+    """img_0..img_2 (good) plus img_1b.png: a PNG cut in half (header readable, pixels not)."""
+    good = (image_dir / "img_1.png").read_bytes()
+    (image_dir / "img_1b.png").write_bytes(good[: len(good) // 2])
+    return image_dir
+
+
+def test_score_skips_unreadable_images_and_keeps_the_rest(dir_with_truncated, tmp_path, capsys):
+    out = tmp_path / "s.csv"
+    assert run(["reward", "score", "--reward", "jpeg_compressibility", "--images", str(dir_with_truncated),
+                "--out", str(out), "--batch-size", "2", "--no-progress"]) == 0
+    rows = read_csv(out)
+    good = [dir_with_truncated / f"img_{i}.png" for i in range(3)]
+    assert [r["path"] for r in rows] == [str(p) for p in good]
+    want = load("jpeg_compressibility")(to_image_tensor([str(p) for p in good])).scores
+    assert [float(r["score"]) for r in rows] == want.tolist()
+    err = capsys.readouterr().err
+    warnings = [ln for ln in err.splitlines() if "warning" in ln]
+    assert len(warnings) == 1 and "skipping" in warnings[0] and "img_1b.png" in warnings[0]
+    assert "truncated" in warnings[0]
+    assert "scored 3 samples" in err and "skipped 1 unreadable image(s)" in err
+
+
+def test_score_skip_keeps_prompts_aligned(dir_with_truncated, tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("zero\none\nbad one\ntwo\n")  # sorted names: img_0, img_1, img_1b, img_2
+    out = tmp_path / "s.jsonl"
+    assert run(["reward", "score", "--reward", "jpeg_compressibility", "--images", str(dir_with_truncated),
+                "--prompts", str(prompts), "--out", str(out), "--no-progress"]) == 0
+    rows = [json.loads(ln) for ln in out.read_text().splitlines()]
+    assert [(Path(r["path"]).name, r["prompt"]) for r in rows] == \
+        [("img_0.png", "zero"), ("img_1.png", "one"), ("img_2.png", "two")]
+    assert set(rows[0]) == {"path", "prompt", "score", "jpeg_kb"} and isinstance(rows[0]["score"], float)
+
+
+@pytest.mark.parametrize("batch_size", ["1", "16"])  # 16: the images before the bad one share its chunk
+def test_score_on_error_raise_stops_naming_the_file_and_keeps_rows_written(dir_with_truncated, tmp_path, capsys,
+                                                                           batch_size):
+    out = tmp_path / "s.csv"
+    with pytest.raises(SystemExit) as ei:
+        run(["reward", "score", "--reward", "jpeg_compressibility", "--images", str(dir_with_truncated),
+             "--out", str(out), "--batch-size", batch_size, "--on-error", "raise", "--no-progress"])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot read image" in err[0] and "img_1b.png" in err[0] and "2 row(s)" in err[0]
+    assert [Path(r["path"]).name for r in read_csv(out)] == ["img_0.png", "img_1.png"]
+
+
+def test_score_csv_header_comes_from_the_first_scored_rows(image_dir, tmp_path):
+    (image_dir / "a_bad.png").write_bytes(b"not a png")  # sorted first: its chunk scores nothing
+    out = tmp_path / "s.csv"
+    assert run(["reward", "score", "--reward", "jpeg_compressibility", "--images", str(image_dir),
+                "--out", str(out), "--batch-size", "1", "--no-progress"]) == 0
+    rows = read_csv(out)
+    assert list(rows[0]) == ["path", "prompt", "score", "jpeg_kb"] and len(rows) == 3
+
+
+def test_score_all_unreadable_is_one_line_error(tmp_path, capsys):
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n garbage")
+    with pytest.raises(SystemExit) as ei:
+        run(["reward", "score", "--reward", "jpeg_compressibility", "--images", str(bad), "--no-progress"])
+    assert ei.value.code == 2
+    assert "none of the 1 image(s) could be read; skipped 1 unreadable image(s)" in capsys.readouterr().err
+
+
+class _InterruptOnSecondCall:
+    """Wraps a reward: the 2nd call records the --out file's content, the 3rd raises KeyboardInterrupt."""
+
+    def __init__(self, reward, out):
+        self.reward, self.out, self.calls, self.seen = reward, out, 0, None
+        self.kind = reward.kind
+
+    def __call__(self, **kw):
+        self.calls += 1
+        if self.calls == 2:
+            self.seen = self.out.read_text()
+        if self.calls == 3:
+            raise KeyboardInterrupt
+        return self.reward(**kw)
+
+
+def test_score_writes_rows_as_they_are_scored_and_an_abort_keeps_them(image_dir, tmp_path, monkeypatch, capsys):
+    import mmrl.rewards.cli as cli
+
+    out = tmp_path / "s.csv"
+    wrapped = _InterruptOnSecondCall(load("jpeg_compressibility"), out)
+    monkeypatch.setattr(cli, "load_reward_from_args", lambda *a, **k: wrapped)
+    with pytest.raises(SystemExit) as ei:
+        run(["reward", "score", "--reward", "jpeg_compressibility", "--images", str(image_dir),
+             "--out", str(out), "--batch-size", "1", "--no-progress"])
+    assert ei.value.code == 130
+    assert wrapped.seen.splitlines()[0] == "path,prompt,score,jpeg_kb" and len(wrapped.seen.splitlines()) == 2
+    assert [Path(r["path"]).name for r in read_csv(out)] == ["img_0.png", "img_1.png"]
+    assert "interrupted; 2 scored row(s) kept" in capsys.readouterr().err
+
+
+def test_score_out_directory_writes_scores_csv_inside(image_dir, tmp_path, capsys):
+    d = tmp_path / "results"
+    d.mkdir()
+    assert run(["reward", "score", "--reward", "jpeg_compressibility", "--images", str(image_dir),
+                "--out", str(d), "--no-progress"]) == 0
+    assert len(read_csv(d / "scores.csv")) == 3
+    assert str(d / "scores.csv") in capsys.readouterr().err
+    (d / "scores.csv").unlink()
+    (d / "scores.csv").mkdir()
+    with pytest.raises(SystemExit) as ei:
+        run(["reward", "score", "--reward", "jpeg_compressibility", "--images", str(image_dir), "--out", str(d)])
+    assert ei.value.code == 2 and "is a directory too" in capsys.readouterr().err
+
+
+def test_score_out_under_a_file_is_one_line_error(image_dir, tmp_path, capsys):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    with pytest.raises(SystemExit) as ei:
+        run(["reward", "score", "--reward", "jpeg_compressibility", "--images", str(image_dir),
+             "--out", str(f / "s.csv"), "--no-progress"])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{str(f)!r} is a file, not a directory" in err[0]
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--max-batch", "0"], "--max-batch must be an integer >= 1, got 0"),
+    (["--max-batch", "-4"], "--max-batch must be an integer >= 1, got -4"),
+    (["--max-pixels", "0"], "--max-pixels must be an integer >= 1, got 0"),
+    (["--read-timeout", "0"], "--read-timeout must be a number > 0, got 0.0"),
+    (["--read-timeout", "-1"], "--read-timeout must be a number > 0, got -1.0"),
+    (["--read-timeout", "nan"], "--read-timeout must be a number > 0, got nan"),
+    (["--max-wait-ms", "-5"], "--max-wait-ms must be a number >= 0, got -5.0"),
+])
+def test_serve_bad_limits_exit_2_before_loading_the_reward(monkeypatch, capsys, argv, msg):
+    import mmrl.rewards.cli as cli
+    import mmrl.rewards.remote as remote
+
+    def must_not_run(*a, **k):
+        raise AssertionError("reached the reward load / serve with a bad option")
+
+    monkeypatch.setattr(cli, "load_reward_from_args", must_not_run)
+    monkeypatch.setattr(remote, "serve", must_not_run)
+    with pytest.raises(SystemExit) as ei:
+        run(["reward", "serve", "jpeg_compressibility", "--port", "0", *argv])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and msg in err[0], err
