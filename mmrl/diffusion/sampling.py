@@ -15,11 +15,20 @@ trained on (Flow-GRPO: 0.99 of 10 steps = the first 9, i.e. all but the last).
 Randomness comes from one `torch.Generator` (or the global RNG) and is drawn up front in a fixed
 order (initial noise, window position, per-step noise), so the result does not depend on the
 rollout micro-batch size.
+
+Gradient through classifier-free guidance (`cfg_grad`, training only): with CFG the velocity is
+v = v_u + w (v_c - v_u), both branches from one doubled-batch forward. "both" (default) lets the gradient
+flow through v_c and v_u, as flow_grpo's training does (scripts/train_sd3.py `compute_log_prob` with
+`train.cfg=True`: one forward on [negative; prompt] embeddings, no detach); "cond_only" detaches v_u, so
+the update is w * dv_c only (what several flow_grpo derivatives do). The forward value, hence every
+log-prob and `diag/logprob_drift`, is bit-identical in both modes; the backward still runs over the
+doubled batch (no memory or time saved). Without CFG (guidance_scale <= 1, FLUX's guidance embedding)
+the two modes are the same.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -48,7 +57,6 @@ class Trajectory:
     prompt_index: Tensor
     embeds: PromptEmbeds
     images: Tensor | None = None
-    extras: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
         return int(self.latents.shape[0])
@@ -66,15 +74,41 @@ def sde_window(num_steps: int, window_size: int, window_range: tuple[int, int] |
     return start, start + window_size
 
 
+CFG_GRAD_MODES = ("both", "cond_only")
+
+
+def guided_velocity(model: FlowModel, latents: Tensor, sigma: Tensor | float, embeds: PromptEmbeds, *,
+                    guidance_scale: float, cfg: bool | None = None, cfg_grad: str = "both") -> Tensor:
+    """`model.velocity` with a choice of which CFG branches carry the gradient (see the module docstring).
+
+    cfg_grad="both": exactly `model.velocity(...)`. "cond_only" with CFG on: the same doubled-batch forward
+    ([empty prompt; prompt] rows, one transformer call, identical values) with the unconditional half detached.
+    """
+    if cfg_grad not in CFG_GRAD_MODES:
+        raise ValueError(f"cfg_grad: expected one of {list(CFG_GRAD_MODES)}, got {cfg_grad!r}")
+    if cfg is None:
+        cfg = guidance_scale > 1.0 and not model.has_guidance_embedding
+    if cfg_grad == "both" or not cfg:
+        return model.velocity(latents, sigma, embeds, guidance_scale=guidance_scale, cfg=cfg)
+    b = latents.shape[0]
+    s = torch.as_tensor(sigma, dtype=torch.float32, device=model.device).expand(b)
+    both = PromptEmbeds.cat([model.negative_embeds(b), embeds])
+    v = model.velocity(torch.cat([latents, latents]), torch.cat([s, s]), both, guidance_scale=guidance_scale, cfg=False)
+    v_uncond, v_cond = v.chunk(2)
+    v_uncond = v_uncond.detach()
+    return v_uncond + guidance_scale * (v_cond - v_uncond)
+
+
 def step_log_prob(model: FlowModel, latents: Tensor, next_latents: Tensor | None, sigma: Tensor, sigma_next: Tensor,
                   embeds: PromptEmbeds, *, guidance_scale: float, noise_level: float, sde_type: str = "sde",
-                  noise: Tensor | None = None, cfg: bool | None = None) -> StepOutput:
+                  noise: Tensor | None = None, cfg: bool | None = None, cfg_grad: str = "both") -> StepOutput:
     """One stochastic transition under the current weights: velocity -> `sde_step_with_logprob`.
 
     latents/next_latents [b, ...]; sigma/sigma_next scalars or [b]; embeds with b rows. With
     next_latents=None a new sample is drawn from `noise`. Used by both the rollout and the trainer.
+    cfg_grad ("both" | "cond_only"): which CFG branches the gradient flows through; values are identical.
     """
-    v = model.velocity(latents, sigma, embeds, guidance_scale=guidance_scale, cfg=cfg)
+    v = guided_velocity(model, latents, sigma, embeds, guidance_scale=guidance_scale, cfg=cfg, cfg_grad=cfg_grad)
     return sde_step_with_logprob(latents, v, sigma, sigma_next, noise_level=noise_level,
                                  prev_sample=next_latents, noise=noise, sde_type=sde_type)
 

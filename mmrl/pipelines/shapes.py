@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from PIL import Image, ImageDraw
@@ -84,11 +84,6 @@ class Scene:
     shapes: list[Shape]
     background: str
     caption: str = field(default="", repr=False)
-
-    def to_dict(self) -> dict:
-        """JSON-able description (no image): ``{"background", "shapes": [{kind, color, x, y, size}], "caption"}``."""
-        return {"background": self.background, "shapes": [asdict(s) for s in self.shapes],
-                "caption": self.caption}
 
 
 def _check_color(name: str, what: str) -> None:

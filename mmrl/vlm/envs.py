@@ -342,9 +342,6 @@ class EnvManager:
         futs = [self.submit_step(i, a) for i, a in zip(indices, actions)]
         return [f.result() for f in futs]
 
-    def task(self, index: int) -> str:
-        return self._tasks[index]
-
     def close(self) -> None:
         for slot in list(self._local):
             _run_command(self._local, "close", slot, None)

@@ -1,11 +1,14 @@
 """Model wrappers against the diffusers pipelines they wrap (tiny SD3 / FLUX saved in diffusers format)."""
 
 import json
+import sys
 
 import pytest
 import torch
 
-from mmrl.diffusion.models import FluxModel, PromptEmbeds, SD3Model, load_flow_model
+from mmrl.diffusion.models import (
+    MODEL_FAMILIES, FluxModel, PromptEmbeds, SD3Model, available_families, load_flow_model, register_family,
+)
 from mmrl.diffusion.sampling import sample_groups
 
 
@@ -22,6 +25,62 @@ def test_bad_model_path_errors(tmp_path):
     (other / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline"}))
     with pytest.raises(ValueError, match="'StableDiffusionPipeline' is not supported; supported: .*FluxPipeline"):
         load_flow_model(other)
+
+
+def test_unknown_pipeline_class_names_the_valid_families(tmp_path):
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
+    with pytest.raises(ValueError) as err:
+        load_flow_model(tmp_path)
+    assert "'WanPipeline' is not supported" in str(err.value)
+    assert "supported: ['FluxPipeline', 'StableDiffusion3Pipeline']" in str(err.value)
+    assert available_families() == ["FluxPipeline", "StableDiffusion3Pipeline"]
+
+
+@pytest.mark.parametrize("class_name, fixture, family", [("StableDiffusion3Pipeline", "tiny_sd3_path", SD3Model),
+                                                         ("FluxPipeline", "tiny_flux_path", FluxModel)])
+def test_each_family_loads_through_the_registry(class_name, fixture, family, request):
+    path = request.getfixturevalue(fixture)
+    assert json.loads((path / "model_index.json").read_text())["_class_name"] == class_name
+    assert MODEL_FAMILIES[class_name] is family and family.__module__ == f"mmrl.diffusion.models.{family.family}"
+    m = load_flow_model(path)
+    assert type(m) is family and m.max_sequence_length == family.default_max_sequence_length
+    assert type(m.pipe).__name__ == class_name
+
+
+def test_registered_family_is_what_load_builds(tiny_sd3_path, monkeypatch):
+    """register_family decides the class load_flow_model builds; re-registering a name to another class fails."""
+    with pytest.raises(ValueError, match="'StableDiffusion3Pipeline' is already registered to .*sd3.SD3Model"):
+        register_family("StableDiffusion3Pipeline")(type("Other", (SD3Model,), {}))
+    with pytest.raises(TypeError, match="not a FlowModel subclass"):
+        register_family("SomePipeline")(dict)
+    monkeypatch.delitem(MODEL_FAMILIES, "StableDiffusion3Pipeline")
+
+    @register_family("StableDiffusion3Pipeline")
+    class ShortTextSD3(SD3Model):
+        default_max_sequence_length = 32
+
+    m = load_flow_model(tiny_sd3_path)
+    assert type(m) is ShortTextSD3 and m.max_sequence_length == 32
+
+
+def test_a_new_family_file_registers_itself(tmp_path, monkeypatch):
+    """Adding a family = one new module in the package: the package imports it and it registers itself."""
+    import mmrl.diffusion.models as models
+
+    (tmp_path / "qwen_image_example.py").write_text(
+        "from mmrl.diffusion.models.base import FlowModel, register_family\n\n\n"
+        "@register_family('QwenImagePipeline')\n"
+        "class QwenImageModel(FlowModel):\n"
+        "    family = 'qwen_image'\n")
+    monkeypatch.setattr(models, "__path__", [*models.__path__, str(tmp_path)])
+    assert "QwenImagePipeline" not in MODEL_FAMILIES
+    try:
+        assert "qwen_image_example" in models.import_family_modules()
+        assert MODEL_FAMILIES["QwenImagePipeline"].family == "qwen_image"
+        assert "QwenImagePipeline" in available_families()
+    finally:
+        MODEL_FAMILIES.pop("QwenImagePipeline", None)
+        sys.modules.pop("mmrl.diffusion.models.qwen_image_example", None)
 
 
 def test_prompt_embeds_select_repeats_rows():

@@ -1,19 +1,18 @@
-"""Flow-matching text-to-image models behind one small interface, loaded from a local diffusers directory.
+"""The FlowModel interface, the prompt-embedding cache and the model-family registry.
 
-    model = load_flow_model("path/to/sd3.5-medium")          # StableDiffusion3Pipeline or FluxPipeline dir
-    emb = model.encode_prompts(["a red circle"])              # once per prompt; `emb.select(idx)` repeats it
-    x = model.initial_noise(4, height, width, generator)       # [B, C, h, w] for every family
-    sigmas = model.sigmas(num_steps, height, width)           # [num_steps + 1] in fp32, last one 0
-    v = model.velocity(x, sigma, emb.select([0, 0, 0, 0]), guidance_scale=4.5)
-    images = model.decode(x, height, width)                    # float [B, 3, H, W] in [0, 1]
-    z = model.encode_images(images)                            # back to latents (VAE posterior mean)
+A family is a FlowModel subclass in its own file of this package, registered under the diffusers pipeline
+class that `model_index.json` names (`_class_name`):
 
-`model.transformer` is the only module that trains; recipes wrap it with `mmrl.adapters.PolicyStates`
-and assign the wrapped module back to `model.transformer`. Adding a model family = subclassing
-`FlowModel` and implementing `encode_prompts`, `_forward`, `initial_noise`, `sigmas`, `decode`.
+    @register_family("QwenImagePipeline")
+    class QwenImageModel(FlowModel):
+        family = "qwen_image"
+        def encode_prompts(self, prompts): ...
+        def _forward(self, latents, sigma, embeds, guidance_scale): ...
+        def initial_noise(self, n, height, width, generator=None): ...
+        def sigmas(self, num_steps, height, width): ...
+        def decode(self, latents, height, width): ...
 
-What is simplified away: no negative prompts other than "" (the empty prompt is the unconditional
-branch of classifier-free guidance), no IP-adapters / ControlNets, no skip-layer guidance.
+`mmrl.diffusion.models` imports every module of the package, so the new file is the only change needed.
 """
 
 from __future__ import annotations
@@ -21,9 +20,8 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-import numpy as np
 import torch
 
 Tensor = torch.Tensor
@@ -57,6 +55,7 @@ class FlowModel:
 
     lora_target_modules: list[str] = ATTENTION_LORA_TARGETS
     family: str = "flow"
+    default_max_sequence_length: int = 512  # text tokens when load_flow_model is not given one
     has_guidance_embedding: bool = False  # FLUX-dev: guidance goes into the transformer, not CFG
 
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, max_sequence_length: int):
@@ -151,101 +150,6 @@ class FlowModel:
         return (image.float() / 2 + 0.5).clamp(0, 1)
 
 
-class SD3Model(FlowModel):
-    """Stable Diffusion 3 / 3.5 (`StableDiffusion3Pipeline`): latents [B, C, h, w], timestep = 1000 sigma."""
-
-    family = "sd3"
-
-    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
-        with torch.no_grad():
-            pe, _, pooled, _ = self.pipe.encode_prompt(
-                prompt=list(prompts), prompt_2=None, prompt_3=None, device=self.device,
-                do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length)
-        return PromptEmbeds(prompt_embeds=pe.to(self.dtype), pooled_prompt_embeds=pooled.to(self.dtype))
-
-    def _forward(self, latents, sigma, embeds, guidance_scale):
-        return self.transformer(
-            hidden_states=latents.to(self.dtype), timestep=sigma * self.scheduler_config["num_train_timesteps"],
-            encoder_hidden_states=embeds["prompt_embeds"], pooled_projections=embeds["pooled_prompt_embeds"],
-            return_dict=False)[0]
-
-    def initial_noise(self, n, height, width, generator=None):
-        h, w = self._latent_hw(height, width, self.transformer.config.patch_size)
-        c = self.transformer.config.in_channels
-        return torch.randn((n, c, h, w), generator=generator, device=self.device, dtype=torch.float32)
-
-    def sigmas(self, num_steps, height, width):
-        sched = self._new_scheduler()
-        kw = {}
-        if self.scheduler_config.get("use_dynamic_shifting"):
-            from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
-
-            h, w = self._latent_hw(height, width)
-            p = self.transformer.config.patch_size
-            c = self.scheduler_config
-            kw["mu"] = calculate_shift((h // p) * (w // p), c.get("base_image_seq_len", 256),
-                                       c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5),
-                                       c.get("max_shift", 1.16))
-        sched.set_timesteps(num_steps, device="cpu", **kw)
-        return sched.sigmas.float()
-
-    def decode(self, latents, height, width):
-        return self._vae_decode(latents)
-
-
-class FluxModel(FlowModel):
-    """FLUX.1 (`FluxPipeline`). Latents stay [B, C, h, w] outside (like SD3, so samplers and log-probs
-    see one layout); `_forward` packs them into [B, (h/2)(w/2), 4C] tokens with img_ids / txt_ids and
-    unpacks the prediction. The guidance scale goes into the transformer's guidance embedding
-    (FLUX-dev) instead of classifier-free guidance; timestep = sigma."""
-
-    family = "flux"
-
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        self.has_guidance_embedding = bool(getattr(self.transformer.config, "guidance_embeds", False))
-
-    def encode_prompts(self, prompts):
-        with torch.no_grad():
-            pe, pooled, _ = self.pipe.encode_prompt(prompt=list(prompts), prompt_2=None, device=self.device,
-                                                    max_sequence_length=self.max_sequence_length)
-        return PromptEmbeds(prompt_embeds=pe.to(self.dtype), pooled_prompt_embeds=pooled.to(self.dtype))
-
-    def _forward(self, latents, sigma, embeds, guidance_scale):
-        b, c, h, w = latents.shape
-        packed = self.pipe._pack_latents(latents.to(self.dtype), b, c, h, w)
-        img_ids = self.pipe._prepare_latent_image_ids(b, h // 2, w // 2, self.device, self.dtype)
-        txt_ids = torch.zeros(embeds["prompt_embeds"].shape[1], 3, device=self.device, dtype=self.dtype)
-        guidance = None
-        if self.has_guidance_embedding:
-            guidance = torch.full([b], float(guidance_scale), device=self.device, dtype=torch.float32)
-        out = self.transformer(
-            hidden_states=packed, timestep=sigma.to(self.dtype), guidance=guidance,
-            pooled_projections=embeds["pooled_prompt_embeds"], encoder_hidden_states=embeds["prompt_embeds"],
-            txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
-        # inverse of _pack_latents: [B, (h/2)(w/2), 4C] -> [B, C, h, w]
-        return out.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
-
-    def initial_noise(self, n, height, width, generator=None):
-        h, w = self._latent_hw(height, width, 2)
-        c = self.transformer.config.in_channels // 4
-        return torch.randn((n, c, h, w), generator=generator, device=self.device, dtype=torch.float32)
-
-    def sigmas(self, num_steps, height, width):
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
-        h, w = self._latent_hw(height, width, 2)
-        c = self.scheduler_config
-        mu = calculate_shift((h // 2) * (w // 2), c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
-                             c.get("base_shift", 0.5), c.get("max_shift", 1.15))
-        sched = self._new_scheduler()
-        sched.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), device="cpu", mu=mu)
-        return sched.sigmas.float()
-
-    def decode(self, latents, height, width):
-        return self._vae_decode(latents)
-
-
 class PromptEmbedCache:
     """`model.encode_prompts` with an LRU cache keyed by prompt text, for training on a fixed prompt set.
 
@@ -284,10 +188,30 @@ class PromptEmbedCache:
         return PromptEmbeds({k: v.to(self.model.device) for k, v in PromptEmbeds.cat(rows).items()})
 
 
-MODEL_FAMILIES: dict[str, tuple[str, type[FlowModel]]] = {
-    "StableDiffusion3Pipeline": ("StableDiffusion3Pipeline", SD3Model),
-    "FluxPipeline": ("FluxPipeline", FluxModel),
-}
+
+MODEL_FAMILIES: dict[str, type[FlowModel]] = {}  # diffusers pipeline class name -> FlowModel subclass
+
+
+def register_family(class_name: str) -> Callable[[type[FlowModel]], type[FlowModel]]:
+    """Class decorator: `load_flow_model` builds this FlowModel subclass for a pipeline directory whose
+    model_index.json has `"_class_name": class_name`; the pipeline itself is `diffusers.<class_name>`."""
+
+    def add(cls: type[FlowModel]) -> type[FlowModel]:
+        if not (isinstance(cls, type) and issubclass(cls, FlowModel)):
+            raise TypeError(f"register_family('{class_name}'): {cls!r} is not a FlowModel subclass")
+        known = MODEL_FAMILIES.get(class_name)
+        if known is not None and known is not cls:
+            raise ValueError(f"register_family: pipeline class '{class_name}' is already registered to "
+                             f"{known.__module__}.{known.__qualname__}")
+        MODEL_FAMILIES[class_name] = cls
+        return cls
+
+    return add
+
+
+def available_families() -> list[str]:
+    """Pipeline class names `load_flow_model` accepts (model_index.json `_class_name`), sorted."""
+    return sorted(MODEL_FAMILIES)
 
 
 def load_flow_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -310,9 +234,9 @@ def load_flow_model(path: str | Path, device: str | torch.device = "cpu", dtype:
     cls_name = json.loads(index.read_text()).get("_class_name", "")
     if cls_name not in MODEL_FAMILIES:
         raise ValueError(f"model.path '{path}': pipeline class '{cls_name}' is not supported; "
-                         f"supported: {sorted(MODEL_FAMILIES)}")
-    pipe_name, model_cls = MODEL_FAMILIES[cls_name]
-    pipe = getattr(diffusers, pipe_name).from_pretrained(str(path), dtype=dtype)
+                         f"supported: {available_families()}")
+    model_cls = MODEL_FAMILIES[cls_name]
+    pipe = getattr(diffusers, cls_name).from_pretrained(str(path), dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     for name, module in pipe.components.items():
         if isinstance(module, torch.nn.Module):
@@ -322,5 +246,5 @@ def load_flow_model(path: str | Path, device: str | torch.device = "cpu", dtype:
     if pipe.vae.dtype != torch.float32:
         pipe.vae.to(dtype=torch.float32)
     if max_sequence_length is None:
-        max_sequence_length = 128 if model_cls is SD3Model else 512
+        max_sequence_length = model_cls.default_max_sequence_length
     return model_cls(pipe, torch.device(device), dtype, max_sequence_length)

@@ -1,0 +1,43 @@
+"""Flow-matching text-to-image models behind one small interface, loaded from a local diffusers directory.
+
+    model = load_flow_model("path/to/sd3.5-medium")          # StableDiffusion3Pipeline or FluxPipeline dir
+    emb = model.encode_prompts(["a red circle"])              # once per prompt; `emb.select(idx)` repeats it
+    x = model.initial_noise(4, height, width, generator)       # [B, C, h, w] for every family
+    sigmas = model.sigmas(num_steps, height, width)           # [num_steps + 1] in fp32, last one 0
+    v = model.velocity(x, sigma, emb.select([0, 0, 0, 0]), guidance_scale=4.5)
+    images = model.decode(x, height, width)                    # float [B, 3, H, W] in [0, 1]
+    z = model.encode_images(images)                            # back to latents (VAE posterior mean)
+
+`model.transformer` is the only module that trains; recipes wrap it with `mmrl.adapters.PolicyStates`
+and assign the wrapped module back to `model.transformer`.
+
+Families (one file each, registered by the pipeline class in model_index.json): `sd3.py`
+(StableDiffusion3Pipeline), `flux.py` (FluxPipeline). Adding one (Qwen-Image, Wan, ...) = a new file here
+with a `@register_family("<PipelineClass>")` FlowModel subclass implementing `encode_prompts`, `_forward`,
+`initial_noise`, `sigmas`, `decode` (see base.py); this package imports every module in it.
+
+What is simplified away: no negative prompts other than "" (the empty prompt is the unconditional
+branch of classifier-free guidance), no IP-adapters / ControlNets, no skip-layer guidance.
+"""
+
+import importlib
+import pkgutil
+
+from mmrl.diffusion.models.base import (  # noqa: F401
+    ATTENTION_LORA_TARGETS, MODEL_FAMILIES, FlowModel, PromptEmbedCache, PromptEmbeds, available_families,
+    load_flow_model, register_family,
+)
+from mmrl.diffusion.models.flux import FluxModel  # noqa: F401
+from mmrl.diffusion.models.sd3 import SD3Model  # noqa: F401
+
+
+def import_family_modules() -> list[str]:
+    """Import every module of this package (each family file registers itself on import); returns their
+    names. Runs once when the package is imported."""
+    names = [m.name for m in pkgutil.iter_modules(__path__) if m.name != "base"]
+    for name in names:
+        importlib.import_module(f"{__name__}.{name}")
+    return names
+
+
+import_family_modules()
