@@ -1,0 +1,285 @@
+"""`mmrl eval CONFIG [--checkpoint DIR]`: a diffusion policy scored on held-out prompts, written as a report.
+
+    from mmrl.config import load_config
+    from mmrl.eval import run_eval
+    report = run_eval(load_config("configs/diffusion/flow_grpo_tiny.yaml"), "runs/flow_grpo_tiny")
+
+What it does, top to bottom:
+  1. the config's flow model (`model.path`), with a checkpoint's adapters applied (state "default", or "old" =
+     the EMA / old policy) or, without a checkpoint, the base model (plus `model.init_lora_path` when set: the
+     policy a run starts from);
+  2. deterministic ODE sampling (noise_level 0) of `samples_per_prompt` images per prompt with
+     `sample.eval_num_steps` / `sample.eval_guidance_scale` / `sample.height` x `sample.width`; prompt i's
+     initial noise comes from its own generator seeded `seed * 1_000_003 + i`, so an image does not depend on
+     which other prompts are evaluated;
+  3. the images are rounded to 8 bits and saved (`images/p<i>_s<j>.png`); everything below scores those saved
+     images, so the report can be recomputed from the files alone;
+  4. every reward of `reward.components` (each component and the weighted sum; non-finite scores are counted
+     and left out of the statistics) and, for prompts of the shapes grammar, the GenEval-style check of
+     `mmrl.eval.shapes_check` (object / color / count / position / background accuracy and overall);
+  5. `<out>/eval_report.json` and `<out>/eval_grid.png` (the first `grid_images` images with prompt, reward, check).
+
+Default `<out>`: `<output_dir>/eval/<step_N | base>[_<state>]`. Statistics: mean and unbiased std (as the
+training metrics `reward/mean`, `reward/std`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from mmrl.config import RECIPES, to_dict
+from mmrl.eval.shapes_check import accuracy, check_images
+
+__all__ = ["run_eval", "resolve_checkpoint", "state_dir", "apply_checkpoint", "prompt_seed", "reward_stats"]
+
+_STATES = ("default", "old")
+
+
+def prompt_seed(seed: int, index: int) -> int:
+    """Seed of the generator that draws prompt `index`'s initial noise."""
+    return int(seed) * 1_000_003 + int(index)
+
+
+def resolve_checkpoint(path: str | Path) -> tuple[Path, int | None]:
+    """(adapters directory, step or None) from a run directory (its newest complete checkpoint), a
+    `checkpoints/step_N/` directory, or that directory's `adapters/`. Errors name what is missing."""
+    from mmrl.adapters import INDEX_NAME
+    from mmrl.runtime import checkpoint_step, list_checkpoints, verify_checkpoint
+
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"--checkpoint {p}: not found")
+    if not p.is_dir():
+        raise ValueError(f"--checkpoint {p}: expected a directory (a run directory or checkpoints/step_N/), got a file")
+    if (p / "checkpoints").is_dir():  # a run directory: its newest complete checkpoint
+        found = list_checkpoints(p / "checkpoints")
+        if not found:
+            raise FileNotFoundError(f"--checkpoint {p}: the run directory has no complete checkpoint in checkpoints/")
+        p = found[-1][1]
+    if (p / INDEX_NAME).is_file() or (p / "default").is_dir():
+        adapters, step_dir = p, p.parent
+    elif (p / "adapters").is_dir():
+        adapters, step_dir = p / "adapters", p
+    else:
+        raise FileNotFoundError(f"--checkpoint {p}: no adapters/ in it (expected a run directory, checkpoints/step_N/ "
+                                f"or its adapters/, as `mmrl train` writes them)")
+    step = None
+    if step_dir.name.startswith("step_"):
+        step = checkpoint_step(step_dir)  # refuses an incomplete (interrupted) checkpoint
+        verify_checkpoint(step_dir)  # and one whose files changed since they were written
+    return adapters, step
+
+
+def state_dir(adapters: Path, state: str) -> Path:
+    """`adapters/<state>/`, or an error naming the states the checkpoint holds."""
+    from mmrl.adapters import INDEX_NAME
+
+    if state not in _STATES:
+        raise ValueError(f"--state: expected one of {list(_STATES)}, got {state!r}")
+    sub = Path(adapters) / state
+    if not sub.is_dir():
+        index = Path(adapters) / INDEX_NAME
+        have = json.loads(index.read_text()).get("written", []) if index.is_file() else \
+            sorted(d.name for d in Path(adapters).iterdir() if d.is_dir())
+        raise FileNotFoundError(f"checkpoint {adapters}: no policy state {state!r} (saved: {have}; 'old' exists only "
+                                f"for runs that keep one, e.g. train.ema: true)")
+    return sub
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def apply_checkpoint(model: Any, adapters: Path, state: str = "default") -> dict:
+    """Put the saved policy state `state` of `adapters/` (PolicyStates.save layout) into `model.transformer`:
+    a LoRA becomes the transformer's active adapter, full fine-tuning weights are copied in. Returns provenance
+    ({"mode", "state", "weights", "sha256"})."""
+    from mmrl.adapters import FULL_WEIGHTS_NAME, PEFT_WEIGHTS_NAME, PolicyStates
+
+    sub = state_dir(adapters, state)
+    if (sub / PEFT_WEIGHTS_NAME).is_file():
+        # the saved adapter becomes PolicyStates' frozen "ref" and the initial (active) "default": exactly its weights
+        states = PolicyStates(model.transformer, None, ref_adapter_path=sub)
+        model.transformer = states.model
+        weights, mode = sub / PEFT_WEIGHTS_NAME, "lora"
+    elif (sub / FULL_WEIGHTS_NAME).is_file():
+        from safetensors.torch import load_file
+
+        weights, mode = sub / FULL_WEIGHTS_NAME, "full"
+        saved = load_file(str(weights))
+        own = dict(model.transformer.named_parameters())
+        unexpected = [k for k in saved if k not in own]  # parameters frozen in training were not saved: kept as base
+        if unexpected or not saved:
+            raise ValueError(f"{weights} does not fit the transformer of model.path: {len(unexpected)} of its "
+                             f"{len(saved)} tensors are not model parameters (e.g. {unexpected[:3]})")
+        bad = [k for k, v in saved.items() if v.shape != own[k].shape]
+        if bad:
+            raise ValueError(f"{weights}: {bad[0]} has shape {tuple(saved[bad[0]].shape)}, the model's is "
+                             f"{tuple(own[bad[0]].shape)} ({len(bad)} tensors differ)")
+        with torch.no_grad():
+            for k, v in saved.items():
+                own[k].copy_(v.to(own[k].device, own[k].dtype))
+    else:
+        raise FileNotFoundError(f"checkpoint state {sub}: neither {PEFT_WEIGHTS_NAME} (LoRA) nor {FULL_WEIGHTS_NAME} "
+                                f"(full fine-tuning) in it")
+    return {"mode": mode, "state": state, "weights": str(weights), "sha256": _sha256(weights)}
+
+
+def reward_stats(values: Sequence[float]) -> dict:
+    """{"mean", "std" (unbiased; 0 for one value), "n", "nonfinite"} over the finite values (None when none)."""
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    ok = t[torch.isfinite(t)]
+    return {"mean": ok.mean().item() if len(ok) else None, "std": ok.std().item() if len(ok) > 1 else 0.0,
+            "n": len(ok), "nonfinite": len(t) - len(ok)}
+
+
+def _json_num(v: float) -> float | None:
+    return float(v) if torch.isfinite(torch.tensor(float(v))) else None
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "default", prompts: str | None = None,
+             out: str | Path | None = None, seed: int | None = None, samples_per_prompt: int = 1,
+             max_prompts: int = 0, batch_size: int = 8, grid_images: int = 32, config_file: str | None = None,
+             overrides: Sequence[str] = ()) -> dict:
+    """Evaluate the diffusion policy of `cfg` (see the module docstring); returns the report (also written)."""
+    from mmrl.diffusion.common import load_reward_fn
+    from mmrl.diffusion.models import load_flow_model
+    from mmrl.diffusion.sampling import sample_groups
+    from mmrl.pipelines.data import load_prompts
+    from mmrl.runtime import resolve_device, resolve_dtype, save_image_grid
+    from tqdm.auto import tqdm
+
+    if not RECIPES.get(cfg.algorithm, "").startswith("mmrl.diffusion."):
+        diffusion = sorted(k for k, v in RECIPES.items() if v.startswith("mmrl.diffusion."))
+        raise ValueError(f"mmrl eval supports diffusion configs ({', '.join(diffusion)}); the config's algorithm is "
+                         f"{cfg.algorithm!r}")
+    if state not in _STATES:
+        raise ValueError(f"--state: expected one of {list(_STATES)}, got {state!r}")
+    if samples_per_prompt < 1 or batch_size < 1 or max_prompts < 0:
+        raise ValueError(f"samples_per_prompt and batch_size must be >= 1 and max_prompts >= 0, got "
+                         f"{samples_per_prompt}, {batch_size}, {max_prompts}")
+    if checkpoint is None and state != "default":
+        raise ValueError(f"--state {state} needs --checkpoint (the base model has one state)")
+    prompt_file = prompts or cfg.data.eval_prompts
+    if not prompt_file:
+        raise ValueError("no evaluation prompts: pass --prompts FILE or set data.eval_prompts in the config")
+    items = load_prompts(prompt_file)[: max_prompts or None]
+    adapters, step = resolve_checkpoint(checkpoint) if checkpoint is not None else (None, None)
+    if adapters is not None:
+        state_dir(adapters, state)  # before the model loads: a missing state fails fast
+    seed = cfg.seed if seed is None else int(seed)
+    label = ("base" if adapters is None else f"step_{step}" if step is not None else "checkpoint") + \
+        ("" if state == "default" else f"_{state}")
+    out = Path(out) if out is not None else Path(cfg.output_dir) / "eval" / label
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    for old in (out / "images").glob("p*_s*.png"):  # a rerun in the same directory leaves no stale image behind
+        old.unlink()
+
+    t0 = time.perf_counter()
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    device, s = resolve_device(cfg.device), cfg.sample
+    reward_fn = load_reward_fn(cfg.reward.components, device)
+    model = load_flow_model(cfg.model.path, device, resolve_dtype(cfg.dtype), cfg.model.max_sequence_length or None)
+    if adapters is not None:
+        policy = {"checkpoint": str(adapters), "step": step, **apply_checkpoint(model, adapters, state)}
+    elif cfg.model.init_lora_path:
+        from mmrl.adapters import PolicyStates
+
+        model.transformer = PolicyStates(model.transformer, None, ref_adapter_path=cfg.model.init_lora_path).model
+        policy = {"checkpoint": None, "step": None, "mode": "lora", "state": "init_lora_path",
+                  "weights": cfg.model.init_lora_path}
+    else:
+        policy = {"checkpoint": None, "step": None, "mode": "base", "state": None}
+    model.transformer.eval()
+
+    # ---- sampling: one generator per prompt, images rounded to 8 bits and saved
+    images, files, rows = [], [], []
+    bar = tqdm(total=len(items), desc="mmrl eval", unit="prompt", disable=os.environ.get("MMRL_NO_PROGRESS") == "1")
+    for i, item in enumerate(items):
+        gen = torch.Generator(device=model.device).manual_seed(prompt_seed(seed, i))
+        traj = sample_groups(model, model.encode_prompts([item.prompt]), samples_per_prompt, num_steps=s.eval_num_steps,
+                             height=s.height, width=s.width, guidance_scale=s.eval_guidance_scale, noise_level=0.0,
+                             generator=gen, batch_size=batch_size)
+        u8 = (traj.images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu()
+        names = [f"images/p{i:04d}_s{j}.png" for j in range(samples_per_prompt)]
+        _save_pngs(u8, [out / n for n in names])
+        images.append(u8.float() / 255.0)
+        files.append(names)
+        rows += [i] * samples_per_prompt
+        bar.update(1)
+    bar.close()
+    x = torch.cat(images)
+    all_prompts = [items[i].prompt for i in rows]
+    all_meta = [items[i].metadata for i in rows]
+
+    # ---- rewards: every component and the weighted sum, per image
+    components = list(reward_fn.components)  # a composite: details[name] = that component's raw scores
+    total, per_comp = [], {c: [] for c in components}
+    for lo in range(0, len(x), batch_size):
+        sl = slice(lo, lo + batch_size)
+        res = reward_fn(images=x[sl], prompts=all_prompts[sl], metadata=all_meta[sl])
+        total += res.scores.detach().float().cpu().tolist()
+        for c in components:
+            per_comp[c] += torch.as_tensor(res.details[c]).detach().float().cpu().reshape(-1).tolist()
+
+    # ---- GenEval-style compositional check (shapes-grammar prompts only)
+    checks = check_images(list(x), all_prompts)
+    comp = accuracy(checks)
+
+    per_prompt = []
+    for i, item in enumerate(items):
+        idx = range(i * samples_per_prompt, (i + 1) * samples_per_prompt)  # prompt i's images are adjacent
+        per_prompt.append({
+            "prompt": item.prompt, "seed": prompt_seed(seed, i), "images": files[i],
+            "reward": [_json_num(total[k]) for k in idx],
+            "components": {c: [_json_num(per_comp[c][k]) for k in idx] for c in components},
+            "checks": [checks[k]["checks"] if checks[k] else None for k in idx],
+            "detected": [checks[k]["detected"] if checks[k] else None for k in idx],
+        })
+    report = {
+        "config_file": str(config_file) if config_file else None, "overrides": list(overrides),
+        "algorithm": cfg.algorithm, "model": str(cfg.model.path), "policy": policy, "seed": seed,
+        "prompts_file": str(prompt_file), "num_prompts": len(items), "samples_per_prompt": samples_per_prompt,
+        "sampling": {"num_steps": s.eval_num_steps, "guidance_scale": s.eval_guidance_scale, "height": s.height,
+                     "width": s.width, "noise_level": 0.0, "device": str(device), "dtype": cfg.dtype},
+        "reward": reward_stats(total),
+        "components": {c: reward_stats(v) for c, v in per_comp.items()},
+        "compositional": comp,
+        "per_prompt": per_prompt,
+        "out_dir": str(out), "files": {"report": "eval_report.json", "grid": "eval_grid.png", "images": "images/"},
+        "time_s": round(time.perf_counter() - t0, 3),
+        "config": to_dict(cfg),
+    }
+    n = min(grid_images, len(x))
+    marks = {True: "ok", False: "x", None: "-"}
+    captions = [f"{marks[checks[k]['checks']['correct'] if checks[k] else None]} r={total[k]:.3g} {all_prompts[k]}"
+                for k in range(n)]
+    save_image_grid(x[:n], captions, out / "eval_grid.png")
+    _write_json(out / "eval_report.json", report)
+    return report
+
+
+def _save_pngs(u8: torch.Tensor, paths: Sequence[Path]) -> None:
+    """Write uint8 images [N, 3, H, W] to `paths` as PNG (lossless: the report's scores are of these files)."""
+    from PIL import Image
+
+    for img, path in zip(u8, paths):
+        Image.fromarray(img.permute(1, 2, 0).numpy()).save(path)
