@@ -3,6 +3,7 @@
     mmrl train CONFIG.yaml [dotted.key=value ...]   run the recipe named by the YAML's `algorithm:`
     mmrl config dump ALGO                            a recipe's defaults as commented YAML
     mmrl config check CONFIG.yaml [k=v ...]          validate a config and print it resolved
+    mmrl eval CONFIG.yaml [--checkpoint DIR] [k=v]   score a diffusion checkpoint: rewards + shapes check
     mmrl reward list | score | serve                 the reward zoo without a trainer
     mmrl tiny DIR                                    build the tiny real-architecture models into DIR
     mmrl demo [vlm|diffusion|all]                    the CPU demos `make demo` runs
@@ -17,9 +18,11 @@ import sys
 from pathlib import Path
 
 from mmrl.config import RECIPES, ConfigError, default_config, load_config, recipe_module, to_yaml
+from mmrl.rewards.remote import RemoteRewardError
+from mmrl.runtime import RunError, list_checkpoints, started_run_dir
 
 # errors a user can fix from the message alone: printed without a traceback (MMRL_DEBUG=1 shows it)
-USER_ERRORS = (ConfigError, FileNotFoundError, ValueError)
+USER_ERRORS = (ConfigError, FileNotFoundError, ValueError, RunError, RemoteRewardError)
 DEMO_CONFIGS = {
     "diffusion": "configs/diffusion/flow_grpo_tiny.yaml",
     "vlm": "configs/vlm/grpo_tiny_shapes.yaml",
@@ -30,9 +33,23 @@ def _package_root() -> Path:
     return Path(__file__).resolve().parent.parent
 
 
+def resume_hint(output_dir: str | Path) -> str:
+    """Where a failed run stands: the newest complete checkpoint a rerun resumes from (or that none exists)."""
+    ckpts = list_checkpoints(Path(output_dir) / "checkpoints")
+    if not ckpts:
+        return f"no checkpoint was written in {output_dir}: a rerun starts from step 0"
+    step, path = ckpts[-1]
+    return f"nothing of the failed step was saved; rerun the same command to resume from step {step} ({path})"
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
-    summary = recipe_module(cfg.algorithm).train(cfg)
+    try:
+        summary = recipe_module(cfg.algorithm).train(cfg)
+    except (Exception, KeyboardInterrupt) as exc:
+        if started_run_dir() == Path(cfg.output_dir).resolve():  # the run had started: say where it can go on from
+            exc.add_note(resume_hint(cfg.output_dir))
+        raise
     if summary:  # non-main ranks of a multi-process run return nothing to report
         print(json.dumps(summary, indent=2, default=str))
     return 0
@@ -49,6 +66,7 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     return 0
 
 
+
 def cmd_tiny(args: argparse.Namespace) -> int:
     from mmrl import tiny
 
@@ -59,27 +77,52 @@ def cmd_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    which = ["diffusion", "vlm"] if args.which == "all" else [args.which]
+# config keys of the demo recipes that name files or folders: made absolute by `demo_config`
+DEMO_PATH_KEYS = ("model.path", "data.train_prompts", "data.eval_prompts", "data.preference_file", "data.image_root",
+                  "data.path", "data.val_path")
+
+
+def demo_config(name: str, output_dir: str | Path, overrides: list[str] | tuple = ()):
+    """The config of demo `name` with every path absolute, so it runs from any current directory.
+
+    The demo YAMLs name shipped files relative to the checkout (`assets/...`: resolved against the package root)
+    and what the demo writes under `runs/` (run dirs, the tiny VLM it builds on first use: put under
+    `output_dir` instead, `runs/x` -> `output_dir/x`); the run dir is `output_dir/demo_<name>`. User `overrides`
+    come last and keep their usual meaning (relative paths from the current directory)."""
+    from mmrl.config import apply_overrides
+
     root = _package_root()
     if not (root / "assets").is_dir():
-        raise FileNotFoundError(f"the demo runs from a source checkout (configs/ and assets/ beside mmrl/); not found under {root}")
-    os.chdir(root)  # the demo configs name assets/ and runs/ relative to the checkout
+        raise FileNotFoundError(f"the demo needs the source checkout's configs/ and assets/ beside mmrl/; "
+                                f"not found under {root}")
+    path = root / DEMO_CONFIGS[name]
+    if not path.is_file():
+        raise FileNotFoundError(f"demo config missing: {path}")
+    out = Path(output_dir).resolve()
+    cfg = load_config(path)
+    cfg.output_dir = str(out / f"demo_{name}")
+    for key in DEMO_PATH_KEYS:
+        section, field = key.split(".")
+        obj = getattr(cfg, section, None)
+        value = getattr(obj, field, None)
+        if isinstance(value, str) and value and not Path(value).is_absolute():
+            parts = Path(value).parts
+            setattr(obj, field, str(out.joinpath(*parts[1:]) if parts[0] == "runs" else root / value))
+    return apply_overrides(cfg, overrides)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    which = ["diffusion", "vlm"] if args.which == "all" else [args.which]
+    configs = {name: demo_config(name, args.output_dir, args.overrides) for name in which}  # all checked first
     results = {}
-    for name in which:
-        path = root / DEMO_CONFIGS[name]
-        if not path.is_file():
-            raise FileNotFoundError(f"demo config missing: {path}")
-        overrides = [f"output_dir=runs/demo_{name}", *args.overrides]
-        cfg = load_config(path, overrides)
-        print(f"== mmrl demo: {name} ({path.relative_to(root)}) -> {cfg.output_dir}", flush=True)
+    for name, cfg in configs.items():
+        print(f"== mmrl demo: {name} ({DEMO_CONFIGS[name]}) -> {cfg.output_dir}", flush=True)
         results[name] = recipe_module(cfg.algorithm).train(cfg)
     print(json.dumps(results, indent=2, default=str))
     for name, summary in results.items():
         first, last = summary.get("reward_first"), summary.get("reward_last")
-        if first is not None and last is not None:
-            print(f"== {name}: reward first 5 steps {first:.4f} -> last 5 steps {last:.4f}; "
-                  f"run dir {summary.get('output_dir')} (samples/, plots/reward_curve.png, metrics.jsonl)")
+        trend = f"reward first 5 steps {first:.4f} -> last 5 steps {last:.4f}; " if None not in (first, last) else ""
+        print(f"== {name}: {trend}run dir {configs[name].output_dir} (samples/, plots/reward_curve.png, metrics.jsonl)")
     return 0
 
 
@@ -102,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("overrides", nargs="*")
     ck.set_defaults(func=cmd_config_check)
 
+    from mmrl.eval.cli import add_eval_subparser
+
+    add_eval_subparser(sub)  # mmrl eval CONFIG [--checkpoint DIR] ...
+
     try:
         from mmrl.rewards.cli import add_reward_subparsers
     except ImportError:  # pragma: no cover - the zoo CLI ships with the package
@@ -115,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     dm = sub.add_parser("demo", help="run the CPU demos (what `make demo` runs)")
     dm.add_argument("which", nargs="?", default="all", choices=["all", "diffusion", "vlm"])
+    dm.add_argument("--output-dir", default="runs", metavar="DIR",
+                    help="where the run dirs (DIR/demo_diffusion, DIR/demo_vlm) and the tiny VLM the demo builds go "
+                         "(default: ./runs under the current directory)")
     dm.add_argument("overrides", nargs="*", help="dotted overrides applied to the demo configs")
     dm.set_defaults(func=cmd_demo)
     return p
@@ -122,16 +172,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # `mmrl demo vlm --output-dir D k=v`: argparse stops taking positionals after an option
+        overrides = getattr(args, "overrides", None)
+        if isinstance(overrides, list) and all("=" in e and not e.startswith("-") for e in extra):
+            overrides += extra
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args) or 0)
     except USER_ERRORS as exc:
         if os.environ.get("MMRL_DEBUG") == "1":
             raise
-        print(f"mmrl: error: {exc}  (MMRL_DEBUG=1 shows the traceback)", file=sys.stderr)
+        notes = "".join(f"; {n}" for n in getattr(exc, "__notes__", ()))
+        print(f"mmrl: error: {exc}{notes}  (MMRL_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("mmrl: interrupted (the newest complete checkpoint is kept; rerun to resume)", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        notes = "; ".join(getattr(exc, "__notes__", ())) or "the newest complete checkpoint is kept; rerun to resume"
+        print(f"mmrl: interrupted ({notes})", file=sys.stderr)
         return 130
 
 

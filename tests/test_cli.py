@@ -2,6 +2,7 @@ import subprocess
 import sys
 import types
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -79,3 +80,139 @@ def test_tiny_into_a_file_is_a_clean_error(tmp_path, capsys):
     assert cli.main(["tiny", str(f)]) == 2
     err = capsys.readouterr().err
     assert "exists and is not a directory" in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------------------------------- one-line config errors
+
+REPO = Path(__file__).resolve().parents[1]
+FLOW, NFT = "configs/diffusion/flow_grpo_tiny.yaml", "configs/diffusion/nft_tiny.yaml"
+DPO_ON, DPO_OFF = "configs/diffusion/dpo_tiny_online.yaml", "configs/diffusion/dpo_tiny_offline.yaml"
+VLM, MT = "configs/vlm/grpo_tiny_shapes.yaml", "configs/vlm/multiturn_grid_tiny.yaml"
+
+BAD_CONFIGS = [  # (config, overrides, the one-line message); "{tmp}" is the test's tmp_path
+    (FLOW, ["data.prompts_per_step=0"], "data.prompts_per_step: expected >= 1, got 0"),  # IndexError before
+    (FLOW, ["sample.height=0"], "sample.height: expected >= 1, got 0"),
+    (FLOW, ["sample.num_steps=0"], "sample.num_steps: expected >= 1, got 0"),
+    (FLOW, ["sample.batch_size=-1"], "sample.batch_size: expected >= 0, got -1"),
+    (FLOW, ["model.max_sequence_length=-1"], "model.max_sequence_length: expected >= 0, got -1"),
+    (FLOW, ["log.num_sample_images=0"], "log.num_sample_images: expected >= 1, got 0"),
+    (FLOW, ["data.train_prompts={tmp}/gone.txt"], "data.train_prompts: prompt file not found: {tmp}/gone.txt"),
+    (FLOW, ["data.eval_prompts={tmp}/gone.txt"], "data.eval_prompts: prompt file not found: {tmp}/gone.txt"),
+    (NFT, ["data.prompts_per_step=0"], "data.prompts_per_step: expected >= 1, got 0"),
+    (NFT, ["sample.width=-8"], "sample.width: expected >= 1, got -8"),
+    (DPO_ON, ["data.prompts_per_step=0"], "data.prompts_per_step: expected >= 1, got 0"),
+    (DPO_ON, ["data.train_prompts={tmp}/gone.txt"], "data.train_prompts: prompt file not found: {tmp}/gone.txt"),
+    (DPO_OFF, ["data.preference_file={tmp}/gone.jsonl"], "data.preference_file: preference file not found"),
+    (DPO_OFF, ["data.preference_file={tmp}/pairs.jsonl", "data.image_root={tmp}/no_images"],
+     "data.image_root: image folder not found: {tmp}/no_images"),
+    (VLM, ["rollout.batch_size=0"], "rollout.batch_size: expected >= 1, got 0"),
+    (VLM, ["rollout.batch_size=-2"], "rollout.batch_size: expected >= 1, got -2"),
+    (VLM, ["rollout.n=1"], "rollout.n=1: algo.advantage=grpo compares the responses to one prompt"),
+    (VLM, ["rollout.n=1", "algo.advantage=rloo"], "rollout.n=1: algo.advantage=rloo"),
+    (VLM, ["rollout.n=1", "algo.advantage=reinforce_pp", "algo.dynamic_sampling=true"],
+     "rollout.n=1: algo.dynamic_sampling keeps only groups whose rewards differ"),
+    (VLM, ["rollout.engine=vllm"], "rollout.engine=vllm: vLLM is not installed"),
+    (VLM, ["rollout.top_p=0"], "rollout.top_p: expected 0 < top_p <= 1, got 0"),
+    (VLM, ["data.image_size=0"], "data.image_size: expected >= 4, got 0"),
+    (VLM, ["data.n_shapes=[1]"], "data.n_shapes: expected [min, max], got [1]"),
+    (VLM, ["data.colors=[]"], "colors, kinds and backgrounds must be non-empty"),  # a dry draw of the data
+    (VLM, ["warmup.batch_size=0"], "warmup.batch_size: expected >= 1, got 0"),
+    (VLM, ["log.n_samples=0"], "log.n_samples: expected >= 1, got 0"),
+    (VLM, ["data.template={foo}"], "data.template: unknown placeholder 'foo'"),
+    (VLM, ["data.template=what {question"], "data.template: 'what {question' is not a format string"),
+    (VLM, ["data.kind=geo3k", "warmup.sft_steps=0", "data.path={tmp}/gone.jsonl"],
+     "data.path: data file not found: {tmp}/gone.jsonl"),
+    (MT, ["rollout.batch_size=0"], "rollout.batch_size: expected >= 1, got 0"),
+    (MT, ["rollout.groups_per_step=0"], "rollout.groups_per_step: expected >= 1, got 0"),
+    (MT, ["rollout.max_turns=0"], "rollout.max_turns: expected >= 1, got 0"),
+    (MT, ["rollout.max_seq_len=3"], "rollout.max_seq_len: expected >= 4, got 3"),
+    (MT, ["train.ppo_epochs=0"], "train.ppo_epochs: expected >= 1, got 0"),
+    (MT, ["train.micro_batch_size=0"], "train.micro_batch_size: expected >= 1, got 0"),
+]
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Every recipe's model loader fails the test: the config errors must come before any model loads."""
+    import importlib.util
+
+    from mmrl.diffusion import models as diffusion_models
+    from mmrl.vlm import grpo, multiturn
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model was loaded before the config was checked")
+
+    monkeypatch.setattr(diffusion_models, "load_flow_model", loaded)
+    monkeypatch.setattr(grpo, "build_policy", loaded)
+    monkeypatch.setattr(multiturn, "_load_model", loaded)
+    find_spec = importlib.util.find_spec  # vLLM counts as not installed, whatever this machine has
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+
+
+@pytest.mark.parametrize("config, overrides, message", BAD_CONFIGS,
+                         ids=[f"{Path(c).stem}:{' '.join(o)}" for c, o, _ in BAD_CONFIGS])
+def test_bad_sizes_and_paths_are_one_line_errors_before_any_model_loads(config, overrides, message, tmp_path,
+                                                                         monkeypatch, capsys, no_model_loads):
+    monkeypatch.chdir(REPO)  # the shipped configs name assets/ relative to the checkout
+    (tmp_path / "pairs.jsonl").write_text('{"prompt": "a", "chosen": "a.png", "rejected": "b.png"}\n')
+    out = tmp_path / "run"
+    argv = ["train", config, f"output_dir={out}", *[o.replace("{tmp}", str(tmp_path)) for o in overrides]]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    line = [ln for ln in err.splitlines() if ln.startswith("mmrl: error: ")]
+    assert len(line) == 1 and message.replace("{tmp}", str(tmp_path)) in line[0], err
+    assert not out.exists()  # refused before the run directory was even created
+
+
+def test_binary_prompt_file_is_a_one_line_error_naming_it(tmp_path, monkeypatch, capsys):
+    from PIL import Image
+
+    monkeypatch.chdir(REPO)
+    png = tmp_path / "prompts.txt"
+    Image.new("RGB", (8, 8)).save(png, format="PNG")
+    assert cli.main(["train", FLOW, f"output_dir={tmp_path / 'run'}", f"data.train_prompts={png}"]) == 2
+    err = capsys.readouterr().err
+    assert f"mmrl: error: {png}: not a UTF-8 text file (byte 0x89 at offset 0" in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------------------------------- demo from anywhere
+
+
+def test_demo_config_paths_resolve_against_checkout_and_output_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = cli.demo_config("diffusion", "out", ["data.eval_prompts=mine.txt"])
+    assert cfg.output_dir == str(tmp_path / "out" / "demo_diffusion")
+    assert cfg.model.path == str(REPO / "assets" / "tiny_sd3_shapes")  # shipped files: from the checkout
+    assert cfg.data.train_prompts == str(REPO / "assets" / "prompts" / "shapes_train.txt")
+    assert cfg.data.eval_prompts == "mine.txt"  # a user override keeps its meaning (relative to the cwd)
+    vlm = cli.demo_config("vlm", tmp_path / "elsewhere")
+    assert vlm.output_dir == str(tmp_path / "elsewhere" / "demo_vlm")
+    # the tiny VLM the demo builds on first use goes under the output dir, not into the checkout
+    assert vlm.model.path == str(tmp_path / "elsewhere" / "tiny_models" / "qwen2_vl")
+    assert Path.cwd() == tmp_path
+
+
+def test_demo_overrides_after_the_output_dir_option_reach_the_config(tmp_path, capsys):
+    assert cli.main(["demo", "vlm", "--output-dir", str(tmp_path), "rollout.nn=3"]) == 2  # not an argparse error
+    assert "unknown config key 'rollout.nn'" in capsys.readouterr().err
+    assert not (tmp_path / "demo_vlm").exists()
+
+
+def test_demo_writes_under_the_current_directory_and_prints_the_absolute_run_dir(tmp_path, monkeypatch, capsys):
+    """One cheap diffusion demo step run from a foreign directory (as from an installed package)."""
+    checkout_run = REPO / "runs" / "demo_diffusion" / "metrics.jsonl"
+    before = checkout_run.stat().st_mtime_ns if checkout_run.exists() else None
+    cwd = tmp_path / "somewhere"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("MMRL_NO_PROGRESS", "1")
+    assert cli.main(["demo", "diffusion", "train.max_steps=1", "train.save_every=0", "sample.num_steps=2",
+                     "sample.group_size=2", "sample.height=32", "sample.width=32", "data.prompts_per_step=1",
+                     "log.sample_every=0", "log.eval_every=0"]) == 0
+    run_dir = cwd / "runs" / "demo_diffusion"
+    assert (run_dir / "metrics.jsonl").is_file() and (run_dir / "config.yaml").is_file()
+    assert f"run dir {run_dir} " in capsys.readouterr().out
+    assert Path.cwd() == cwd  # the process's directory is left alone
+    after = checkout_run.stat().st_mtime_ns if checkout_run.exists() else None
+    assert after == before  # nothing written into the source checkout

@@ -11,7 +11,7 @@ import random
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 # EasyR1 / verl geometry3k prompt: reasoning in <think>, answer boxed.
 # source: EasyR1 examples/format_prompt/math.jinja (wording re-written)
@@ -26,6 +26,31 @@ class DataError(ValueError):
     """A dataset file or row does not have the expected form."""
 
 
+def read_text(path: str | Path) -> str:
+    """The UTF-8 text of a data file; a binary (NUL bytes) or otherwise non-UTF-8 file is a DataError naming it."""
+    path = Path(path)
+    hint = "prompt and data files are UTF-8 text (.txt, .jsonl, .json) or .parquet"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not a UTF-8 text file (byte 0x{exc.object[exc.start]:02x} at offset {exc.start} "
+                        f"is not UTF-8); {hint}") from None
+    if "\x00" in text:
+        raise DataError(f"{path}: a binary file (it contains NUL bytes), not text; {hint}")
+    return text
+
+
+def require_path(key: str, path: str | Path, what: str = "file", kind: str = "file") -> None:
+    """Fail fast (before any model loads) when the file (`kind="file"`) or folder (`"dir"`) a config key names is
+    missing: FileNotFoundError "<key>: <what> not found: <path>"."""
+    p = Path(path)
+    if p.is_file() if kind == "file" else p.is_dir():
+        return
+    problem = (f"{what} not found: {p}" if not p.exists()
+               else f"{what} {p} is not a {'file' if kind == 'file' else 'folder'}")
+    raise FileNotFoundError(f"{key}: {problem} (relative paths are taken from the current directory, {Path.cwd()})")
+
+
 def read_records(path: str | Path) -> list[dict]:
     """Rows of a .jsonl / .json (list) / .parquet file as dicts."""
     path = Path(path)
@@ -33,17 +58,24 @@ def read_records(path: str | Path) -> list[dict]:
         raise FileNotFoundError(f"data file not found: {path} (relative paths are taken from the current directory, {Path.cwd()})")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        try:
+            return pq.read_table(path).to_pylist()
+        except (pa.ArrowException, OSError) as exc:  # not parquet, truncated, ...
+            raise DataError(f"{path}: not a readable parquet file ({exc})") from None
     if suffix == ".json":
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(read_text(path))
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}: invalid JSON at line {exc.lineno} ({exc.msg})") from None
         if not isinstance(data, list):
             raise DataError(f"{path}: expected a JSON list of objects, got {type(data).__name__}")
         return data
     if suffix == ".jsonl":
         rows = []
-        for i, line in enumerate(path.read_text().splitlines(), 1):
+        for i, line in enumerate(read_text(path).splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -79,7 +111,7 @@ def load_prompts(path: str | Path) -> list[PromptItem]:
     if not path.is_file():
         raise FileNotFoundError(f"prompt file not found: {path} (relative paths are taken from the current directory, {Path.cwd()})")
     if path.suffix.lower() == ".txt":
-        items = [PromptItem(line.strip()) for line in path.read_text().splitlines()
+        items = [PromptItem(line.strip()) for line in read_text(path).splitlines()
                  if line.strip() and not line.lstrip().startswith("#")]
     else:
         items = []
@@ -271,10 +303,3 @@ def _resolve_image_ref(im: Any, root: Path) -> Any:
     if candidate.exists() or im.lower().endswith(_IMAGE_SUFFIXES):
         return str(candidate)  # a missing file is then reported with its full path
     return im
-
-
-def iterate_batches(items: Sequence[Any], batch_size: int, seed: int = 0) -> Iterator[list[Any]]:
-    """Endless seeded epoch-shuffled batches (helper for recipes that do not need resumable positions)."""
-    sampler = PromptSampler(items, seed=seed)  # type: ignore[arg-type]
-    while True:
-        yield sampler.next(batch_size)

@@ -4,7 +4,7 @@ import pytest
 from PIL import Image
 
 from mmrl.pipelines.data import (
-    DataError, PromptSampler, load_preference_pairs, load_prompts, load_visual_qa, read_records,
+    DataError, PromptSampler, load_preference_pairs, load_prompts, load_visual_qa, read_records, require_path,
 )
 
 
@@ -98,3 +98,38 @@ def test_parquet_rows(tmp_path):
     pq.write_table(pa.table({"prompt": ["a", "b"], "text": ["A", "B"]}), tmp_path / "p.parquet")
     assert read_records(tmp_path / "p.parquet") == [{"prompt": "a", "text": "A"}, {"prompt": "b", "text": "B"}]
     assert load_prompts(tmp_path / "p.parquet")[1].metadata == {"text": "B"}
+
+
+def test_binary_or_broken_files_are_errors_naming_the_file(tmp_path):
+    png = tmp_path / "prompts.txt"  # an image saved under a prompt-file name: 0x89 is not UTF-8
+    Image.new("RGB", (4, 4)).save(png, format="PNG")
+    with pytest.raises(DataError, match=r"prompts\.txt: not a UTF-8 text file \(byte 0x89 at offset 0"):
+        load_prompts(png)
+    nul = tmp_path / "nul.jsonl"
+    nul.write_bytes(b'{"prompt": "a"}\n\x00\x00\x00\n')
+    with pytest.raises(DataError, match=r"nul\.jsonl: a binary file \(it contains NUL bytes\)"):
+        load_prompts(nul)
+    bad_json = tmp_path / "rows.json"
+    bad_json.write_text('[{"prompt": "a"},\n oops]')
+    with pytest.raises(DataError, match=r"rows\.json: invalid JSON at line 2"):
+        read_records(bad_json)
+    bad_parquet = tmp_path / "rows.parquet"
+    bad_parquet.write_bytes(b"not parquet at all")
+    with pytest.raises(DataError, match=r"rows\.parquet: not a readable parquet file"):
+        read_records(bad_parquet)
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1\.txt: not a UTF-8 text file \(byte 0xe9 at offset 3"):
+        load_prompts(latin1)
+
+
+def test_require_path_names_the_key(tmp_path):
+    (tmp_path / "p.txt").write_text("a\n")
+    require_path("data.train_prompts", tmp_path / "p.txt")
+    require_path("data.image_root", tmp_path, "image folder", kind="dir")
+    with pytest.raises(FileNotFoundError, match=r"data.eval_prompts: prompt file not found: .*nope\.txt \(relative"):
+        require_path("data.eval_prompts", tmp_path / "nope.txt", "prompt file")
+    with pytest.raises(FileNotFoundError, match=r"data.train_prompts: file .* is not a file"):
+        require_path("data.train_prompts", tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"data.image_root: image folder .*p\.txt is not a folder"):
+        require_path("data.image_root", tmp_path / "p.txt", "image folder", kind="dir")
