@@ -661,8 +661,19 @@ class PolicyStates:
                 _copy_full_into(t, tensors[k])
 
     # ------------------------------------------------------------------ files
+    def nonfinite_tensors(self) -> list[str]:
+        """``"<state>:<key>"`` of every kept state's tensor holding NaN/inf (this rank's shards under FSDP2)."""
+        bad = []
+        for name in self._written_states():
+            for k, t in zip(self._keys(name), self._tensors(name)):
+                local = t.to_local() if _is_dtensor(t) else t
+                if not bool(torch.isfinite(local.detach()).all()):
+                    bad.append(f"{name}:{k}")
+        return bad
+
     def save(self, directory: str | os.PathLike) -> None:
-        """Write every kept state (see module docstring for the layout).
+        """Write every kept state (see module docstring for the layout). Weights holding NaN/inf are refused
+        (ValueError naming the tensors) before anything is written.
 
         FSDP2-sharded model (after :meth:`refresh`): a collective -- every rank must call it (the shards are
         gathered into full tensors); only rank 0 writes, other ranks may pass ``directory=None``."""
@@ -672,10 +683,16 @@ class PolicyStates:
             gathered = {name: {k: _full(t).to("cpu").contiguous()
                                for k, t in zip(self._keys(name), self._tensors(name))}
                         for name in self._written_states()}
-            if not _main_rank():
-                return
+            bad = [f"{name}:{k}" for name, sd in gathered.items() for k, t in sd.items()
+                   if not bool(torch.isfinite(t).all())]  # full tensors: every rank decides alike
         else:
             gathered = None
+            bad = self.nonfinite_tensors()
+        if bad:
+            raise ValueError(f"PolicyStates.save: {len(bad)} tensor(s) hold NaN/inf (first: {bad[0]}); "
+                             f"nothing was written to {directory}")
+        if gathered is not None and not _main_rank():
+            return
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         written = self._written_states()

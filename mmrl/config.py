@@ -46,6 +46,17 @@ class TrainConfig:
     """`auto` (newest complete checkpoint in output_dir, if any), `never`, or a checkpoint directory."""
     keep_last: int = 2
     """Keep this many newest checkpoints; older ones are deleted after a new one is complete."""
+    overwrite: bool = False
+    """Allow a run that would discard what output_dir holds (resume=never into a directory with checkpoints or
+    metrics, or resuming from a checkpoint older than the newest): without it such a start is refused."""
+    max_skipped_updates: int = 3
+    """An optimizer update whose loss or gradient norm is NaN/inf is skipped (weights, optimizer, scheduler and EMA
+    unchanged; counted in `train/skipped_updates`); this many skips in a row stop the run with an error (>= 1)."""
+
+    def __post_init__(self) -> None:
+        if self.max_skipped_updates < 1:
+            raise ValueError(f"train.max_skipped_updates must be >= 1 (1 = stop at the first non-finite update), "
+                             f"got {self.max_skipped_updates}")
 
 
 @dataclass
@@ -250,6 +261,8 @@ def apply_overrides(cfg: Any, overrides: typing.Iterable[str]) -> Any:
             value = raw  # keep e.g. `name=007` as written
         new = _coerce(value, hints[parts[-1]], key)
         setattr(obj, parts[-1], new)
+        if hasattr(obj, "__post_init__"):  # a section's own checks see overridden values too
+            obj.__post_init__()
     return cfg
 
 

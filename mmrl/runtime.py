@@ -3,13 +3,17 @@ atomic checkpoints with exact resume, sample grids and the reward-curve plot."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import random
 import re
 import shutil
+import sys
 import time
+import warnings
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -23,7 +27,30 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 COMPLETE_MARKER = "COMPLETE"
+MANIFEST = "MANIFEST.json"  # {relative path: [size in bytes, crc32]} of every file of a checkpoint
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+# Config keys that cannot change between a checkpoint and its resume: the saved state would not fit (model and
+# adapter shapes), or would silently mean something else (a data position in another prompt file, another seed's
+# noise). A key is frozen when it equals an entry or starts with an entry that ends in "."; other keys may change
+# on resume and every changed one is reported.
+FROZEN_ON_RESUME = ("algorithm", "seed", "model.", "data.train_prompts", "data.preference_file", "data.image_root",
+                    "data.kind", "data.path", "env.tasks", "env.modules")
+MUTABLE_ON_RESUME = ("model.gradient_checkpointing",)
+_NOT_COMPARED = ("output_dir", "train.resume", "train.overwrite")
+
+
+_STARTED_RUN_DIR: Path | None = None  # run directory of the newest Run this process opened (past its checks)
+
+
+def started_run_dir() -> Path | None:
+    """The run directory of the newest `Run` that passed its start-up checks in this process, if any."""
+    return _STARTED_RUN_DIR
+
+
+class RunError(RuntimeError):
+    """A run cannot start or go on for a reason outside the config (disk full, a corrupt checkpoint, a run
+    directory that holds another run): the message names the file and what to do."""
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -76,13 +103,21 @@ def set_rng_state(state: dict) -> None:
 
 
 def _jsonable(value: Any) -> Any:
+    """A metric value as strict JSON: tensors / numpy values -> numbers or (nested) lists, NaN/inf -> null
+    (metrics.jsonl never holds the non-standard NaN / Infinity literals)."""
     if isinstance(value, torch.Tensor):
         value = value.detach().float().cpu()
-        return value.item() if value.numel() == 1 else value.tolist()
-    if isinstance(value, (np.floating, np.integer)):
-        return value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None if math.isnan(value) else (1e308 if value > 0 else -1e308)
+        value = value.item() if value.numel() == 1 else value.tolist()
+    elif isinstance(value, np.ndarray):
+        value = value.tolist()
+    elif isinstance(value, (np.floating, np.integer, np.bool_)):
+        value = value.item()
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
     return value
 
 
@@ -97,6 +132,88 @@ def list_checkpoints(ckpt_root: str | Path) -> list[tuple[int, Path]]:
         if m and child.is_dir() and (child / COMPLETE_MARKER).is_file():
             found.append((int(m.group(1)), child))
     return sorted(found)
+
+
+def _file_crc(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def write_manifest(directory: str | Path) -> dict:
+    """Record [size, crc32] of every file under `directory` in MANIFEST.json (read back from disk, so a write the
+    file system lost is caught now rather than at resume)."""
+    directory = Path(directory)
+    files = {str(p.relative_to(directory)): [p.stat().st_size, _file_crc(p)]
+             for p in sorted(directory.rglob("*")) if p.is_file() and p.name not in (MANIFEST, COMPLETE_MARKER)}
+    (directory / MANIFEST).write_text(json.dumps(files, indent=0))
+    return files
+
+
+def verify_checkpoint(path: str | Path) -> None:
+    """Raise RunError naming the first file of checkpoint `path` that is missing, truncated or changed since it was
+    written (sizes and crc32 from its MANIFEST.json). Checkpoints of older mmrl versions (no manifest) pass."""
+    path = Path(path)
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return
+    try:
+        files = json.loads(manifest.read_text())
+    except (OSError, ValueError) as exc:
+        raise RunError(f"checkpoint {path} is corrupt: {manifest} is unreadable ({exc})") from None
+    for rel, (size, crc) in files.items():
+        f = path / rel
+        if not f.is_file():
+            raise RunError(f"checkpoint {path} is corrupt: {f} is missing")
+        got = f.stat().st_size
+        if got != size:
+            raise RunError(f"checkpoint {path} is corrupt: {f} has {got} bytes, {size} were written (truncated?)")
+        if _file_crc(f) != crc:
+            raise RunError(f"checkpoint {path} is corrupt: {f} changed since it was written (crc32 mismatch)")
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in (d or {}).items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def config_changes(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
+    """(key, saved value, current value) for every key present in both configs whose value differs (nested sections
+    compared key by key; keys added or removed by another mmrl version are not reported)."""
+    a, b = _flatten(saved), _flatten(current)
+    return [(k, a[k], b[k]) for k in b if k in a and a[k] != b[k] and k not in _NOT_COMPARED]
+
+
+def is_frozen_on_resume(key: str) -> bool:
+    if key in MUTABLE_ON_RESUME:
+        return False
+    return any(key == f or (f.endswith(".") and key.startswith(f)) for f in FROZEN_ON_RESUME)
+
+
+def _free_bytes(path: Path) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return -1
+
+
+def _disk_full(exc: BaseException, where: Path) -> bool:
+    """Did `exc` (raised while writing under `where`) come from a full disk? Writers report it differently: OSError
+    ENOSPC/EDQUOT, safetensors "No space left on device (os error 28)", torch.save an unrelated-looking
+    RuntimeError; so a failed write on a device with less than 16 MiB free counts too."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if "No space left" in str(exc) or "os error 28" in str(exc):
+        return True
+    return 0 <= _free_bytes(where) < (16 << 20)
 
 
 def checkpoint_step(path: str | Path) -> int:
@@ -119,6 +236,8 @@ class Run:
     def __init__(self, cfg: Any, write_config: bool = True):
         from mmrl.config import to_yaml
 
+        global _STARTED_RUN_DIR
+        _STARTED_RUN_DIR = None  # until this run has passed its checks
         self.cfg = cfg
         train = getattr(cfg, "train", None)
         for key in ("max_steps", "save_every", "keep_last"):
@@ -142,22 +261,98 @@ class Run:
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype)
         seed_everything(cfg.seed)
+        self.is_main = write_config
+        self._config_text = to_yaml(cfg)
+        self._verified: dict[Path, str | None] = {}  # checkpoint -> None (sound) or why it is not
+        self._warned: set[Path] = set()
         if write_config:
-            tmp = self.dir / "config.yaml.tmp"
-            tmp.write_text(to_yaml(cfg))
-            os.replace(tmp, self.dir / "config.yaml")
-        # a half-written checkpoint from an interrupted run is never used; clear it away
-        for child in self.ckpt_dir.glob(".tmp-*"):
-            shutil.rmtree(child, ignore_errors=True)
+            # a half-written checkpoint from an interrupted run is never used; clear it away
+            for child in self.ckpt_dir.glob(".tmp-*"):
+                shutil.rmtree(child, ignore_errors=True)
+        resuming = self._preflight()
+        # config.yaml of a run being resumed is replaced only once the resume has worked (first metrics row or
+        # checkpoint): a refused or failed resume leaves the run's own config.yaml as it was
+        self._config_pending = write_config
+        if write_config and not (resuming and (self.dir / "config.yaml").is_file()):
+            self._write_config()
         self._t0 = time.time()
+        _STARTED_RUN_DIR = self.dir.resolve()
+
+    def _write_config(self) -> None:
+        if self._config_pending:
+            tmp = self.dir / "config.yaml.tmp"
+            tmp.write_text(self._config_text)
+            os.replace(tmp, self.dir / "config.yaml")
+            self._config_pending = False
+
+    def _preflight(self) -> Path | None:
+        """Refuse a start that would discard what the run directory holds (unless train.overwrite), report config
+        changes on resume and refuse those that cannot change mid-run. Returns the checkpoint to resume from."""
+        from mmrl.config import ConfigError, to_dict
+
+        cfg, mode = self.cfg, str(self.cfg.train.resume)
+        overwrite = bool(getattr(cfg.train, "overwrite", False))
+        ckpts = list_checkpoints(self.ckpt_dir)
+        lost: list[str] = []
+        doomed: list[Path] = []
+        if mode == "never":
+            rows = self.read_metrics()
+            doomed = [p for _, p in ckpts]
+            if doomed:
+                lost.append(f"{len(doomed)} checkpoint(s) ({', '.join(p.name for p in doomed)})")
+            if rows:
+                lost.append(f"{len(rows)} row(s) of metrics.jsonl (steps {rows[0].get('step')}..{rows[-1].get('step')})")
+        elif mode != "auto":
+            target = checkpoint_step(mode)
+            doomed = [p for step, p in ckpts if step > target]
+            if doomed:
+                lost.append(f"the later checkpoint(s) {', '.join(p.name for p in doomed)} (a resumed run continues "
+                            f"from step {target}, so they would be deleted at its first save)")
+        if lost and not overwrite:
+            raise RunError(f"output_dir {self.dir} already holds a run and train.resume={mode} would discard "
+                           f"{' and '.join(lost)}; resume it with train.resume=auto, choose another output_dir, or "
+                           f"pass train.overwrite=true to discard them")
+        if lost and self.is_main:
+            for p in doomed:
+                shutil.rmtree(p, ignore_errors=True)
+            if mode == "never":
+                self.truncate_metrics(0)
+            print(f"[mmrl] train.overwrite=true: discarded {' and '.join(lost)} in {self.dir}", file=sys.stderr)
+        resume = self.find_resume()
+        if resume is None:
+            return None
+        saved_path = resume / "config.yaml" if (resume / "config.yaml").is_file() else self.dir / "config.yaml"
+        if not saved_path.is_file():
+            return resume
+        try:
+            import yaml
+
+            saved = yaml.safe_load(saved_path.read_text()) or {}
+        except Exception as exc:  # noqa: BLE001 - an unreadable saved config only loses the comparison
+            warnings.warn(f"resume: cannot read {saved_path} to compare configs ({exc})", RuntimeWarning, stacklevel=3)
+            return resume
+        changes = config_changes(saved, to_dict(cfg))
+        frozen = [c for c in changes if is_frozen_on_resume(c[0])]
+        if frozen:
+            what = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in frozen)
+            raise ConfigError(f"cannot resume {resume} with a changed {what} (saved in {saved_path}); these keys "
+                              f"cannot change mid-run: use another output_dir, or train.resume=never "
+                              f"train.overwrite=true to start again")
+        if changes and self.is_main:
+            print(f"[mmrl] resuming {resume} with config changes (saved in {saved_path}):", file=sys.stderr)
+            for k, a, b in changes:
+                print(f"[mmrl]   {k}: {a!r} -> {b!r}", file=sys.stderr)
+        return resume
 
     # ---------------------------------------------------------------- metrics
     def log(self, step: int, metrics: dict[str, Any]) -> dict:
         """Append one JSON line `{"step": step, **metrics}` to metrics.jsonl (flushed)."""
+        self._write_config()  # a resumed run's config.yaml, now that the resume has worked
         row = {"step": int(step)}
         row.update({k: _jsonable(v) for k, v in metrics.items()})
+        line = json.dumps(row, allow_nan=False)  # strict JSON: _jsonable turned NaN/inf into null
         with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(line + "\n")
             f.flush()
         return row
 
@@ -182,15 +377,38 @@ class Run:
 
     # ---------------------------------------------------------------- checkpoints
     def find_resume(self) -> Path | None:
-        """Checkpoint to resume from according to `train.resume` (auto | never | PATH)."""
+        """Checkpoint to resume from according to `train.resume` (auto | never | PATH).
+
+        Every candidate is verified against its MANIFEST.json. An explicit PATH that fails is an error naming
+        the file; with `auto` a corrupt newest checkpoint is skipped for the previous sound one, with a warning."""
         mode = str(self.cfg.train.resume)
         if mode == "never":
             return None
-        if mode == "auto":
-            ckpts = list_checkpoints(self.ckpt_dir)
-            return ckpts[-1][1] if ckpts else None
-        checkpoint_step(mode)  # validates
-        return Path(mode)
+        if mode != "auto":
+            checkpoint_step(mode)  # validates
+            problem = self._check(Path(mode))
+            if problem:
+                raise RunError(f"train.resume={mode}: {problem}")
+            return Path(mode)
+        for _, path in reversed(list_checkpoints(self.ckpt_dir)):
+            problem = self._check(path)
+            if problem is None:
+                return path
+            if path not in self._warned:
+                self._warned.add(path)
+                warnings.warn(f"{problem}; resuming from the previous complete checkpoint instead", RuntimeWarning,
+                              stacklevel=2)
+        return None
+
+    def _check(self, path: Path) -> str | None:
+        path = Path(path)
+        if path not in self._verified:
+            try:
+                verify_checkpoint(path)
+                self._verified[path] = None
+            except RunError as exc:
+                self._verified[path] = str(exc)
+        return self._verified[path]
 
     @contextmanager
     def checkpoint(self, step: int) -> Iterator[Path]:
@@ -202,8 +420,19 @@ class Run:
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
         try:
-            yield tmp
-            (tmp / COMPLETE_MARKER).write_text(json.dumps({"step": step, "time": time.time()}))
+            try:
+                yield tmp
+                (tmp / "config.yaml").write_text(self._config_text)  # the config this state was trained with
+                write_manifest(tmp)
+                (tmp / COMPLETE_MARKER).write_text(json.dumps({"step": step, "time": time.time()}))
+            except Exception as exc:
+                if _disk_full(exc, self.ckpt_dir):
+                    newest = list_checkpoints(self.ckpt_dir)
+                    keep = f"the newest complete checkpoint is {newest[-1][1]}" if newest else "no complete checkpoint exists yet"
+                    raise RunError(f"no space left on the device of {self.ckpt_dir} while writing checkpoint step_{step} "
+                                   f"({type(exc).__name__}: {str(exc)[:120]}); nothing half-written was kept and "
+                                   f"{keep}: free space, then rerun to resume") from exc
+                raise
             final = self.ckpt_dir / f"step_{step}"
             if final.exists():  # re-saving the same step (e.g. after a resume): swap atomically-ish
                 old = self.ckpt_dir / f".tmp-old-step_{step}-{os.getpid()}"
@@ -215,6 +444,8 @@ class Run:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        self._verified[final] = None
+        self._write_config()
         self._drop_later_than(step)
         self._prune()
 
@@ -240,10 +471,12 @@ class Run:
 
     @staticmethod
     def load_state(directory: str | Path) -> dict:
+        """state.pt of a checkpoint, loaded with `weights_only=True` (tensors, containers, numbers and the numpy
+        arrays of the RNG state only): a foreign run directory cannot run code here."""
         path = Path(directory) / "state.pt"
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint state file missing: {path}")
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return load_state_file(path)
 
     # ---------------------------------------------------------------- progress and outputs
     def progress(self, total: int, initial: int = 0, desc: str | None = None):
@@ -273,6 +506,32 @@ class Run:
         if extra:
             summary.update(extra)
         return summary
+
+
+def _numpy_safe_globals() -> list:
+    """What a numpy array (numpy's RNG state) needs to unpickle: its reconstructor, ndarray, dtype and dtype classes."""
+    core = getattr(np, "_core", None) or np.core
+    allowed: list = [core.multiarray._reconstruct, np.ndarray, np.dtype]
+    allowed += [type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64, np.uint8, np.int32, np.float32, np.bool_)]
+    return allowed
+
+
+def load_state_file(path: str | Path) -> Any:
+    """torch.load(path, weights_only=True) with numpy arrays allowed; a clear RunError naming the file when it is
+    corrupt or holds objects outside that allow-list."""
+    path = Path(path)
+    try:
+        with torch.serialization.safe_globals(_numpy_safe_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except __import__("pickle").UnpicklingError as exc:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        if found is None:  # not a torch.save zip archive, or a damaged pickle stream
+            raise RunError(f"{path} is corrupt or truncated (not a readable torch.save file)") from None
+        raise RunError(f"{path}: refusing to load objects that are not plain state (weights_only=True found "
+                       f"{found.group(1)}); a checkpoint written by mmrl holds only tensors, numbers and "
+                       f"containers") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise RunError(f"{path} is corrupt or truncated ({type(exc).__name__}: {str(exc)[:160]})") from None
 
 
 def save_image_grid(images: Any, captions: list[str] | None, path: str | Path, cols: int | None = None,

@@ -101,14 +101,24 @@ def load_reward_fn(components: dict[str, Any], device: Any):
 
 
 def score_images(reward_fn: Any, images: Tensor, prompts: list[str], metadata: list[dict],
-                 prefix: str = "reward/") -> tuple[Tensor, dict[str, float]]:
-    """scores[B] (float, cpu) and metrics: `<prefix>mean`, `<prefix>std` and one mean per component."""
+                 prefix: str = "reward/", on_nonfinite: str = "error") -> tuple[Tensor, dict[str, float]]:
+    """scores[B] (float, cpu) and metrics: `<prefix>mean`, `<prefix>std` and one mean per component.
+
+    Every score is validated (`mmrl.training.check_rewards`): a NaN/inf score raises naming the reward component
+    and the prompt (`on_nonfinite="error"`), or (`"drop_sample"`) stays in `scores` as the mark of a dropped sample
+    (the recipes test `torch.isfinite`) while the metrics cover the finite ones and count the others in
+    `reward/nonfinite_samples`."""
+    from mmrl.training import check_rewards, finite_stats
+
     out = reward_fn(images=images, prompts=prompts, metadata=metadata)
     scores = out.scores.detach().float().cpu()
-    metrics = {f"{prefix}mean": scores.mean().item(),
-               f"{prefix}std": scores.std().item() if len(scores) > 1 else 0.0}
-    for name in getattr(reward_fn, "components", {}):
-        metrics[f"{prefix}{name}"] = torch.as_tensor(out.details[name]).float().mean().item()
+    components = list(getattr(reward_fn, "components", {}))
+    keep, metrics = check_rewards(scores, out.details, on_nonfinite, reward=getattr(reward_fn, "name", "reward"),
+                                  components=components, labels=[f"prompt {p!r}" for p in prompts or []])
+    metrics.update(finite_stats(scores, prefix))
+    for name in components:
+        v = torch.as_tensor(out.details[name]).float().cpu()
+        metrics[f"{prefix}{name}"] = (v[keep] if v.shape == keep.shape else v).mean().item()
     return scores, metrics
 
 

@@ -63,7 +63,9 @@ from mmrl.diffusion.common import (TIMING_PREFIX, AdamWTrainConfig, make_optimiz
 from mmrl.diffusion.flow_grpo import DataConfig, LogConfig, ModelConfig, RewardConfig
 from mmrl.diffusion.models import PromptEmbeds
 from mmrl.distributed import DistConfig, DistContext
+from mmrl.pipelines.data import require_path
 from mmrl.runtime import Timer, seed_everything
+from mmrl.training import NONFINITE_KEY, UpdateGuard, check_finite_weights, finite_stats, group_keep
 
 __all__ = ["Config", "train", "build_pairs", "PAIRINGS", "make_shapes_preference_file"]
 
@@ -178,6 +180,29 @@ def _check(cfg: Config) -> None:
         raise ValueError(f"dpo.mode=online needs sample.group_size >= 2 to form pairs, got {cfg.sample.group_size}")
     if cfg.train.micro_batch_size < 1 or cfg.data.pairs_per_step < 1:
         raise ValueError("train.micro_batch_size and data.pairs_per_step must be >= 1")
+    # sizes that would otherwise fail deep inside a step (IndexError, empty torch.cat, negative shapes)
+    s, log, online = cfg.sample, cfg.log, d.mode == "online"
+    sizes = [("sample.height", s.height, 1), ("sample.width", s.width, 1),
+             ("sample.eval_num_steps", s.eval_num_steps, 1),
+             ("model.max_sequence_length", cfg.model.max_sequence_length, 0),
+             ("model.lora_rank", cfg.model.lora_rank, 1 if cfg.model.lora else 0),
+             ("log.sample_every", log.sample_every, 0), ("log.eval_every", log.eval_every, 0),
+             ("log.num_sample_images", log.num_sample_images,
+              1 if (online and log.sample_every) or (log.eval_every and cfg.data.eval_prompts) else 0)]
+    if online:
+        sizes += [("data.prompts_per_step", cfg.data.prompts_per_step, 1), ("sample.num_steps", s.num_steps, 1),
+                  ("sample.batch_size", s.batch_size, 0), ("dpo.max_pairs_per_step", d.max_pairs_per_step, 0)]
+    for key, value, least in sizes:
+        if value < least:
+            raise ValueError(f"{key}: expected >= {least}, got {value}")
+    if online:
+        require_path("data.train_prompts", cfg.data.train_prompts, "prompt file")
+    else:
+        require_path("data.preference_file", cfg.data.preference_file, "preference file")
+        if cfg.data.image_root:
+            require_path("data.image_root", cfg.data.image_root, "image folder", kind="dir")
+    if cfg.data.eval_prompts:
+        require_path("data.eval_prompts", cfg.data.eval_prompts, "prompt file")
 
 
 # ------------------------------------------------------------------------------------------ pairing
@@ -254,6 +279,7 @@ def train(cfg: Config) -> dict:
         states.refresh()
     params = states.trainable_parameters()
     optimizer, lr_sched = make_optimizer(params, t)
+    guard = UpdateGuard(t.max_skipped_updates, ctx, run)  # a NaN/inf loss or gradient never reaches the weights
     stateful = {"optimizer": FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,
                 "data": sampler, "transformer_evals": evals}
     start, _ = restore_checkpoint(run, states, stateful, tag="dpo", truncate=ctx.is_main)
@@ -279,16 +305,22 @@ def train(cfg: Config) -> dict:
                     prompts = [items[i].prompt for i in traj.prompt_index.tolist()]
                 with timer("reward"):
                     scores, reward_metrics = score_images(reward_fn, traj.images, prompts,
-                                                          [items[i].metadata for i in traj.prompt_index.tolist()])
+                                                          [items[i].metadata for i in traj.prompt_index.tolist()],
+                                                          on_nonfinite=cfg.reward.on_nonfinite)
                 if ctx.enabled:  # equal sample counts per rank: the mean of the ranks' means is the batch mean
-                    reward_metrics = {k: float(ctx.all_reduce_mean(v)) for k, v in reward_metrics.items()}
+                    reward_metrics = {k: int(ctx.all_reduce_sum(v)) if k == NONFINITE_KEY
+                                      else float(ctx.all_reduce_mean(v)) for k, v in reward_metrics.items()}
                 metrics.update(reward_metrics)
                 # pairs from the whole batch's rewards (group id = global prompt index: shards are contiguous);
                 # each rank trains the pairs of its own groups. One process: build_pairs(scores, prompt_index)
                 all_scores = ctx.all_gather_tensor(scores)
                 sizes = list(ctx.last_gather_sizes)
                 gids = ctx.all_gather_tensor(traj.prompt_index + ctx.rank * len(items))
-                w_all, l_all = build_pairs(all_scores, gids, d.pairing, d.pair_margin, d.max_pairs_per_step)
+                # samples with a non-finite reward (reward.on_nonfinite=drop_sample) and groups left with one
+                # sample form no pair
+                ok = group_keep(torch.isfinite(all_scores), gids).nonzero().flatten()
+                w_all, l_all = build_pairs(all_scores[ok], gids[ok], d.pairing, d.pair_margin, d.max_pairs_per_step)
+                w_all, l_all = ok[w_all], ok[l_all]
                 lo = sum(sizes[:ctx.rank])
                 mine = (w_all >= lo) & (w_all < lo + sizes[ctx.rank])
                 w, l = w_all[mine] - lo, l_all[mine] - lo
@@ -298,8 +330,7 @@ def train(cfg: Config) -> dict:
                 metrics["dpo/pairs"] = len(w_all)
                 metrics["dpo/pair_gap"] = (all_scores[w_all] - all_scores[l_all]).mean().item() if len(w_all) else 0.0
                 if ctx.enabled:  # the whole batch's reward statistics (score_images gave this rank's)
-                    metrics["reward/mean"] = all_scores.mean().item()
-                    metrics["reward/std"] = all_scores.std().item() if len(all_scores) > 1 else 0.0
+                    metrics.update(finite_stats(all_scores))
                 images, captions = traj.images, [f"{p[:48]} | r={v:.3g}" for p, v in zip(prompts, scores.tolist())]
             else:
                 idx = ctx.shard(sampler.next(cfg.data.pairs_per_step))  # this rank's share of the global pairs
@@ -314,8 +345,9 @@ def train(cfg: Config) -> dict:
             # ---- 2./3. DPO loss on shared (noise level, noise) per pair; one optimizer update
             with timer("train"):
                 m = _dpo_update(cfg, model, states, x_w, x_l, pair_embeds, shift, optimizer, lr_sched, params, timer,
-                                ctx, pad)
+                                ctx, pad, guard=guard, step=step)
             metrics.update(m)
+            metrics.update(guard.pop_metrics())
             if not online:  # no reward model offline: the implicit reward margin is what DPO raises
                 metrics["reward/mean"], metrics["reward/std"] = m["dpo/reward_margin"], m.pop("dpo/reward_margin_std")
 
@@ -344,6 +376,7 @@ def train(cfg: Config) -> dict:
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.4g}", acc=f"{metrics.get('dpo/implicit_acc', 0):.2f}")
         if (t.save_every and step % t.save_every == 0) or step == t.max_steps:
+            check_finite_weights(states, step, ctx, run)  # never a checkpoint with NaN/inf weights
             if fsdp:  # gathering the shards is a collective: every rank takes part, rank 0 writes
                 save_checkpoint_fsdp(ctx, run, step, states, stateful)
             elif ctx.is_main:
@@ -401,7 +434,8 @@ def _offline_eval(cfg: Config, model, states, pairs, cache, shift, draws: int = 
 
 
 def _dpo_update(cfg: Config, model, states, x_w, x_l, embeds, shift, optimizer, lr_sched, params, timer,
-                ctx: DistContext | None = None, pad: tuple | None = None) -> dict:
+                ctx: DistContext | None = None, pad: tuple | None = None, guard: UpdateGuard | None = None,
+                step: int = 0) -> dict:
     """Gradient accumulation over all pairs (micro-batches of train.micro_batch_size), one AdamW step.
 
     Several ranks: each holds its pairs of the step; its loss is weighted by `ctx.loss_scale(n_local)` so DDP's
@@ -410,6 +444,7 @@ def _dpo_update(cfg: Config, model, states, x_w, x_l, embeds, shift, optimizer, 
     fewer) and gradients are all-reduced once (no_sync around the others). Metrics cover all ranks' pairs."""
     ctx = ctx or DistContext()
     t, d = cfg.train, cfg.dpo
+    guard = guard or UpdateGuard(t.max_skipped_updates, ctx)
     n = x_w.shape[0]
     n_total = int(ctx.all_reduce_sum(n))
     out: dict[str, float] = {"dpo/pairs_trained": n_total}
@@ -423,7 +458,7 @@ def _dpo_update(cfg: Config, model, states, x_w, x_l, embeds, shift, optimizer, 
         raise ValueError("_dpo_update: this rank has no pair and no padding pair (pad=(x_w, x_l, embeds))")
     pad = (x_w[:1], x_l[:1], embeds.select([0])) if n > 0 else pad
     sums: dict[str, float] = {}
-    margins = []
+    margins, losses = [], []
     for mi in range(n_micro):
         real = mi < len(micro)
         if real:
@@ -442,9 +477,10 @@ def _dpo_update(cfg: Config, model, states, x_w, x_l, embeds, shift, optimizer, 
             for key, v in m.items():
                 sums[key] = sums.get(key, 0.0) + v * b
             margins.append(_margin(d.beta, *errs))
+            losses.append(loss.detach())
     grad_norm = clip_grads(params, t.max_grad_norm)
-    optimizer.step()
-    lr_sched.step()
+    if guard.step(optimizer, losses, grad_norm, step):  # NaN/inf loss or gradient: skipped
+        lr_sched.step()
     optimizer.zero_grad(set_to_none=True)
     if ctx.enabled:  # sums over all ranks' pairs (a rank without pairs contributes nothing)
         sums = {k: sum(v) for k, v in merge_rank_lists(ctx, {k: [v] for k, v in sums.items()}).items()}

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -46,7 +46,9 @@ from mmrl.core.losses import clipped_policy_loss
 from mmrl.diffusion.common import (AdamWTrainConfig, FullOptimizerState, NoSamples, clip_grads, make_optimizer,
                                    save_checkpoint_fsdp)
 from mmrl.distributed import DistConfig, DistContext, rank_seed
+from mmrl.pipelines.data import require_path
 from mmrl.runtime import Run, Timer, seed_everything
+from mmrl.training import NONFINITE_KEY, OnNonfinite, UpdateGuard, check_finite_weights, finite_stats, group_keep
 
 # ------------------------------------------------------------------------------------------ config
 
@@ -105,6 +107,10 @@ class SampleConfig:
     """Without a window: train on the first int(num_steps * fraction) steps."""
     same_noise: bool = False
     """Same initial noise for all images of a prompt."""
+    cfg_grad: Literal["both", "cond_only"] = "both"
+    """With CFG (guidance_scale > 1, SD3): which branches of v_u + w (v_c - v_u) the training gradient flows
+    through. `both` = flow_grpo's training (one forward on [empty; prompt], no detach); `cond_only` detaches the
+    unconditional branch (gradient w * dv_c). Log-probs, rollouts and logprob drift are identical in both."""
     batch_size: int = 0
     """Rollout micro-batch (images per transformer call); 0 = whole batch."""
     prompt_cache_size: int = 1024
@@ -147,6 +153,10 @@ class RewardConfig:
     """Per-prompt stat tracker memory: 0 = current batch only (Flow-GRPO), N = last N rewards per prompt."""
     drop_zero_advantage: bool = True
     """Skip samples whose advantage is exactly 0 (groups with identical rewards)."""
+    on_nonfinite: OnNonfinite = "error"
+    """A NaN/inf reward: `error` (stop, naming the reward component and the sample) or `drop_sample` (train without
+    it: it leaves its prompt's group statistics, a group left with < 2 samples is not trained on; the count is
+    logged as reward/nonfinite_samples)."""
 
 
 @dataclass
@@ -191,6 +201,8 @@ class PerPromptStatTracker:
     std: population std of the prompt's rewards (std_mode="group") or of the whole batch ("global").
     history=0 uses the current batch only (Flow-GRPO clears its tracker each epoch); history=N keeps
     the last N rewards of each prompt (DDPO's buffer). A prompt whose rewards are all equal gets 0.
+    Non-finite rewards (samples dropped by `reward.on_nonfinite: drop_sample`) get 0 and stay out of every
+    statistic and buffer.
     """
 
     # source: flow_grpo/stat_tracking.py (np.std + 1e-4); ddpo-pytorch stat_tracking.py (buffer)
@@ -203,9 +215,12 @@ class PerPromptStatTracker:
     def update(self, prompts: list[str], rewards: torch.Tensor) -> torch.Tensor:
         r = rewards.detach().double().cpu()
         adv = torch.zeros_like(r)
-        global_std = r.std(unbiased=False) + self.eps
+        ok = torch.isfinite(r)
+        global_std = r[ok].std(unbiased=False) + self.eps
         for p in dict.fromkeys(prompts):
-            rows = torch.tensor([i for i, q in enumerate(prompts) if q == p])
+            rows = torch.tensor([i for i, q in enumerate(prompts) if q == p and ok[i]], dtype=torch.long)
+            if len(rows) == 0:
+                continue
             vals = torch.cat([torch.tensor(self.buffers.get(p, []), dtype=torch.float64), r[rows]])
             if vals.max() > vals.min():
                 std = global_std if self.std_mode == "global" else vals.std(unbiased=False) + self.eps
@@ -236,6 +251,21 @@ def _check(cfg: Config) -> None:
         raise ValueError(f"sample.noise_level must be > 0 for training rollouts, got {s.noise_level}")
     if t.updates_per_step < 1 or t.micro_batch_size < 1 or t.num_inner_epochs < 1:
         raise ValueError("train.updates_per_step, train.micro_batch_size and train.num_inner_epochs must be >= 1")
+    # sizes that would otherwise fail deep inside a step (IndexError, empty torch.cat, negative shapes)
+    for key, value, least in (("data.prompts_per_step", cfg.data.prompts_per_step, 1), ("sample.height", s.height, 1),
+                              ("sample.width", s.width, 1), ("sample.num_steps", s.num_steps, 1),
+                              ("sample.eval_num_steps", s.eval_num_steps, 1), ("sample.batch_size", s.batch_size, 0),
+                              ("sample.window_size", s.window_size, 0), ("reward.history", cfg.reward.history, 0),
+                              ("model.max_sequence_length", cfg.model.max_sequence_length, 0),
+                              ("model.lora_rank", cfg.model.lora_rank, 1 if cfg.model.lora else 0),
+                              ("log.sample_every", cfg.log.sample_every, 0), ("log.eval_every", cfg.log.eval_every, 0),
+                              ("log.num_sample_images", cfg.log.num_sample_images,
+                               1 if cfg.log.sample_every or (cfg.log.eval_every and cfg.data.eval_prompts) else 0)):
+        if value < least:
+            raise ValueError(f"{key}: expected >= {least}, got {value}")
+    require_path("data.train_prompts", cfg.data.train_prompts, "prompt file")
+    if cfg.data.eval_prompts:
+        require_path("data.eval_prompts", cfg.data.eval_prompts, "prompt file")
 
 
 # ------------------------------------------------------------------------------------------ training
@@ -274,6 +304,7 @@ def train(cfg: Config) -> dict:
         states.refresh()
     params = states.trainable_parameters()
     optimizer, lr_sched = make_optimizer(params, t)
+    guard = UpdateGuard(t.max_skipped_updates, ctx, run)  # a NaN/inf loss or gradient never reaches the weights
     tracker = PerPromptStatTracker(cfg.reward.std_mode, cfg.reward.history)
     sampler = PromptSampler(train_items, seed=cfg.seed)
     stateful = {"optimizer": FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,
@@ -305,9 +336,11 @@ def train(cfg: Config) -> dict:
 
             # ---- 2. rewards (weighted sum; each component logged)
             with timer("reward"):
-                scores, reward_metrics = score_images(reward_fn, traj.images, prompts, metadata)
+                scores, reward_metrics = score_images(reward_fn, traj.images, prompts, metadata,
+                                                      on_nonfinite=cfg.reward.on_nonfinite)
             if ctx.enabled:  # equal sample counts per rank: the mean of the ranks' means is the batch mean
-                reward_metrics = {k: float(ctx.all_reduce_mean(v)) for k, v in reward_metrics.items()}
+                reward_metrics = {k: int(ctx.all_reduce_sum(v)) if k == NONFINITE_KEY
+                                  else float(ctx.all_reduce_mean(v)) for k, v in reward_metrics.items()}
             metrics.update(reward_metrics)  # reward/mean and reward/std: from all samples, below
 
             # ---- 3. advantages: per-prompt normalisation over all ranks' rewards, clipping, drop zero advantages
@@ -318,7 +351,8 @@ def train(cfg: Config) -> dict:
             # ---- 4./5. loss per trained timestep, accumulated; optimizer updates (+ EMA)
             with timer("train"):
                 metrics.update(_train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, params,
-                                                 timer, ctx))
+                                                 timer, ctx, guard=guard, step=step))
+                metrics.update(guard.pop_metrics())
 
         # ---- logging, samples, evaluation, checkpoints (rank 0)
         metrics["lr"] = optimizer.param_groups[0]["lr"]
@@ -342,6 +376,7 @@ def train(cfg: Config) -> dict:
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.4g}", drift=f"{metrics.get('diag/logprob_drift', 0):.1e}")
         if (t.save_every and step % t.save_every == 0) or step == t.max_steps:
+            check_finite_weights(states, step, ctx, run)  # never a checkpoint with NaN/inf weights
             if fsdp:  # gathering the shards is a collective: every rank takes part, rank 0 writes
                 save_checkpoint_fsdp(ctx, run, step, states, stateful)
             elif ctx.is_main:
@@ -361,23 +396,27 @@ def global_advantages(ctx: DistContext, tracker: PerPromptStatTracker, prompts: 
     Rewards and prompts of every rank are all-gathered (rank order), the tracker normalises per prompt over
     that global batch (a prompt's group may even span ranks), and each rank keeps its own rows. Every rank
     updates its tracker with the same global batch, so the tracker state is identical everywhere (rank 0's
-    checkpoint is everyone's). One process: exactly `tracker.update(prompts, scores)`."""
+    checkpoint is everyone's). One process: exactly `tracker.update(prompts, scores)`.
+    Non-finite scores mark samples dropped by `reward.on_nonfinite: drop_sample`: they are never kept, and neither
+    are the samples of a prompt left with fewer than 2 finite rewards (no relative signal)."""
     all_prompts = [p for part in ctx.all_gather_object(list(prompts)) for p in part]
     all_scores = ctx.all_gather_tensor(scores)
     sizes = list(ctx.last_gather_sizes)
     adv_all = tracker.update(all_prompts, all_scores).clamp(-adv_clip_max, adv_clip_max)
     adv = ctx.local_slice(adv_all, sizes)
-    keep = (adv != 0).nonzero().flatten() if drop_zero_advantage else torch.arange(len(adv))
+    prompt_ids = {p: i for i, p in enumerate(dict.fromkeys(all_prompts))}
+    usable = ctx.local_slice(group_keep(torch.isfinite(all_scores), torch.tensor([prompt_ids[p] for p in all_prompts])),
+                             sizes)
+    keep = (usable & (adv != 0) if drop_zero_advantage else usable).nonzero().flatten()
     n_keep = int(ctx.all_reduce_sum(len(keep)))
     metrics = {"train/kept_fraction": n_keep / len(adv_all), "train/advantage_abs": adv_all.abs().mean().item()}
     if ctx.enabled:  # the whole batch's reward statistics (score_images gave this rank's)
-        metrics["reward/mean"] = all_scores.mean().item()
-        metrics["reward/std"] = all_scores.std().item() if len(all_scores) > 1 else 0.0
+        metrics.update(finite_stats(all_scores))
     return adv, keep, metrics
 
 
 def _train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, params, timer,
-                      ctx: DistContext | None = None) -> dict:
+                      ctx: DistContext | None = None, guard: UpdateGuard | None = None, step: int = 0) -> dict:
     """Inner epochs over one rollout batch; returns averaged loss metrics and diag/logprob_drift.
 
     Several ranks: each holds its rows of the global batch; an update's chunk is the union of the ranks'
@@ -390,8 +429,9 @@ def _train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, 
 
     ctx = ctx or DistContext()
     t = cfg.train
+    guard = guard or UpdateGuard(t.max_skipped_updates, ctx)
     step_kw = dict(guidance_scale=cfg.sample.guidance_scale, noise_level=cfg.sample.noise_level,
-                   sde_type=cfg.sample.sde_type)
+                   sde_type=cfg.sample.sde_type, cfg_grad=cfg.sample.cfg_grad)
     acc: dict[str, list] = defaultdict(list)  # floats or 0-dim tensors (converted once, at the end: no GPU syncs)
     drift: list[torch.Tensor] = []
     steps = traj.train_steps.tolist()
@@ -408,6 +448,7 @@ def _train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, 
         n_updates = min(t.updates_per_step, ctx.max_int(len(order)))  # identical on every rank
         for u, chunk in enumerate(torch.tensor_split(order, n_updates)):
             first_update = epoch == 0 and u == 0
+            n_losses = len(acc["train/loss"])  # this update's micro-step losses are appended after this index
             micro = [m for m in torch.split(chunk, t.micro_batch_size) if len(m)]  # (an empty chunk splits into [[]])
             n_micro = ctx.max_int(len(micro))  # same number of micro-steps on every rank
             scale = ctx.loss_scale(len(chunk))  # local mean -> global mean under DDP's gradient average
@@ -447,12 +488,12 @@ def _train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, 
                         acc["train/loss"].append(loss.detach())
             grad_norm = clip_grads(params, t.max_grad_norm)
             acc["train/grad_norm"].append(grad_norm)
-            optimizer.step()
-            lr_sched.step()
+            if guard.step(optimizer, acc["train/loss"][n_losses:], grad_norm, step):  # NaN/inf: skipped
+                lr_sched.step()
+                updates += 1
+                if t.ema:
+                    states.ema("default", "old", t.ema_decay)
             optimizer.zero_grad(set_to_none=True)
-            updates += 1
-            if t.ema:
-                states.ema("default", "old", t.ema_decay)
     vals = {k: [float(x) for x in v] for k, v in acc.items()}
     vals["diag/logprob_drift"] = [0.0] + [float(d) for d in drift]
     vals = merge_rank_lists(ctx, vals)  # metrics of the whole batch: every rank's micro-step values
@@ -511,19 +552,20 @@ class RefMeanCache:
 
 
 def _summarise(run: Run) -> dict:
-    """run.finish() plus the reward-rise check: mean of the last 5 steps vs the first 5 steps."""
-    rows = run.read_metrics()
+    """run.finish() plus the reward-rise check: mean of the last 5 steps vs the first 5 steps (steps without a
+    finite reward, e.g. every sample dropped as non-finite, are logged as null and left out)."""
+    rows = [r for r in run.read_metrics() if r.get("reward/mean") is not None]
     extra: dict[str, Any] = {}
     if rows:
         k = min(5, len(rows))
         first = [r["reward/mean"] for r in rows[:k]]
         last = [r["reward/mean"] for r in rows[-k:]]
-        first_std = sum(r["reward/std"] for r in rows[:k]) / k
+        first_std = sum(r.get("reward/std") or 0.0 for r in rows[:k]) / k
         rise = sum(last) / k - sum(first) / k
         extra = {"reward_rise": rise, "reward_first_std": first_std,
                  "reward_rise_in_std": rise / first_std if first_std > 0 else (math.inf if rise > 0 else 0.0),
                  "reward_rose": rise > 2 * first_std,
-                 "max_logprob_drift": max(r.get("diag/logprob_drift", 0.0) for r in rows)}
+                 "max_logprob_drift": max(r.get("diag/logprob_drift") or 0.0 for r in rows)}
         print(f"[flow_grpo] reward first {k} steps {sum(first) / k:.4g} (per-image std {first_std:.3g}) -> "
               f"last {k} steps {sum(last) / k:.4g}: rise {rise:+.4g} = {extra['reward_rise_in_std']:.2f} std "
               f"({'PASS' if extra['reward_rose'] else 'no clear rise'}: needs > 2 std); "

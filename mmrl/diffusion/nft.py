@@ -54,7 +54,9 @@ from mmrl.diffusion.common import (TIMING_PREFIX, AdamWTrainConfig, make_optimiz
 from mmrl.diffusion.flow_grpo import (DataConfig, LogConfig, ModelConfig, PerPromptStatTracker, RewardConfig,
                                       global_advantages)
 from mmrl.distributed import DistConfig, DistContext
+from mmrl.pipelines.data import require_path
 from mmrl.runtime import Timer, seed_everything
+from mmrl.training import NONFINITE_KEY, SKIPPED_KEY, UpdateGuard, check_finite_weights
 
 __all__ = ["Config", "train", "ema_decay", "EMA_SCHEDULES"]
 
@@ -165,6 +167,21 @@ def _check(cfg: Config) -> None:
     if n.guidance_beta <= 0:
         raise ValueError(f"nft.guidance_beta must be > 0, got {n.guidance_beta}")
     ema_decay(n.ema_schedule, 0)  # validates the name
+    # sizes that would otherwise fail deep inside a step (IndexError, empty torch.cat, negative shapes)
+    for key, value, least in (("data.prompts_per_step", cfg.data.prompts_per_step, 1), ("sample.height", s.height, 1),
+                              ("sample.width", s.width, 1), ("sample.num_steps", s.num_steps, 1),
+                              ("sample.eval_num_steps", s.eval_num_steps, 1), ("sample.batch_size", s.batch_size, 0),
+                              ("reward.history", cfg.reward.history, 0),
+                              ("model.max_sequence_length", cfg.model.max_sequence_length, 0),
+                              ("model.lora_rank", cfg.model.lora_rank, 1 if cfg.model.lora else 0),
+                              ("log.sample_every", cfg.log.sample_every, 0), ("log.eval_every", cfg.log.eval_every, 0),
+                              ("log.num_sample_images", cfg.log.num_sample_images,
+                               1 if cfg.log.sample_every or (cfg.log.eval_every and cfg.data.eval_prompts) else 0)):
+        if value < least:
+            raise ValueError(f"{key}: expected >= {least}, got {value}")
+    require_path("data.train_prompts", cfg.data.train_prompts, "prompt file")
+    if cfg.data.eval_prompts:
+        require_path("data.eval_prompts", cfg.data.eval_prompts, "prompt file")
     if int(s.num_steps * n.timestep_fraction) < 1:
         raise ValueError(f"nft.timestep_fraction={n.timestep_fraction} trains on no step of {s.num_steps}")
     if t.updates_per_step < 1 or t.micro_batch_size < 1 or t.num_inner_epochs < 1:
@@ -211,6 +228,7 @@ def train(cfg: Config) -> dict:
         states.refresh()
     params = states.trainable_parameters()
     optimizer, lr_sched = make_optimizer(params, t)
+    guard = UpdateGuard(t.max_skipped_updates, ctx, run)  # a NaN/inf loss or gradient never reaches the weights
     tracker = PerPromptStatTracker(cfg.reward.std_mode, cfg.reward.history)
     sampler = PromptSampler(train_items, seed=cfg.seed)
     counters = _Counters()
@@ -239,9 +257,11 @@ def train(cfg: Config) -> dict:
 
             # ---- 2. rewards and per-prompt advantages; 3. optimality probability r
             with timer("reward"):
-                scores, reward_metrics = score_images(reward_fn, traj.images, prompts, metadata)
+                scores, reward_metrics = score_images(reward_fn, traj.images, prompts, metadata,
+                                                      on_nonfinite=cfg.reward.on_nonfinite)
             if ctx.enabled:  # equal sample counts per rank: the mean of the ranks' means is the batch mean
-                reward_metrics = {k: float(ctx.all_reduce_mean(v)) for k, v in reward_metrics.items()}
+                reward_metrics = {k: int(ctx.all_reduce_sum(v)) if k == NONFINITE_KEY
+                                  else float(ctx.all_reduce_mean(v)) for k, v in reward_metrics.items()}
             metrics.update(reward_metrics)  # several ranks: reward/mean and reward/std of all samples, below
             # per-prompt advantages over all ranks' rewards (unclipped here: nft_optimality_prob clips)
             adv, keep, adv_metrics = global_advantages(ctx, tracker, prompts, scores, math.inf,
@@ -252,9 +272,11 @@ def train(cfg: Config) -> dict:
             # ---- 4./5. NFT loss on forward-noised clean samples; updates; EMA of "old" (same on every rank)
             with timer("train"):
                 metrics.update(_train_on_rollout(cfg, model, states, traj, r, keep, optimizer, lr_sched, params,
-                                                 counters, timer, ctx))
+                                                 counters, timer, ctx, guard=guard, step=step))
+                metrics.update(guard.pop_metrics())
             decay = ema_decay(cfg.nft.ema_schedule, counters.updates)
-            states.ema("default", "old", decay)
+            if metrics["train/updates"] or not metrics[SKIPPED_KEY]:  # all updates skipped (NaN/inf): old unchanged
+                states.ema("default", "old", decay)
             metrics["nft/old_decay"] = decay
 
         metrics["lr"] = optimizer.param_groups[0]["lr"]
@@ -278,6 +300,7 @@ def train(cfg: Config) -> dict:
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.4g}", loss=f"{metrics.get('nft/loss', 0):.3g}")
         if (t.save_every and step % t.save_every == 0) or step == t.max_steps:
+            check_finite_weights(states, step, ctx, run)  # never a checkpoint with NaN/inf weights
             if fsdp:  # gathering the shards is a collective: every rank takes part, rank 0 writes
                 save_checkpoint_fsdp(ctx, run, step, states, stateful)
             elif ctx.is_main:
@@ -292,7 +315,7 @@ def train(cfg: Config) -> dict:
 
 
 def _train_on_rollout(cfg: Config, model, states, traj, r, keep, optimizer, lr_sched, params, counters,
-                      timer, ctx: DistContext | None = None) -> dict:
+                      timer, ctx: DistContext | None = None, guard: UpdateGuard | None = None, step: int = 0) -> dict:
     """Inner epochs over one rollout batch: NFT loss (+ velocity KL) at K schedule timesteps per sample.
 
     Several ranks (as `flow_grpo._train_on_rollout`): each holds its rows of the global batch; an update's chunk
@@ -302,6 +325,7 @@ def _train_on_rollout(cfg: Config, model, states, traj, r, keep, optimizer, lr_s
     once per update (no_sync around every other micro-step). One process: ctx is a no-op."""
     ctx = ctx or DistContext()
     t, s, n = cfg.train, cfg.sample, cfg.nft
+    guard = guard or UpdateGuard(t.max_skipped_updates, ctx)
     acc: dict[str, list[float]] = defaultdict(list)
     if ctx.max_int(len(keep)) == 0:
         return {"train/updates": 0}
@@ -320,6 +344,7 @@ def _train_on_rollout(cfg: Config, model, states, traj, r, keep, optimizer, lr_s
             micro = [m for m in torch.split(chunk, t.micro_batch_size) if len(m)]  # (an empty chunk splits into [[]])
             n_micro = ctx.max_int(len(micro))  # same number of micro-steps on every rank
             scale = ctx.loss_scale(len(chunk))  # local mean -> global mean under DDP's gradient average
+            n_losses = len(acc["nft/loss"])  # this update's micro-step losses are appended after this index
             for mi in range(n_micro):
                 real = mi < len(micro)
                 rows = micro[mi] if real else pad_rows
@@ -350,12 +375,13 @@ def _train_on_rollout(cfg: Config, model, states, traj, r, keep, optimizer, lr_s
                         for key in ("pos_loss", "neg_loss", "old_deviate", "nft_loss"):
                             acc[f"nft/{key}"].append(m[key])
                         acc["nft/loss"].append(loss.item())
-            acc["train/grad_norm"].append(clip_grads(params, t.max_grad_norm))
-            optimizer.step()
-            lr_sched.step()
+            grad_norm = clip_grads(params, t.max_grad_norm)
+            acc["train/grad_norm"].append(grad_norm)
+            if guard.step(optimizer, acc["nft/loss"][n_losses:], grad_norm, step):  # NaN/inf: skipped
+                lr_sched.step()
+                updates += 1
+                counters.updates += 1
             optimizer.zero_grad(set_to_none=True)
-            updates += 1
-            counters.updates += 1
     vals = merge_rank_lists(ctx, acc)  # metrics of the whole batch: every rank's micro-step values
     out = {key: sum(v) / len(v) for key, v in vals.items() if v}
     out["train/updates"] = updates

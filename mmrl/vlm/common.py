@@ -401,16 +401,6 @@ class VisionCache:
         return out
 
 
-def lengths_to_mask(lengths: Sequence[int]) -> torch.Tensor:
-    T = max(list(lengths) + [0])
-    return torch.arange(T)[None, :] < torch.as_tensor(list(lengths))[:, None]
-
-
-def num_image_tokens(mm: dict, merge_size: int = 2) -> int:
-    grid = mm.get("image_grid_thw") if mm else None
-    return 0 if grid is None else int(grid.prod(-1).sum()) // merge_size**2
-
-
 class ShapesQA:
     """Endless seeded stream of visual questions about synthetic shapes (``mmrl.pipelines.shapes``).
 

@@ -37,6 +37,8 @@ initialised tiny model the answer format only; RL then has to learn the content 
 
 from __future__ import annotations
 
+import importlib.util
+import math
 import os
 import random
 from dataclasses import dataclass, field
@@ -47,14 +49,16 @@ import torch
 
 from mmrl.config import RunConfig, TrainConfig
 from mmrl.core import agg_loss, clipped_policy_loss, get_advantage_estimator, kl_estimate
-from mmrl.pipelines.data import GEO3K_TEMPLATE, PromptSampler, VQAItem, load_visual_qa
+from mmrl.pipelines.data import GEO3K_TEMPLATE, PromptSampler, VQAItem, load_visual_qa, require_path
 from mmrl.distributed import (DistConfig, DistContext, LockstepForwards, full_optimizer_state_dict,
                                load_full_optimizer_state_dict)
 from mmrl.runtime import Run, Timer, get_rng_state, seed_everything, set_rng_state
+from mmrl.training import (NONFINITE_KEY, OnNonfinite, UpdateGuard, check_finite_weights, check_rewards, finite_stats,
+                           group_keep)
 from mmrl.vlm.common import (ShapesQA, VisionCache, collate, compute_logprobs, encode_prompt, language_block_types,
                              load_policy, messages_from_text, pad_to, render_prompt, response_logprobs,
                              vision_has_adapters, vision_tower, vision_tower_trainable)
-from mmrl.vlm.rollout import GenRequest, SamplingParams, make_engine
+from mmrl.vlm.rollout import ENGINES, GenRequest, SamplingParams, make_engine
 
 
 @dataclass
@@ -126,7 +130,8 @@ class RolloutConfig:
     batch_size: int = 8
     """Prompts per RL step (groups)."""
     n: int = 8
-    """Responses per prompt (group size)."""
+    """Responses per prompt (group size); >= 2 for the group-relative estimators (grpo, dr_grpo, rloo,
+    reinforce_pp_baseline) and dynamic sampling; reinforce_pp (batch-whitened) also trains with 1."""
     temperature: float = 1.0
     """Sampling temperature (log-probs use the same temperature)."""
     top_p: float = 1.0
@@ -155,6 +160,10 @@ class RewardConfig:
     """DAPO soft overlong punishment: penalise responses longer than max_new_tokens - this (0 = off)."""
     overlong_penalty: float = 1.0
     """Penalty at max_new_tokens (linear ramp over the buffer)."""
+    on_nonfinite: OnNonfinite = "error"
+    """A NaN/inf reward: `error` (stop, naming the reward component and the response) or `drop_sample` (train
+    without it: it leaves its group's advantage statistics, a group left with < 2 responses is not trained on; the
+    count is logged as reward/nonfinite_samples)."""
 
 
 @dataclass
@@ -308,10 +317,18 @@ def keep_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     return (hi > lo)[inv]
 
 
-def score(reward_model: Any, results: list, cfg: Config) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-    """(scores[B] incl. overlong penalty, components {name: [B]}, accuracy[B])."""
+def score(reward_model: Any, results: list, cfg: Config, validate: bool = False
+          ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """(scores[B] incl. overlong penalty, components {name: [B]}, accuracy[B]).
+
+    `validate`: NaN/inf scores raise naming the component and the response (`reward.on_nonfinite: error`), or stay
+    in the scores as the mark of a dropped sample (`drop_sample`; `collect_rollouts` keeps only finite ones)."""
     out = reward_model(completions=[r.text for r in results], metadata=[r.metadata for r in results])
     base = out.scores.float()
+    if validate:
+        check_rewards(base, out.details, cfg.reward.on_nonfinite, reward=getattr(reward_model, "name", cfg.reward.name),
+                      components=list(getattr(reward_model, "components", {})),
+                      labels=[f"prompt {r.request_index}, response {r.sample_index}: {r.text[:40]!r}" for r in results])
     comps = {k: v.float() for k, v in out.details.items() if isinstance(v, torch.Tensor) and v.shape == base.shape}
     key = cfg.reward.accuracy_key
     acc = comps[key] if key else (base > 0.5).float()
@@ -329,13 +346,13 @@ class Rollouts:
     results: list
     items: list
     scores: torch.Tensor
-    acc: torch.Tensor
     comps: dict
     group_ids: torch.Tensor
     all_scores: torch.Tensor
     all_acc: torch.Tensor
     rounds: int
     all_kinds: list = field(default_factory=list)
+    nonfinite: int = 0  # samples dropped for a NaN/inf reward (reward.on_nonfinite: drop_sample)
 
 
 def collect_rollouts(next_items: Callable[[int], list], generate: Callable[[list], list],
@@ -347,10 +364,11 @@ def collect_rollouts(next_items: Callable[[int], list], generate: Callable[[list
     `generate(items) -> results` (each with `.request_index` into items), `score_fn(results) -> (scores[B],
     components {name: [B]}, accuracy[B])`. Without `dynamic` exactly one round is kept whole. `count(kept)` is
     the kept sample count the stopping rule reads (several processes: the minimum over ranks, so every rank runs
-    the same rounds and consumes the same global data)."""
+    the same rounds and consumes the same global data). A non-finite score marks a dropped sample: it is never
+    kept, and neither is the rest of a group left with fewer than 2 finite scores (with n >= 2)."""
     # source: DAPO arXiv 2503.14476 sec. 3.2 (dynamic sampling); verl dapo ray_trainer (max_num_gen_batches)
-    kept, kept_items, S, A, C, gids, all_s, all_a, kinds = [], [], [], [], {}, [], [], [], []
-    rounds = 0
+    kept, kept_items, S, C, gids, all_s, all_a, kinds = [], [], [], {}, [], [], [], []
+    rounds = nonfinite = 0
     while rounds < (max(1, max_rounds) if dynamic else 1) and count(kept) < batch_size * n:
         rounds += 1
         items = next_items(batch_size)
@@ -359,19 +377,22 @@ def collect_rollouts(next_items: Callable[[int], list], generate: Callable[[list
         all_s.append(scores), all_a.append(acc)
         kinds += [getattr(r, "metadata", {}).get("kind") for r in results]
         ids = torch.tensor([r.request_index for r in results])
-        keep = keep_groups(scores, ids) if dynamic else torch.ones(len(results), dtype=torch.bool)
+        finite = torch.isfinite(scores)
+        nonfinite += int((~finite).sum())
+        keep = group_keep(finite, ids, min_size=min(2, n))  # all True when every score is finite
+        if dynamic and keep.any():
+            keep[keep.clone()] = keep_groups(scores[keep], ids[keep])
         for i in keep.nonzero().flatten().tolist():
             if len(kept) >= batch_size * n:
                 break
             kept.append(results[i])
             kept_items.append(items[results[i].request_index])
-            S.append(scores[i]), A.append(acc[i]), gids.append(rounds * 1_000_000 + results[i].request_index)
+            S.append(scores[i]), gids.append(rounds * 1_000_000 + results[i].request_index)
             for k, v in comps.items():
                 C.setdefault(k, []).append(v[i])
     empty = torch.zeros(0)
-    return Rollouts(kept, kept_items, torch.stack(S) if S else empty, torch.stack(A) if A else empty,
-                    {k: torch.stack(v) for k, v in C.items()}, torch.tensor(gids, dtype=torch.long),
-                    torch.cat(all_s), torch.cat(all_a), rounds, kinds)
+    return Rollouts(kept, kept_items, torch.stack(S) if S else empty, {k: torch.stack(v) for k, v in C.items()},
+                    torch.tensor(gids, dtype=torch.long), torch.cat(all_s), torch.cat(all_a), rounds, kinds, nonfinite)
 
 
 def build_policy(cfg: Config, device: torch.device, dtype: torch.dtype):
@@ -470,7 +491,8 @@ def format_warmup(states: Any, processor: Any, data: ShapesQA, cfg: Config, pad_
 def policy_update(model: Any, optimizer: Any, sched: Any, params: list, P_ids: list, R_ids: list, MM: list,
                   old_lp: list, ref_lp: list | None, adv: torch.Tensor, pad_id: int, cfg: Config, *,
                   ctx: DistContext | None = None, train_model: Any = None, vision_cache: VisionCache | None = None,
-                  n_local: int | None = None, equal_micro_batches: bool = False) -> tuple[dict[str, float], float]:
+                  n_local: int | None = None, equal_micro_batches: bool = False, guard: UpdateGuard | None = None,
+                  step: int = 0) -> tuple[dict[str, float], float]:
     """`ppo_epochs` passes of mini-batch optimizer steps with micro-batch gradient accumulation.
 
     Returns (mean metrics, drift): drift = max |log p - old log p| over the first mini-batch, before any step.
@@ -483,9 +505,11 @@ def policy_update(model: Any, optimizer: Any, sched: Any, params: list, P_ids: l
     `n_local` = rows that really count (0: the rows are a placeholder for a rank that kept nothing; default all).
     `vision_cache`: reuse image features in the training forward (bypassed by the cache itself when the vision
     tower requires grad). `equal_micro_batches` (FSDP, where every forward/backward is a collective): each
-    mini-batch runs max-over-ranks micro-batches, the missing ones as zero-weight micro-batches on row 0."""
+    mini-batch runs max-over-ranks micro-batches, the missing ones as zero-weight micro-batches on row 0.
+    `guard` (`mmrl.training.UpdateGuard`): a mini-batch whose loss or gradient norm is NaN/inf is not applied."""
     al, ro = cfg.algo, cfg.rollout
     ctx = ctx if ctx is not None else DistContext()
+    guard = guard or UpdateGuard(cfg.train.max_skipped_updates, ctx)
     fwd = train_model if train_model is not None else model
     N = len(P_ids) if n_local is None else n_local
     if ctx.enabled:  # mini_batch_size is global; loop counts agree over ranks
@@ -506,6 +530,7 @@ def policy_update(model: Any, optimizer: Any, sched: Any, params: list, P_ids: l
                 if not idx:  # nothing left on this rank: a zero-weight micro-batch joins the all-reduce
                     idx, scale, placeholder = [0], 0.0, True
             optimizer.zero_grad(set_to_none=True)
+            losses = []  # this mini-batch's real micro-batch losses (the update guard checks them)
             micro = [idx[m0:m0 + al.micro_batch_size] for m0 in range(0, len(idx), al.micro_batch_size)]
             if equal_micro_batches and ctx.enabled:
                 micro += [None] * (ctx.max_int(len(micro)) - len(micro))
@@ -538,16 +563,18 @@ def policy_update(model: Any, optimizer: Any, sched: Any, params: list, P_ids: l
                     (loss * weight).backward()
                 if placeholder or padding:
                     continue
+                losses.append(loss.detach())
                 if kl is not None:
                     stats.setdefault("kl", []).append(float(kl.detach()))
                 for k in ("clipfrac", "approx_kl", "pg_loss", "ratio_max"):
                     stats.setdefault(f"actor/{k}", []).append(m[k])
                 stats.setdefault("actor/entropy", []).append(float(ent_mean.detach()))
+            # FSDP2 DTensor gradients included; the norm is computed (for the guard) even without clipping
+            gn = ctx.clip_grad_norm_(params, cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf)
             if cfg.train.grad_clip > 0:
-                gn = ctx.clip_grad_norm_(params, cfg.train.grad_clip)  # FSDP2 DTensor gradients included
                 stats.setdefault("actor/grad_norm", []).append(gn)
-            optimizer.step()
-            sched.step()
+            if guard.step(optimizer, losses, gn, step):  # NaN/inf loss or gradient: skipped
+                sched.step()
     out = {k: max(v) if k.endswith("ratio_max") else sum(v) / len(v) for k, v in stats.items()}
     out["actor/lr"] = sched.get_last_lr()[0]
     if equal_micro_batches and ctx.enabled:
@@ -585,6 +612,71 @@ def check_config(cfg: Config) -> None:
             raise ValueError("dist.strategy=fsdp: vlm_grpo supports FSDP with rollout.engine=hf only")
     if al.old_logprobs == "rollout" and (al.ppo_epochs > 1 or al.mini_batch_size not in (0, cfg.rollout.batch_size * cfg.rollout.n)):
         raise ValueError("algo.old_logprobs=rollout needs exactly one update per rollout (ppo_epochs=1, mini_batch_size=0)")
+    ro, d, w, log = cfg.rollout, cfg.data, cfg.warmup, cfg.log
+    # sizes that would otherwise fail deep inside a step (empty torch.cat, negative shapes) or train on nothing
+    for key, value, least in (("rollout.batch_size", ro.batch_size, 1), ("rollout.n", ro.n, 1),
+                              ("rollout.max_new_tokens", ro.max_new_tokens, 1),
+                              ("rollout.gen_batch_size", ro.gen_batch_size, 1),
+                              ("rollout.temperature", ro.temperature, 0), ("algo.mini_batch_size", al.mini_batch_size, 0),
+                              ("algo.max_gen_batches", al.max_gen_batches, 1),
+                              ("reward.overlong_buffer", cfg.reward.overlong_buffer, 0),
+                              ("model.lora_rank", cfg.model.lora_rank, 1 if cfg.model.finetune == "lora" else 0),
+                              ("data.eval_size", d.eval_size, 0), ("data.limit", d.limit, 0),
+                              ("data.min_pixels", d.min_pixels, 0), ("data.max_pixels", d.max_pixels, 0),
+                              ("data.image_size", d.image_size, 4 if d.kind == "shapes" else 0),  # render_scene's least
+                              ("warmup.sft_steps", w.sft_steps, 0),
+                              ("warmup.batch_size", w.batch_size, 1 if w.sft_steps else 0),
+                              ("log.sample_every", log.sample_every, 0), ("log.eval_every", log.eval_every, 0),
+                              ("log.n_samples", log.n_samples, 1 if log.sample_every else 0)):
+        if value < least:
+            raise ValueError(f"{key}: expected >= {least}, got {value}")
+    if not 0 < ro.top_p <= 1:
+        raise ValueError(f"rollout.top_p: expected 0 < top_p <= 1, got {ro.top_p}")
+    if ro.n < 2 and al.dynamic_sampling:
+        raise ValueError(f"rollout.n={ro.n}: algo.dynamic_sampling keeps only groups whose rewards differ, which needs "
+                         f"rollout.n >= 2")
+    if ro.n < 2 and _needs_groups(al.advantage):
+        raise ValueError(f"rollout.n={ro.n}: algo.advantage={al.advantage} compares the responses to one prompt, so a "
+                         f"group of one gets advantage 0 and nothing would train; use rollout.n >= 2 (or "
+                         f"algo.advantage=reinforce_pp, which normalises over the whole batch)")
+    if ro.batch_size * ro.n < 2:
+        raise ValueError(f"rollout.batch_size * rollout.n = {ro.batch_size * ro.n}: one response per step has "
+                         f"advantage 0 under every estimator; use at least 2")
+    if ro.engine not in ENGINES:
+        raise ValueError(f"unknown rollout engine {ro.engine!r} (rollout.engine); valid: {list(ENGINES)}")
+    if ro.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ValueError("rollout.engine=vllm: vLLM is not installed (pip install 'mmrl[vllm]', CUDA GPU only); "
+                         "use rollout.engine=hf")
+    try:
+        d.template.format(problem="", question="")
+    except (KeyError, IndexError) as exc:
+        raise ValueError(f"data.template: unknown placeholder {exc} in {d.template!r} (known: {{problem}}, "
+                         f"{{question}})") from None
+    except ValueError as exc:  # e.g. an unmatched brace
+        raise ValueError(f"data.template: {d.template!r} is not a format string ({exc})") from None
+    if d.kind == "shapes":
+        for key in ("n_shapes", "shape_size"):
+            if len(getattr(d, key)) != 2:
+                raise ValueError(f"data.{key}: expected [min, max], got {getattr(d, key)}")
+        ShapesQA(d, cfg.seed).item(0)  # a dry draw: bad colours, counts, sizes fail now, not after the model load
+    elif d.kind == "geo3k":
+        if not d.path:
+            raise ValueError("data.path: geo3k data needs a .jsonl/.json/.parquet file")
+        require_path("data.path", d.path, "data file")
+        if d.val_path:
+            require_path("data.val_path", d.val_path, "data file")
+        if d.image_root:
+            require_path("data.image_root", d.image_root, "image folder", kind="dir")
+    else:
+        raise ValueError(f"data.kind: expected 'shapes' or 'geo3k', got {d.kind!r}")
+
+
+def _needs_groups(advantage: str) -> bool:
+    """True when the estimator gives every group of one sample advantage 0 (grpo, dr_grpo, rloo,
+    reinforce_pp_baseline: all relative to the group); reinforce_pp whitens over the whole batch and does not.
+    Asked of the estimator itself, so registered custom estimators are judged the same way."""
+    adv = get_advantage_estimator(advantage)(torch.tensor([0.0, 1.0]), torch.tensor([0, 1]))
+    return not bool(adv.abs().sum() > 0)
 
 
 def train(cfg: Config) -> dict:
@@ -701,6 +793,7 @@ def train(cfg: Config) -> dict:
         summary.update({k.replace("eval/accuracy", "eval_accuracy_first"): v for k, v in first.items()})
         if ctx.is_main:
             print(f"[vlm_grpo] eval accuracy before RL: {first}", flush=True)
+    guard = UpdateGuard(cfg.train.max_skipped_updates, ctx, run)  # a NaN/inf loss or gradient never reaches the weights
     bar = run.progress(cfg.train.max_steps, start)
     timer.pop()
     for step in range(start + 1, cfg.train.max_steps + 1):
@@ -722,7 +815,7 @@ def train(cfg: Config) -> dict:
 
             def score_fn(results):
                 with timer("reward"):
-                    return score(reward_model, results, cfg)
+                    return score(reward_model, results, cfg, validate=True)
 
             if ctx.enabled:  # each rank generates its share of the global prompts; DAPO stops on the min over ranks
                 roll = collect_rollouts(lambda k: ctx.shard(data.next(k * world)), generate, score_fn,
@@ -735,7 +828,9 @@ def train(cfg: Config) -> dict:
             all_scores, all_acc = ctx.all_gather_tensor(roll.all_scores), ctx.all_gather_tensor(roll.all_acc)
             all_kinds = [k for part in ctx.all_gather_object(roll.all_kinds) for k in part] if ctx.enabled else roll.all_kinds
             n_kept = int(ctx.all_reduce_sum(len(kept))) if ctx.enabled else len(kept)
-            metrics.update({"reward/mean": all_scores.mean(), "reward/std": all_scores.std(),
+            if cfg.reward.on_nonfinite == "drop_sample":
+                metrics[NONFINITE_KEY] = int(ctx.all_reduce_sum(roll.nonfinite)) if ctx.enabled else roll.nonfinite
+            metrics.update({**finite_stats(all_scores),  # dropped (non-finite) samples left out
                             "accuracy": all_acc.mean(), "dynamic/rounds": roll.rounds,
                             "dynamic/kept_groups": n_kept // ro.n, **per_kind(all_acc, all_kinds, "accuracy")})
             if n_kept:  # several processes: every rank takes part in the update, a rank that kept nothing with a
@@ -790,7 +885,7 @@ def train(cfg: Config) -> dict:
                 with timer("train"):
                     stats, d = policy_update(model, optimizer, sched, params, P_ids, R_ids, MM, old_lp, ref_lp, adv,
                                              pad_id, cfg, ctx=ctx, train_model=tmodel, vision_cache=vcache,
-                                             n_local=len(kept), equal_micro_batches=fsdp)
+                                             n_local=len(kept), equal_micro_batches=fsdp, guard=guard, step=step)
                 drift = d if drift is None else drift
                 if ctx.enabled:
                     drift = max(ctx.all_gather_object(drift))
@@ -800,6 +895,7 @@ def train(cfg: Config) -> dict:
                     metrics.update(syncer.sync())
                 metrics["diag/logprob_drift"] = drift
                 metrics.update(stats)
+                metrics.update(guard.pop_metrics())
                 if fsdp:  # forwards run only to pair another rank's old/reference forwards, summed over ranks
                     metrics["dist/lockstep_dummy_forwards"] = sum(ctx.all_gather_object(dummies[0]))
                     dummies[0] = 0
@@ -821,6 +917,7 @@ def train(cfg: Config) -> dict:
         bar.update(1)
         bar.set_postfix(reward=f"{float(metrics['reward/mean']):.3f}", acc=f"{float(metrics['accuracy']):.2f}")
         if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.max_steps:
+            check_finite_weights(states, step, ctx, run)  # never a checkpoint with NaN/inf weights
             with ctx.checkpoint(run, step) as d:  # rank 0 writes, the others wait
                 if fsdp:  # gathering the shards is a collective: every rank takes part, rank 0 writes
                     states.save(Path(d) / "policy" if d is not None else None)

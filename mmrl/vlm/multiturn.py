@@ -49,6 +49,7 @@ policy's own tokens); no value model (GAE) and no per-token rewards.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import random
 import time
@@ -66,6 +67,8 @@ from mmrl.core import (clipped_policy_loss, discounted_returns, gigpo_advantages
 from mmrl.distributed import (DistConfig, DistContext, LockstepForwards, full_optimizer_state_dict,
                                load_full_optimizer_state_dict)
 from mmrl.runtime import Run, Timer, get_rng_state, seed_everything, set_rng_state
+from mmrl.training import (NONFINITE_KEY, SKIPPED_KEY, OnNonfinite, UpdateGuard, check_finite_weights, check_rewards,
+                           finite_stats)
 from mmrl.vlm.common import (EncodedPrompt, VisionCache, collate, encode_prompt, render_prompt, response_logprobs,
                              vision_has_adapters, vision_tower)
 from mmrl.vlm.envs import EnvManager, Observation, StepResult, make_env
@@ -121,10 +124,6 @@ class Episode:
     @property
     def policy_tokens(self) -> int:
         return sum(self.loss_mask)
-
-    @property
-    def turn_rewards(self) -> list[float]:
-        return [t.reward for t in self.turns]
 
     def merged_mm(self) -> dict[str, torch.Tensor]:
         """All observations' vision tensors concatenated in order; the same dict (and tensors) until ``mm`` grows,
@@ -393,6 +392,26 @@ def token_advantages(episodes: Sequence[Episode], turn_adv: torch.Tensor) -> lis
     return out
 
 
+def rewards_finite(ep: Episode) -> bool:
+    """Every turn reward of the episode is a finite number."""
+    return all(math.isfinite(t.reward) for t in ep.turns)
+
+
+def check_turn_rewards(episodes: Sequence[Episode], on_nonfinite: str) -> int:
+    """Validate every turn reward (`mmrl.training.check_rewards`, per environment). `on_nonfinite="error"`: a NaN/inf
+    reward raises naming the environment, the episode (group, seed) and the turn; `"drop_sample"`: returns how many
+    episodes hold one (the recipe trains without them; `rewards_finite` tells which)."""
+    by_task: dict[str, list[tuple[Episode, int]]] = defaultdict(list)
+    for ep in episodes:
+        by_task[ep.task] += [(ep, k) for k in range(len(ep.turns))]
+    for task, rows in by_task.items():
+        check_rewards(torch.tensor([ep.turns[k].reward for ep, k in rows], dtype=torch.float64), None, on_nonfinite,
+                      reward=f"environment {task}",
+                      labels=[f"episode {ep.index} of group {ep.group}, seed {ep.seed}, turn {k + 1}"
+                              for ep, k in rows])
+    return sum(not rewards_finite(ep) for ep in episodes)
+
+
 def informative_groups(episodes: Sequence[Episode], returns: torch.Tensor) -> list[int]:
     """Groups (in first-seen order) whose episode returns are not all equal (DAPO dynamic sampling)."""
     by_group: dict[int, list[float]] = {}
@@ -543,6 +562,14 @@ class AlgoConfig:
 
 
 @dataclass
+class RewardConfig:
+    on_nonfinite: OnNonfinite = "error"
+    """A NaN/inf turn reward from an environment: `error` (stop, naming the environment, episode and turn) or
+    `drop_sample` (train without that episode: it leaves its group's statistics, a group left with < 2 episodes is
+    not trained on; the count of dropped episodes is logged as reward/nonfinite_samples)."""
+
+
+@dataclass
 class MultiTurnTrainConfig(TrainConfig):
     lr: float = 1e-3
     """AdamW learning rate."""
@@ -588,6 +615,8 @@ class Config(RunConfig):
     """Multi-turn rollout."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     """Credit assignment and loss."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Checks on the environments' turn rewards."""
     train: MultiTurnTrainConfig = field(default_factory=MultiTurnTrainConfig)
     """Training loop."""
     dist: DistConfig = field(default_factory=DistConfig)
@@ -612,6 +641,25 @@ def _check_config(cfg: Config) -> None:
     if cfg.rollout.group_size < 2 and cfg.algo.advantage != "turn_grpo":
         raise ValueError(f"rollout.group_size: group advantages need >= 2 episodes per task, "
                          f"got {cfg.rollout.group_size}")
+    # sizes that would otherwise fail mid-run or silently train on nothing (no groups, no turns, no epochs)
+    ro, t, env = cfg.rollout, cfg.train, cfg.env
+    for key, value, least in (("rollout.groups_per_step", ro.groups_per_step, 1),
+                              ("rollout.group_size", ro.group_size, 1), ("rollout.batch_size", ro.batch_size, 1),
+                              ("rollout.max_turns", ro.max_turns, 1), ("rollout.max_new_tokens", ro.max_new_tokens, 1),
+                              ("rollout.max_seq_len", ro.max_seq_len, ro.max_new_tokens + 1),
+                              ("rollout.temperature", ro.temperature, 0),
+                              ("train.micro_batch_size", t.micro_batch_size, 1),
+                              ("train.mini_batches", t.mini_batches, 1), ("train.ppo_epochs", t.ppo_epochs, 1),
+                              ("train.warm_start_steps", t.warm_start_steps, 0),
+                              ("train.warm_start_batch", t.warm_start_batch, 1 if t.warm_start_steps else 0),
+                              ("train.eval_every", t.eval_every, 0), ("env.max_workers", env.max_workers, 1),
+                              ("env.eval_episodes", env.eval_episodes, 0),
+                              ("algo.max_resample_rounds", cfg.algo.max_resample_rounds, 0),
+                              ("model.lora_rank", cfg.model.lora_rank, 0)):
+        if value < least:
+            raise ValueError(f"{key}: expected >= {least}, got {value}")
+    if not 0 < ro.top_p <= 1:
+        raise ValueError(f"rollout.top_p: expected 0 < top_p <= 1, got {ro.top_p}")
 
 
 def check_fsdp_rl_params(model: Any, rl_params: Sequence[torch.Tensor]) -> None:
@@ -888,6 +936,8 @@ def _train_loop(cfg: Config, run: Run, states: Any, opt: Any, sched: Any, params
 
     sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                               max_new_tokens=cfg.rollout.max_new_tokens)
+    guard = UpdateGuard(cfg.train.max_skipped_updates, ctx, run)  # a NaN/inf loss or gradient never reaches the weights
+    min_group = min(2, cfg.rollout.group_size)  # a group left with fewer finite-reward episodes is not trained on
     bar = run.progress(cfg.train.max_steps, start_step)
     for step in range(start_step + 1, cfg.train.max_steps + 1):
         if ctx.enabled:  # rank-local randomness as a function of (seed, rank, step): nothing per rank to save
@@ -899,7 +949,7 @@ def _train_loop(cfg: Config, run: Run, states: Any, opt: Any, sched: Any, params
         all_eps: list[Episode] = []
         all_src: list[int] = []
         kept: list[int] = []
-        rounds = 0
+        rounds = nonfinite = 0
         states.model.eval()
         while True:
             need = cfg.rollout.groups_per_step if rounds == 0 else cfg.rollout.groups_per_step - len(kept)
@@ -912,20 +962,31 @@ def _train_loop(cfg: Config, run: Run, states: Any, opt: Any, sched: Any, params
                                        cfg.rollout.async_mode, stats)
             episodes += eps
             g_eps, g_src = _gather_episodes(ctx, eps)
+            # on the gathered episodes: every rank raises, or drops the same episodes
+            nonfinite += check_turn_rewards(g_eps, cfg.reward.on_nonfinite)
             all_eps += g_eps
             all_src += g_src
+            fin = [ep for ep in all_eps if rewards_finite(ep)]  # all of them unless drop_sample dropped some
             if not cfg.algo.dynamic_sampling:
-                kept = sorted({ep.group for ep in all_eps})
+                sizes = defaultdict(int)
+                for ep in fin:
+                    sizes[ep.group] += 1
+                kept = sorted(g for g in {ep.group for ep in all_eps} if sizes[g] >= min_group)
                 break
             # decided on the gathered episodes: identical on every rank, so all ranks run the same rounds
-            kept = informative_groups(all_eps, episode_returns(all_eps, cfg.algo.gamma))
+            kept = informative_groups(fin, episode_returns(fin, cfg.algo.gamma))
             rounds += 1
             if len(kept) >= cfg.rollout.groups_per_step or rounds > cfg.algo.max_resample_rounds:
                 break
         metrics = episode_metrics(all_eps, cfg.algo.gamma)  # everything sampled (all ranks), before filtering
+        if cfg.reward.on_nonfinite == "drop_sample":
+            metrics[NONFINITE_KEY] = nonfinite  # episodes dropped for a NaN/inf turn reward
+            if nonfinite:  # returns of the episodes kept
+                metrics.update(finite_stats(episode_returns(all_eps, cfg.algo.gamma)))
         keep = set(kept[:cfg.rollout.groups_per_step])
-        train_eps = [ep for ep in episodes if ep.group in keep and ep.policy_tokens > 0]
-        sel = sorted((i for i, ep in enumerate(all_eps) if ep.group in keep and ep.policy_tokens > 0),
+        train_eps = [ep for ep in episodes if ep.group in keep and ep.policy_tokens > 0 and rewards_finite(ep)]
+        sel = sorted((i for i, ep in enumerate(all_eps)
+                      if ep.group in keep and ep.policy_tokens > 0 and rewards_finite(ep)),
                      key=lambda i: all_src[i])  # rank-major, each rank's own order (stable sort)
         glob_train = [all_eps[i] for i in sel]
         lo = sum(all_src[i] < rank for i in sel)
@@ -957,6 +1018,7 @@ def _train_loop(cfg: Config, run: Run, states: Any, opt: Any, sched: Any, params
             n_rows = ctx.max_int(len(order)) if ctx.enabled else len(order)  # same mini-batch count on every rank
             n_mb = max(1, min(cfg.train.mini_batches, n_rows))
             first = True
+            applied = 0  # optimizer updates applied (not skipped by the guard)
             mbs = cfg.train.micro_batch_size
             n_placeholder = 0
             for _ in range(cfg.train.ppo_epochs if glob_train else 0):
@@ -969,6 +1031,7 @@ def _train_loop(cfg: Config, run: Run, states: Any, opt: Any, sched: Any, params
                             scale, placeholder = 0.0, True
                             n_placeholder += 1
                     zero_grads(states.model, states.trainable_parameters())  # (frozen ones too: never stepped)
+                    mb_losses = []  # real micro-batch losses of this mini-batch (the update guard checks them)
                     chunks = [mb[s:s + mbs] for s in range(0, len(mb), mbs)] if mb else [[]]
                     if fsdp:  # every forward/backward is a collective: equal micro-batch counts, zero-weight padding
                         chunks += [[]] * (ctx.max_int(len(chunks)) - len(chunks))
@@ -992,14 +1055,17 @@ def _train_loop(cfg: Config, run: Run, states: Any, opt: Any, sched: Any, params
                             loss.backward()
                         if placeholder or not idx:
                             continue
+                        mb_losses.append(loss.detach())
                         if first:
                             drift = max(drift, m["drift"])
                         for k, v in m.items():
                             loss_metrics[k].append(v)
+                    # the norm is computed (for the guard) even without clipping
+                    gn = ctx.clip_grad_norm_(opt.param_groups[0]["params"],
+                                             cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else math.inf)
                     if cfg.train.max_grad_norm > 0:
-                        gn = ctx.clip_grad_norm_(opt.param_groups[0]["params"], cfg.train.max_grad_norm)
                         loss_metrics["grad_norm"].append(gn)
-                    opt.step()
+                    applied += guard.step(opt, mb_losses, gn, step)  # NaN/inf loss or gradient: skipped
                     first = False
         if ctx.enabled:  # means over every rank's micro-batches; drift = max over ranks
             merged: dict[str, list[float]] = defaultdict(list)
@@ -1013,7 +1079,9 @@ def _train_loop(cfg: Config, run: Run, states: Any, opt: Any, sched: Any, params
             metrics["dist/lockstep_dummy_forwards"] = sum(ctx.all_gather_object(dummies[0]))
             drift = max(ctx.all_gather_object(drift))
         metrics["policy/lr"] = opt.param_groups[0]["lr"]
-        sched.step()
+        metrics.update(guard.pop_metrics())
+        if applied or not metrics[SKIPPED_KEY]:  # every update of the step skipped (NaN/inf): schedule unchanged
+            sched.step()
         metrics.update({f"policy/{k}": sum(v) / len(v) for k, v in loss_metrics.items()
                         if k not in ("drift", "n_tokens")})
         metrics["diag/logprob_drift"] = drift
@@ -1038,6 +1106,7 @@ def _train_loop(cfg: Config, run: Run, states: Any, opt: Any, sched: Any, params
             if step == 1 or step % 10 == 0:
                 _save_samples(run, step, episodes)
         if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.max_steps:
+            check_finite_weights(states, step, ctx, run)  # never a checkpoint with NaN/inf weights
             with ctx.checkpoint(run, step) as d:  # rank 0 writes, the others wait
                 if fsdp:  # gathering the shards is a collective: every rank takes part, rank 0 writes
                     states.save(Path(d) / "policy" if d is not None else None)

@@ -31,3 +31,21 @@ def tiny_sd3(tiny_sd3_path):
     from mmrl.diffusion.models import load_flow_model
 
     return load_flow_model(tiny_sd3_path)
+
+
+# A reward that fails like a custom reward or a remote server can: NaN for image 1 of every batch (brightness for
+# the others). Registered for the non-finite-reward tests of the three diffusion recipes.
+from mmrl.rewards import RewardModel, RewardOutput, register  # noqa: E402
+
+
+@register("_test_nan_at_1")
+class NanAtOneReward(RewardModel):
+    name = "_test_nan_at_1"
+
+    def __init__(self, device=None):
+        pass
+
+    def score_images(self, images, prompts, metadata):
+        s = images.float().mean(dim=(1, 2, 3))
+        s[1] = float("nan")
+        return RewardOutput(s, {"brightness": s.clone()})

@@ -348,6 +348,33 @@ def test_two_ranks_one_update_equals_one_process(tmp_path, tiny_sd3_path):
             assert r0["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5, abs=1e-7), key
 
 
+# ---------------------------------------------------------------------------------------- non-finite rewards
+
+
+def test_online_nan_reward_error_or_pairs_without_it(tmp_path, tiny_sd3_path, monkeypatch):
+    """`_test_nan_at_1` (conftest): image 1 of each batch has a NaN reward: an error by default; with drop_sample it
+    is in no pair (its group keeps its 2 other images) and training goes on."""
+    import mmrl.diffusion.dpo as dpo_mod
+    from mmrl.training import NonFiniteError
+
+    reward = {"components": {"_test_nan_at_1": 1.0}}
+    with pytest.raises(NonFiniteError, match=r"reward component '_test_nan_at_1' .* for sample 1 of 6"):
+        train(_cfg(tmp_path / "err", tiny_sd3_path, ["train.max_steps=1"], reward=reward))
+    seen, real = [], dpo_mod.build_pairs
+
+    def spy(scores, gids, *args):  # the rewards the pairs are built from
+        seen.append((scores, gids))
+        return real(scores, gids, *args)
+
+    monkeypatch.setattr(dpo_mod, "build_pairs", spy)
+    train(_cfg(tmp_path / "drop", tiny_sd3_path, ["train.max_steps=1", "reward.on_nonfinite=drop_sample"],
+               reward=reward))
+    (scores, gids), = seen
+    assert len(scores) == 5 and bool(torch.isfinite(scores).all()) and gids.tolist() == [0, 0, 1, 1, 1]
+    (row,) = metrics_rows(tmp_path / "drop")
+    assert row["reward/nonfinite_samples"] == 1 and row["dpo/pairs"] > 0 and math.isfinite(row["dpo/loss"])
+
+
 if __name__ == "__main__":  # 2 ranks for test_two_ranks_one_update_equals_one_process
     import sys
 

@@ -1,6 +1,7 @@
 """Flow-GRPO recipe: advantages, configs, clear errors, short runs, exact resume, checkpoints, LoRA export."""
 
 import glob
+import math
 import os
 from pathlib import Path
 
@@ -181,6 +182,24 @@ def test_saved_lora_loads_into_plain_diffusers_pipeline(tmp_path, tiny_sd3_path)
         mine = states.model(**kw)[0]
     assert torch.allclose(theirs, mine, atol=1e-5)
     assert not torch.allclose(before, mine, atol=1e-5)
+
+
+def test_cfg_grad_changes_only_the_update(tmp_path, tiny_sd3_path):
+    """sample.cfg_grad reaches the trainer: at CFG 4.5 the rollout, rewards and log-probs (drift 0) of step 1
+    are the same in both modes, the gradient is not. The default is flow_grpo's (`both`)."""
+    assert Config().sample.cfg_grad == "both"
+    rows = {}
+    for mode in ("both", "cond_only"):
+        out = tmp_path / mode
+        train(_cfg(out, tiny_sd3_path, [f"sample.cfg_grad={mode}"], sample={"guidance_scale": 4.5},
+                   train={"max_steps": 1, "updates_per_step": 1}))
+        rows[mode] = metrics_rows(out)[0]
+    a, c = rows["both"], rows["cond_only"]
+    assert a["reward/mean"] == c["reward/mean"] and a["reward/std"] == c["reward/std"]
+    assert a["diag/logprob_drift"] < 1e-6 and c["diag/logprob_drift"] < 1e-6
+    assert abs(a["train/grad_norm"] - c["train/grad_norm"]) > 1e-3 * a["train/grad_norm"]
+    with pytest.raises(Exception, match=r"sample.cfg_grad: expected one of \['both', 'cond_only'\], got 'uncond'"):
+        _cfg(tmp_path / "bad", tiny_sd3_path, ["sample.cfg_grad=uncond"])
 
 
 def test_full_finetuning_and_cps_window(tmp_path, tiny_sd3_path):
@@ -409,6 +428,98 @@ def test_torchrun_cli_two_processes_then_resume_with_one(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[2]["cost/transformer_evals"] > rows[1]["cost/transformer_evals"]
     assert (out / "checkpoints" / "step_3" / "COMPLETE").is_file()
+
+
+# ---------------------------------------------------------------------------------------- non-finite rewards, updates
+# `_test_nan_at_1` (tests/diffusion/conftest.py): NaN for image 1 of every batch.
+
+
+def _strict_rows(out_dir):
+    """metrics.jsonl parsed by a strict JSON parser (NaN / Infinity literals are an error)."""
+    import json
+
+    def reject(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    lines = (Path(out_dir) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line, parse_constant=reject) for line in lines if line.strip()]
+
+
+def test_nan_reward_is_an_error_naming_component_and_prompt(tmp_path, tiny_sd3_path):
+    from mmrl.training import NonFiniteError
+
+    cfg = _cfg(tmp_path / "run", tiny_sd3_path, ["train.max_steps=1"],
+               reward={"components": {"jpeg_compressibility": 0.1, "_test_nan_at_1": 1.0}})
+    with pytest.raises(NonFiniteError, match=r"reward component '_test_nan_at_1' \(of 'composite\(.*\)'\) returned a "
+                                             r"non-finite score \(nan\) for sample 1 of 6 \(prompt '.+'\).*"
+                                             r"reward.on_nonfinite=drop_sample"):
+        train(cfg)
+    assert not list((tmp_path / "run" / "checkpoints").iterdir())  # nothing trained, nothing saved
+
+
+def test_nan_reward_drop_sample_trains_on(tmp_path, tiny_sd3_path):
+    from safetensors.torch import load_file
+
+    cfg = _cfg(tmp_path / "run", tiny_sd3_path, ["reward.on_nonfinite=drop_sample"],
+               reward={"components": {"_test_nan_at_1": 1.0}})
+    summary = train(cfg)  # (today's main: a TypeError on the None reward mean in the summary)
+    rows = _strict_rows(tmp_path / "run")
+    assert [r["reward/nonfinite_samples"] for r in rows] == [1, 1]
+    for r in rows:  # the dropped sample leaves its group (2 of 3 left: still trained); statistics are finite
+        assert 0 < r["train/kept_fraction"] <= 5 / 6 and r["train/updates"] == 2 and r["train/skipped_updates"] == 0
+        assert math.isfinite(r["reward/mean"]) and math.isfinite(r["train/loss"])
+    assert math.isfinite(summary["reward_rise"])
+    lora = load_file(tmp_path / "run/checkpoints/step_2/adapters/default/adapter_model.safetensors")
+    assert all(bool(torch.isfinite(v).all()) for v in lora.values())
+
+
+def _nan_policy_loss(monkeypatch):
+    """Make every Flow-GRPO loss NaN (its gradients too), as a numerically broken update would be."""
+    import mmrl.diffusion.flow_grpo as fg
+
+    real = fg.clipped_policy_loss
+
+    def nan_loss(*args, **kwargs):
+        loss, m = real(*args, **kwargs)
+        return loss * float("nan"), m
+
+    monkeypatch.setattr(fg, "clipped_policy_loss", nan_loss)
+
+
+def test_nonfinite_gradient_skips_updates_then_stops(tmp_path, tiny_sd3_path, monkeypatch):
+    import mmrl.diffusion.flow_grpo as fg
+    from mmrl.training import NonFiniteError
+
+    _nan_policy_loss(monkeypatch)
+    seen = {}
+    real_make = fg.make_optimizer
+
+    def spy(params, t):  # the trainable tensors and their values before any update
+        seen["params"], seen["init"] = list(params), [p.detach().clone() for p in params]
+        return real_make(params, t)
+
+    monkeypatch.setattr(fg, "make_optimizer", spy)
+    # 2 updates per step, 3 skips in a row allowed: step 1 skips both and is saved; step 2's first skip stops
+    cfg = _cfg(tmp_path / "run", tiny_sd3_path, ["train.save_every=1", "train.max_skipped_updates=3"])
+    with pytest.raises(NonFiniteError, match=r"3 consecutive updates had a non-finite loss/gradient at step 2 .*"
+                                             r"last complete checkpoint: .*step_1"):
+        train(cfg)
+    assert all(torch.equal(p.detach(), v) for p, v in zip(seen["params"], seen["init"]))  # bit-identical
+    (row,) = _strict_rows(tmp_path / "run")
+    assert row["train/skipped_updates"] == 2 and row["train/updates"] == 0 and row["train/loss"] is None
+    assert sorted(p.name for p in (tmp_path / "run/checkpoints").iterdir()) == ["step_1"]
+
+
+def test_no_checkpoint_with_nan_weights(tmp_path, tiny_sd3_path, monkeypatch):
+    from mmrl.training import NonFiniteError, UpdateGuard
+
+    _nan_policy_loss(monkeypatch)
+    monkeypatch.setattr(UpdateGuard, "update_ok", lambda self, losses, grad_norm: True)  # the guard switched off
+    cfg = _cfg(tmp_path / "run", tiny_sd3_path, ["train.save_every=1", "train.max_steps=1"])
+    with pytest.raises(NonFiniteError, match=r"step 1: \d+ policy tensor\(s\) hold NaN/inf .*checkpoint step_1 was "
+                                             r"not written; last complete checkpoint: none"):
+        train(cfg)
+    assert not list((tmp_path / "run/checkpoints").iterdir())
 
 
 if __name__ == "__main__":  # 2 ranks for test_two_ranks_one_update_equals_one_process

@@ -353,6 +353,41 @@ def test_torchrun_cli_two_processes_then_resume_with_one(tmp_path):
     assert (out / "checkpoints" / "step_3" / "COMPLETE").is_file()
 
 
+# ---------------------------------------------------------------------------------------- non-finite rewards, updates
+
+
+def test_nan_reward_drop_sample_and_nan_loss_skipped(tmp_path, tiny_sd3_path, monkeypatch):
+    """`_test_nan_at_1` (conftest): image 1 of each batch has a NaN reward. drop_sample trains on without it; then a
+    NaN loss (every update) is skipped: weights bit-identical, metrics strict JSON."""
+    import json
+
+    import mmrl.diffusion.nft as nft_mod
+
+    train(_cfg(tmp_path / "drop", tiny_sd3_path, ["reward.on_nonfinite=drop_sample", "train.max_steps=1"],
+               reward={"components": {"_test_nan_at_1": 1.0}}))
+    (row,) = metrics_rows(tmp_path / "drop")
+    assert row["reward/nonfinite_samples"] == 1 and math.isfinite(row["reward/mean"]) and row["train/updates"] == 2
+    assert math.isfinite(row["nft/loss"]) and row["train/skipped_updates"] == 0
+
+    real_loss, real_make, seen = nft_mod.nft_loss, nft_mod.make_optimizer, {}
+
+    def nan_loss(*args, **kwargs):
+        loss, m = real_loss(*args, **kwargs)
+        return loss * float("nan"), m
+
+    def spy(params, t):  # the trainable tensors and their values before any update
+        seen["params"], seen["init"] = list(params), [p.detach().clone() for p in params]
+        return real_make(params, t)
+
+    monkeypatch.setattr(nft_mod, "nft_loss", nan_loss)
+    monkeypatch.setattr(nft_mod, "make_optimizer", spy)
+    train(_cfg(tmp_path / "nan", tiny_sd3_path, ["train.max_steps=1", "train.max_skipped_updates=3"]))
+    assert all(torch.equal(p.detach(), v) for p, v in zip(seen["params"], seen["init"]))
+    lines = (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()
+    (row,) = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl")) for line in lines]
+    assert row["train/skipped_updates"] == 2 and row["train/updates"] == 0 and row["nft/loss"] is None
+
+
 if __name__ == "__main__":  # 2 ranks for test_two_ranks_one_update_equals_one_process
     import sys
 

@@ -218,6 +218,23 @@ def test_bad_config_fails_with_clear_error(tiny_path, tmp_path, override, match)
         grpo.train(_cfg(tiny_path, tmp_path / "bad", override, *extra, "warmup.sft_steps=0"))
 
 
+def test_one_response_per_prompt_only_with_a_batch_whitened_estimator(tmp_path):
+    """rollout.n=1: a group of one gets advantage 0 from every group-relative estimator (nothing would train, as
+    before this check, silently); REINFORCE++ whitens over the whole batch, so n=1 still gives a signal there."""
+    from mmrl.core import get_advantage_estimator
+
+    singletons = get_advantage_estimator("reinforce_pp")(torch.tensor([0.0, 1.0, 3.0]), torch.tensor([0, 1, 2]))
+    assert singletons.abs().min() > 0.1  # whitened rewards: (r - mean) / std, no group involved
+    grpo.check_config(_cfg("unused", tmp_path, "rollout.n=1", "algo.advantage=reinforce_pp"))
+    for adv in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"):
+        with pytest.raises(ValueError, match=f"rollout.n=1: algo.advantage={adv} compares the responses to one"):
+            grpo.check_config(_cfg("unused", tmp_path, "rollout.n=1", f"algo.advantage={adv}"))
+    with pytest.raises(ValueError, match=r"rollout.batch_size \* rollout.n = 1"):
+        grpo.check_config(_cfg("unused", tmp_path, "rollout.n=1", "rollout.batch_size=1",
+                               "algo.advantage=reinforce_pp"))
+    grpo.check_config(_cfg("unused", tmp_path, "rollout.n=2"))  # the smallest group the group estimators accept
+
+
 # ------------------------------------------------------------------ vision features reused in the update
 
 
@@ -412,6 +429,81 @@ def test_torchrun_ddp_train_then_resume_on_one_process(tmp_path):
     rows = metrics_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert (out / "checkpoints" / "step_3" / "COMPLETE").is_file()
+
+
+# ------------------------------------------------------------------ non-finite rewards and updates
+
+from mmrl.rewards import RewardModel, RewardOutput, register  # noqa: E402
+
+
+@register("_test_nan_text")
+class _NanText(RewardModel):
+    """A custom reward gone wrong: NaN for response 1 of every batch (response length mod 3 for the others)."""
+
+    name, kind = "_test_nan_text", "text"
+
+    def __init__(self, device=None):
+        pass
+
+    def score_texts(self, completions, metadata, prompts):
+        s = torch.tensor([float(len(c) % 3) for c in completions])
+        s[1] = float("nan")
+        return RewardOutput(s, {})
+
+
+_LORA = ("model.finetune=lora", "model.lora_rank=4", "model.train_vision=false", "warmup.sft_steps=0",
+         "log.sample_every=0", "train.lr=1e-2")
+
+
+def _strict_rows(out):
+    lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl")) for line in lines]
+
+
+def test_nan_reward_error_or_drop_sample(tiny_path, tmp_path):
+    from safetensors.torch import load_file
+
+    from mmrl.training import NonFiniteError
+
+    with pytest.raises(NonFiniteError, match=r"reward '_test_nan_text' returned a non-finite score \(nan\) for sample "
+                                             r"1 of 8 \(prompt 0, response 1: .*\).*reward.on_nonfinite=drop_sample"):
+        grpo.train(_cfg(tiny_path, tmp_path / "err", "reward.name=_test_nan_text", "train.max_steps=1", *_LORA))
+    assert not (tmp_path / "err" / "checkpoints" / "step_1").exists()
+    # drop_sample: response 1 leaves its group (3 responses left); the run trains on and saves finite adapters
+    # (today's main: NaN in every saved LoRA tensor)
+    out = tmp_path / "drop"
+    grpo.train(_cfg(tiny_path, out, "reward.name=_test_nan_text", "reward.on_nonfinite=drop_sample", *_LORA))
+    rows = _strict_rows(out)
+    assert [r["reward/nonfinite_samples"] for r in rows] == [1, 1]
+    assert all(r["actor/grad_norm"] > 0 and r["train/skipped_updates"] == 0 for r in rows)
+    lora = load_file(out / "checkpoints/step_2/policy/default/adapter_model.safetensors")
+    assert lora and all(bool(torch.isfinite(v).all()) for v in lora.values())
+
+
+def test_nonfinite_loss_skips_update_then_stops(tiny_path, tmp_path, monkeypatch):
+    from mmrl.training import NonFiniteError
+
+    real_loss, real_update, unchanged = grpo.clipped_policy_loss, grpo.policy_update, []
+
+    def nan_loss(*args, **kwargs):
+        loss, m = real_loss(*args, **kwargs)
+        return loss * float("nan"), m
+
+    def spy(model, optimizer, sched, params, *args, **kwargs):  # are the trained tensors bit-identical after it?
+        before = [p.detach().clone() for p in params]
+        try:
+            return real_update(model, optimizer, sched, params, *args, **kwargs)
+        finally:
+            unchanged.append(all(torch.equal(p.detach(), b) for p, b in zip(params, before)))
+
+    monkeypatch.setattr(grpo, "clipped_policy_loss", nan_loss)
+    monkeypatch.setattr(grpo, "policy_update", spy)
+    out = tmp_path / "run"
+    with pytest.raises(NonFiniteError, match=r"2 consecutive updates had a non-finite loss/gradient at step 2 "):
+        grpo.train(_cfg(tiny_path, out, "train.max_steps=3", "train.max_skipped_updates=2", *_LORA))
+    assert unchanged == [True, True]
+    (row,) = _strict_rows(out)  # step 1: one mini-batch, skipped; its NaN gradient norm is logged as null
+    assert row["train/skipped_updates"] == 1 and row["actor/grad_norm"] is None
 
 
 if __name__ == "__main__":  # the 2-rank worker of test_two_rank_policy_update_equals_one_rank_on_combined_batch

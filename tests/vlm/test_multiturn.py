@@ -501,3 +501,60 @@ def test_torchrun_dynamic_sampling_rank_without_groups_runs_placeholders(tiny, t
         assert r["dynamic/kept_groups"] == 2 and r["dynamic/episodes_sampled"] == 4 * r["dynamic/rounds"]
         assert r["dist/placeholder_minibatches"] == 2  # rank 1: both mini-batches of the step
         assert r["diag/logprob_drift"] < 1e-4 and r["policy/grad_norm"] > 0
+
+
+# ---------------------------------------------------------------------------------------- non-finite turn rewards
+
+import threading  # noqa: E402
+
+
+@register_env("_test_mt_nan")
+class NanRewardEnv(Env):
+    """One text turn; of every 4 training steps (seeds < 10^6, counted over all instances) the 2nd has a NaN
+    reward: exactly one episode per RL step of 2 groups x 2 episodes. Evaluation seeds get 0."""
+
+    stop_strings = ("<|im_end|>",)
+    max_turns = 1
+    calls = 0
+    lock = threading.Lock()
+
+    def reset(self, seed, **task):
+        self.seed = seed
+        return Observation(f"Task {seed}: say something.", anchor=("task",))
+
+    def step(self, action_text):
+        if self.seed >= 10**6:
+            return Observation(""), 0.0, True, {}
+        with NanRewardEnv.lock:
+            NanRewardEnv.calls += 1
+            k = NanRewardEnv.calls
+        return Observation(""), float("nan") if k % 4 == 2 else (sum(map(ord, action_text)) % 5) / 4, True, {}
+
+
+def test_nan_turn_reward_error_or_drop_sample(tiny, tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    from mmrl.training import NonFiniteError
+    from mmrl.vlm.multiturn import train
+
+    # one environment worker: the steps run in episode order, so the same episode gets the NaN every time
+    sections = dict(env={"tasks": {"_test_mt_nan": {}}, "max_workers": 1},
+                    train={"warm_start_steps": 0, "save_every": 0})
+    NanRewardEnv.calls = 0
+    with pytest.raises(NonFiniteError, match=r"reward 'environment _test_mt_nan' returned a non-finite score \(nan\) "
+                                             r"for sample \d of 4 \(episode \d of group \d, seed \d, turn 1\)"):
+        train(_recipe_cfg(tmp_path / "err", tiny[0], **sections))
+    NanRewardEnv.calls = 0  # drop_sample: the NaN episode's group is left with one episode and is not trained on
+    out = tmp_path / "drop"
+    train(_recipe_cfg(out, tiny[0], reward={"on_nonfinite": "drop_sample"}, **sections))
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl")) for line in lines]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows[1:]:
+        assert r["reward/nonfinite_samples"] == 1 and math.isfinite(r["reward/mean"])
+        assert r["dynamic/kept_groups"] == 1 and math.isfinite(r["policy/grad_norm"])
+    assert any(r["policy/grad_norm"] > 0 for r in rows[1:])  # trained on the group left whole
+    weights = load_file(out / "checkpoints/step_2/policy/default/model.safetensors")
+    assert all(bool(torch.isfinite(v).all()) for v in weights.values())
