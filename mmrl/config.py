@@ -8,6 +8,7 @@ YAML is strict: an unknown key is an error that names the key, its path and the 
 from __future__ import annotations
 
 import ast
+import contextvars
 import dataclasses
 import importlib
 import inspect
@@ -32,6 +33,36 @@ RECIPES: dict[str, str] = {
 
 class ConfigError(ValueError):
     """A config file or override does not fit the recipe's schema."""
+
+
+# old dotted key (or whole section) -> its new name, for the recipe being loaded (a recipe module's RENAMED_KEYS)
+_RENAMED: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("mmrl_renamed_keys", default={})
+
+
+def renamed_to(key: str, renamed: dict[str, str] | None = None) -> str | None:
+    """The current name of a key that an earlier mmrl version spelt differently ('sample.group_size' ->
+    'rollout.group_size'): the exact key first, then its enclosing sections; None if it was not renamed."""
+    renamed = _RENAMED.get() if renamed is None else renamed
+    if key in renamed:
+        return renamed[key]
+    parts = key.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        section = ".".join(parts[:i])
+        if section in renamed:
+            return ".".join([renamed[section], *parts[i:]])
+    return None
+
+
+def renamed_key_error(key: str, value: Any = None) -> ConfigError | None:
+    """ConfigError naming the replacement of a renamed key (for a whole section given as a mapping: the new name
+    of each key in it); None if `key` was not renamed."""
+    new = renamed_to(key)
+    if new is None:
+        return None
+    if isinstance(value, dict) and value:
+        moves = ", ".join(f"{key}.{k} -> {renamed_to(f'{key}.{k}')}" for k in value)
+        return ConfigError(f"config section '{key}' was renamed to '{new}': {moves}")
+    return ConfigError(f"config key '{key}' was renamed to '{new}'")
 
 
 @dataclass
@@ -190,6 +221,9 @@ def from_dict(cls: type, data: dict, path: str = "") -> Any:
     if unknown:
         key = unknown[0]
         full = f"{path}.{key}" if path else key
+        moved = renamed_key_error(full, data[key])
+        if moved is not None:
+            raise moved
         raise ConfigError(
             f"unknown config key '{full}' (in section '{path or '<top>'}'); valid keys: {sorted(fields)}"
         )
@@ -251,6 +285,9 @@ def apply_overrides(cfg: Any, overrides: typing.Iterable[str]) -> Any:
                 raise ConfigError(f"override '{key}': '{'.'.join(parts[:i])}' is not a section")
             names = [f.name for f in dataclasses.fields(obj)]
             if part not in names:
+                moved = renamed_key_error(key.strip())
+                if moved is not None:
+                    raise moved
                 where = ".".join(parts[:i]) or "<top>"
                 raise ConfigError(f"unknown config key '{key}' (in section '{where}'); valid keys: {sorted(names)}")
             if i < len(parts) - 1:
@@ -304,12 +341,16 @@ def load_config(source: str | Path | dict, overrides: typing.Iterable[str] = ())
     if not algorithm:
         raise ConfigError(f"{where}missing top-level key 'algorithm'; valid: {sorted(RECIPES)}")
     data["algorithm"] = algorithm
+    module = recipe_module(algorithm)
+    token = _RENAMED.set(dict(getattr(module, "RENAMED_KEYS", {})))
     try:
-        cls = recipe_module(algorithm).Config
-        cfg = from_dict(cls, data)
-    except ConfigError as exc:
-        raise ConfigError(f"{where}{exc}") from None
-    return apply_overrides(cfg, [o for o in overrides if not o.startswith("algorithm=")])
+        try:
+            cfg = from_dict(module.Config, data)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}{exc}") from None
+        return apply_overrides(cfg, [o for o in overrides if not o.startswith("algorithm=")])
+    finally:
+        _RENAMED.reset(token)
 
 
 def default_config(algorithm: str) -> RunConfig:
@@ -317,3 +358,41 @@ def default_config(algorithm: str) -> RunConfig:
     cfg = recipe_module(algorithm).Config()
     cfg.algorithm = algorithm
     return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# resuming with another config
+
+
+# Config keys that cannot change between a checkpoint and its resume: the saved state would not fit (model and
+# adapter shapes), or would silently mean something else (a data position in another prompt file, another seed's
+# noise). A key is frozen when it equals an entry or starts with an entry that ends in "."; other keys may change
+# on resume and every changed one is reported.
+FROZEN_ON_RESUME = ("algorithm", "seed", "model.", "data.train_prompts", "data.preference_file", "data.image_root",
+                    "data.kind", "data.path", "env.tasks", "env.modules")
+MUTABLE_ON_RESUME = ("model.gradient_checkpointing",)
+_NOT_COMPARED = ("output_dir", "train.resume", "train.overwrite")
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in (d or {}).items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def config_changes(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
+    """(key, saved value, current value) for every key present in both configs whose value differs (nested sections
+    compared key by key; keys added or removed by another mmrl version are not reported)."""
+    a, b = _flatten(saved), _flatten(current)
+    return [(k, a[k], b[k]) for k in b if k in a and a[k] != b[k] and k not in _NOT_COMPARED]
+
+
+def is_frozen_on_resume(key: str) -> bool:
+    if key in MUTABLE_ON_RESUME:
+        return False
+    return any(key == f or (f.endswith(".") and key.startswith(f)) for f in FROZEN_ON_RESUME)

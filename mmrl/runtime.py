@@ -3,7 +3,6 @@ atomic checkpoints with exact resume, sample grids and the reward-curve plot."""
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
@@ -13,7 +12,6 @@ import shutil
 import sys
 import time
 import warnings
-import zlib
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -21,24 +19,16 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from mmrl.checkpoint_files import (COMPLETE_MARKER, MANIFEST, RunError, disk_full, load_state_file,  # noqa: F401
+                                   verify_checkpoint, write_manifest)
+from mmrl.plots import plot_reward_curve, save_image_grid  # noqa: F401  (re-exported: their earlier home)
+
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
-COMPLETE_MARKER = "COMPLETE"
-MANIFEST = "MANIFEST.json"  # {relative path: [size in bytes, crc32]} of every file of a checkpoint
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-
-# Config keys that cannot change between a checkpoint and its resume: the saved state would not fit (model and
-# adapter shapes), or would silently mean something else (a data position in another prompt file, another seed's
-# noise). A key is frozen when it equals an entry or starts with an entry that ends in "."; other keys may change
-# on resume and every changed one is reported.
-FROZEN_ON_RESUME = ("algorithm", "seed", "model.", "data.train_prompts", "data.preference_file", "data.image_root",
-                    "data.kind", "data.path", "env.tasks", "env.modules")
-MUTABLE_ON_RESUME = ("model.gradient_checkpointing",)
-_NOT_COMPARED = ("output_dir", "train.resume", "train.overwrite")
-
 
 _STARTED_RUN_DIR: Path | None = None  # run directory of the newest Run this process opened (past its checks)
 
@@ -46,11 +36,6 @@ _STARTED_RUN_DIR: Path | None = None  # run directory of the newest Run this pro
 def started_run_dir() -> Path | None:
     """The run directory of the newest `Run` that passed its start-up checks in this process, if any."""
     return _STARTED_RUN_DIR
-
-
-class RunError(RuntimeError):
-    """A run cannot start or go on for a reason outside the config (disk full, a corrupt checkpoint, a run
-    directory that holds another run): the message names the file and what to do."""
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -134,88 +119,6 @@ def list_checkpoints(ckpt_root: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def _file_crc(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def write_manifest(directory: str | Path) -> dict:
-    """Record [size, crc32] of every file under `directory` in MANIFEST.json (read back from disk, so a write the
-    file system lost is caught now rather than at resume)."""
-    directory = Path(directory)
-    files = {str(p.relative_to(directory)): [p.stat().st_size, _file_crc(p)]
-             for p in sorted(directory.rglob("*")) if p.is_file() and p.name not in (MANIFEST, COMPLETE_MARKER)}
-    (directory / MANIFEST).write_text(json.dumps(files, indent=0))
-    return files
-
-
-def verify_checkpoint(path: str | Path) -> None:
-    """Raise RunError naming the first file of checkpoint `path` that is missing, truncated or changed since it was
-    written (sizes and crc32 from its MANIFEST.json). Checkpoints of older mmrl versions (no manifest) pass."""
-    path = Path(path)
-    manifest = path / MANIFEST
-    if not manifest.is_file():
-        return
-    try:
-        files = json.loads(manifest.read_text())
-    except (OSError, ValueError) as exc:
-        raise RunError(f"checkpoint {path} is corrupt: {manifest} is unreadable ({exc})") from None
-    for rel, (size, crc) in files.items():
-        f = path / rel
-        if not f.is_file():
-            raise RunError(f"checkpoint {path} is corrupt: {f} is missing")
-        got = f.stat().st_size
-        if got != size:
-            raise RunError(f"checkpoint {path} is corrupt: {f} has {got} bytes, {size} were written (truncated?)")
-        if _file_crc(f) != crc:
-            raise RunError(f"checkpoint {path} is corrupt: {f} changed since it was written (crc32 mismatch)")
-
-
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in (d or {}).items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
-def config_changes(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
-    """(key, saved value, current value) for every key present in both configs whose value differs (nested sections
-    compared key by key; keys added or removed by another mmrl version are not reported)."""
-    a, b = _flatten(saved), _flatten(current)
-    return [(k, a[k], b[k]) for k in b if k in a and a[k] != b[k] and k not in _NOT_COMPARED]
-
-
-def is_frozen_on_resume(key: str) -> bool:
-    if key in MUTABLE_ON_RESUME:
-        return False
-    return any(key == f or (f.endswith(".") and key.startswith(f)) for f in FROZEN_ON_RESUME)
-
-
-def _free_bytes(path: Path) -> int:
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return -1
-
-
-def _disk_full(exc: BaseException, where: Path) -> bool:
-    """Did `exc` (raised while writing under `where`) come from a full disk? Writers report it differently: OSError
-    ENOSPC/EDQUOT, safetensors "No space left on device (os error 28)", torch.save an unrelated-looking
-    RuntimeError; so a failed write on a device with less than 16 MiB free counts too."""
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    if "No space left" in str(exc) or "os error 28" in str(exc):
-        return True
-    return 0 <= _free_bytes(where) < (16 << 20)
-
-
 def checkpoint_step(path: str | Path) -> int:
     """Step number of a checkpoint directory (checks that it is complete)."""
     path = Path(path)
@@ -288,7 +191,7 @@ class Run:
     def _preflight(self) -> Path | None:
         """Refuse a start that would discard what the run directory holds (unless train.overwrite), report config
         changes on resume and refuse those that cannot change mid-run. Returns the checkpoint to resume from."""
-        from mmrl.config import ConfigError, to_dict
+        from mmrl.config import ConfigError, config_changes, is_frozen_on_resume, to_dict
 
         cfg, mode = self.cfg, str(self.cfg.train.resume)
         overwrite = bool(getattr(cfg.train, "overwrite", False))
@@ -426,7 +329,7 @@ class Run:
                 write_manifest(tmp)
                 (tmp / COMPLETE_MARKER).write_text(json.dumps({"step": step, "time": time.time()}))
             except Exception as exc:
-                if _disk_full(exc, self.ckpt_dir):
+                if disk_full(exc, self.ckpt_dir):
                     newest = list_checkpoints(self.ckpt_dir)
                     keep = f"the newest complete checkpoint is {newest[-1][1]}" if newest else "no complete checkpoint exists yet"
                     raise RunError(f"no space left on the device of {self.ckpt_dir} while writing checkpoint step_{step} "
@@ -506,113 +409,6 @@ class Run:
         if extra:
             summary.update(extra)
         return summary
-
-
-def _numpy_safe_globals() -> list:
-    """What a numpy array (numpy's RNG state) needs to unpickle: its reconstructor, ndarray, dtype and dtype classes."""
-    core = getattr(np, "_core", None) or np.core
-    allowed: list = [core.multiarray._reconstruct, np.ndarray, np.dtype]
-    allowed += [type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64, np.uint8, np.int32, np.float32, np.bool_)]
-    return allowed
-
-
-def load_state_file(path: str | Path) -> Any:
-    """torch.load(path, weights_only=True) with numpy arrays allowed; a clear RunError naming the file when it is
-    corrupt or holds objects outside that allow-list."""
-    path = Path(path)
-    try:
-        with torch.serialization.safe_globals(_numpy_safe_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except __import__("pickle").UnpicklingError as exc:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
-        if found is None:  # not a torch.save zip archive, or a damaged pickle stream
-            raise RunError(f"{path} is corrupt or truncated (not a readable torch.save file)") from None
-        raise RunError(f"{path}: refusing to load objects that are not plain state (weights_only=True found "
-                       f"{found.group(1)}); a checkpoint written by mmrl holds only tensors, numbers and "
-                       f"containers") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as exc:
-        raise RunError(f"{path} is corrupt or truncated ({type(exc).__name__}: {str(exc)[:160]})") from None
-
-
-def save_image_grid(images: Any, captions: list[str] | None, path: str | Path, cols: int | None = None,
-                    min_cell: int = 128) -> Path:
-    """Save a grid of float NCHW [0,1] images with a caption under each (prompt, reward...)."""
-    from PIL import Image, ImageDraw, ImageFont
-
-    if isinstance(images, torch.Tensor):
-        if images.dim() != 4 or images.shape[1] not in (1, 3):
-            raise ValueError(f"save_image_grid: expected images [N, 3 or 1, H, W], got {tuple(images.shape)}")
-        images = images.expand(-1, 3, -1, -1)
-        arr = (images.detach().float().clamp(0, 1).cpu().permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
-        pils = [Image.fromarray(a) for a in arr]
-    else:
-        pils = [im.convert("RGB") for im in images]
-    n = len(pils)
-    if n == 0:
-        raise ValueError("save_image_grid: no images")
-    if captions is not None and len(captions) != n:
-        raise ValueError(f"save_image_grid: {n} images but {len(captions)} captions")
-    cols = cols or min(n, 8)
-    rows = math.ceil(n / cols)
-    w, h = pils[0].size
-    scale = max(1, math.ceil(min_cell / max(w, h)))
-    cw, ch = w * scale, h * scale
-    cap_h = 28 if captions else 0
-    grid = Image.new("RGB", (cols * cw, rows * (ch + cap_h)), "white")
-    draw = ImageDraw.Draw(grid)
-    font = ImageFont.load_default()
-    for i, im in enumerate(pils):
-        r, c = divmod(i, cols)
-        grid.paste(im.resize((cw, ch), Image.NEAREST), (c * cw, r * (ch + cap_h)))
-        if captions:
-            text = str(captions[i])
-            chars = max(4, cw // 6)
-            lines = [text[:chars], text[chars:2 * chars]]
-            for j, line in enumerate(lines):
-                draw.text((c * cw + 2, r * (ch + cap_h) + ch + 2 + 12 * j), line, fill="black", font=font)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    grid.save(path)
-    return path
-
-
-def plot_reward_curve(rows: list[dict], path: str | Path, keys: tuple[str, ...] = ("reward/mean",)) -> Path | None:
-    """Reward (mean +- std band) against step; eval rewards too when logged."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-    plotted = False
-    for key in keys:
-        pts = [(r["step"], r[key], r.get(key.replace("/mean", "/std"))) for r in rows if r.get(key) is not None]
-        if not pts:
-            continue
-        steps = np.array([p[0] for p in pts])
-        mean = np.array([p[1] for p in pts], dtype=float)
-        ax.plot(steps, mean, label=key)
-        if all(p[2] is not None for p in pts):
-            std = np.array([p[2] for p in pts], dtype=float)
-            ax.fill_between(steps, mean - std, mean + std, alpha=0.2)
-        plotted = True
-    evals = [(r["step"], r["eval/reward/mean"]) for r in rows if r.get("eval/reward/mean") is not None]
-    if evals:
-        ax.plot([e[0] for e in evals], [e[1] for e in evals], "o-", label="eval/reward/mean")
-        plotted = True
-    if not plotted:
-        plt.close(fig)
-        return None
-    ax.set_xlabel("step")
-    ax.set_ylabel("reward")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
 
 
 class Timer:

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from mmrl.config import ConfigError, RunConfig, TrainConfig
+from mmrl.config import ConfigError, RunConfig, TrainConfig, config_changes, is_frozen_on_resume
 from mmrl.runtime import (
-    Run, RunError, Timer, checkpoint_step, config_changes, get_rng_state, is_frozen_on_resume, list_checkpoints,
-    resolve_device, resolve_dtype, save_image_grid, set_rng_state, verify_checkpoint,
+    Run, RunError, Timer, checkpoint_step, get_rng_state, list_checkpoints, resolve_device, resolve_dtype,
+    save_image_grid, set_rng_state, verify_checkpoint,
 )
 
 
@@ -258,7 +258,7 @@ def test_state_files_load_with_weights_only(tmp_path):
 def test_disk_full_while_writing_a_checkpoint(tmp_path, monkeypatch, failure):
     import errno
 
-    import mmrl.runtime as rt
+    import mmrl.checkpoint_files as checkpoint_files
 
     run = _two_checkpoints(tmp_path, keep_last=5)
     with pytest.raises(RunError, match=r"no space left on the device of .*checkpoints while writing checkpoint step_3 "
@@ -267,7 +267,7 @@ def test_disk_full_while_writing_a_checkpoint(tmp_path, monkeypatch, failure):
             (d / "half.bin").write_bytes(b"x" * 10)
             if failure == "oserror":
                 raise OSError(errno.ENOSPC, "No space left on device")
-            monkeypatch.setattr(rt, "_free_bytes", lambda path: 0)  # torch.save's message does not say ENOSPC
+            monkeypatch.setattr(checkpoint_files, "_free_bytes", lambda path: 0)  # torch.save's message does not say ENOSPC
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
     assert not (run.ckpt_dir / "step_3").exists() and not list(run.ckpt_dir.glob(".tmp-*"))
     assert [s for s, _ in list_checkpoints(run.ckpt_dir)] == [1, 2]

@@ -1,0 +1,127 @@
+"""Config sections every recipe shares, so one concept has one key everywhere (`model.lora.rank`,
+`optim.lr`, `update.epochs`, `algo.kl.coef`, ...). Recipes embed them with their own defaults, e.g.
+``optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+KLEstimator = Literal["k1", "k2", "k3", "low_var_kl", "kl", "mse", "abs"]
+
+
+@dataclass
+class LoRAConfig:
+    rank: int = 32
+    """LoRA rank r; 0 = full fine-tuning (no adapters; "old"/"ref" states are parameter snapshots)."""
+    alpha: int = 64
+    """LoRA alpha (scale = alpha / rank)."""
+    target_modules: list[str] = field(default_factory=list)
+    """Module names that get adapters; empty = the model family's default."""
+    init: str = "true"
+    """peft `init_lora_weights`: `true` (B = 0, the policy starts as the base model), `gaussian`, `pissa`, ..."""
+    init_path: str = ""
+    """Start from this LoRA (a peft directory): it becomes the frozen reference and the initial policy."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise ValueError(f"model.lora.rank: expected >= 0 (0 = full fine-tuning), got {self.rank}")
+        if self.rank > 0 and self.alpha <= 0:
+            raise ValueError(f"model.lora.alpha: expected > 0, got {self.alpha}")
+        if self.rank == 0 and self.init_path:
+            raise ValueError("model.lora.init_path needs model.lora.rank > 0 (full fine-tuning starts from the base "
+                             "weights)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+def peft_lora_config(lora: LoRAConfig, default_targets: Any = (), **extra: Any):
+    """peft `LoraConfig` of a `model.lora` section (None when rank = 0: full fine-tuning). `default_targets`: the
+    family's modules when `target_modules` is empty (a list, or a regex string as peft accepts)."""
+    if not lora.enabled:
+        return None
+    from peft import LoraConfig
+
+    init: Any = {"true": True, "false": False}.get(str(lora.init).lower(), lora.init)
+    targets = list(lora.target_modules) or default_targets
+    return LoraConfig(r=lora.rank, lora_alpha=lora.alpha, init_lora_weights=init,
+                      target_modules=list(targets) if not isinstance(targets, str) else targets, **extra)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up over this many scheduler steps (0 = none)."""
+    lr_end_factor: float = 1.0
+    """Linear decay of the learning rate to lr * lr_end_factor at the last step (1 = constant after warm-up)."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"optim.lr: expected > 0, got {self.lr}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optim.betas: expected [beta1, beta2] in [0, 1), got {self.betas}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps: expected >= 0, got {self.warmup_steps}")
+        if not 0 <= self.lr_end_factor <= 1:
+            raise ValueError(f"optim.lr_end_factor: expected in [0, 1], got {self.lr_end_factor}")
+
+
+@dataclass
+class UpdateConfig:
+    epochs: int = 1
+    """Passes over each rollout batch (PPO epochs / inner epochs)."""
+    mini_batch_size: int = 0
+    """Samples per optimizer update, counted over the nominal batch (prompts_per_step * group_size, all processes);
+    the batch is split into nominal / mini_batch_size updates per epoch (it must divide the nominal batch);
+    0 = one update per epoch. Dropped samples shrink the updates, never their number."""
+    micro_batch_size: int = 8
+    """Samples per forward/backward pass (gradient accumulation inside one update)."""
+    max_grad_norm: float = 1.0
+    """Clip the gradient norm to this before every update (0 = no clipping)."""
+    max_skipped_updates: int = 3
+    """An update whose loss or gradient norm is NaN/inf is skipped (weights, optimizer, schedule and EMA unchanged;
+    counted in `train/skipped_updates`); this many skips in a row stop the run with an error (>= 1)."""
+
+    def __post_init__(self) -> None:
+        for key in ("epochs", "micro_batch_size", "max_skipped_updates"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"update.{key}: expected >= 1, got {getattr(self, key)}")
+        if self.mini_batch_size < 0:
+            raise ValueError(f"update.mini_batch_size: expected >= 0 (0 = whole batch), got {self.mini_batch_size}")
+        if self.max_grad_norm < 0:
+            raise ValueError(f"update.max_grad_norm: expected >= 0 (0 = no clipping), got {self.max_grad_norm}")
+
+    def updates_per_epoch(self, nominal_batch: int) -> int:
+        """Optimizer updates per epoch for a nominal batch of `nominal_batch` samples (ValueError if it does not
+        divide)."""
+        if self.mini_batch_size == 0:
+            return 1
+        if nominal_batch % self.mini_batch_size:
+            raise ValueError(f"update.mini_batch_size={self.mini_batch_size} must divide the rollout batch "
+                             f"(prompts_per_step * group_size = {nominal_batch})")
+        return nominal_batch // self.mini_batch_size
+
+
+@dataclass
+class KLConfig:
+    coef: float = 0.0
+    """Weight of the KL to the reference policy (0 = no reference pass at all)."""
+    estimator: KLEstimator = "k3"
+    """Per-token estimator for sampled sequences (k1, k2, k3 = low_var_kl); diffusion steps use the closed-form
+    Gaussian KL and ignore it."""
+    in_reward: bool = False
+    """Subtract coef * KL from the reward (verl's use_kl_in_reward) instead of adding it to the loss."""
+
+    def __post_init__(self) -> None:
+        if self.coef < 0:
+            raise ValueError(f"algo.kl.coef: expected >= 0, got {self.coef}")
