@@ -10,19 +10,25 @@ import numpy as np
 import torch
 
 
-def save_image_grid(images: Any, captions: list[str] | None, path: str | Path, cols: int | None = None,
-                    min_cell: int = 128) -> Path:
-    """Save a grid of float NCHW [0,1] images with a caption under each (prompt, reward...)."""
-    from PIL import Image, ImageDraw, ImageFont
+def to_pil_images(images: Any) -> list:
+    """float NCHW [0,1] tensors (1 or 3 channels) or PIL images -> a list of RGB PIL images."""
+    from PIL import Image
 
     if isinstance(images, torch.Tensor):
         if images.dim() != 4 or images.shape[1] not in (1, 3):
             raise ValueError(f"save_image_grid: expected images [N, 3 or 1, H, W], got {tuple(images.shape)}")
         images = images.expand(-1, 3, -1, -1)
         arr = (images.detach().float().clamp(0, 1).cpu().permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
-        pils = [Image.fromarray(a) for a in arr]
-    else:
-        pils = [im.convert("RGB") for im in images]
+        return [Image.fromarray(a) for a in arr]
+    return [im.convert("RGB") for im in images]
+
+
+def save_image_grid(images: Any, captions: list[str] | None, path: str | Path, cols: int | None = None,
+                    min_cell: int = 128) -> Path:
+    """Save a grid of float NCHW [0,1] images with a caption under each (prompt, reward...)."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    pils = to_pil_images(images)
     n = len(pils)
     if n == 0:
         raise ValueError("save_image_grid: no images")

@@ -19,9 +19,9 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from mmrl.checkpoint_files import (COMPLETE_MARKER, MANIFEST, RunError, disk_full, load_state_file,  # noqa: F401
+from mmrl.checkpoint_files import (COMPLETE_MARKER, RunError, disk_full, load_state_file,  # noqa: F401
                                    verify_checkpoint, write_manifest)
-from mmrl.plots import plot_reward_curve, save_image_grid  # noqa: F401  (re-exported: their earlier home)
+from mmrl.plots import plot_reward_curve, save_image_grid, to_pil_images  # noqa: F401  (save_image_grid re-exported)
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -179,7 +179,20 @@ class Run:
         if write_config and not (resuming and (self.dir / "config.yaml").is_file()):
             self._write_config()
         self._t0 = time.time()
+        self.trackers = self._make_trackers() if write_config else []
         _STARTED_RUN_DIR = self.dir.resolve()
+
+    def _make_trackers(self) -> list:
+        """`log.trackers` (tensorboard, wandb) of the config; jsonl is always on (mmrl.trackers)."""
+        log = getattr(self.cfg, "log", None)
+        names = [n for n in (getattr(log, "trackers", None) or []) if n != "jsonl"]
+        if not names:
+            return []
+        from mmrl.config import to_dict
+        from mmrl.trackers import make_trackers
+
+        return make_trackers(names, self.dir, to_dict(self.cfg), project=getattr(log, "wandb_project", "mmrl"),
+                             wandb_mode=getattr(log, "wandb_mode", "offline"))
 
     def _write_config(self) -> None:
         if self._config_pending:
@@ -257,6 +270,8 @@ class Run:
         with open(self.metrics_path, "a") as f:
             f.write(line + "\n")
             f.flush()
+        for tracker in self.trackers:
+            tracker.log(int(step), row)
         return row
 
     def read_metrics(self) -> list[dict]:
@@ -392,6 +407,11 @@ class Run:
                      name: str | None = None) -> Path:
         path = self.samples_dir / (name or f"step_{step:06d}.png")
         save_image_grid(images, captions, path)
+        if self.trackers:  # the same images and captions (prompt, reward), one per sample
+            pils = to_pil_images(images)
+            kind = "eval" if (name or "").startswith("eval") else "rollout"
+            for tracker in self.trackers:
+                tracker.images(int(step), kind, pils, captions)
         return path
 
     def finish(self, extra: dict | None = None) -> dict:
@@ -406,6 +426,9 @@ class Run:
                 summary["reward_first"] = float(np.mean(rewards[:k]))
                 summary["reward_last"] = float(np.mean(rewards[-k:]))
         summary["wall_s"] = time.time() - self._t0
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
         if extra:
             summary.update(extra)
         return summary

@@ -8,6 +8,20 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 KLEstimator = Literal["k1", "k2", "k3", "low_var_kl", "kl", "mse", "abs"]
+TrackerName = Literal["jsonl", "tensorboard", "wandb"]
+
+
+@dataclass
+class TrackersConfig:
+    """Experiment trackers (`mmrl.trackers`); every recipe's `log:` section has these keys."""
+
+    trackers: list[TrackerName] = field(default_factory=lambda: ["jsonl"])
+    """Where metrics, sample images (with prompt and reward) and the config go: jsonl (metrics.jsonl, always on),
+    tensorboard (<run>/tensorboard/), wandb (<run>/wandb/)."""
+    wandb_project: str = "mmrl"
+    """W&B project name."""
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    """W&B mode: offline (files for a later `wandb sync`; no network), online (needs network and a login)."""
 
 
 @dataclass

@@ -1,0 +1,104 @@
+"""Experiment trackers a run reports to, beside the always-on metrics.jsonl: TensorBoard and Weights & Biases.
+
+`log.trackers: [jsonl, tensorboard, wandb]` (jsonl is always on and needs no entry). Each tracker receives the
+resolved config once, every metrics row (`Run.log`) and every sample grid's images with their captions (prompt,
+reward: `Run.save_samples`). Only the main process reports. The PNG reward curve of `plots/` stays the offline
+default; a tracker draws its own curves.
+
+- tensorboard: event files in `<run>/tensorboard/` (torch.utils.tensorboard): scalars, images
+  (`samples/<name>`, captions as text), the config as text. Extra `[trackers]`.
+- wandb: `wandb.init(project=log.wandb_project, mode=log.wandb_mode, dir=<run>, id=<stable id>, resume="allow")`;
+  the id is kept in `<run>/wandb_id.txt` so a resumed run continues the same W&B run. `wandb_mode: offline` (the
+  default) writes `<run>/wandb/offline-run-*` for a later `wandb sync`; `online` needs network and a login.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from pathlib import Path
+from typing import Any, Sequence
+
+TRACKERS = ("jsonl", "tensorboard", "wandb")
+
+
+def _scalars(row: dict) -> dict[str, float]:
+    """The finite numbers of a metrics row (nulls and non-numbers are left out)."""
+    out = {}
+    for k, v in row.items():
+        if isinstance(v, bool):
+            v = float(v)
+        if isinstance(v, (int, float)) and math.isfinite(float(v)):
+            out[k] = float(v)
+    return out
+
+
+class TensorBoardTracker:
+    def __init__(self, run_dir: Path, config: dict):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise ValueError(f"log.trackers: tensorboard needs the tensorboard package ({exc}); pip install "
+                             f"'mmrl[trackers]'") from None
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        import yaml
+
+        self.writer.add_text("config", "```\n" + yaml.safe_dump(config, sort_keys=False) + "\n```", 0)
+
+    def log(self, step: int, row: dict) -> None:
+        for k, v in _scalars(row).items():
+            if k != "step":
+                self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+
+    def images(self, step: int, name: str, images: Sequence[Any], captions: Sequence[str] | None) -> None:
+        import numpy as np
+
+        for i, im in enumerate(images):
+            arr = np.asarray(im.convert("RGB"))
+            self.writer.add_image(f"samples/{name}/{i}", arr, step, dataformats="HWC")
+        if captions:
+            self.writer.add_text(f"samples/{name}", "\n\n".join(f"{i}: {c}" for i, c in enumerate(captions)), step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    def __init__(self, run_dir: Path, config: dict, project: str, mode: str):
+        try:
+            import wandb
+        except ImportError as exc:
+            raise ValueError(f"log.trackers: wandb needs the wandb package ({exc}); pip install 'mmrl[trackers]'") from None
+        id_file = run_dir / "wandb_id.txt"
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
+        id_file.write_text(run_id + "\n")
+        self.wandb = wandb
+        self.run = wandb.init(project=project, dir=str(run_dir), mode=mode, id=run_id, resume="allow",
+                              name=run_dir.name, config=config, reinit="finish_previous")
+
+    def log(self, step: int, row: dict) -> None:
+        self.run.log({k: v for k, v in _scalars(row).items() if k != "step"}, step=step)
+
+    def images(self, step: int, name: str, images: Sequence[Any], captions: Sequence[str] | None) -> None:
+        caps = list(captions) if captions else [None] * len(images)
+        self.run.log({f"samples/{name}": [self.wandb.Image(im.convert("RGB"), caption=c) for im, c in zip(images, caps)]},
+                     step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def make_trackers(names: Sequence[str], run_dir: Path, config: dict, project: str = "mmrl",
+                  wandb_mode: str = "offline") -> list:
+    """Trackers for `log.trackers` (unknown names -> ValueError with the valid list; jsonl is always on)."""
+    out = []
+    for name in names:
+        if name not in TRACKERS:
+            raise ValueError(f"log.trackers: unknown tracker {name!r}; valid: {list(TRACKERS)}")
+        if name == "tensorboard":
+            out.append(TensorBoardTracker(run_dir, config))
+        elif name == "wandb":
+            out.append(WandbTracker(run_dir, config, project, wandb_mode))
+    return out
