@@ -1,0 +1,77 @@
+"""Tiny, randomly initialised models of the real architectures, saved in the standard formats.
+
+Every builder seeds torch, builds the genuine diffusers / transformers / open_clip class with
+very small sizes, saves it with ``save_pretrained`` (or open_clip's files) and returns the path.
+Loading back is exactly what a real checkpoint uses (``StableDiffusion3Pipeline.from_pretrained``,
+``AutoProcessor.from_pretrained``, ...), so tests and the CPU demo exercise the real code paths.
+
+Tokenizers are built locally (no network): small byte-level BPE vocabularies trained here, with a
+deterministic trainer, on a fixed corpus covering the synthetic prompts and visual-QA tasks
+(colours, shapes, positions, counts). The generated files are stored in ``assets/tokenizers/``
+(``clip/``, ``t5/``, ``qwen/``); ``build_tokenizer_assets()`` regenerates them byte for byte.
+
+What is simplified away: the weights are random (see ``CALIBRATION.md``), the vocabularies are a
+few hundred to a thousand tokens instead of 49k-152k.
+
+Modules: ``vocab.py`` (corpus, BPE, tokenizers), ``components.py`` (shared encoders and helpers),
+``diffusion_models.py`` (SD3, FLUX), ``vlm_models.py`` (Qwen2/2.5/3-VL), ``clip_models.py`` (CLIP, open_clip);
+every name is importable from ``mmrl.tiny``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mmrl.tiny.clip_models import (  # noqa: F401
+    CLIP_MEAN,
+    CLIP_STD,
+    OPEN_CLIP_CONFIGS,
+    build_tiny_clip,
+    build_tiny_open_clip,
+    load_open_clip,
+)
+from mmrl.tiny.components import count_parameters  # noqa: F401
+from mmrl.tiny.diffusion_models import build_tiny_flux, build_tiny_sd3
+from mmrl.tiny.vlm_models import (  # noqa: F401
+    QWEN_MAX_PIXELS,
+    QWEN_MIN_PIXELS,
+    build_tiny_qwen2_vl,
+    build_tiny_qwen3_vl,
+    build_tiny_qwen25_vl,
+)
+from mmrl.tiny.vocab import (  # noqa: F401
+    ASSETS_DIR,
+    CAPITALISED,
+    COLOURS,
+    COMMON_WORDS,
+    CORPUS_WORDS,
+    NUMBER_WORDS,
+    POSITIONS,
+    QWEN3_CHAT_TEMPLATE,
+    QWEN_CHAT_TEMPLATE,
+    QWEN_NORMAL_ADDED_TOKENS,
+    QWEN_SPECIAL_TOKENS,
+    SHAPES,
+    _load_tokenizer,
+    build_tokenizer_assets,
+    make_clip_tokenizer,
+    make_qwen_tokenizer,
+    make_t5_tokenizer,
+    train_bpe,
+)
+
+BUILDERS = {
+    "sd3": build_tiny_sd3,
+    "flux": build_tiny_flux,
+    "qwen2_vl": build_tiny_qwen2_vl,
+    "qwen25_vl": build_tiny_qwen25_vl,
+    "qwen3_vl": build_tiny_qwen3_vl,
+    "clip": build_tiny_clip,
+    "open_clip": build_tiny_open_clip,
+}
+
+
+def build_all(root, seed: int = 0) -> dict[str, Path]:
+    """Build every tiny model into ``root/<name>`` (names as in ``BUILDERS``); returns name -> path."""
+    root = Path(root)
+    return {name: build(root / name, seed=seed) for name, build in BUILDERS.items()}

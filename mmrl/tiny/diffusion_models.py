@@ -1,0 +1,81 @@
+"""Tiny diffusion pipelines: ``StableDiffusion3Pipeline`` and ``FluxPipeline`` (FLUX.1-dev layout)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mmrl.tiny.components import _prepare_dir, _tiny_clip_text, _tiny_t5_encoder, _tiny_vae
+from mmrl.tiny.vocab import _load_tokenizer
+
+
+def build_tiny_sd3(path, seed: int = 0, sample_size: int = 16) -> Path:
+    """Tiny ``StableDiffusion3Pipeline`` (transformer, VAE, 2 CLIP encoders, T5 encoder) at ``path``.
+
+    Sizes (CALIBRATION.md): SD3Transformer2DModel patch 2, 4 in/out channels, 2 layers, 2 heads x 16,
+    joint_attention_dim = caption_projection_dim = pooled_projection_dim = 32. The two CLIP text
+    encoders have hidden 16 and projection 16 each, so the concatenated CLIP prompt embeds (16 + 16
+    channels) and pooled embeds (16 + 16) are exactly 32 wide; the T5 encoder has d_model 32 = joint_attention_dim
+    (it is included because ``from_pretrained`` of a directory without it fails unless the caller
+    passes ``text_encoder_3=None, tokenizer_3=None``). 64x64 images <-> 4x16x16 latents.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    if sample_size <= 0 or sample_size % 2:
+        raise ValueError(f"build_tiny_sd3: sample_size (latent side) must be a positive multiple of the "
+                         f"patch size 2, got {sample_size}")
+    path = _prepare_dir(path)
+    tok, t5_tok = _load_tokenizer("clip"), _load_tokenizer("t5")
+    torch.manual_seed(seed)
+    transformer = SD3Transformer2DModel(
+        sample_size=sample_size, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32,
+        pooled_projection_dim=32, out_channels=4, pos_embed_max_size=max(32, sample_size // 2),
+    )
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+        vae=_tiny_vae(seed + 1),
+        text_encoder=_tiny_clip_text(tok, seed + 2, 16, 16, with_projection=True),
+        tokenizer=tok,
+        text_encoder_2=_tiny_clip_text(tok, seed + 3, 16, 16, with_projection=True),
+        tokenizer_2=tok,
+        text_encoder_3=_tiny_t5_encoder(t5_tok, seed + 4, d_model=32),
+        tokenizer_3=t5_tok,
+    )
+    pipe.save_pretrained(path)
+    return path
+
+
+def build_tiny_flux(path, seed: int = 0) -> Path:
+    """Tiny ``FluxPipeline`` (FLUX.1-dev layout) at ``path``.
+
+    FluxTransformer2DModel: in_channels 16 (4 latent channels x 2x2 packing), 1 double + 1 single
+    block, 2 heads x 16 (rope axes 4+6+6), joint_attention_dim 32 = T5 d_model, pooled_projection_dim
+    32 = CLIP hidden, ``guidance_embeds=True`` like FLUX.1-dev (the guidance-distilled model RL papers
+    fine-tune; pass ``guidance_scale``). Scheduler: FLUX.1-dev's dynamic-shift flow-matching Euler.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    path = _prepare_dir(path)
+    tok, t5_tok = _load_tokenizer("clip"), _load_tokenizer("t5")
+    torch.manual_seed(seed)
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+        axes_dims_rope=(4, 6, 6),
+    )
+    # source: black-forest-labs/FLUX.1-dev scheduler/scheduler_config.json
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=256, max_image_seq_len=4096,
+    )
+    pipe = FluxPipeline(
+        scheduler=scheduler, vae=_tiny_vae(seed + 1),
+        text_encoder=_tiny_clip_text(tok, seed + 2, 32, None, with_projection=False), tokenizer=tok,
+        text_encoder_2=_tiny_t5_encoder(t5_tok, seed + 3, d_model=32), tokenizer_2=t5_tok,
+        transformer=transformer,
+    )
+    pipe.save_pretrained(path)
+    return path
