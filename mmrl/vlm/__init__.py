@@ -1,5 +1,6 @@
 """VLM policy RL: rollout engines (HF / vLLM), shared model-input helpers, the GRPO-family recipe."""
 
+from mmrl.vlm.batch import RolloutBatch  # noqa: F401
 from mmrl.vlm.common import (  # noqa: F401
     EncodedPrompt,
     collate,

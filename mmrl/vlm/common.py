@@ -19,15 +19,13 @@ the vision-token ban, which only change how tokens were drawn, not what the mode
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from mmrl.pipelines.data import VQAItem
-from mmrl.pipelines.qwen_vl import get_rope_index, mm_token_type_ids, rope_kwargs_from_config
+from mmrl.vlm.batch import RolloutBatch, pad_to, token_logprobs  # noqa: F401  (re-exported)
 
 __all__ = [
     "IMAGE_PLACEHOLDER",
@@ -41,7 +39,6 @@ __all__ = [
     "response_logprobs",
     "compute_logprobs",
     "pad_to",
-    "ShapesQA",
     "VisionCache",
     "vision_tower",
     "vision_tower_trainable",
@@ -130,75 +127,16 @@ def encode_prompt(processor: Any, text: str, images: Sequence[Any] = ()) -> Enco
     return EncodedPrompt(enc["input_ids"][0].tolist(), mm, text)
 
 
-def pad_to(rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype, left: bool = False,
-           length: int | None = None) -> torch.Tensor:
-    """Stack ragged rows into [B, max_len] (or ``length``), padding on the right (or left)."""
-    T = max([len(r) for r in rows] + [0]) if length is None else length
-    out = torch.full((len(rows), T), value, dtype=dtype)
-    for i, r in enumerate(rows):
-        if len(r):
-            t = torch.as_tensor(list(r), dtype=dtype)
-            if left:
-                out[i, T - len(r):] = t
-            else:
-                out[i, :len(r)] = t
-    return out
-
-
-def _cat_mm(mm: Sequence[dict]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
-        parts = [m[key] for m in mm if m and key in m]
-        if parts:
-            out[key] = torch.cat(parts, 0)
-    return out
-
-
 def collate(model: Any, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
             mm: Sequence[dict], pad_id: int) -> tuple[dict[str, torch.Tensor], int, torch.Tensor]:
     """Model inputs for prompt+response rows in the layout of the module docstring.
 
     Returns ``(kwargs for model(**kwargs), P, response_mask[B, T])`` where ``P`` is the padded prompt
-    length (response token t of row b sits at position P + t) and ``T`` the longest response.
+    length (response token t of row b sits at position P + t) and ``T`` the longest response. (A
+    :class:`mmrl.vlm.batch.RolloutBatch` of the rows: build one directly to pad once and slice many times.)
     """
-    device = next(model.parameters()).device
-    cfg = model.config
-    P = max(len(p) for p in prompt_ids)
-    prompts = pad_to(prompt_ids, pad_id, torch.long, left=True)
-    p_mask = pad_to([[1] * len(p) for p in prompt_ids], 0, torch.long, left=True)
-    T = max([len(r) for r in response_ids] + [0])
-    resp = pad_to(response_ids, pad_id, torch.long, length=T)
-    r_mask = pad_to([[1] * len(r) for r in response_ids], 0, torch.long, length=T)
-    input_ids = torch.cat([prompts, resp], 1).to(device)
-    attn = torch.cat([p_mask, r_mask], 1).to(device)
-    tensors = {k: v.to(device) for k, v in _cat_mm(mm).items()}
-    for k in ("pixel_values", "pixel_values_videos"):
-        if k in tensors:
-            tensors[k] = tensors[k].to(model.dtype)
-    position_ids, _ = get_rope_index(input_ids, attn, tensors.get("image_grid_thw"), tensors.get("video_grid_thw"),
-                                     **rope_kwargs_from_config(cfg))
-    kwargs = dict(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
-                  mm_token_type_ids=mm_token_type_ids(input_ids, cfg.image_token_id, cfg.video_token_id), **tensors)
-    return kwargs, P, r_mask.bool().to(device)
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
-                   with_entropy: bool = False, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log_softmax(logits / temperature)[tokens] in float32; logits[B, T, V], tokens[B, T] -> [B, T].
-
-    The entropy (of the same tempered distribution) carries gradients only with ``entropy_grad`` (a bonus in
-    the loss); as a metric it is computed without building a [B, T, V] graph."""
-    x = logits.float()
-    if temperature not in (0.0, 1.0):
-        x = x / temperature
-    logz = torch.logsumexp(x, -1)
-    logp = x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - logz
-    entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            p = torch.softmax(x, -1)
-            entropy = logz - (p * x).sum(-1)
-    return logp, entropy
+    batch = RolloutBatch.build(model, prompt_ids, response_ids, mm, pad_id)
+    return batch.model_inputs(model.dtype), batch.prompt_len, batch.response_mask
 
 
 def response_logprobs(model: Any, batch: dict[str, torch.Tensor], P: int, response_ids: torch.Tensor,
@@ -399,53 +337,3 @@ class VisionCache:
             kw["deepstack_features"] = [tuple(level) for level in deep]
         out["mm_encoder_outputs"] = {"image": self.out_cls(**kw)}
         return out
-
-
-class ShapesQA:
-    """Endless seeded stream of visual questions about synthetic shapes (``mmrl.pipelines.shapes``).
-
-    Item k depends only on (seed, k), so ``state_dict()`` (the position) resumes exactly. ``cfg`` is any object
-    with ``qa_kinds, colors, backgrounds, n_shapes [min, max], shape_size [min, max], image_size, template``
-    (e.g. ``mmrl.vlm.grpo.DataConfig``); ``template`` formats ``{question}``. Items are ``VQAItem`` with metadata
-    ``answer``, ``kind`` and ``choices`` (the answer vocabulary the question implies, for format-only warm starts).
-    """
-
-    def __init__(self, cfg: Any, seed: int):
-        from mmrl.pipelines.shapes import QA_KINDS
-
-        bad = [k for k in cfg.qa_kinds if k not in QA_KINDS]
-        if bad or not cfg.qa_kinds:
-            raise ValueError(f"data.qa_kinds: expected a non-empty subset of {list(QA_KINDS)}, got {cfg.qa_kinds}")
-        self.cfg, self.seed, self.index = cfg, seed, 0
-
-    def item(self, k: int) -> VQAItem:
-        from mmrl.pipelines.shapes import KINDS, sample_scene, qa_for_scene
-
-        c = self.cfg
-        rng = random.Random(self.seed * 1_000_003 + k)
-        scene = sample_scene(rng, tuple(c.n_shapes), colors=c.colors, size=c.image_size, backgrounds=c.backgrounds,
-                             size_range=tuple(c.shape_size))
-        kind = rng.choice(c.qa_kinds)
-        question, answer = qa_for_scene(scene, kind, rng)
-        q = question.lower()
-        if " or the " in q:  # "on the left or the right?" -> the two options named
-            choices = [w for w in ("left", "right", "top", "bottom") if w in q]
-        elif q.startswith(("is there", "are there")):
-            choices = ["yes", "no"]
-        else:
-            bg = "background" in q
-            choices = {"color": list(c.backgrounds if bg else c.colors), "shape": list(KINDS),
-                       "count": [str(i) for i in range(1, c.n_shapes[1] + 1)]}.get(kind, [answer])
-        prompt = "<image>" + c.template.format(question=question, problem=question)
-        return VQAItem(prompt, [scene.image], answer, {"answer": answer, "kind": kind, "choices": sorted(set(choices))})
-
-    def next(self, n: int) -> list[VQAItem]:
-        out = [self.item(self.index + i) for i in range(n)]
-        self.index += n
-        return out
-
-    def state_dict(self) -> dict:
-        return {"index": self.index}
-
-    def load_state_dict(self, s: dict) -> None:
-        self.index = s["index"]

@@ -273,7 +273,8 @@ class VLLMWeightSyncer:
 
     @torch.no_grad()
     def sync(self, full: bool | None = None) -> dict[str, float]:
-        """Send the weights in chunks; returns {"sync/tensors", "sync/bytes", "sync/chunks", "sync/seconds"}.
+        """Send the weights in chunks; returns {"rollout/weight_sync/tensors", ".../bytes", ".../chunks",
+        "time/weight_sync_s"}.
 
         full=None: everything after a level-2 sleep (the engine dropped its weights), else only what changes."""
         if full is None:
@@ -290,8 +291,8 @@ class VLLMWeightSyncer:
         reset = getattr(self.llm, "reset_prefix_cache", None)
         if callable(reset):  # cached KV blocks were computed with the old weights
             reset()
-        return {"sync/tensors": n, "sync/bytes": nbytes, "sync/chunks": chunks,
-                "sync/seconds": time.perf_counter() - t0}
+        return {"rollout/weight_sync/tensors": n, "rollout/weight_sync/bytes": nbytes,
+                "rollout/weight_sync/chunks": chunks, "time/weight_sync_s": time.perf_counter() - t0}
 
     def sleep(self, level: int = 1) -> None:
         """Free the engine's GPU memory for training: level 1 offloads weights to CPU and drops the KV cache,

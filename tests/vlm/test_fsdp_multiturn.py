@@ -1,5 +1,5 @@
 """Multi-turn VLM RL under FSDP2 (LoRA): ``torchrun --nproc_per_node 2 -m mmrl.cli train
-configs/vlm/multiturn_grid_tiny.yaml model.lora_rank=4 ... dist.strategy=fsdp`` gives the same adapters, Adam
+configs/vlm/multiturn_grid_tiny.yaml model.lora.rank=4 ... dist.strategy=fsdp`` gives the same adapters, Adam
 moments and metrics as the same run with dist.strategy=ddp, and resumes (under FSDP, and in one process).
 
 The scenario makes the ranks run different numbers and kinds of forwards everywhere FSDP needs them paired: rank 0
@@ -62,11 +62,11 @@ class RaggedEnv(Env):
 
 def _args(out: Path, tiny: Path, *extra: str) -> list[str]:
     return ["-m", "mmrl.cli", "train", str(ROOT / "configs/vlm/multiturn_grid_tiny.yaml"), f"output_dir={out}",
-            f"model.path={tiny}", "model.lora_rank=4", "env.modules=[_mt_ragged_env]", "env.tasks={_mt_ragged: {}}",
-            "env.eval_episodes=2", "train.save_every=1", "train.warm_start_steps=2", "train.warm_start_params=[]",
-            "train.warm_start_batch=4", "train.eval_every=0", "train.micro_batch_size=1", "train.mini_batches=2",
-            "train.lr=0.003", "rollout.groups_per_step=2", "rollout.group_size=2", "rollout.max_turns=3",
-            "rollout.max_new_tokens=4", "rollout.batch_size=2", "algo.kl_coef=0.05", "algo.dynamic_sampling=true",
+            f"model.path={tiny}", "model.lora.rank=4", "env.modules=[_mt_ragged_env]", "env.tasks={_mt_ragged: {}}",
+            "env.eval_episodes=2", "train.save_every=1", "warm_start.steps=2", "warm_start.params=[]",
+            "warm_start.batch_size=4", "log.eval_every=0", "update.micro_batch_size=1", "update.mini_batch_size=2",
+            "optim.lr=0.003", "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_turns=3",
+            "rollout.max_new_tokens=4", "rollout.micro_batch_size=2", "algo.kl.coef=0.05", "algo.dynamic_sampling=true",
             "algo.max_resample_rounds=1", *extra]
 
 
@@ -85,7 +85,7 @@ def _torchrun(args: list[str], env: dict) -> float:
 def _adapters(out: Path, step: int) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return load_file(str(out / "checkpoints" / f"step_{step}" / "policy" / "default" / "adapter_model.safetensors"))
+    return load_file(str(out / "checkpoints" / f"step_{step}" / "adapters" / "default" / "adapter_model.safetensors"))
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -94,7 +94,7 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 def _moments(out: Path, step: int) -> dict:
-    return torch.load(out / f"checkpoints/step_{step}/state.pt", weights_only=False)["optimizer"]["state"]
+    return torch.load(out / f"checkpoints/step_{step}/state.pt", weights_only=False)["stateful"]["optimizer"]["state"]
 
 
 def test_multiturn_fsdp_equals_ddp_and_resumes(tmp_path):
@@ -107,12 +107,12 @@ def test_multiturn_fsdp_equals_ddp_and_resumes(tmp_path):
     rf, rd = metrics_rows(fs), metrics_rows(dd)
     assert [r["step"] for r in rf] == [0, 1, 2]
     for a, b in zip(rf, rd):  # same episodes sampled, same losses
-        for key in ("reward/mean", "episode/turns_mean", "tokens/policy_mean", "dynamic/rounds",
-                    "policy/pg_loss", "policy/kl_ref", "policy/grad_norm", "eval/success_rate"):
+        for key in ("reward/mean", "rollout/episode/turns_mean", "rollout/tokens/policy_mean", "rollout/dynamic/rounds",
+                    "policy/loss", "kl/ref", "policy/grad_norm", "eval/success_rate"):
             if key in a or key in b:
                 assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
     # the scenario does what the docstring says: multi-turn and one-turn episodes, stop strings, real updates
-    assert rf[1]["episode/turns_max"] > 1 and rf[1]["policy/grad_norm"] > 0
+    assert rf[1]["rollout/episode/turns_max"] > 1 and rf[1]["policy/grad_norm"] > 0
     assert sum(r["dist/lockstep_dummy_forwards"] for r in rf[1:]) > 0  # ranks really ran different forward counts
     moved = max(float(v.abs().max()) for k, v in _adapters(dd, 2).items() if "lora_B" in k)  # B starts at 0
     diffs = [_max_diff(_adapters(fs, s), _adapters(dd, s)) for s in (1, 2)]
@@ -148,18 +148,18 @@ def test_multiturn_fsdp_full_finetuning_equals_ddp(tmp_path):
 
     tiny = build_tiny_qwen2_vl(tmp_path / "tiny", seed=0)
     fs, dd, env = tmp_path / "fsdp", tmp_path / "ddp", _env(tmp_path)
-    full = ["model.lora_rank=0", "model.freeze=[visual]", "train.warm_start_params=[lm_head]"]
+    full = ["model.lora.rank=0", "model.freeze=[visual]", "warm_start.params=[lm_head]"]
     t_fsdp = _torchrun(_args(fs, tiny, *full, "train.max_steps=1", "dist.strategy=fsdp"), env)
     _torchrun(_args(dd, tiny, *full, "train.max_steps=1", "dist.strategy=ddp"), env)
     rf, rd = metrics_rows(fs), metrics_rows(dd)
     for a, b in zip(rf, rd):
-        for key in ("reward/mean", "tokens/policy_mean", "policy/pg_loss", "policy/kl_ref", "policy/grad_norm"):
+        for key in ("reward/mean", "rollout/tokens/policy_mean", "policy/loss", "kl/ref", "policy/grad_norm"):
             if key in a or key in b:
                 assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
-    assert rf[1]["policy/kl_ref"] > 0  # the warm-started policy differs from the (sharded) reference snapshot
-    w = {name: load_file(str(out / "checkpoints/step_1/policy/default/model.safetensors")) for name, out in
+    assert rf[1]["kl/ref"] > 0  # the warm-started policy differs from the (sharded) reference snapshot
+    w = {name: load_file(str(out / "checkpoints/step_1/adapters/default/model.safetensors")) for name, out in
          (("fsdp", fs), ("ddp", dd))}
-    init = load_file(str(fs / "checkpoints/step_1/policy/ref/model.safetensors"))
+    init = load_file(str(fs / "checkpoints/step_1/adapters/ref/model.safetensors"))
     diff = max(float((w["fsdp"][k] - w["ddp"][k]).abs().max()) for k in w["ddp"])
     moved = max(float((w["ddp"][k] - init[k]).abs().max()) for k in init)
     # (measured 8.7e-6: Adam turns fp-level gradient differences on near-zero full-weight gradients into larger
@@ -174,7 +174,7 @@ def test_multiturn_fsdp_full_finetuning_equals_ddp(tmp_path):
 def test_multiturn_fsdp_refuses_training_the_vision_tower():
     from mmrl.tiny import build_tiny_qwen2_vl
     from mmrl.vlm.common import load_policy, vision_tower
-    from mmrl.vlm.multiturn import check_fsdp_rl_params
+    from mmrl.vlm.episode_train import check_fsdp_rl_params
 
     import tempfile
 

@@ -18,8 +18,11 @@ import torch
 from PIL import Image
 
 from mmrl.config import load_config
+from mmrl.core import keep_groups, overlong_penalty
 from mmrl.testing import child_env, metrics_rows, run_torchrun, spawn_ranks
+from mmrl.pipelines.shapes_qa import ShapesQA
 from mmrl.vlm import grpo
+from mmrl.vlm.policy import build_policy
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,15 +37,15 @@ def tiny_path(tmp_path_factory):
 def _cfg(tiny_path, out, *overrides):
     base = {
         "algorithm": "vlm_grpo", "output_dir": str(out), "device": "cpu", "seed": 3,
-        "model": {"path": str(tiny_path), "finetune": "full", "train_vision": True},
+        "model": {"path": str(tiny_path), "lora": {"rank": 0}, "train_vision": True},
         "data": {"kind": "shapes", "template": "{question}", "colors": ["red", "green", "blue", "yellow"],
                  "shape_size": [0.5, 0.7], "eval_size": 4},
-        "rollout": {"batch_size": 2, "n": 4, "max_new_tokens": 4},
+        "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 4},
         "reward": {"name": "exact_match"},
-        "algo": {"micro_batch_size": 3},
-        "warmup": {"sft_steps": 2, "batch_size": 4, "lr": 1e-2},
-        "log": {"sample_every": 2, "n_samples": 4, "eval_every": 0},
-        "train": {"max_steps": 2, "save_every": 0, "lr": 1e-3},
+        "update": {"micro_batch_size": 3},
+        "warm_start": {"steps": 2, "batch_size": 4, "lr": 1e-2},
+        "log": {"sample_every": 2, "num_samples": 4, "eval_every": 0},
+        "train": {"max_steps": 2, "save_every": 0}, "optim": {"lr": 1e-3},
     }
     return load_config(base, list(overrides))
 
@@ -54,17 +57,17 @@ def _cfg(tiny_path, out, *overrides):
 def test_overlong_penalty_by_hand():
     # max_len 20, buffer 4: free up to 16 tokens, then -(L - 16) / 4 * factor
     lengths = torch.tensor([10, 16, 17, 18, 20])
-    got = grpo.overlong_penalty(lengths, max_len=20, buffer=4, factor=1.0)
+    got = overlong_penalty(lengths, max_len=20, buffer=4, factor=1.0)
     torch.testing.assert_close(got, torch.tensor([0.0, 0.0, -0.25, -0.5, -1.0]))
-    got = grpo.overlong_penalty(lengths, max_len=20, buffer=4, factor=0.5)
+    got = overlong_penalty(lengths, max_len=20, buffer=4, factor=0.5)
     torch.testing.assert_close(got, torch.tensor([0.0, 0.0, -0.125, -0.25, -0.5]))
-    assert torch.equal(grpo.overlong_penalty(lengths, 20, 0, 1.0), torch.zeros(5))
+    assert torch.equal(overlong_penalty(lengths, 20, 0, 1.0), torch.zeros(5))
 
 
 def test_keep_groups_drops_zero_variance():
     rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.5, 0.0, 0.0])
     groups = torch.tensor([7, 7, 3, 3, 9, 9, 1, 1])
-    assert grpo.keep_groups(rewards, groups).tolist() == [False, False, True, True, True, True, False, False]
+    assert keep_groups(rewards, groups).tolist() == [False, False, True, True, True, True, False, False]
 
 
 @dataclass
@@ -114,12 +117,146 @@ def test_dynamic_sampling_fills_batch_and_drops_constant_groups():
 
 def test_lora_vision_included_or_excluded(tiny_path, tmp_path):
     for train_vision in (False, True):
-        cfg = _cfg(tiny_path, tmp_path, "model.finetune=lora", "model.lora_rank=4", f"model.train_vision={train_vision}")
-        states, _ = grpo.build_policy(cfg, torch.device("cpu"), torch.float32)
+        cfg = _cfg(tiny_path, tmp_path, "model.lora.rank=4", f"model.train_vision={train_vision}")
+        states, _ = build_policy(cfg.model, torch.device("cpu"), torch.float32, keep_ref=False)
         names = [n for n, _ in states.named_trainable_parameters()]
         assert names and all("lora_" in n for n in names)
         assert any("language_model" in n for n in names)
         assert any("visual" in n for n in names) == train_vision
+
+
+# ------------------------------------------------------------------ RolloutBatch, update, warm start
+
+
+def _mixed_rows(tiny_path):
+    """Prompts with one image, none, and two images; responses of different lengths (one empty)."""
+    from mmrl.vlm.common import encode_prompt, load_policy, messages_from_text, render_prompt
+
+    model, proc = load_policy(tiny_path)
+    imgs = [Image.new("RGB", (56, 56), c) for c in ("red", "blue")]
+    texts = [("<image>What color?", imgs[:1]), ("a text-only prompt that is longer than the others", []),
+             ("<image>Which one?<image>", imgs)]
+    encs = [encode_prompt(proc, render_prompt(proc, messages_from_text(t)), im) for t, im in texts]
+    g = torch.Generator().manual_seed(0)
+    R = [torch.randint(10, 100, (k,), generator=g).tolist() for k in (5, 2, 7, 0, 3)]
+    return model, proc, [encs[i % 3].input_ids for i in range(5)], R, [encs[i % 3].mm for i in range(5)]
+
+
+def test_rollout_batch_logprobs_equal_collate_path(tiny_path):
+    """The padded-once batch (rope index computed once, rows selected and trimmed) gives bit-identical log-probs to
+    collating every micro-batch anew (compute_logprobs), for every micro-batch size, with images, text-only rows,
+    two images in a row, left/right padding and an empty response; select(rows) equals building those rows alone."""
+    from mmrl.vlm.batch import RolloutBatch
+    from mmrl.vlm.common import compute_logprobs
+
+    model, proc, P, R, MM = _mixed_rows(tiny_path)
+    pad = proc.tokenizer.pad_token_id
+    batch = RolloutBatch.build(model, P, R, MM, pad, rollout_logprobs=[[0.5] * len(r) for r in R])
+    assert batch.input_ids.shape == (5, max(map(len, P)) + 7) and batch.position_ids.shape[:2] == (3, 5)
+    assert batch.response_mask.sum(-1).tolist() == [5, 2, 7, 0, 3]
+    assert batch.rollout_logprobs.sum().item() == 0.5 * 17  # 0 at padding
+    for mbs in (1, 2, 3, 8):
+        old, _ = compute_logprobs(model, P, R, MM, pad, mbs, 0.7)
+        new = batch.logprobs(model, mbs, 0.7)
+        for i in range(5):
+            assert torch.equal(old[i], new[i, :len(R[i])]), (mbs, i)
+        assert torch.equal(new[~batch.response_mask], torch.zeros(int((~batch.response_mask).sum())))
+    rows = [2, 0]
+    sub, alone = batch.select(rows), RolloutBatch.build(model, [P[i] for i in rows], [R[i] for i in rows],
+                                                        [MM[i] for i in rows], pad)
+    for key in ("input_ids", "attention_mask", "position_ids", "mm_token_type_ids", "response_mask", "loss_mask"):
+        assert torch.equal(getattr(sub, key), getattr(alone, key)), key
+    assert sub.prompt_len == alone.prompt_len and sub.mm[0] is MM[2]
+
+
+def test_policy_update_loss_registry_and_token_advantages(tiny_path):
+    """`algo.policy_loss` picks the core registry's loss: the update's first micro-batch loss equals gspo_policy_loss
+    (resp. clipped_policy_loss) on the same tensors; token-level advantages [N, T] and a loss mask over part of the
+    response (multi-turn rows) reach the loss; an unknown name lists the valid ones."""
+    from mmrl.core import clipped_policy_loss, gspo_policy_loss
+    from mmrl.training import UpdateGuard
+    from mmrl.vlm.batch import RolloutBatch
+    from mmrl.vlm.update import MicroBatch, PolicyGradientLoss, contiguous_minibatches, policy_update
+
+    model, proc, P, R, MM = _mixed_rows(tiny_path)
+    pad = proc.tokenizer.pad_token_id
+    mask = [[1, 1, 0, 0, 1], [1, 1], [0, 1, 1, 1, 0, 0, 1], [], [1, 0, 1]]  # policy tokens of each response
+    adv = [torch.linspace(-1, 1, len(r)).tolist() for r in R]
+    batch = RolloutBatch.build(model, P, R, MM, pad, loss_mask=mask, advantages=adv)
+    assert batch.loss_mask.sum().item() == 11 and batch.advantages.shape == batch.response_mask.shape
+    batch.old_logprobs = batch.logprobs(model, 5) - 0.01
+    for name, fn in (("gspo", gspo_policy_loss), ("ppo_clip", clipped_policy_loss)):
+        loss_fn = PolicyGradientLoss(name, clip_low=0.2, clip_high=0.3)
+        seen = []
+
+        def spy(mb: MicroBatch, loss_fn=loss_fn):
+            out = loss_fn(mb)
+            seen.append((mb, out))
+            return out
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.SGD(params, lr=0.0)
+        res = policy_update(model, batch, opt, params, loss_fn=spy, minibatches=contiguous_minibatches(5, 5, 5),
+                            micro_batch_size=5, guard=UpdateGuard(1))
+        mb, (loss, m) = seen[0]
+        want, _ = fn(mb.logp, mb.batch.old_logprobs, mb.batch.advantages, mb.batch.loss_mask, clip_low=0.2,
+                     clip_high=0.3, agg="token-mean")
+        assert torch.equal(loss, want) and res.applied == 1 and 0 < res.drift < 0.011
+        assert set(res.metrics()) >= {"policy/loss", "policy/clipfrac", "policy/approx_kl", "policy/ratio_max"}
+    with pytest.raises(ValueError, match=r"unknown policy loss 'ppo2'; valid: \['gspo', 'ppo_clip'"):
+        PolicyGradientLoss("ppo2")
+
+
+def test_format_warm_start_equals_the_earlier_loop(tiny_path):
+    """format_warm_start (RolloutBatch, AdamW without weight decay) moves the weights exactly like the earlier
+    vlm_grpo loop (collate + response_logprobs + Adam) on the same pairs."""
+    from mmrl.core import agg_loss
+    from mmrl.vlm.common import collate, load_policy, response_logprobs
+    from mmrl.vlm.warm_start import WarmStartConfig, format_warm_start
+
+    _, proc, P, R, MM = _mixed_rows(tiny_path)
+    pad = proc.tokenizer.pad_token_id
+    R = [r + [7] for r in R]  # every response non-empty
+    cfg = WarmStartConfig(steps=3, lr=1e-2, params=["lm_head"])
+    after = []
+    for which in ("new", "old"):
+        torch.manual_seed(0)
+        model, _ = load_policy(tiny_path)
+        if which == "new":
+            loss = format_warm_start(model, list(model.named_parameters()), cfg, lambda step: (P, R, MM), pad)
+        else:
+            params = [p for n, p in model.named_parameters() if "lm_head" in n]
+            opt = torch.optim.Adam(params, lr=cfg.lr)
+            for _ in range(cfg.steps):
+                batch, Pl, mask = collate(model, P, R, MM, pad)
+                logp, _ = response_logprobs(model, batch, Pl, batch["input_ids"][:, Pl:])
+                loss_t = -agg_loss(logp, mask, "token-mean")
+                opt.zero_grad(set_to_none=True)
+                loss_t.backward()
+                opt.step()
+            loss = float(loss_t.detach())
+        after.append((loss, {n: p.detach().clone() for n, p in model.named_parameters()}))
+    assert after[0][0] == after[1][0]
+    assert all(torch.equal(after[0][1][n], after[1][1][n]) for n in after[0][1])
+    with pytest.raises(ValueError, match=r"warm_start.params=\['nothing'\]: no trainable parameter"):
+        format_warm_start(model, list(model.named_parameters()), WarmStartConfig(steps=1, params=["nothing"]),
+                          lambda step: (P, R, MM), pad)
+
+
+METRIC_PREFIXES = ("reward/", "policy/", "kl/", "train/", "rollout/", "eval/", "time/", "diag/", "cost/", "dist/")
+
+
+def test_every_logged_metric_has_a_design_prefix(tiny_path, tmp_path):
+    """A tiny run with the KL loss, entropy, overlong shaping, DAPO and dropped samples: every key it logs (besides
+    `step`) starts with one of the design's prefixes (no bare `accuracy`, `kl`, `lr`, no `actor/*`)."""
+    out = tmp_path / "run"
+    grpo.train(_cfg(tiny_path, out, "algo.kl.coef=0.01", "algo.entropy_coef=0.01", "reward.overlong_buffer=2",
+                    "algo.dynamic_sampling=true", "algo.max_gen_batches=2", "update.epochs=2",
+                    "reward.on_nonfinite=drop_sample", "log.eval_every=1", "log.sample_every=0"))
+    keys = {k for r in metrics_rows(out) for k in r} - {"step"}
+    assert keys and all(k.startswith(METRIC_PREFIXES) for k in keys), sorted(k for k in keys
+                                                                              if not k.startswith(METRIC_PREFIXES))
+    assert {"reward/accuracy", "kl/ref", "policy/lr", "policy/entropy", "rollout/dynamic/rounds"} <= keys
 
 
 # ------------------------------------------------------------------ training runs
@@ -130,8 +267,9 @@ def test_metrics_and_logprob_drift(tiny_path, tmp_path):
     summary = grpo.train(_cfg(tiny_path, out))
     rows = metrics_rows(out)
     assert [r["step"] for r in rows] == [1, 2]
-    for key in ("reward/mean", "reward/std", "accuracy", "response_length/mean", "response_length/max",
-                "response/clip_ratio", "actor/clipfrac", "actor/entropy", "actor/pg_loss", "time/rollout_s",
+    for key in ("reward/mean", "reward/std", "reward/accuracy", "rollout/response_length/mean",
+                "rollout/response_length/max",
+                "rollout/clip_ratio", "policy/clipfrac", "policy/entropy", "policy/loss", "time/rollout_s",
                 "time/reward_s", "time/train_s", "time/step_s", "diag/logprob_drift"):
         assert key in rows[0], key
     assert all(r["diag/logprob_drift"] < 1e-4 for r in rows)
@@ -141,20 +279,20 @@ def test_metrics_and_logprob_drift(tiny_path, tmp_path):
 
 def test_recompute_old_logprobs_kl_loss_and_minibatches(tiny_path, tmp_path):
     out = tmp_path / "run"
-    cfg = _cfg(tiny_path, out, "algo.ppo_epochs=2", "algo.mini_batch_size=4", "algo.kl_coef=0.01",
-               "algo.kl_estimator=k3", "algo.advantage=rloo", "algo.loss_agg=seq-mean-token-sum-norm",
-               "reward.overlong_buffer=2", "warmup.sft_steps=0", "log.sample_every=0")
+    cfg = _cfg(tiny_path, out, "update.epochs=2", "update.mini_batch_size=4", "algo.kl.coef=0.01",
+               "algo.kl.estimator=k3", "algo.advantage=rloo", "algo.loss_agg=seq-mean-token-sum-norm",
+               "reward.overlong_buffer=2", "warm_start.steps=0", "log.sample_every=0")
     grpo.train(cfg)
     rows = metrics_rows(out)
     for r in rows:
         assert r["diag/logprob_drift"] < 1e-4
-        assert "kl" in r and r["kl"] >= 0 and "time/old_logprob_s" in r and "time/ref_s" in r
+        assert "kl/ref" in r and r["kl/ref"] >= 0 and "time/old_logprob_s" in r and "time/ref_s" in r
         assert r["reward/overlong"] <= 0
 
 
 def test_resume_equals_uninterrupted_run(tiny_path, tmp_path):
-    common = ("model.finetune=lora", "model.lora_rank=4", "algo.kl_coef=0.05", "train.save_every=2", "train.lr=5e-3",
-              "warmup.params=[]", "log.sample_every=0")
+    common = ("model.lora.rank=4", "algo.kl.coef=0.05", "train.save_every=2", "optim.lr=5e-3",
+              "warm_start.params=[]", "log.sample_every=0")
     full = tmp_path / "full"
     grpo.train(_cfg(tiny_path, full, "train.max_steps=4", *common))
     part = tmp_path / "part"
@@ -167,7 +305,7 @@ def test_resume_equals_uninterrupted_run(tiny_path, tmp_path):
     a, b = strip(metrics_rows(full)), strip(metrics_rows(part))
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     assert a == b
-    assert any(r["actor/grad_norm"] > 0 for r in a)  # the runs really updated the adapters
+    assert any(r["policy/grad_norm"] > 0 for r in a)  # the runs really updated the adapters
 
 
 def _geo3k_files(tmp_path):
@@ -182,7 +320,7 @@ def _geo3k_files(tmp_path):
 
 def test_corrupt_image_skipped_or_raised(tiny_path, tmp_path):
     path = _geo3k_files(tmp_path)
-    opts = ("data.kind=geo3k", f"data.path={path}", "data.template={problem}", "warmup.sft_steps=0",
+    opts = ("data.kind=geo3k", f"data.path={path}", "data.template={problem}", "warm_start.steps=0",
             "train.max_steps=1", "log.sample_every=0", "train.save_every=0")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -207,15 +345,19 @@ def test_tiny_shapes_demo_learns(tmp_path):
 
 
 @pytest.mark.parametrize("override, match", [
-    ("algo.loss_agg=mean", "loss_agg"), ("algo.kl_estimator=k9", "KL estimator"), ("algo.advantage=ppo", "advantage"),
+    ("algo.loss_agg=mean", "loss_agg"), ("algo.kl.estimator=k9", "algo.kl.estimator"),
+    ("algo.advantage=ppo", "advantage"),
     ("algo.old_logprobs=rollout", "one update per rollout"), ("data.kind=coco", "data.kind"),
-    ("rollout.engine=sglang", "rollout engine"), ("dist.strategy=fsdp", "FSDP with rollout.engine=hf only"), ("dist.strategy=zero3", "dist.strategy"),
+    ("rollout.engine=sglang", "rollout.engine"), ("algo.policy_loss=ppo2", "unknown policy loss 'ppo2'; valid: "),
+    ("rollout.n=4", "config key 'rollout.n' was renamed to 'rollout.group_size'"),
+    ("warmup.sft_steps=3", "config key 'warmup.sft_steps' was renamed to 'warm_start.steps'"),
+    ("dist.strategy=fsdp", "FSDP with rollout.engine=hf only"), ("dist.strategy=zero3", "dist.strategy"),
 ])
 def test_bad_config_fails_with_clear_error(tiny_path, tmp_path, override, match):
-    extra = ["algo.ppo_epochs=2"] if "rollout" in override and "old" in override else []
+    extra = ["update.epochs=2"] if "rollout" in override and "old" in override else []
     extra += ["rollout.engine=vllm"] if override == "dist.strategy=fsdp" else []  # FSDP: the HF engine only
     with pytest.raises(ValueError, match=match):
-        grpo.train(_cfg(tiny_path, tmp_path / "bad", override, *extra, "warmup.sft_steps=0"))
+        grpo.train(_cfg(tiny_path, tmp_path / "bad", override, *extra, "warm_start.steps=0"))
 
 
 def test_one_response_per_prompt_only_with_a_batch_whitened_estimator(tmp_path):
@@ -225,14 +367,16 @@ def test_one_response_per_prompt_only_with_a_batch_whitened_estimator(tmp_path):
 
     singletons = get_advantage_estimator("reinforce_pp")(torch.tensor([0.0, 1.0, 3.0]), torch.tensor([0, 1, 2]))
     assert singletons.abs().min() > 0.1  # whitened rewards: (r - mean) / std, no group involved
-    grpo.check_config(_cfg("unused", tmp_path, "rollout.n=1", "algo.advantage=reinforce_pp"))
+    grpo.check_config(_cfg("unused", tmp_path, "rollout.group_size=1", "algo.advantage=reinforce_pp"))
     for adv in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"):
-        with pytest.raises(ValueError, match=f"rollout.n=1: algo.advantage={adv} compares the responses to one"):
-            grpo.check_config(_cfg("unused", tmp_path, "rollout.n=1", f"algo.advantage={adv}"))
-    with pytest.raises(ValueError, match=r"rollout.batch_size \* rollout.n = 1"):
-        grpo.check_config(_cfg("unused", tmp_path, "rollout.n=1", "rollout.batch_size=1",
+        with pytest.raises(ValueError,
+                           match=f"rollout.group_size=1: algo.advantage={adv} compares the responses to one"):
+            grpo.check_config(_cfg("unused", tmp_path, "rollout.group_size=1", f"algo.advantage={adv}"))
+    with pytest.raises(ValueError, match=r"rollout.prompts_per_step \* rollout.group_size = 1"):
+        grpo.check_config(_cfg("unused", tmp_path, "rollout.group_size=1", "rollout.prompts_per_step=1",
                                "algo.advantage=reinforce_pp"))
-    grpo.check_config(_cfg("unused", tmp_path, "rollout.n=2"))  # the smallest group the group estimators accept
+    # the smallest group the group estimators accept
+    grpo.check_config(_cfg("unused", tmp_path, "rollout.group_size=2"))
 
 
 # ------------------------------------------------------------------ vision features reused in the update
@@ -268,10 +412,11 @@ _UPDATE_CASES = {
 def _update_cfg(tiny_path, case):
     return load_config({
         "algorithm": "vlm_grpo", "output_dir": "unused", "device": "cpu",
-        "model": {"path": str(tiny_path), "finetune": "lora", "lora_rank": 4, "train_vision": case["train_vision"]},
-        "rollout": {"batch_size": 2, "n": 4, "max_new_tokens": 5},
-        "algo": {"micro_batch_size": 2, "ppo_epochs": 2, "kl_coef": 0.05, "loss_agg": "token-mean"},
-        "train": {"lr": 1e-4, "grad_clip": 1.0},  # Adam's steps are ~lr * sign(g): fp noise in tiny g scales with lr
+        "model": {"path": str(tiny_path), "lora": {"rank": 4}, "train_vision": case["train_vision"]},
+        "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 5},
+        "algo": {"kl": {"coef": 0.05}, "loss_agg": "token-mean"},
+        "update": {"micro_batch_size": 2, "epochs": 2, "max_grad_norm": 1.0},
+        "optim": {"lr": 1e-4},  # Adam's steps are ~lr * sign(g): fp noise in tiny g scales with lr
     })
 
 
@@ -281,7 +426,7 @@ def _fixed_rollouts(tiny_path):
     from mmrl.vlm.rollout import HFRolloutEngine, SamplingParams
 
     model, proc = load_policy(tiny_path)
-    items = grpo.ShapesQA(grpo.DataConfig(colors=["red", "green", "blue"], image_size=84), seed=5).next(2)
+    items = ShapesQA(grpo.DataConfig(colors=["red", "green", "blue"], image_size=84), seed=5).next(2)
     reqs = [grpo.to_request(it, proc, grpo.DataConfig()) for it in items]
     res = HFRolloutEngine(model, proc).generate(reqs, SamplingParams(n=4, temperature=1.0, max_new_tokens=5, seed=0))
     return {"P": [r.prompt_ids for r in res], "R": [r.response_ids for r in res], "MM": [r.mm for r in res],
@@ -296,38 +441,48 @@ def _run_update(tiny_path, batch, case, ctx=None, reuse=True, strategy="ddp"):
     old/ref passes inside LockstepForwards (ranks hold different row counts), equal micro-batch counts."""
     from mmrl.core import get_advantage_estimator
     from mmrl.distributed import DistContext, LockstepForwards
-    from mmrl.vlm.common import VisionCache, compute_logprobs, language_block_types, vision_has_adapters
+    from mmrl.training import UpdateGuard
+    from mmrl.vlm.batch import RolloutBatch
+    from mmrl.vlm.common import VisionCache, language_block_types, vision_has_adapters
+    from mmrl.vlm.update import PolicyGradientLoss, contiguous_minibatches, policy_update
 
     ctx = ctx or DistContext()
     fsdp = strategy == "fsdp" and ctx.enabled
     reuse = reuse and not fsdp
     cfg = _update_cfg(tiny_path, case)
     torch.manual_seed(0)
-    states, _ = grpo.build_policy(cfg, torch.device("cpu"), torch.float32)
+    states, _ = build_policy(cfg.model, torch.device("cpu"), torch.float32, keep_ref=True)
     model = states.model
     if fsdp:
         ctx.wrap_model(model, "fsdp", fsdp_block_types=language_block_types(model))
         states.refresh()
     params = [p for _, p in states.named_trainable_parameters()]
-    opt = torch.optim.AdamW(params, lr=cfg.train.lr)
+    opt = torch.optim.AdamW(params, lr=cfg.optim.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     split = case["split"] if ctx.enabled else [sum(case["split"])]
     start, n_local = sum(split[:ctx.rank]), split[ctx.rank]
     rows = list(range(start, start + n_local)) or [0]  # a rank with nothing holds one placeholder row
-    P, R, MM = ([batch[k][i] for i in rows] for k in ("P", "R", "MM"))
+    rb = RolloutBatch.build(model, *([batch[k][i] for i in rows] for k in ("P", "R", "MM")), batch["pad"])
     r_all, g_all = ctx.gather_group_rewards(batch["rewards"][start:start + n_local], batch["gids"][start:start + n_local])
-    adv = ctx.local_slice(get_advantage_estimator("grpo")(r_all, g_all)) if n_local else torch.zeros(1)
+    rb.advantages = ctx.local_slice(get_advantage_estimator("grpo")(r_all, g_all)) if n_local else torch.zeros(1)
     cache = VisionCache(model) if reuse else None
     pad_1 = torch.full((1, 1), batch["pad"], dtype=torch.long)
     with LockstepForwards(ctx, model, dummy=lambda: model(input_ids=pad_1), enabled=fsdp) as ls_old:
-        old_lp, _ = compute_logprobs(model, P, R, MM, batch["pad"], 2, vision_cache=cache)
+        rb.old_logprobs = rb.logprobs(model, 2, vision_cache=cache)
     with states.use("ref"), LockstepForwards(ctx, model, dummy=lambda: model(input_ids=pad_1), enabled=fsdp):
         ref_cache = VisionCache(model) if reuse and vision_has_adapters(model) else cache
-        ref_lp, _ = compute_logprobs(model, P, R, MM, batch["pad"], 2, vision_cache=ref_cache)
+        rb.ref_logprobs = rb.logprobs(model, 2, vision_cache=ref_cache)
     tmodel = model if fsdp else ctx.wrap_model(model, "ddp")
-    stats, _ = grpo.policy_update(model, opt, sched, params, P, R, MM, old_lp, ref_lp, adv, batch["pad"], cfg,
-                                  ctx=ctx, train_model=tmodel, vision_cache=cache, n_local=n_local,
-                                  equal_micro_batches=fsdp)
+    al, up = cfg.algo, cfg.update
+    loss_fn = PolicyGradientLoss(al.policy_loss, al.clip_low, al.clip_high, al.dual_clip, al.loss_agg,
+                                 cfg.rollout.max_new_tokens, al.entropy_coef, al.kl.coef, al.kl.estimator)
+    n_rows = ctx.max_int(n_local) if ctx.enabled else n_local
+    res = policy_update(tmodel, rb, opt, params, loss_fn=loss_fn,
+                        minibatches=contiguous_minibatches(n_local, n_rows, n_rows),
+                        micro_batch_size=up.micro_batch_size, epochs=up.epochs, max_grad_norm=up.max_grad_norm,
+                        guard=UpdateGuard(3, ctx), lr_scheduler=sched, ctx=ctx, equal_micro_batches=fsdp,
+                        vision_cache=cache)
+    stats = {"dist/padding_micro_batches": sum(ctx.all_gather_object(res.placeholders))} if fsdp else {}
     out = {n: (p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()).clone()
            for n, p in states.named_trainable_parameters()}
     if fsdp:
@@ -405,10 +560,11 @@ def test_torchrun_ddp_train_then_resume_on_one_process(tmp_path):
     checkpoints; then one plain process resumes from the newest checkpoint to step 3."""
     out = tmp_path / "run"
     args = ["train", str(ROOT / "configs/vlm/grpo_tiny_shapes.yaml"), f"output_dir={out}",
-            f"model.path={tmp_path / 'tiny'}", "rollout.batch_size=4", "rollout.n=4", "warmup.sft_steps=20",
-            "warmup.batch_size=8", "data.eval_size=4", "log.sample_every=1", "log.eval_every=0", "train.save_every=1",
-            "algo.dynamic_sampling=true", "algo.max_gen_batches=2", "algo.mini_batch_size=8",
-            "algo.micro_batch_size=3", "dist.strategy=ddp"]
+            f"model.path={tmp_path / 'tiny'}", "rollout.prompts_per_step=4", "rollout.group_size=4",
+            "warm_start.steps=20", "warm_start.batch_size=8", "data.eval_size=4", "log.sample_every=1",
+            "log.eval_every=0", "train.save_every=1",
+            "algo.dynamic_sampling=true", "algo.max_gen_batches=2", "update.mini_batch_size=8",
+            "update.micro_batch_size=3", "dist.strategy=ddp"]
     env = child_env()
     t0 = time.perf_counter()
     proc = run_torchrun(["-m", "mmrl.cli", *args, "train.max_steps=2"], cwd=ROOT, env=env)
@@ -417,8 +573,8 @@ def test_torchrun_ddp_train_then_resume_on_one_process(tmp_path):
     rows = metrics_rows(out)
     assert [r["step"] for r in rows] == [1, 2]  # rank 0 alone logs
     assert all(r["diag/logprob_drift"] < 1e-4 for r in rows if "diag/logprob_drift" in r)
-    assert all(r["dynamic/rounds"] in (1, 2) for r in rows)
-    assert any("actor/grad_norm" in r for r in rows)  # the 20-step format warm start gives varied rewards: updates ran
+    assert all(r["rollout/dynamic/rounds"] in (1, 2) for r in rows)
+    assert any("policy/grad_norm" in r for r in rows)  # the 20-step format warm start gives varied rewards: updates ran
     assert (out / "checkpoints" / "step_2" / "COMPLETE").is_file() and (out / "config.yaml").is_file()
     t1 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "mmrl.cli", *args, "train.max_steps=3"], cwd=ROOT, env=env,
@@ -451,8 +607,8 @@ class _NanText(RewardModel):
         return RewardOutput(s, {})
 
 
-_LORA = ("model.finetune=lora", "model.lora_rank=4", "model.train_vision=false", "warmup.sft_steps=0",
-         "log.sample_every=0", "train.lr=1e-2")
+_LORA = ("model.lora.rank=4", "model.train_vision=false", "warm_start.steps=0",
+         "log.sample_every=0", "optim.lr=1e-2")
 
 
 def _strict_rows(out):
@@ -475,35 +631,37 @@ def test_nan_reward_error_or_drop_sample(tiny_path, tmp_path):
     grpo.train(_cfg(tiny_path, out, "reward.name=_test_nan_text", "reward.on_nonfinite=drop_sample", *_LORA))
     rows = _strict_rows(out)
     assert [r["reward/nonfinite_samples"] for r in rows] == [1, 1]
-    assert all(r["actor/grad_norm"] > 0 and r["train/skipped_updates"] == 0 for r in rows)
-    lora = load_file(out / "checkpoints/step_2/policy/default/adapter_model.safetensors")
+    assert all(r["policy/grad_norm"] > 0 and r["train/skipped_updates"] == 0 for r in rows)
+    lora = load_file(out / "checkpoints/step_2/adapters/default/adapter_model.safetensors")
     assert lora and all(bool(torch.isfinite(v).all()) for v in lora.values())
 
 
 def test_nonfinite_loss_skips_update_then_stops(tiny_path, tmp_path, monkeypatch):
     from mmrl.training import NonFiniteError
 
-    real_loss, real_update, unchanged = grpo.clipped_policy_loss, grpo.policy_update, []
+    from mmrl.core import POLICY_LOSSES
+
+    real_loss, real_update, unchanged = POLICY_LOSSES["ppo_clip"], grpo.policy_update, []
 
     def nan_loss(*args, **kwargs):
         loss, m = real_loss(*args, **kwargs)
         return loss * float("nan"), m
 
-    def spy(model, optimizer, sched, params, *args, **kwargs):  # are the trained tensors bit-identical after it?
+    def spy(model, batch, optimizer, params, *args, **kwargs):  # are the trained tensors bit-identical after it?
         before = [p.detach().clone() for p in params]
         try:
-            return real_update(model, optimizer, sched, params, *args, **kwargs)
+            return real_update(model, batch, optimizer, params, *args, **kwargs)
         finally:
             unchanged.append(all(torch.equal(p.detach(), b) for p, b in zip(params, before)))
 
-    monkeypatch.setattr(grpo, "clipped_policy_loss", nan_loss)
+    monkeypatch.setitem(POLICY_LOSSES, "ppo_clip", nan_loss)
     monkeypatch.setattr(grpo, "policy_update", spy)
     out = tmp_path / "run"
     with pytest.raises(NonFiniteError, match=r"2 consecutive updates had a non-finite loss/gradient at step 2 "):
-        grpo.train(_cfg(tiny_path, out, "train.max_steps=3", "train.max_skipped_updates=2", *_LORA))
+        grpo.train(_cfg(tiny_path, out, "train.max_steps=3", "update.max_skipped_updates=2", *_LORA))
     assert unchanged == [True, True]
     (row,) = _strict_rows(out)  # step 1: one mini-batch, skipped; its NaN gradient norm is logged as null
-    assert row["train/skipped_updates"] == 1 and row["actor/grad_norm"] is None
+    assert row["train/skipped_updates"] == 1 and row["policy/grad_norm"] is None
 
 
 if __name__ == "__main__":  # the 2-rank worker of test_two_rank_policy_update_equals_one_rank_on_combined_batch

@@ -10,9 +10,24 @@ import torch
 
 from mmrl.vlm.envs import Env, EnvManager, Observation, register_env, turn_discounted_return
 from mmrl.testing import child_env, run_torchrun
-from mmrl.vlm.multiturn import (ChatFormat, Episode, Turn, _encode_observation, episode_returns, informative_groups,
-                                policy_loss, rollout_episodes, token_advantages, turn_advantages)
+from mmrl.vlm.credit import episode_returns, informative_groups, token_advantages, turn_advantages
+from mmrl.vlm.episode_train import episode_batch
+from mmrl.vlm.episodes import ChatFormat, Episode, Turn, encode_observation, rollout_episodes
 from mmrl.vlm.rollout import HFRolloutEngine, SamplingParams
+from mmrl.vlm.update import MicroBatch, PolicyGradientLoss
+
+
+def policy_loss(model, episodes, adv, pad_id, *, temperature, clip_low, clip_high, normalizer, entropy_coef=0.0,
+                vision_cache=None):
+    """The recipe's training loss of one micro-batch of episodes (episode_batch -> forward -> PolicyGradientLoss,
+    as mmrl.vlm.update.policy_update runs it), + the max |log p - rollout log p| over policy tokens as "drift"."""
+    batch = episode_batch(model, episodes, pad_id, adv)
+    logp, ent = batch.forward_logprobs(model, temperature, with_entropy=entropy_coef > 0,
+                                       entropy_grad=entropy_coef > 0, vision_cache=vision_cache)
+    loss, m = PolicyGradientLoss("ppo_clip", clip_low, clip_high, entropy_coef=entropy_coef)(
+        MicroBatch(batch, logp, ent, normalizer, len(episodes), 1.0, False))
+    m["drift"] = float(((logp.detach() - batch.old_logprobs).abs() * batch.loss_mask).max())
+    return loss, m
 
 
 @pytest.fixture(scope="module")
@@ -126,12 +141,12 @@ def test_truncation_marks_and_cuts_observations(tiny):
     _, _, processor = tiny
     fmt = ChatFormat(processor)
     env_obs = Observation("You moved left. Move the red square to the green circle. Answer left or right.")
-    full, cut = _encode_observation(fmt, env_obs, False, [], 10**6)
+    full, cut = encode_observation(fmt, env_obs, False, [], 10**6)
     assert not cut
-    short, cut = _encode_observation(fmt, env_obs, False, [], len(full.input_ids) - 5)
+    short, cut = encode_observation(fmt, env_obs, False, [], len(full.input_ids) - 5)
     assert cut and len(short.input_ids) <= len(full.input_ids) - 5
     assert "<|im_start|>assistant\n" in processor.tokenizer.decode(short.input_ids)  # framing kept, text cut
-    none, cut = _encode_observation(fmt, env_obs, False, [], 3)
+    none, cut = encode_observation(fmt, env_obs, False, [], 3)
     assert none is None and cut
     # in a rollout: room for the first prompt and one response only -> the episode ends "truncated"
     eps, _ = _rollout(tiny, _far_specs(1), max_turns=4)
@@ -184,9 +199,9 @@ def test_environment_tokens_get_no_gradient(tiny):
     assert float(l1) == float(l2) and math.isfinite(float(l1))
     # entropy bonus: lowers the loss by coef * mean entropy over policy tokens, and carries gradient
     l3, m3 = policy_loss(model, eps, adv, processor.tokenizer.pad_token_id, entropy_coef=0.1, **kw)
-    assert m3["entropy"] > 0 and l3.requires_grad
+    assert m3["policy/entropy"] > 0 and l3.requires_grad
     n_tok = sum(e.policy_tokens for e in eps)
-    assert float(l3.detach()) == pytest.approx(float(l1) - 0.1 * m3["entropy"] * n_tok / 10.0, rel=1e-5)
+    assert float(l3.detach()) == pytest.approx(float(l1) - 0.1 * m3["policy/entropy"] * n_tok / 10.0, rel=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------- credit assignment
@@ -251,13 +266,24 @@ def _recipe_cfg(out, model_path, **sections):
     d = {"algorithm": "vlm_multiturn", "output_dir": str(out), "seed": 0, "device": "cpu", "num_threads": 1,
          "model": {"path": str(model_path)},
          "env": {"tasks": {"grid_puzzle": {"width": 5, "max_turns": 2}}, "eval_episodes": 2, "max_workers": 2},
-         "rollout": {"groups_per_step": 2, "group_size": 2, "max_turns": 2, "max_new_tokens": 3, "max_seq_len": 256},
-         "algo": {"advantage": "turn_grpo", "dynamic_sampling": False},
-         "train": {"max_steps": 2, "save_every": 1, "lr": 0.01, "warm_start_steps": 1, "warm_start_batch": 4,
-                   "micro_batch_size": 2, "mini_batches": 2}}
+         "rollout": {"prompts_per_step": 2, "group_size": 2, "max_turns": 2, "max_new_tokens": 3, "max_seq_len": 256},
+         "algo": {"advantage": "turn_grpo", "dynamic_sampling": False}, "optim": {"lr": 0.01},
+         "warm_start": {"steps": 1, "batch_size": 4}, "update": {"micro_batch_size": 2, "mini_batch_size": 2},
+         "train": {"max_steps": 2, "save_every": 1}}
     for k, v in sections.items():
         d[k] = {**d.get(k, {}), **v} if isinstance(v, dict) else v
     return load_config(d)
+
+
+def _to_earlier_layout(ckpt):
+    """Rewrite a checkpoint as vlm_multiturn wrote it before the shared layout: policy/ + flat state.pt keys."""
+    from mmrl.checkpoint_files import write_manifest
+
+    (ckpt / "adapters").rename(ckpt / "policy")
+    st = torch.load(ckpt / "state.pt", weights_only=False)
+    torch.save({"optimizer": st["stateful"]["optimizer"], "scheduler": st["stateful"]["lr_scheduler"],
+                "rng": st["rng"], "step": st["step"], **st["extra"]}, ckpt / "state.pt")
+    write_manifest(ckpt)
 
 
 def test_checkpoint_resume_equals_uninterrupted_run(tiny, tmp_path):
@@ -272,8 +298,8 @@ def test_checkpoint_resume_equals_uninterrupted_run(tiny, tmp_path):
     train(_recipe_cfg(tmp_path / "b", path, train={"max_steps": 1}))
     assert (tmp_path / "b/checkpoints/step_1/COMPLETE").is_file()
     summary = train(_recipe_cfg(tmp_path / "b", path))  # resumes from step 1
-    wa = load_file(tmp_path / "a/checkpoints/step_2/policy/default/model.safetensors")
-    wb = load_file(tmp_path / "b/checkpoints/step_2/policy/default/model.safetensors")
+    wa = load_file(tmp_path / "a/checkpoints/step_2/adapters/default/model.safetensors")
+    wb = load_file(tmp_path / "b/checkpoints/step_2/adapters/default/model.safetensors")
     init = load_file(path / "model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert not torch.equal(wa["lm_head.weight"], init["lm_head.weight"])  # the run did train
@@ -282,10 +308,17 @@ def test_checkpoint_resume_equals_uninterrupted_run(tiny, tmp_path):
     assert [r["step"] for r in rows["b"]] == [0, 1, 2]  # no step repeated after the resume
     drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time/")}  # noqa: E731
     assert drop(rows["a"][-1]) == drop(rows["b"][-1])
+    # a checkpoint of the earlier layout (policy/ + flat state.pt with task_cursor, summary) resumes the same way
+    train(_recipe_cfg(tmp_path / "c", path, train={"max_steps": 1}))
+    _to_earlier_layout(tmp_path / "c/checkpoints/step_1")
+    train(_recipe_cfg(tmp_path / "c", path))
+    wc = load_file(tmp_path / "c/checkpoints/step_2/adapters/default/model.safetensors")
+    assert all(torch.equal(wa[k], wc[k]) for k in wa)
     last = rows["a"][-1]
-    for key in ("episode/turns_mean", "episode/turns_max", "episode/done_rate", "episode/max_turns_rate",
-                "episode/truncated_rate", "tokens/policy_mean", "tokens/env_mean", "success_rate/grid_puzzle",
-                "reward/mean", "reward/std", "diag/logprob_drift", "policy/clipfrac", "policy/kl",
+    for key in ("rollout/episode/turns_mean", "rollout/episode/turns_max", "rollout/episode/done_rate",
+                "rollout/episode/max_turns_rate", "rollout/episode/truncated_rate", "rollout/tokens/policy_mean",
+                "rollout/tokens/env_mean", "reward/success_rate/grid_puzzle",
+                "reward/mean", "reward/std", "diag/logprob_drift", "policy/clipfrac", "policy/approx_kl",
                 "time/generation_s", "time/environment_s", "time/preprocessing_s", "eval/success_rate"):
         assert key in last, key
     assert last["diag/logprob_drift"] < 1e-4 and "eval_after" in summary
@@ -302,12 +335,62 @@ def test_configs_load_and_bad_values_fail():
         assert cfg.algorithm == "vlm_multiturn"
     with pytest.raises(ConfigError, match="unknown config key 'rollout.turns'"):
         load_config({"algorithm": "vlm_multiturn", "rollout": {"turns": 3}})
-    from mmrl.vlm.multiturn import _check_config
+    from mmrl.vlm.multiturn import check_config
 
     with pytest.raises(ValueError, match="unknown environment 'mazee'"):
-        _check_config(load_config({"algorithm": "vlm_multiturn", "env": {"tasks": {"mazee": {}}}}))
+        check_config(load_config({"algorithm": "vlm_multiturn", "env": {"tasks": {"mazee": {}}}}))
     with pytest.raises(ValueError, match="algo.advantage"):
-        _check_config(load_config({"algorithm": "vlm_multiturn", "algo": {"advantage": "ppo"}}))
+        check_config(load_config({"algorithm": "vlm_multiturn", "algo": {"advantage": "ppo"}}))
+
+
+PREFIXES = ("reward/", "policy/", "kl/", "train/", "rollout/", "eval/", "time/", "diag/", "cost/", "dist/")
+
+
+def test_logged_metric_names_and_selectable_policy_loss(tiny, tmp_path):
+    """Every key a tiny run logs has one of the shared prefixes (KL, entropy and drop_sample on, so their keys
+    appear); algo.policy_loss=gspo trains on the same rollouts with the sequence-level ratio."""
+    import json
+
+    from mmrl.vlm.multiturn import train
+
+    rows = {}
+    for loss in ("ppo_clip", "gspo"):
+        train(_recipe_cfg(tmp_path / loss, tiny[0], train={"max_steps": 1, "save_every": 0},
+                          algo={"kl": {"coef": 0.05}, "entropy_coef": 0.01, "policy_loss": loss},
+                          reward={"on_nonfinite": "drop_sample"}, log={"eval_every": 1}))
+        rows[loss] = [json.loads(l) for l in (tmp_path / loss / "metrics.jsonl").read_text().splitlines()]
+    keys = {k for r in rows["ppo_clip"] for k in r if k != "step"}
+    assert {"kl/ref", "policy/entropy", "policy/loss", "reward/nonfinite_samples", "train/skipped_updates",
+            "rollout/dynamic/kept_groups", "reward/success_rate", "eval/success_rate"} <= keys
+    assert not [k for k in keys if not k.startswith(PREFIXES)]
+    ppo, gspo = rows["ppo_clip"][1], rows["gspo"][1]
+    assert ppo["reward/mean"] == gspo["reward/mean"]  # same rollouts (the update comes after)
+    assert ppo["policy/loss"] != gspo["policy/loss"]
+
+
+def test_old_config_keys_name_their_replacement():
+    from mmrl.config import ConfigError, load_config
+
+    for old, new in [("rollout.groups_per_step=4", "rollout.prompts_per_step"),
+                     ("rollout.batch_size=4", "rollout.micro_batch_size"), ("model.lora_rank=4", "model.lora.rank"),
+                     ("train.lr=0.1", "optim.lr"), ("train.max_grad_norm=1", "update.max_grad_norm"),
+                     ("train.ppo_epochs=2", "update.epochs"), ("train.mini_batches=2", "update.mini_batch_size"),
+                     ("train.warm_start_steps=2", "warm_start.steps"), ("train.eval_every=5", "log.eval_every"),
+                     ("algo.kl_coef=0.1", "algo.kl.coef"), ("algo.kl_kind=k1", "algo.kl.estimator")]:
+        with pytest.raises(ConfigError, match=f"config key '{old.split('=')[0]}' was renamed to '{new}"):
+            load_config({"algorithm": "vlm_multiturn"}, [old])
+    with pytest.raises(ConfigError, match="'model.lora_alpha' was renamed to 'model.lora.alpha'"):
+        load_config({"algorithm": "vlm_multiturn", "model": {"lora_alpha": 8}})
+    with pytest.raises(ConfigError, match=r"algo.policy_loss: expected one of \['ppo_clip', 'gspo'\]"):
+        load_config({"algorithm": "vlm_multiturn", "algo": {"policy_loss": "ppo"}})
+    with pytest.raises(ValueError, match=r"update.mini_batch_size=3 must divide the rollout batch .* = 4"):
+        from mmrl.vlm.multiturn import check_config
+
+        check_config(load_config({"algorithm": "vlm_multiturn", "rollout": {"prompts_per_step": 2, "group_size": 2},
+                                  "update": {"mini_batch_size": 3}}))
+    # a partial section keeps the recipe's defaults (LoRA alpha 32 on the attention projections, lr 1e-3)
+    cfg = load_config({"algorithm": "vlm_multiturn", "model": {"lora": {"rank": 4}}, "optim": {"weight_decay": 0.1}})
+    assert (cfg.model.lora.alpha, cfg.model.lora.target_modules[0], cfg.optim.lr) == (32, "q_proj", 1e-3)
 
 
 @pytest.mark.slow
@@ -322,7 +405,7 @@ def test_grid_demo_success_rate_rises(tiny, tmp_path):
 
     root = Path(__file__).resolve().parents[2] / "configs" / "vlm"
     cfg = load_config(root / "multiturn_grid_tiny.yaml", [
-        f"output_dir={tmp_path}", f"model.path={tiny[0]}", "train.max_steps=85", "train.eval_every=0",
+        f"output_dir={tmp_path}", f"model.path={tiny[0]}", "train.max_steps=85", "log.eval_every=0",
         "train.save_every=0", "env.eval_episodes=32"])
     summary = train(cfg)
     before = summary["eval_before"]["eval/success_rate"]
@@ -331,8 +414,8 @@ def test_grid_demo_success_rate_rises(tiny, tmp_path):
     # 150-step recipe); sampled success over steps 1-10 ~0.19 -> steps 76-85 ~0.91
     assert before <= 0.6 and after >= 0.7, (before, after)
     rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()][1:]
-    first = sum(r["success_rate"] for r in rows[:10]) / 10
-    last = sum(r["success_rate"] for r in rows[-10:]) / 10
+    first = sum(r["reward/success_rate"] for r in rows[:10]) / 10
+    last = sum(r["reward/success_rate"] for r in rows[-10:]) / 10
     assert last > first + 0.3, (first, last)
     assert max(r["diag/logprob_drift"] for r in rows) < 1e-3
 
@@ -385,21 +468,15 @@ def test_vision_cache_logprobs_equal_on_two_turn_episodes_with_images(tiny):
 
 # ---------------------------------------------------------------------------------------------- several processes
 
-def test_world_size_check_and_episode_gather_one_process():
-    from mmrl.config import load_config
+def test_episode_gather_one_process():
     from mmrl.distributed import DistContext
-    from mmrl.vlm.multiturn import _gather_episodes, _light, check_world_size
+    from mmrl.vlm.episodes import gather_episodes, light
 
-    cfg = load_config({"algorithm": "vlm_multiturn", "rollout": {"groups_per_step": 3}})
-    check_world_size(cfg, 1)
-    check_world_size(cfg, 3)
-    with pytest.raises(ValueError, match=r"rollout.groups_per_step=3 .* number of processes \(2\)"):
-        check_world_size(cfg, 2)
     ep = _ep(0, 4, [0.5, 1.0], [("a", 1), ("b", 2)])
     ep.mm = [{"pixel_values": torch.ones(2, 3)}]
-    light = _light(ep)  # what other ranks receive: no vision tensors, turns/anchors/group/token counts kept
-    assert light.mm == [] and light.turns == ep.turns and light.group == 4 and light.loss_mask == ep.loss_mask
-    assert _gather_episodes(DistContext(), [ep]) == ([ep], [0])
+    lite = light(ep)  # what other ranks receive: no vision tensors, turns/anchors/group/token counts kept
+    assert lite.mm == [] and lite.turns == ep.turns and lite.group == 4 and lite.loss_mask == ep.loss_mask
+    assert gather_episodes(DistContext(), [ep]) == ([ep], [0])
 
 
 @pytest.mark.slow
@@ -419,10 +496,10 @@ def test_torchrun_two_processes_ddp_then_one_process_resume(tiny, tmp_path):
     # so the loss scaling is exercised
     tasks = ("env.tasks={grid_puzzle: {width: 5, max_turns: 2}, "
              "math_feedback: {source: shapes, max_turns: 1, image_size: 56}}")
-    common = [f"model.path={tiny[0]}", tasks, "train.max_steps=2", "train.save_every=1", "train.warm_start_steps=1",
-              "train.warm_start_batch=4", "rollout.groups_per_step=2", "rollout.group_size=2", "rollout.max_turns=2",
-              "rollout.temperature=0", "env.eval_episodes=1", "train.micro_batch_size=1", "train.mini_batches=2",
-              "algo.dynamic_sampling=false", "algo.advantage=turn_grpo", "train.max_grad_norm=1e9",
+    common = [f"model.path={tiny[0]}", tasks, "train.max_steps=2", "train.save_every=1", "warm_start.steps=1",
+              "warm_start.batch_size=4", "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_turns=2",
+              "rollout.temperature=0", "env.eval_episodes=1", "update.micro_batch_size=1", "update.mini_batch_size=2",
+              "algo.dynamic_sampling=false", "algo.advantage=turn_grpo", "update.max_grad_norm=1e9",
               "dist.strategy=ddp"]
     env = child_env()
     out2 = tmp_path / "ddp"
@@ -431,14 +508,14 @@ def test_torchrun_two_processes_ddp_then_one_process_resume(tiny, tmp_path):
     rows2 = [json.loads(l) for l in (out2 / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows2] == [0, 1, 2]  # rank 0 alone logs
     assert (out2 / "checkpoints/step_2/COMPLETE").is_file() and (out2 / "samples/step_000001.txt").is_file()
-    assert rows2[1]["dynamic/episodes_sampled"] == 4 and rows2[1]["diag/logprob_drift"] < 1e-4
-    assert rows2[1]["tokens/policy_mean"] == 4.5  # rank 0: 2 x 6 policy tokens, rank 1: 2 x 3 (unequal shares)
+    assert rows2[1]["rollout/dynamic/episodes_sampled"] == 4 and rows2[1]["diag/logprob_drift"] < 1e-4
+    assert rows2[1]["rollout/tokens/policy_mean"] == 4.5  # rank 0: 2 x 6 policy tokens, rank 1: 2 x 3 (unequal shares)
     assert rows2[1]["dist/placeholder_minibatches"] == 0
     # one process, same global batch: identical statistics and gradient (loss scaling + global advantages)
     one = train(load_config(cfg_path, [*common, f"output_dir={tmp_path / 'one'}", "train.max_steps=1"]))
     assert one["eval_after"]
     row1 = [json.loads(l) for l in (tmp_path / "one/metrics.jsonl").read_text().splitlines()][1]
-    for key in ("reward/mean", "tokens/policy_mean", "policy/pg_loss", "policy/clipfrac", "policy/approx_kl"):
+    for key in ("reward/mean", "rollout/tokens/policy_mean", "policy/loss", "policy/clipfrac", "policy/approx_kl"):
         assert row1[key] == pytest.approx(rows2[1][key], rel=1e-5, abs=1e-7), key
     assert row1["policy/grad_norm"] == pytest.approx(rows2[1]["policy/grad_norm"], rel=1e-5)
     # the 2-process run resumes in one process
@@ -485,8 +562,8 @@ def test_torchrun_dynamic_sampling_rank_without_groups_runs_placeholders(tiny, t
     proc = run_torchrun(
         ["-m", "mmrl.cli", "train", str(root / "configs/vlm/multiturn_grid_tiny.yaml"), f"output_dir={out}", f"model.path={tiny[0]}",
          "env.modules=[_mt_skew_env]", "env.tasks={_mt_skew: {}}", "env.eval_episodes=1", "train.max_steps=2",
-         "train.save_every=0", "train.warm_start_steps=0", "train.micro_batch_size=2", "train.mini_batches=2",
-         "rollout.groups_per_step=2", "rollout.group_size=2", "rollout.max_turns=1", "rollout.max_new_tokens=4",
+         "train.save_every=0", "warm_start.steps=0", "update.micro_batch_size=2", "update.mini_batch_size=2",
+         "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_turns=1", "rollout.max_new_tokens=4",
          "algo.advantage=gigpo", "algo.dynamic_sampling=true", "algo.max_resample_rounds=2", "dist.strategy=ddp",
          "dist.find_unused_parameters=true"],  # text only: the (trainable) vision tower gets no gradient
         cwd=root, env=env)
@@ -496,9 +573,10 @@ def test_torchrun_dynamic_sampling_rank_without_groups_runs_placeholders(tiny, t
     # step 1, round 1: seeds 0 (rank 0, kept) and 1 (rank 1, dropped); round 2 refills 1 group, rounded up to one
     # per rank: seeds 2 (kept) and 3 (dropped) -> 2 groups kept, both on rank 0. (Step 2 needed 3 rounds: one even
     # group happened to tie; every refill round is 1 group per rank.)
-    assert rows[1]["dynamic/rounds"] == 2
+    assert rows[1]["rollout/dynamic/rounds"] == 2
     for r in rows[1:]:
-        assert r["dynamic/kept_groups"] == 2 and r["dynamic/episodes_sampled"] == 4 * r["dynamic/rounds"]
+        assert r["rollout/dynamic/kept_groups"] == 2
+        assert r["rollout/dynamic/episodes_sampled"] == 4 * r["rollout/dynamic/rounds"]
         assert r["dist/placeholder_minibatches"] == 2  # rank 1: both mini-batches of the step
         assert r["diag/logprob_drift"] < 1e-4 and r["policy/grad_norm"] > 0
 
@@ -541,7 +619,7 @@ def test_nan_turn_reward_error_or_drop_sample(tiny, tmp_path):
 
     # one environment worker: the steps run in episode order, so the same episode gets the NaN every time
     sections = dict(env={"tasks": {"_test_mt_nan": {}}, "max_workers": 1},
-                    train={"warm_start_steps": 0, "save_every": 0})
+                    warm_start={"steps": 0}, train={"save_every": 0})
     NanRewardEnv.calls = 0
     with pytest.raises(NonFiniteError, match=r"reward 'environment _test_mt_nan' returned a non-finite score \(nan\) "
                                              r"for sample \d of 4 \(episode \d of group \d, seed \d, turn 1\)"):
@@ -554,7 +632,7 @@ def test_nan_turn_reward_error_or_drop_sample(tiny, tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows[1:]:
         assert r["reward/nonfinite_samples"] == 1 and math.isfinite(r["reward/mean"])
-        assert r["dynamic/kept_groups"] == 1 and math.isfinite(r["policy/grad_norm"])
+        assert r["rollout/dynamic/kept_groups"] == 1 and math.isfinite(r["policy/grad_norm"])
     assert any(r["policy/grad_norm"] > 0 for r in rows[1:])  # trained on the group left whole
-    weights = load_file(out / "checkpoints/step_2/policy/default/model.safetensors")
+    weights = load_file(out / "checkpoints/step_2/adapters/default/model.safetensors")
     assert all(bool(torch.isfinite(v).all()) for v in weights.values())

@@ -159,7 +159,7 @@ def test_syncer_streams_changed_layers_into_a_receiving_model(policy):
     syncer = VLLMWeightSyncer(None, states, chunk_bytes=16 << 10, load_fn=load)
     ids = torch.tensor([[11, 12, 13, 14, 15]])
     m = syncer.sync()
-    assert m["sync/tensors"] == 22 and m["sync/chunks"] == len(received) > 1  # only the adapted layers
+    assert m["rollout/weight_sync/tensors"] == 22 and m["rollout/weight_sync/chunks"] == len(received) > 1  # only the adapted layers
     assert all(n.endswith(".weight") and "lora" not in n and "base_layer" not in n for c in received for n in c)
     torch.testing.assert_close(_logits(receiver, ids), _logits(states.model, ids), rtol=0, atol=1e-5)
 
@@ -174,9 +174,9 @@ def test_syncer_streams_changed_layers_into_a_receiving_model(policy):
     syncer.sleep(level=2)
     received.clear()
     with syncer.rollout(sleep_level=None) as m:
-        assert m["sync/tensors"] == len([n for n, _ in pristine.named_parameters()])
+        assert m["rollout/weight_sync/tensors"] == len([n for n, _ in pristine.named_parameters()])
     assert syncer.asleep_level == 0 and syncer.engine_has_all
-    assert syncer.sync()["sync/tensors"] == 22
+    assert syncer.sync()["rollout/weight_sync/tensors"] == 22
     with pytest.raises(ValueError, match="level"):
         syncer.sleep(3)
     with pytest.raises(ValueError, match="vllm.LLM or load_fn"):

@@ -1,0 +1,239 @@
+"""Single-turn VLM rollouts for the GRPO recipe: data streams, prompt requests, scoring (+ DAPO overlong penalty),
+group collection with DAPO dynamic sampling, greedy evaluation. Functions take the recipe config (`cfg`: its
+`data`, `rollout`, `reward` sections)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from mmrl.core import keep_groups, overlong_penalty
+from mmrl.pipelines.data import PromptSampler, VQAItem, load_visual_qa
+from mmrl.pipelines.shapes_qa import ShapesQA
+from mmrl.training import NONFINITE_KEY, check_rewards, finite_stats, group_keep
+from mmrl.vlm.common import encode_prompt, messages_from_text, render_prompt
+from mmrl.vlm.rollout import GenRequest, SamplingParams, make_engine
+
+
+def build_data(cfg: Any) -> tuple[Any, list[VQAItem]]:
+    """(resumable training stream with .next(n)/.state_dict(), fixed eval items)."""
+    d = cfg.data
+    if d.kind == "shapes":
+        return ShapesQA(d, cfg.seed), ShapesQA(d, cfg.seed + 7919).next(d.eval_size)
+    if d.kind == "geo3k":
+        if not d.path:
+            raise ValueError("data.path: geo3k data needs a .jsonl/.json/.parquet file")
+        kw = dict(image_root=d.image_root or None, template=d.template, on_error=d.on_error)
+        items = load_visual_qa(d.path, limit=d.limit or None, **kw)
+        evals = load_visual_qa(d.val_path, limit=d.eval_size, **kw) if d.val_path and d.eval_size else []
+        return PromptSampler(items, seed=cfg.seed), evals
+    raise ValueError(f"data.kind: expected 'shapes' or 'geo3k', got {d.kind!r}")
+
+
+def to_request(item: VQAItem, processor: Any, data: Any, n: int | None = None) -> GenRequest:
+    text = render_prompt(processor, messages_from_text(item.prompt, data.system_prompt or None))
+    images = list(item.images)
+    if data.min_pixels or data.max_pixels:
+        from mmrl.pipelines.images import resize_for_qwen
+
+        images = [resize_for_qwen(im, data.min_pixels or None, data.max_pixels or None) for im in images]
+    return GenRequest(prompt_text=text, images=images, n=n, metadata=item.metadata)
+
+
+def score(reward_model: Any, results: list, cfg: Any, validate: bool = False
+          ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """(scores[B] incl. overlong penalty, components {name: [B]}, accuracy[B]).
+
+    `validate`: NaN/inf scores raise naming the component and the response (`reward.on_nonfinite: error`), or stay
+    in the scores as the mark of a dropped sample (`drop_sample`; `collect_rollouts` keeps only finite ones)."""
+    out = reward_model(completions=[r.text for r in results], metadata=[r.metadata for r in results])
+    base = out.scores.float()
+    if validate:
+        check_rewards(base, out.details, cfg.reward.on_nonfinite, reward=getattr(reward_model, "name", cfg.reward.name),
+                      components=list(getattr(reward_model, "components", {})),
+                      labels=[f"prompt {r.request_index}, response {r.sample_index}: {r.text[:40]!r}" for r in results])
+    comps = {k: v.float() for k, v in out.details.items() if isinstance(v, torch.Tensor) and v.shape == base.shape}
+    key = cfg.reward.accuracy_key
+    acc = comps[key] if key else (base > 0.5).float()
+    lengths = torch.tensor([len(r.response_ids) for r in results])
+    pen = overlong_penalty(lengths, cfg.rollout.max_new_tokens, cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
+    if cfg.reward.overlong_buffer > 0:
+        comps["overlong"] = pen
+    return base + pen, comps, acc
+
+
+@dataclass
+class Rollouts:
+    """What one step trains on (kept groups, request-major) plus every generated sample's score for logging."""
+
+    results: list
+    items: list
+    scores: torch.Tensor
+    comps: dict
+    group_ids: torch.Tensor
+    all_scores: torch.Tensor
+    all_acc: torch.Tensor
+    rounds: int
+    all_kinds: list = field(default_factory=list)
+    nonfinite: int = 0  # samples dropped for a NaN/inf reward (reward.on_nonfinite: drop_sample)
+
+
+def collect_rollouts(next_items: Callable[[int], list], generate: Callable[[list], list],
+                     score_fn: Callable[[list], tuple], batch_size: int, n: int, dynamic: bool,
+                     max_rounds: int, count: Callable[[list], int] = len) -> Rollouts:
+    """Generate `n` responses for `batch_size` prompts; with `dynamic` (DAPO) drop groups whose rewards are all
+    equal and generate further rounds (at most `max_rounds`) until `batch_size` groups are kept.
+
+    `generate(items) -> results` (each with `.request_index` into items), `score_fn(results) -> (scores[B],
+    components {name: [B]}, accuracy[B])`. Without `dynamic` exactly one round is kept whole. `count(kept)` is
+    the kept sample count the stopping rule reads (several processes: the minimum over ranks, so every rank runs
+    the same rounds and consumes the same global data). A non-finite score marks a dropped sample: it is never
+    kept, and neither is the rest of a group left with fewer than 2 finite scores (with n >= 2)."""
+    # source: DAPO arXiv 2503.14476 sec. 3.2 (dynamic sampling); verl dapo ray_trainer (max_num_gen_batches)
+    kept, kept_items, S, C, gids, all_s, all_a, kinds = [], [], [], {}, [], [], [], []
+    rounds = nonfinite = 0
+    while rounds < (max(1, max_rounds) if dynamic else 1) and count(kept) < batch_size * n:
+        rounds += 1
+        items = next_items(batch_size)
+        results = generate(items)
+        scores, comps, acc = score_fn(results)
+        all_s.append(scores), all_a.append(acc)
+        kinds += [getattr(r, "metadata", {}).get("kind") for r in results]
+        ids = torch.tensor([r.request_index for r in results])
+        finite = torch.isfinite(scores)
+        nonfinite += int((~finite).sum())
+        keep = group_keep(finite, ids, min_size=min(2, n))  # all True when every score is finite
+        if dynamic and keep.any():
+            keep[keep.clone()] = keep_groups(scores[keep], ids[keep])
+        for i in keep.nonzero().flatten().tolist():
+            if len(kept) >= batch_size * n:
+                break
+            kept.append(results[i])
+            kept_items.append(items[results[i].request_index])
+            S.append(scores[i]), gids.append(rounds * 1_000_000 + results[i].request_index)
+            for k, v in comps.items():
+                C.setdefault(k, []).append(v[i])
+    empty = torch.zeros(0)
+    return Rollouts(kept, kept_items, torch.stack(S) if S else empty, {k: torch.stack(v) for k, v in C.items()},
+                    torch.tensor(gids, dtype=torch.long), torch.cat(all_s), torch.cat(all_a), rounds, kinds, nonfinite)
+
+
+def per_kind(acc: torch.Tensor, kinds: list, prefix: str) -> dict[str, float]:
+    """{prefix/<kind>: mean accuracy} for samples that carry a question kind (shapes data)."""
+    out: dict[str, list[float]] = {}
+    for a, k in zip(acc.tolist(), kinds):
+        if k is not None:
+            out.setdefault(f"{prefix}/{k}", []).append(a)
+    return {k: sum(v) / len(v) for k, v in out.items()} if len(out) > 1 else {}
+
+
+@torch.no_grad()
+def evaluate(engine: Any, processor: Any, items: list[VQAItem], reward_model: Any, cfg: Any) -> dict[str, float]:
+    """Greedy accuracy on the fixed eval items: {"eval/accuracy": ..., "eval/accuracy/<kind>": ...}."""
+    if not items:
+        return {}
+    reqs = [to_request(it, processor, cfg.data, n=1) for it in items]
+    res = engine.generate(reqs, SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens,
+                                                stop=cfg.rollout.stop))
+    _, _, acc = score(reward_model, res, cfg)
+    kinds = [it.metadata.get("kind") for it in items]
+    return {"eval/accuracy": float(acc.mean()), **per_kind(acc, kinds, "eval/accuracy")}
+
+
+def check_fsdp_images(items: Sequence[Any]) -> None:
+    """FSDP with a trained vision tower: every prompt must show an image. A text-only row leaves the tower without
+    gradients on one rank, and FSDP2 reduce-scatters only the gradients that exist, so the collectives would not
+    pair (DDP handles it with find_unused_parameters)."""
+    bad = [i for i, it in enumerate(items) if not getattr(it, "images", None)]
+    if bad:
+        raise ValueError(f"dist.strategy=fsdp with a trained vision tower (model.train_vision=true) needs an image in "
+                         f"every prompt; {len(bad)} of {len(items)} prompts have none (first: index {bad[0]}); set "
+                         f"model.train_vision=false or use dist.strategy=ddp")
+
+
+def rollout_metrics(ctx: Any, roll: Rollouts, cfg: Any) -> tuple[int, torch.Tensor, dict[str, Any]]:
+    """(kept samples over all ranks, kept response lengths over all ranks [n], metrics): reward/{mean, std, accuracy,
+    accuracy/<kind>, <component>, nonfinite_samples}, rollout/{dynamic/*, response_length/*, clip_ratio}.
+    A collective under several processes (every rank calls it)."""
+    metrics: dict[str, Any] = {}
+    all_scores, all_acc = ctx.all_gather_tensor(roll.all_scores), ctx.all_gather_tensor(roll.all_acc)
+    all_kinds = [k for part in ctx.all_gather_object(roll.all_kinds) for k in part] if ctx.enabled else roll.all_kinds
+    n_kept = int(ctx.all_reduce_sum(len(roll.results))) if ctx.enabled else len(roll.results)
+    if cfg.reward.on_nonfinite == "drop_sample":
+        metrics[NONFINITE_KEY] = int(ctx.all_reduce_sum(roll.nonfinite)) if ctx.enabled else roll.nonfinite
+    metrics.update({**finite_stats(all_scores), "reward/accuracy": all_acc.mean(),
+                    "rollout/dynamic/rounds": roll.rounds,
+                    "rollout/dynamic/kept_groups": n_kept // cfg.rollout.group_size,
+                    **per_kind(all_acc, all_kinds, "reward/accuracy")})
+    if not n_kept:
+        return 0, torch.zeros(0), metrics
+    comp_keys = sorted({k for part in ctx.all_gather_object(sorted(roll.comps)) for k in part}) \
+        if ctx.enabled else list(roll.comps)
+    for k in comp_keys:
+        metrics[f"reward/{k}"] = ctx.all_gather_tensor(roll.comps.get(k, torch.zeros(0))).mean()
+    lens = torch.tensor([len(r.response_ids) for r in roll.results], dtype=torch.float32)
+    all_lens = ctx.all_gather_tensor(lens)
+    n_clip = sum(r.finish_reason == "length" for r in roll.results)
+    n_clip = int(ctx.all_reduce_sum(n_clip)) if ctx.enabled else n_clip
+    metrics.update({"rollout/response_length/mean": all_lens.mean(), "rollout/response_length/max": all_lens.max(),
+                    "rollout/clip_ratio": n_clip / n_kept})
+    return n_kept, all_lens, metrics
+
+
+def save_sample_grid(run: Any, step: int, roll: Rollouts, n: int) -> None:
+    """samples/step_<step>.png: the first `n` kept responses (prompt order) with their image, question and reward."""
+    kept, items = roll.results, roll.items
+    if not kept or not all(it.images for it in items):
+        return
+    idx = sorted(range(len(kept)), key=lambda i: kept[i].sample_index)[:n]  # prompts first
+    caps = [f"{items[i].prompt.replace('<image>', '')[:40]} -> {kept[i].text[:24]!r} r={float(roll.scores[i]):.2f}"
+            for i in idx]
+    run.save_samples(step, [items[i].images[0] for i in idx], caps)
+
+
+def shapes_warm_start_pairs(cfg: Any, processor: Any, eos_id: int):
+    """`next_pairs(step)` for the format warm start: its own shapes prompts (the RL stream is untouched) with answers
+    drawn uniformly from each question's answer vocabulary."""
+    stream, rng, tok = ShapesQA(cfg.data, cfg.seed + 104729), random.Random(cfg.seed), processor.tokenizer
+
+    def next_pairs(_step: int):
+        items = stream.next(cfg.warm_start.batch_size)
+        enc = [encode_prompt(processor, r.prompt_text, r.images) for r in (to_request(it, processor, cfg.data)
+                                                                           for it in items)]
+        targets = [tok.encode(rng.choice(it.metadata["choices"])) + [eos_id] for it in items]
+        return [e.input_ids for e in enc], targets, [e.mm for e in enc]
+    return next_pairs
+
+
+
+
+def finish(run: Any, summary: dict) -> dict:
+    """The run's summary: first/last eval accuracy (printed) and the first-5 / last-5 mean training accuracy."""
+    acc = [r["reward/accuracy"] for r in run.read_metrics() if r.get("reward/accuracy") is not None]
+    if acc:
+        k = min(5, len(acc))
+        summary.update(train_accuracy_first=sum(acc[:k]) / k, train_accuracy_last=sum(acc[-k:]) / k)
+    for key in [k for k in summary if k.startswith("eval_accuracy_first")]:
+        last = summary.get(key.replace("first", "last"))
+        if last is not None:
+            print(f"[vlm_grpo] eval accuracy{key[len('eval_accuracy_first'):] or ' (all)'}: first {summary[key]:.3f} "
+                  f"-> last {last:.3f}", flush=True)
+    return run.finish(summary)
+
+
+def make_rollout_engine(cfg: Any, states: Any, processor: Any, fsdp_ctx: Any = None) -> tuple[Any, Any]:
+    """(engine, vLLM weight syncer or None) for the `rollout:` section. `fsdp_ctx`: under FSDP every rank runs the
+    same number of decode forwards (finished ranks run masked ones until all are done)."""
+    ro, model = cfg.rollout, states.model
+    kw = {"batch_size": ro.micro_batch_size} if ro.engine == "hf" else dict(ro.vllm_kwargs)
+    if fsdp_ctx is not None:
+        kw["step_sync"] = fsdp_ctx.any_rank
+    engine = make_engine(ro.engine, model, processor, model_path=cfg.model.path, **kw)
+    if ro.engine != "vllm":
+        return engine, None
+    from mmrl.vlm.vllm_sync import VLLMWeightSyncer
+
+    return engine, VLLMWeightSyncer(engine.llm, states, family=model.config.model_type)
