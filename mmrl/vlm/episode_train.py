@@ -9,7 +9,6 @@ from typing import Any, Sequence
 
 import torch
 
-from mmrl.distributed import LockstepForwards
 from mmrl.vlm.batch import RolloutBatch
 from mmrl.vlm.common import encode_prompt, vision_tower
 from mmrl.vlm.envs import make_env
@@ -94,20 +93,3 @@ def check_fsdp_rl_params(model: Any, rl_params: Sequence[torch.Tensor]) -> None:
                          "it without gradients on some ranks and FSDP's gradient reduce-scatter would not pair; add "
                          "model.freeze=[visual] (full fine-tuning), keep LoRA off the vision tower, or use "
                          "dist.strategy=ddp with dist.find_unused_parameters=true")
-
-
-class Lockstep:
-    """``with lockstep():`` pairs the ranks' forwards under FSDP (``mmrl.distributed.LockstepForwards``: a rank
-    that has finished runs 1-token dummy forwards while another is still busy; counted in `dummies`); a no-op when
-    not `enabled` (one process, DDP)."""
-
-    def __init__(self, ctx: Any, model: Any, pad_id: int, enabled: bool):
-        self.ctx, self.model, self.enabled, self.dummies = ctx, model, enabled, 0
-        self.ids = torch.full((1, 1), pad_id, dtype=torch.long, device=next(model.parameters()).device)
-
-    def _dummy(self) -> None:
-        self.dummies += 1
-        self.model(input_ids=self.ids, use_cache=False)
-
-    def __call__(self) -> LockstepForwards:
-        return LockstepForwards(self.ctx, self.model, dummy=self._dummy, enabled=self.enabled)

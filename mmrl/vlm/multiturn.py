@@ -28,11 +28,11 @@ from mmrl.training import (NONFINITE_KEY, SKIPPED_KEY, FullOptimizerState, KLCon
 from mmrl.vlm.common import VisionCache, vision_has_adapters, vision_tower
 from mmrl.vlm.credit import Advantage, collect_groups, episode_returns, token_advantages, turn_advantages
 from mmrl.vlm.envs import EnvManager, make_env
-from mmrl.vlm.episode_train import Lockstep, check_fsdp_rl_params, episode_batch, format_pairs, zero_grads
+from mmrl.vlm.episode_train import check_fsdp_rl_params, episode_batch, format_pairs, zero_grads
 from mmrl.vlm.episodes import (ChatFormat, EnvConfig, RolloutConfig, RolloutStats, episode_metrics, rollout_episodes,
                                samples_text)
 from mmrl.vlm.rollout import SamplingParams
-from mmrl.vlm.update import PolicyGradientLoss, policy_update
+from mmrl.vlm.update import PairedForwards, PolicyGradientLoss, policy_update
 from mmrl.vlm.warm_start import WarmStartConfig, format_warm_start
 
 # keys of earlier versions -> their names now (a config using an old name fails naming the new one)
@@ -203,7 +203,7 @@ def _load_model(cfg: Config, run: Any):
     return load_policy(path, device=run.device, dtype=run.dtype)
 
 
-def evaluate(cfg: Config, engine: Any, fmt: ChatFormat, manager: EnvManager, lockstep: Lockstep) -> dict[str, float]:
+def evaluate(cfg: Config, engine: Any, fmt: ChatFormat, manager: EnvManager, lockstep: PairedForwards) -> dict[str, float]:
     """Greedy episodes on fixed seeds (10^7 + i, never used for training); under FSDP every rank runs them."""
     specs = []
     for t, name in enumerate(cfg.env.tasks):
@@ -252,7 +252,7 @@ def train(cfg: Config) -> dict:
         manager = EnvManager(cfg.env.max_workers, cfg.env.backend, modules=cfg.env.modules)
         drop_grads = lambda: zero_grads(model, states.trainable_parameters())  # noqa: E731 (frozen ones too)
 
-        lockstep = Lockstep(ctx, model, pad_id, enabled=fsdp)  # FSDP: pair the ranks' unequal forwards
+        lockstep = PairedForwards(ctx, model, pad_id, enabled=fsdp)  # FSDP: pair the ranks' unequal forwards
         stateful = {"optimizer": FullOptimizerState(opt) if fsdp else opt, "lr_scheduler": sched}
         start_step, extra = restore_checkpoint(ctx, run, states, stateful)
         task_cursor = int(extra.get("task_cursor", 0))  # global: a run resumes on any number of processes
