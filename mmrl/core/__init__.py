@@ -18,6 +18,8 @@ from mmrl.core.advantages import (
     rloo_advantages,
 )
 from mmrl.core.kl import gaussian_kl_equal_std, kl_estimate
+from mmrl.core import cpgd as _cpgd  # noqa: F401  (registers the `cpgd` advantage estimator and policy loss)
+from mmrl.core.shaping import keep_groups, overlong_penalty
 from mmrl.core.losses import (
     AGG_MODES,
     POLICY_LOSSES,
@@ -47,10 +49,12 @@ __all__ = [
     "group_advantages",
     "gspo_policy_loss",
     "hash_anchors",
+    "keep_groups",
     "kl_estimate",
     "masked_whiten",
     "nft_loss",
     "nft_optimality_prob",
+    "overlong_penalty",
     "register_advantage",
     "reinforce_pp_advantages",
     "rloo_advantages",

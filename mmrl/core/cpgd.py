@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from mmrl.core.advantages import register_advantage
-from mmrl.core.losses import agg_loss
+from mmrl.core.losses import POLICY_LOSSES, agg_loss
 
 Tensor = torch.Tensor
 
@@ -157,3 +157,17 @@ def _prepare(logp: Tensor, old_logp: Tensor, advantages: Tensor,
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     return (torch.where(m, logp, zero), torch.where(m, old_logp.detach().to(logp.dtype), zero),
             torch.where(m, adv.detach().to(logp.dtype), zero), m)
+
+
+# `algo.policy_loss: cpgd` in the VLM recipes: the registry's call signature, with MM-EUREKA's drift settings
+# (policy_drift_coef 0.01, policy_drift_clip_eps 0.2)
+CPGD_DRIFT_COEF, CPGD_DRIFT_CLIP = 0.01, 0.2
+
+
+def registered_cpgd_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor | None = None,
+                         **kw: Any) -> tuple[Tensor, dict[str, float]]:
+    """`cpgd_loss` with drift_coef=0.01, drift_clip=0.2 (the `cpgd` entry of `mmrl.core.losses.POLICY_LOSSES`)."""
+    return cpgd_loss(logp, old_logp, advantages, mask, drift_coef=CPGD_DRIFT_COEF, drift_clip=CPGD_DRIFT_CLIP, **kw)
+
+
+POLICY_LOSSES["cpgd"] = registered_cpgd_loss

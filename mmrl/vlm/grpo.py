@@ -157,10 +157,11 @@ class RewardConfig:
 @dataclass
 class AlgoConfig:
     advantage: str = "grpo"
-    """Advantage estimator from mmrl.core (grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline)."""
+    """Advantage estimator from mmrl.core (grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, cpgd)."""
     policy_loss: str = "ppo_clip"
-    """Policy loss from the mmrl.core registry: `ppo_clip` (token-level ratio) or `gspo` (sequence-level ratio;
-    use it with small clip ranges, e.g. clip_low 3e-4, clip_high 4e-4)."""
+    """Policy loss from the mmrl.core registry: `ppo_clip` (token-level ratio), `gspo` (sequence-level ratio;
+    use it with small clip ranges, e.g. clip_low 3e-4, clip_high 4e-4) or `cpgd` (clipped log-ratio + policy drift,
+    drift coef 0.01 / clip 0.2 as MM-EUREKA; pair it with `advantage: cpgd`)."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal and generate more until the batch is full."""
     max_gen_batches: int = 4

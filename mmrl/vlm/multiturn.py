@@ -103,7 +103,7 @@ class AlgoConfig:
     """GiGPO weight of the step-level (anchor-group) advantage."""
     scale_by_std: bool = True
     """Divide group advantages by the group std (False = Dr.GRPO-style mean-centring only)."""
-    policy_loss: Literal["ppo_clip", "gspo"] = "ppo_clip"
+    policy_loss: Literal["ppo_clip", "gspo", "cpgd"] = "ppo_clip"
     """Policy loss (mmrl.core.POLICY_LOSSES), token-mean over the policy tokens of a mini-batch: ppo_clip (token
     ratios) or gspo (sequence ratio; use its small clip ranges, e.g. clip_low 3e-4, clip_high 4e-4)."""
     clip_low: float = 0.2
