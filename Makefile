@@ -30,8 +30,9 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" tests
 
+# every benchmark of docs/performance.md in one pass, one at a time (report also in runs/bench.md)
 bench: $(STAMP)
-	for f in benchmarks/*.py; do $(BIN)/python $$f || exit 1; done
+	$(BIN)/python benchmarks/run_all.py --out runs/bench.md
 
 clean:
 	rm -rf $(VENV) runs

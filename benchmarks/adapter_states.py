@@ -19,7 +19,6 @@ import argparse
 import copy
 import os
 import shlex
-import statistics
 import sys
 import tempfile
 import time
@@ -29,6 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+from _timing import machine, spread_of  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 
 from mmrl.adapters import PolicyStates  # noqa: E402
@@ -75,8 +75,9 @@ def build_qwen2_vl():
 
 
 def timeit_interleaved(fns: dict, min_rounds=5, budget_s=1.0) -> dict:
-    """Median seconds per call for several functions run round-robin, so that load changes on the
-    shared CPU hit all of them alike and the comparison stays fair."""
+    """Seconds per call (a `_timing.Spread`: min / median / max) for several functions run round-robin, at
+    least `min_rounds` rounds and until `budget_s` is spent, so that load changes on the shared CPU hit all
+    of them alike and the comparison stays fair."""
     for fn in fns.values():
         fn()  # warm-up
     times = {k: [] for k in fns}
@@ -86,7 +87,7 @@ def timeit_interleaved(fns: dict, min_rounds=5, budget_s=1.0) -> dict:
             t = time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return {k: spread_of(v) for k, v in times.items()}
 
 
 def mib(b):
@@ -136,10 +137,11 @@ def run(name, build, rank, budget):
     t |= timeit_interleaved({"copy_adapter": lambda: states_off.copy("default", "old"),
                              "load_sd": lambda: old_copy.load_state_dict(plain.state_dict()),
                              "deepcopy": lambda: copy.deepcopy(plain)}, budget_s=budget / 2)
-    ms = {k: 1e3 * v for k, v in t.items()}
-    time_row = (f"| {name} | {ms['switch_old']:.2f} | {ms['switch_ref']:.2f} | {ms['fwd_default']:.1f} | "
-                f"{ms['fwd_old']:.1f} | {ms['fwd_ref']:.1f} | {ms['fwd_copy']:.1f} | {ms['copy_adapter']:.2f} | "
-                f"{ms['load_sd']:.2f} | {ms['deepcopy']:.1f} |")
+    digits = dict(switch_old=2, switch_ref=2, copy_adapter=2, load_sd=2)
+    cells = [t[k].fmt_median(1e3, digits.get(k, 1)) for k in ("switch_old", "switch_ref", "fwd_default", "fwd_old",
+                                                              "fwd_ref", "fwd_copy", "copy_adapter", "load_sd",
+                                                              "deepcopy")]
+    time_row = f"| {name} | " + " | ".join(cells) + " |"
     return mem_row, time_row
 
 
@@ -156,13 +158,13 @@ def main(argv=None):
             run("Qwen2VLForConditionalGeneration (4 layers, d=256)", build_qwen2_vl, args.rank, args.budget)]
 
     print(f"command: {shlex.join([os.path.relpath(sys.executable), *sys.argv])}")
-    print(f"torch {torch.__version__}, {args.threads} thread(s), float32, CPU\n")
+    print(f"{machine(args.threads)}, float32, CPU\n")
     print("### Parameter memory (MiB); PolicyStates with old + ref adapter vs. two deep copies\n")
     print("| model | params | LoRA r | base | default | old | ref | old+ref vs base | deep copies old+ref |")
     print("|---|---|---|---|---|---|---|---|---|")
     for mem_row, _ in rows:
         print(mem_row)
-    print("\n### Time (ms, median); ref = adapters disabled. SD3: batch 2 of 16x32x32 latents, 32 text tokens; "
+    print("\n### Time (ms, median (min-max) over interleaved rounds); ref = adapters disabled. SD3: batch 2 of 16x32x32 latents, 32 text tokens; "
           "Qwen2-VL: batch 4 x 128 tokens\n")
     print("| model | switch use(old) | switch use(ref) | fwd default | fwd in use(old) | fwd in use(ref) | "
           "fwd deep-copied model | states.copy(default, old) | load_state_dict into copy | deepcopy |")

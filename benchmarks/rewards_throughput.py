@@ -1,17 +1,20 @@
 """Throughput of the image rewards: images/s with internal batching vs one image per call.
 
-    .venv/bin/python benchmarks/rewards_throughput.py [--n 16] [--size 256] [--device cpu] [--threads 0]
+    .venv/bin/python benchmarks/rewards_throughput.py [--n 16] [--size 256] [--device cpu] [--threads 0] [--repeats 5]
+        [--ocr-repeats 3]
 
 Learned rewards run on the tiny random backbones of `mmrl.tiny` (the real code paths, toy sizes: the numbers
 measure the reward plumbing - preprocessing, tokenising, chunking - not the cost of a ViT-H); OCR runs the real
-PP-OCRv4 models shipped by rapidocr-onnxruntime on rendered text; JPEG is PIL encoding. Prints a markdown table.
+PP-OCRv4 models shipped by rapidocr-onnxruntime on rendered text; JPEG is PIL encoding. For each reward the two
+ways (one call on all n images; n calls of one image) are timed interleaved in one process (`_timing.interleaved`:
+one warm-up round, then `--repeats` rounds), and the table gives images/s as median (min-max) and the speed-up of
+the medians, marked "within spread" when the two ranges overlap. Prints a markdown table.
 Not a test; takes about 1-2 minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
 import re
 import sys
 import tempfile
@@ -19,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from _timing import interleaved, machine, speedup
 
 from mmrl.rewards import load
 from mmrl.tiny import OPEN_CLIP_CONFIGS, build_tiny_clip, build_tiny_open_clip
@@ -79,17 +83,16 @@ def render_text_images(n: int, size: int) -> torch.Tensor:
     return torch.stack(out)
 
 
-def measure(reward, images: torch.Tensor, prompts: list[str], batched: bool, repeats: int = 1) -> float:
-    reward(images[:2], prompts[:2])  # warm-up (first-call allocations, lazy imports)
+def measure(reward, images: torch.Tensor, prompts: list[str], repeats: int) -> dict:
+    """Seconds per pass over all images, batched vs one image per call, interleaved (see the module docstring)."""
     n = images.shape[0]
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        if batched:
-            reward(images, prompts)
-        else:
-            for i in range(n):
-                reward(images[i:i + 1], prompts[i:i + 1])
-    return n * repeats / (time.perf_counter() - t0)
+
+    def one_by_one():
+        for i in range(n):
+            reward(images[i:i + 1], prompts[i:i + 1])
+
+    return interleaved({"batched": lambda: reward(images, prompts), "one by one": one_by_one},
+                       repeats=repeats, warmup=1)
 
 
 def main(argv=None) -> None:
@@ -98,6 +101,8 @@ def main(argv=None) -> None:
     ap.add_argument("--size", type=int, default=256, help="image side (generated images are square)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed rounds of batched + one by one (after 1 warm-up)")
+    ap.add_argument("--ocr-repeats", type=int, default=3, help="--repeats for OCR (about 1 s per image on 1 thread)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -124,7 +129,7 @@ def main(argv=None) -> None:
         try:
             reward = load(name, batch_size=args.n, **device_kw, **kw)
         except ImportError as exc:
-            rows.append((name, backbone, "skipped", str(exc), ""))
+            rows.append((name, backbone, "", "skipped", str(exc), ""))
             continue
         if name == "ocr":
             n = min(args.n, 8)
@@ -132,16 +137,19 @@ def main(argv=None) -> None:
         else:
             imgs, prm = images, prompts
         reward.batch_size = imgs.shape[0]
-        b = measure(reward, imgs, prm, batched=True, repeats=1 if name == "ocr" else 3)
-        s = measure(reward, imgs, prm, batched=False)
-        rows.append((name, backbone, f"{b:.1f}", f"{s:.1f}", f"{b / s:.1f}x"))
+        t = measure(reward, imgs, prm, args.ocr_repeats if name == "ocr" else args.repeats)
+        n = imgs.shape[0]
+        rows.append((name, backbone, str(n), t["batched"].rate(n).fmt_median(digits=1),
+                     t["one by one"].rate(n).fmt_median(digits=1), speedup(t["one by one"], t["batched"])))
         print(f"  measured {name}", file=sys.stderr, flush=True)
 
-    print(f"\n`{' '.join(['python', 'benchmarks/rewards_throughput.py'] + (argv if argv is not None else sys.argv[1:]))}` "
-          f"- {args.n} images of {args.size}x{args.size}, device {args.device}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}\n")
-    print("| reward | backbone | images/s batched | images/s one by one | batching speed-up |")
-    print("|---|---|---|---|---|")
+    cmd = " ".join(["python", "benchmarks/rewards_throughput.py"] + (argv if argv is not None else sys.argv[1:]))
+    print(f"\n`{cmd}` - {args.n} images of {args.size}x{args.size} (OCR: {min(args.n, 8)} rendered text images), "
+          f"device {args.device}, {machine()}; {args.repeats} interleaved rounds after 1 warm-up (OCR: "
+          f"{args.ocr_repeats})\n")
+    print("| reward | backbone | images | images/s batched, median (min-max) | images/s one by one, median (min-max) "
+          "| batching speed-up (medians) |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(r) + " |")
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")

@@ -2,7 +2,9 @@
 
 Batch: 64 left-padded rows of 1-2k tokens, each with 2-4 images (Qwen2.5-VL and Qwen3-VL rows also
 carry a 4-frame video in every fourth row). Both implementations get identical inputs and their outputs
-are checked equal before timing. Prints a markdown table (median of several runs) and the command.
+are checked equal before timing; then both are timed interleaved in one process (`_timing.interleaved`, thread
+CPU time: the machine is shared, so wall time is noisier). Prints a markdown table (ms min / median / max, speed-up
+of the medians) and the command.
 
     .venv/bin/python benchmarks/rope_index.py [--batch 64] [--runs 5] [--threads 1]
 """
@@ -11,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
 import time
 
 import torch
+from _timing import interleaved, machine, speedup
 
 from mmrl.pipelines.qwen_vl import get_rope_index, mm_token_type_ids, rope_kwargs_from_config
 
@@ -80,17 +82,6 @@ def make_batch(model_type: str, batch: int, seed: int = 0):
     return input_ids, mask, torch.tensor(image_grids), video, sec, [len(r) for r in rows]
 
 
-def median_time(fn, runs: int) -> float:
-    """Median CPU time of this thread per call (the machine is shared, so wall time is noisy)."""
-    fn()  # warm-up
-    times = []
-    for _ in range(runs):
-        t0 = time.thread_time()
-        fn()
-        times.append(time.thread_time() - t0)
-    return statistics.median(times)
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=64)
@@ -101,9 +92,10 @@ def main(argv=None) -> None:
     models = tiny_models()
     import transformers
 
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} thread(s), CPU;"
-          f" median thread CPU time of {args.runs} runs (transformers: {max(3, args.runs // 2)})\n")
-    print("| model type | batch | tokens/row (min-max) | images | videos | transformers (ms) | mmrl (ms) | speed-up |")
+    print(f"{machine()}, transformers {transformers.__version__}; thread CPU time of {args.runs} interleaved "
+          f"rounds after 1 warm-up, ms min / median / max\n")
+    print("| model type | batch | tokens/row (min-max) | images | videos | transformers (ms) | mmrl (ms) "
+          "| speed-up (medians) |")
     print("|---|---|---|---|---|---|---|---|")
     for model_type, model in models.items():
         input_ids, mask, image_grid, video_grid, secs, lengths = make_batch(model_type, args.batch)
@@ -123,11 +115,11 @@ def main(argv=None) -> None:
         a, b = ours(), theirs()
         if not (torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])):
             sys.exit(f"{model_type}: outputs differ, not timing")
-        t_hf = median_time(theirs, max(3, args.runs // 2))
-        t_ours = median_time(ours, args.runs)
+        t = interleaved({"transformers": theirs, "mmrl": ours}, repeats=args.runs, warmup=1, clock=time.thread_time)
         n_vid = 0 if video_grid is None else video_grid.shape[0]
         print(f"| {model_type} | {args.batch} | {min(lengths)}-{max(lengths)} | {image_grid.shape[0]} | {n_vid} |"
-              f" {t_hf * 1e3:.1f} | {t_ours * 1e3:.2f} | {t_hf / t_ours:.0f}x |")
+              f" {t['transformers'].fmt(1e3, 1)} | {t['mmrl'].fmt(1e3, 2)} | "
+              f"{speedup(t['transformers'], t['mmrl'], digits=1)} |")
     args_text = " ".join(sys.argv[1:] if argv is None else argv)
     print(f"\ncommand: .venv/bin/python benchmarks/rope_index.py {args_text}".rstrip())
 

@@ -1,12 +1,23 @@
 """Throughput of one VLM GRPO step on CPU: rollout tokens/s (HF engine), training tokens/s, padding share; and the
 time of the old + reference + training log-prob passes with and without reusing vision features.
 
-    .venv/bin/python benchmarks/vlm_step.py [--hidden 256 --layers 4 --prompts 8 --n 8 --max-new-tokens 48]
+    .venv/bin/python benchmarks/vlm_step.py [--hidden 256 --layers 4 --prompts 8 --n 8 --max-new-tokens 48
+                                             --eos-mean-tokens 24 --repeats 3]
     .venv/bin/python benchmarks/vlm_step.py --part reuse --image-size 224 --n 8 --threads 1
 
 Part `step`: builds a CPU-sized random Qwen2-VL (the tiny model's tokenizer/processor, wider and deeper), generates
 `prompts x n` responses for ragged prompts (images of 56..112 px, different questions), then runs one
-forward+backward pass over them in micro-batches, as `mmrl.vlm.grpo` does. Prints a markdown table.
+forward+backward pass over them in micro-batches, as `mmrl.vlm.grpo` does; rollout and training pass are timed
+in `--repeats` interleaved rounds (`_timing.interleaved`, same seed: the same responses every round) and
+reported as min / median / max. Responses end at EOS as in real runs (the engine's default EOS id, `<|im_end|>`):
+a random model samples it with probability ~1/vocab (1/1009 here) per token, so nearly every response would run
+to the cap; a fixed bias is added to the `<|im_end|>` logit (a forward hook on `lm_head`, seen by generation and
+training alike) that makes EOS's probability about 1 / `--eos-mean-tokens` per token - response lengths then
+spread like a geometric distribution cut at `--max-new-tokens` (their min / median / max and the share that
+stopped at EOS are printed; `--eos-mean-tokens 0` = no bias). The
+padding share is what the training passes pad: micro-batches of consecutive rows (a prompt's n samples are
+neighbours, as in the recipe), each padded to its longest prompt (left) and longest response (right); the old
+and reference log-prob passes batch the same rows the same way, so the share is the same for all three passes.
 
 Part `reuse`: the same kind of model with LoRA on the language model (vision tower frozen, the default recipe),
 `prompts x n` rows with `image_size`^2 images and `response_tokens` random response tokens each, timed through the
@@ -19,6 +30,7 @@ language model's (Qwen2-VL-2B has a 0.6B vision tower beside a 1.5B language mod
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
 import time
@@ -28,6 +40,7 @@ import torch
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _timing import interleaved, machine, speedup, spread_of  # noqa: E402
 
 from mmrl.vlm.common import (VisionCache, collate, compute_logprobs, load_policy, messages_from_text,  # noqa: E402
                              response_logprobs)
@@ -110,16 +123,21 @@ def bench_vision_reuse(args: argparse.Namespace) -> list[tuple[str, str]]:
         t["train"] = time.perf_counter() - t0
         return t, old, (cache.vision_calls if cache else 0)
 
-    passes(True)  # warm-up (allocator, kernels)
-    best: dict[bool, dict[str, float]] = {}
-    for _ in range(args.repeats):
-        for reuse in (False, True):
-            t, old, calls = passes(reuse)
-            best[reuse] = {k: min(v, best.get(reuse, {}).get(k, float("inf"))) for k, v in t.items()}
-            if reuse:
-                cached_old, n_calls = old, calls
-            else:
-                plain_old = old
+    per_pass: dict[bool, dict[str, list[float]]] = {False: {}, True: {}}
+    outputs: dict[bool, tuple] = {}
+
+    def timed(reuse: bool) -> None:
+        t, old, calls = passes(reuse)
+        outputs[reuse] = (old, calls)
+        for k, v in t.items():
+            per_pass[reuse].setdefault(k, []).append(v)
+
+    timed(True)  # warm-up (allocator, kernels: the same modules in both ways); not recorded
+    per_pass[True].clear()
+    total = interleaved({"plain": lambda: timed(False), "reused": lambda: timed(True)}, repeats=args.repeats,
+                        warmup=0)
+    (plain_old, _), (cached_old, n_calls) = outputs[False], outputs[True]
+    best = {reuse: {k: spread_of(v) for k, v in d.items()} for reuse, d in per_pass.items()}
     grads_ok = all(p.grad is not None for p in params)
     drift = max(float((a - b).abs().max()) for a, b in zip(plain_old, cached_old))
     n_img_tokens = int(enc[0].mm["image_grid_thw"].prod()) // 4
@@ -130,13 +148,17 @@ def bench_vision_reuse(args: argparse.Namespace) -> list[tuple[str, str]]:
         ("batch", f"{args.prompts} prompts x n={args.n}, {s}x{s} images ({n_img_tokens} image tokens, "
                   f"{n_img_tokens * 4} patches), prompt {len(enc[0].input_ids)} tokens, {args.response_tokens} "
                   f"response tokens, micro-batch {mb}"),
-        ("torch threads", str(torch.get_num_threads())),
+        ("machine", machine()),
+        ("timing", f"{args.repeats} interleaved rounds (plain, reused) after a warm-up; seconds median (min-max), "
+                   f"speed-up of the medians"),
     ]
     for k in ("old", "ref", "train"):
         a, b = best[False][k], best[True][k]
-        rows.append((f"{k} pass (s): plain / reused / speed-up", f"{a:.2f} / {b:.2f} / {a / b:.2f}x"))
-    a, b = sum(best[False].values()), sum(best[True].values())
-    rows += [("old+ref+train (s): plain / reused / speed-up", f"**{a:.2f} / {b:.2f} / {a / b:.2f}x**"),
+        rows.append((f"{k} pass (s): plain / reused / speed-up",
+                     f"{a.fmt_median()} / {b.fmt_median()} / {speedup(a, b)}"))
+    a, b = total["plain"], total["reused"]
+    rows += [("old+ref+train (s): plain / reused / speed-up",
+              f"**{a.fmt_median()} / {b.fmt_median()} / {speedup(a, b)}**"),
              ("images through the vision tower: plain / reused", f"{3 * len(P)} (3 passes x {len(P)} rows) / "
                                                                  f"{args.prompts} (in {n_calls} calls)"),
              ("max |old log p plain - reused|", f"{drift:.1e}"),
@@ -159,7 +181,10 @@ def main() -> None:
     ap.add_argument("--response-tokens", type=int, default=32, help="reuse part: response length")
     ap.add_argument("--vision-width", type=int, default=0, help="reuse part: vision embed dim (0 = --hidden)")
     ap.add_argument("--vision-depth", type=int, default=0, help="reuse part: vision blocks (0 = --layers)")
-    ap.add_argument("--repeats", type=int, default=2, help="reuse part: timed repeats (the minimum is reported)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed interleaved rounds after 1 warm-up (min / median / max are reported)")
+    ap.add_argument("--eos-mean-tokens", type=float, default=24.0,
+                    help="step part: EOS logit bias for ~1/N EOS probability per token (0 = no bias)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -172,53 +197,94 @@ def main() -> None:
         if args.part == "reuse":
             return
         print()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = build_model(Path(tmp), args.hidden, args.layers)
-        model, proc = load_policy(path)
-        n_params = sum(p.numel() for p in model.parameters())
-        questions = ["What color is the circle?", "How many shapes are there?",
-                     "Is the red square on the left or the right?", "What shape is the blue object?"]
-        reqs = [GenRequest(messages=messages_from_text("<image>" + questions[i % 4]),
-                           images=[Image.new("RGB", (56 + 28 * (i % 3), 56 + 28 * (i % 2)), (40 * i % 255, 90, 160))])
-                for i in range(args.prompts)]
-        # no EOS: every response runs to max_new_tokens, so the token count is known
-        engine = HFRolloutEngine(model, proc, batch_size=args.prompts * args.n, eos_token_ids=[-1])
-        sp = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=0)
-        engine.generate(reqs[:1], SamplingParams(n=1, max_new_tokens=2))  # warm-up
-        t0 = time.perf_counter()
-        res = engine.generate(reqs, sp)
-        t_roll = time.perf_counter() - t0
-        gen_tokens = sum(len(r.response_ids) for r in res)
-        # one training pass (forward + backward) in micro-batches, as the recipe does
-        model.train(False)
-        model.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        real = total = resp_tokens = 0
-        for s in range(0, len(res), args.micro_batch):
-            mb = res[s:s + args.micro_batch]
-            batch, P, mask = collate(model, [r.prompt_ids for r in mb], [r.response_ids for r in mb], [r.mm for r in mb],
-                                     engine.pad_id)
-            logp, _ = response_logprobs(model, batch, P, batch["input_ids"][:, P:])
-            (-(logp * mask).sum() / mask.sum()).backward()
-            real += int(batch["attention_mask"].sum())
-            total += batch["attention_mask"].numel()
-            resp_tokens += int(mask.sum())
-        t_train = time.perf_counter() - t0
-    rows = [
-        ("model", f"Qwen2-VL random, hidden {args.hidden}, {args.layers} layers, {n_params / 1e6:.1f}M params"),
-        ("batch", f"{args.prompts} prompts x {args.n} samples, {args.max_new_tokens} new tokens, micro-batch {args.micro_batch}"),
-        ("torch threads", str(torch.get_num_threads())),
-        ("rollout time (s)", f"{t_roll:.2f}"),
-        ("rollout tokens/s (generated)", f"{gen_tokens / t_roll:.0f}"),
-        ("train fwd+bwd time (s)", f"{t_train:.2f}"),
-        ("train tokens/s (prompt+response, non-pad)", f"{real / t_train:.0f}"),
-        ("train response tokens/s", f"{resp_tokens / t_train:.0f}"),
-        ("padding share of train batches", f"{1 - real / total:.1%}"),
-    ]
+    rows = bench_step(args)
     print("| quantity | value |\n|---|---|")
     for k, v in rows:
         print(f"| {k} | {v} |")
     print(f"\ncommand: .venv/bin/python benchmarks/vlm_step.py {' '.join(sys.argv[1:])}".rstrip())
+
+
+def eos_bias(vocab_size: int, mean_tokens: float) -> float:
+    """Logit bias b that gives EOS probability p = 1 / mean_tokens per token when the other vocab_size - 1
+    logits are about equal (a random model): p = e^b / (e^b + V - 1)  =>  b = log(p / (1 - p) * (V - 1))."""
+    p = 1.0 / mean_tokens
+    return math.log(p / (1 - p) * (vocab_size - 1))
+
+
+def bench_step(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """Rollout and training throughput and the padding share of the training passes (see the module docstring)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_model(Path(tmp), args.hidden, args.layers)
+        model, proc = load_policy(path)
+    n_params = sum(p.numel() for p in model.parameters())
+    eos_id = proc.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    bias = 0.0
+    if args.eos_mean_tokens > 0:
+        bias = eos_bias(model.lm_head.out_features, args.eos_mean_tokens)
+
+        def add_eos_bias(module, inputs, logits):
+            logits = logits.clone()
+            logits[..., eos_id] += bias
+            return logits
+
+        model.lm_head.register_forward_hook(add_eos_bias)
+    questions = ["What color is the circle?", "How many shapes are there?",
+                 "Is the red square on the left or the right?", "What shape is the blue object?"]
+    reqs = [GenRequest(messages=messages_from_text("<image>" + questions[i % 4]),
+                       images=[Image.new("RGB", (56 + 28 * (i % 3), 56 + 28 * (i % 2)), (40 * i % 255, 90, 160))])
+            for i in range(args.prompts)]
+    # the engine's default EOS ids (generation_config: <|im_end|> and the pad token), as in the recipe
+    engine = HFRolloutEngine(model, proc, batch_size=args.prompts * args.n)
+    sp = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=0)
+    res: list = []
+    padding: dict[str, int] = {}
+
+    def rollout():
+        res[:] = engine.generate(reqs, sp)
+
+    def train():  # one forward + backward pass in micro-batches of consecutive rows, as the recipe does
+        model.zero_grad(set_to_none=True)
+        real = total = resp_real = resp_total = 0
+        for s in range(0, len(res), args.micro_batch):
+            mb = res[s:s + args.micro_batch]
+            batch, P, mask = collate(model, [r.prompt_ids for r in mb], [r.response_ids for r in mb],
+                                     [r.mm for r in mb], engine.pad_id)
+            logp, _ = response_logprobs(model, batch, P, batch["input_ids"][:, P:])
+            (-(logp * mask).sum() / mask.sum()).backward()
+            real += int(batch["attention_mask"].sum())
+            total += batch["attention_mask"].numel()
+            resp_real += int(mask.sum())
+            resp_total += mask.numel()
+        padding.update(real=real, total=total, resp_real=resp_real, resp_total=resp_total)
+
+    model.train(False)
+    rollout()  # the training pass needs responses before the first (warm-up) round
+    t = interleaved({"rollout": rollout, "train": train}, repeats=args.repeats, warmup=1)
+    lens = spread_of([len(r.response_ids) for r in res])
+    n_eos = sum(r.finish_reason == "stop" for r in res)
+    gen_tokens = sum(len(r.response_ids) for r in res)
+    real, total = padding["real"], padding["total"]
+    prompt_pad = (total - padding["resp_total"]) - (real - padding["resp_real"])
+    resp_pad = padding["resp_total"] - padding["resp_real"]
+    eos_text = (f"EOS logit +{bias:.2f} (probability ~1/{args.eos_mean_tokens:g} per token)" if bias
+                else "no EOS bias (a random model rarely stops)")
+    return [
+        ("model", f"Qwen2-VL random, hidden {args.hidden}, {args.layers} layers, {n_params / 1e6:.1f}M params"),
+        ("batch", f"{args.prompts} prompts x {args.n} samples, up to {args.max_new_tokens} new tokens, "
+                  f"micro-batch {args.micro_batch}; {eos_text}"),
+        ("machine", machine()),
+        ("timing", f"{args.repeats} interleaved rounds (rollout, train) after 1 warm-up: median (min-max)"),
+        ("response tokens min / median / max; stopped at EOS",
+         f"{lens.fmt(digits=0)}; {n_eos}/{len(res)} ({n_eos / len(res):.0%})"),
+        ("rollout time (s)", t["rollout"].fmt_median()),
+        ("rollout tokens/s (generated)", t["rollout"].rate(gen_tokens).fmt_median(digits=0)),
+        ("train fwd+bwd time (s)", t["train"].fmt_median()),
+        ("train tokens/s (prompt+response, non-pad)", t["train"].rate(real).fmt_median(digits=0)),
+        ("train response tokens/s", t["train"].rate(padding["resp_real"]).fmt_median(digits=0)),
+        ("padding share of the training passes (pad / all tokens)",
+         f"**{1 - real / total:.1%}** ({total - real} of {total}: {prompt_pad} left of prompts, {resp_pad} right of "
+         f"responses)"),
+    ]
 
 
 if __name__ == "__main__":

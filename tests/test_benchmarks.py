@@ -1,0 +1,100 @@
+"""Helpers of the benchmark scripts (benchmarks/ is not a package): `_timing` (call order, statistics and the
+speed-up wording, with a fake clock: nothing is timed), the EOS bias of vlm_step.py, run_all's argument check."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_script(name: str):
+    """Import benchmarks/<name>.py the way running it does: its folder on sys.path (for `from _timing import`)."""
+    if str(BENCH) not in sys.path:
+        sys.path.append(str(BENCH))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+timing = load_script("_timing")
+
+
+class FakeClock:
+    """A clock that only moves when a timed function advances it."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_interleaved_rotates_order_warms_up_and_times_each_call():
+    clock, calls = FakeClock(), []
+    costs = {"a": iter([9.0, 1.0, 2.0, 3.0]), "b": iter([9.0, 10.0, 30.0, 20.0])}  # first value: warm-up
+
+    def make(name):
+        def f():
+            calls.append(name)
+            clock.now += next(costs[name])
+        return f
+
+    t = timing.interleaved({"a": make("a"), "b": make("b")}, repeats=3, warmup=1, clock=clock)
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]  # warm-up, then A B / B A / A B
+    assert t["a"].values == (1.0, 2.0, 3.0) and t["b"].values == (10.0, 30.0, 20.0)
+    assert (t["b"].min, t["b"].median, t["b"].max) == (10.0, 20.0, 30.0)
+    # a's slowest run is 3 s -> 6 items / 3 s = 2 items/s is the min rate
+    assert t["a"].rate(6).values == (6.0, 3.0, 2.0) and t["a"].rate(6).min == 2.0
+    assert t["b"].fmt(scale=1e3, digits=0) == "10000 / 20000 / 30000"
+    assert t["a"].fmt_median(digits=1) == "2.0 (1.0-3.0)"
+
+
+def test_speedup_is_ratio_of_medians_and_flags_overlapping_ranges():
+    fast, slow = timing.spread_of([1.0, 1.1, 1.2]), timing.spread_of([2.0, 2.5, 3.0])
+    assert timing.speedup(slow, fast) == f"{2.5 / 1.1:.2f}x"
+    noisy = timing.spread_of([1.1, 1.3, 2.2])  # its range [1.1, 2.2] overlaps fast's [1.0, 1.2]
+    assert timing.speedup(noisy, fast) == f"{1.3 / 1.1:.2f}x (within spread)"
+    assert timing.overlaps(noisy, fast) and not timing.overlaps(slow, fast)
+
+
+def test_bad_arguments_raise_one_clear_error():
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        timing.interleaved({"a": lambda: None}, repeats=0)
+    with pytest.raises(ValueError, match="no functions"):
+        timing.interleaved({})
+    with pytest.raises(ValueError, match="no values"):
+        timing.spread_of([])
+
+
+def test_vlm_step_eos_bias_gives_the_asked_eos_probability():
+    """V = 1009 equal logits but EOS + b: p = e^b / (e^b + 1008) with e^b = (1/24) / (23/24) * 1008 = 1008 / 23,
+    so p = 1 / (1 + 23) = 1/24."""
+    import torch
+
+    b = load_script("vlm_step").eos_bias(1009, 24)
+    logits = torch.zeros(1009, dtype=torch.float64)
+    logits[993] = b
+    assert torch.softmax(logits, 0)[993].item() == pytest.approx(1 / 24, rel=1e-12)
+
+
+def test_run_all_rejects_an_unknown_benchmark_name():
+    with pytest.raises(SystemExit, match=r"unknown benchmark\(s\) \['nope'\]; valid: \['flow_grpo_step'"):
+        load_script("run_all").main(["--only", "flow_grpo_step,nope"])
+
+
+def test_run_all_runs_every_benchmark_and_reports_a_failure_without_stopping(tmp_path, monkeypatch):
+    run_all = load_script("run_all")
+    (tmp_path / "bad.py").write_text("import sys\nprint('boom: no such model', file=sys.stderr)\nsys.exit(3)\n")
+    (tmp_path / "ok.py").write_text("import sys\nprint('| a | b |', sys.argv[1:])\n")
+    monkeypatch.setattr(run_all, "HERE", tmp_path)
+    monkeypatch.setattr(run_all, "BENCHMARKS", {"bad": [], "ok": ["--out", "x/{stamp}"]})
+    assert run_all.main(["--out", str(tmp_path / "report.md")]) == 1
+    report = (tmp_path / "report.md").read_text()
+    assert "`python benchmarks/bad.py` FAILED (exit 3)" in report and "boom: no such model" in report
+    assert "| a | b | ['--out', 'x/2" in report  # ran after the failure, with this pass's stamp filled in
+    assert report.rstrip().endswith("FAILED: bad")
