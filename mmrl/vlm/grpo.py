@@ -24,6 +24,7 @@ import torch
 
 from mmrl.config import RunConfig, TrainConfig
 from mmrl.core import get_advantage_estimator, kl_estimate
+from mmrl.core.running_norm import RunningRewardNorm
 from mmrl.distributed import DistConfig
 from mmrl.pipelines.data import GEO3K_TEMPLATE
 from mmrl.rewards import load as load_reward
@@ -152,6 +153,13 @@ class RewardConfig:
     on_nonfinite: OnNonfinite = "error"
     """A NaN/inf reward: `error` (stop, naming the reward component and the response) or `drop_sample` (train
     without it; a group left with < 2 responses is not trained on; counted as reward/nonfinite_samples)."""
+    running_norm: bool = False
+    """Divide rewards by the running std of every reward seen so far before the advantages (LightRFT's
+    reward_running_norm; mmrl.core.running_norm; the statistics are checkpointed)."""
+    running_norm_center: bool = False
+    """With running_norm: also subtract the running mean."""
+    running_norm_clip: float = 0.0
+    """With running_norm: clamp normalised rewards to [-clip, clip] (0 = no clamp)."""
 
 
 @dataclass
@@ -261,6 +269,10 @@ def train(cfg: Config) -> dict:
     optimizer, lr_sched = build_optimizer(params, cfg.optim, total_steps=updates)
     stateful = {"optimizer": FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,
                 "data": data}
+    reward_norm = None
+    if cfg.reward.running_norm:  # identical on every rank: updated with the gathered global rewards
+        stateful["reward_norm"] = reward_norm = RunningRewardNorm(cfg.reward.running_norm_center,
+                                                                  cfg.reward.running_norm_clip or None)
     start, _ = restore_checkpoint(ctx, run, states, stateful)
     # vision features: shared by the policy and reference passes only when no state can change the tower
     reuse = up.reuse_vision_features and not fsdp
@@ -327,6 +339,10 @@ def train(cfg: Config) -> dict:
                                              if ctx.enabled else seq_kl.sum() / all_lens.sum())
                 # ---- advantages (group statistics over the global batch)
                 r_all, g_all = ctx.gather_group_rewards(rewards_t, roll.group_ids, scope="rank")
+                if reward_norm is not None and kept:
+                    reward_norm.update(r_all)
+                    r_all = reward_norm.normalize(r_all)
+                    metrics.update(reward_norm.metrics())
                 adv = ctx.local_slice(estimator(r_all, g_all)) if kept else torch.zeros(1)  # (placeholder row: 0)
                 batch.advantages = adv.to(batch.device)
                 # ---- old log-probs

@@ -691,3 +691,20 @@ def test_cpgd_advantage_and_loss_train_end_to_end(tiny_path, tmp_path, monkeypat
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(calls) >= 2 * 2 * 2  # 2 steps x 2 epochs x >= 2 micro-batches of 3 rows out of 8
     assert all(math.isfinite(r["policy/loss"]) and math.isfinite(r["policy/grad_norm"]) for r in rows)
+
+
+def test_running_reward_norm_is_applied_and_checkpointed(tiny_path, tmp_path):
+    """`reward.running_norm` (LightRFT): the statistics grow with every reward seen (8 per step here) and go into
+    the checkpoint, so a resumed run continues them."""
+    from mmrl.runtime import Run
+    from mmrl.vlm.grpo import train
+
+    out = tmp_path / "rn"
+    train(_cfg(tiny_path, out, "reward.running_norm=true", "train.save_every=1"))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["reward/running_count"] for r in rows] == [8, 16]
+    state = Run.load_state(out / "checkpoints" / "step_2")
+    assert state["stateful"]["reward_norm"]["count"] == 16
+    train(_cfg(tiny_path, out, "reward.running_norm=true", "train.save_every=1", "train.max_steps=3"))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["reward/running_count"] for r in rows] == [8, 16, 24]
