@@ -139,3 +139,50 @@ class KLConfig:
     def __post_init__(self) -> None:
         if self.coef < 0:
             raise ValueError(f"algo.kl.coef: expected >= 0, got {self.coef}")
+
+
+CorrectionLevel = Literal["none", "token", "sequence", "geometric"]
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Importance correction between the rollout engine's sampling log-probs and the trainer's old log-probs
+    (verl's rollout_correction; `mmrl.core.correction`)."""
+
+    is_level: CorrectionLevel = "none"
+    """Truncated importance weights (TIS) per `token`, per `sequence` (product of ratios) or `geometric` (geometric
+    mean); `none` = no weights."""
+    is_threshold: float = 2.0
+    """TIS cap C: w = min(pi_old / pi_rollout, C)."""
+    rs_level: CorrectionLevel = "none"
+    """Masked IS (MIS): drop tokens / sequences whose ratio is outside [rs_threshold_lower, rs_threshold]."""
+    rs_threshold: float = 2.0
+    """MIS upper bound."""
+    rs_threshold_lower: float = 0.0
+    """MIS lower bound (0 = 1 / rs_threshold)."""
+    veto_threshold: float = 0.0
+    """Drop a whole sequence if any token's ratio is below this (0 = off)."""
+
+    def __post_init__(self) -> None:
+        if self.is_threshold <= 1.0 or self.rs_threshold <= 1.0:
+            raise ValueError(f"algo.rollout_correction: is_threshold and rs_threshold must be > 1, got "
+                             f"{self.is_threshold}, {self.rs_threshold}")
+        if self.rs_threshold_lower < 0 or self.veto_threshold < 0:
+            raise ValueError("algo.rollout_correction: rs_threshold_lower and veto_threshold must be >= 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.is_level != "none" or self.rs_level != "none" or self.veto_threshold > 0
+
+    def apply(self, old_logp, rollout_logp, mask):
+        """`mmrl.core.correction.rollout_correction` with this section's settings; metrics renamed to
+        `rollout/correction/*`. Returns (weights [B, T] or None, mask [B, T], metrics)."""
+        from mmrl.core.correction import rollout_correction
+
+        out = rollout_correction(
+            old_logp, rollout_logp, mask,
+            is_level=None if self.is_level == "none" else self.is_level, is_threshold=self.is_threshold,
+            rs_level=None if self.rs_level == "none" else self.rs_level, rs_threshold=self.rs_threshold,
+            rs_threshold_lower=self.rs_threshold_lower or None, veto_threshold=self.veto_threshold or None)
+        metrics = {k.replace("rollout_corr/", "rollout/correction/"): v for k, v in out.metrics.items()}
+        return out.weights, out.mask, metrics

@@ -4,8 +4,9 @@ One step: `rollout.prompts_per_step` prompts x `rollout.group_size` responses, s
 overlong punishment); optional DAPO dynamic sampling (keep groups whose rewards differ, up to `algo.max_gen_batches`
 rounds); advantages from a registered estimator; the kept rows padded ONCE into a `RolloutBatch` (vlm/batch.py) that
 the reference, old-log-prob and training passes share; `update.epochs` passes of the registry policy loss
-(`algo.policy_loss`: ppo_clip | gspo; KL to the reference as a loss term or reward penalty) in mini-batches with
-gradient accumulation (vlm/update.py). Reference = LoRA adapters off, or a frozen copy (`model.lora.rank: 0`).
+(`algo.policy_loss`: ppo_clip | gspo | cpgd; KL as a loss term or reward penalty) in mini-batches with gradient
+accumulation (vlm/update.py); optional reward.running_norm and algo.rollout_correction (TIS/MIS). Reference =
+LoRA adapters off, or a frozen copy (`model.lora.rank: 0`).
 
 Several processes (`torchrun ... dist.strategy=ddp|fsdp`): prompts_per_step and update.mini_batch_size stay global;
 advantages use all-gathered rewards; loss weights make DDP's average the global mini-batch gradient; ranks run
@@ -24,19 +25,21 @@ import torch
 
 from mmrl.config import RunConfig, TrainConfig
 from mmrl.core import get_advantage_estimator, kl_estimate
+from mmrl.core.correction import weighted_advantages
 from mmrl.core.running_norm import RunningRewardNorm
 from mmrl.distributed import DistConfig
-from mmrl.pipelines.data import GEO3K_TEMPLATE
 from mmrl.rewards import load as load_reward
 from mmrl.runtime import Timer, seed_everything
-from mmrl.training import (FullOptimizerState, KLConfig, OnNonfinite, OptimConfig, UpdateGuard, build_optimizer, checkpoint_due, restore_checkpoint, save_checkpoint, start_run)
+from mmrl.training import (FullOptimizerState, KLConfig, OnNonfinite, OptimConfig, UpdateGuard, build_optimizer,
+                           checkpoint_due, restore_checkpoint, save_checkpoint, start_run)
+from mmrl.training.config import RolloutCorrectionConfig
 from mmrl.vlm.batch import RolloutBatch
 from mmrl.vlm.common import (VisionCache, language_block_types, vision_has_adapters, vision_tower,
                              vision_tower_trainable)
 from mmrl.vlm.grpo_checks import check_config, recompute_old_logprobs
 from mmrl.vlm.policy import VLMLoRAConfig, build_policy, rl_parameters
 from mmrl.vlm.rollout import SamplingParams
-from mmrl.vlm.rollout_collect import (build_data, check_fsdp_images, collect_rollouts, evaluate, finish,
+from mmrl.vlm.rollout_collect import (DataConfig, build_data, check_fsdp_images, collect_rollouts, evaluate, finish,
                                       make_rollout_engine, rollout_metrics, save_sample_grid, score,
                                       shapes_warm_start_pairs, to_request)
 from mmrl.vlm.update import (PairedForwards, PolicyGradientLoss, VLMUpdateConfig, contiguous_minibatches,
@@ -73,44 +76,6 @@ class ModelConfig:
     freeze: list[str] = field(default_factory=list)
     """Exclude parameters whose name contains one of these (e.g. lm_head, embed_tokens) from the RL updates (the
     format warm start still trains them). Adam moves rarely-used vocabulary rows by ~lr per step on noise alone."""
-
-
-@dataclass
-class DataConfig:
-    kind: Literal["shapes", "geo3k"] = "shapes"
-    """`shapes` (synthetic scenes, exact answers, infinite, seeded) or `geo3k` (jsonl/parquet via load_visual_qa)."""
-    path: str = ""
-    """geo3k: training file (.jsonl/.json/.parquet) with images/problem/answer."""
-    val_path: str = ""
-    """geo3k: optional held-out file for greedy eval accuracy (first `eval_size` rows)."""
-    image_root: str = ""
-    """geo3k: folder relative image paths are resolved against (default: the file's folder)."""
-    template: str = GEO3K_TEMPLATE
-    """Prompt template: geo3k uses {problem}; shapes uses {question}."""
-    system_prompt: str = ""
-    """Optional system message (empty: the chat template's default)."""
-    on_error: Literal["skip", "raise"] = "skip"
-    """geo3k rows with an unreadable image: `skip` (warn with the path) or `raise`."""
-    limit: int = 0
-    """geo3k: use at most this many rows (0 = all)."""
-    qa_kinds: list[str] = field(default_factory=lambda: ["color"])
-    """shapes: question kinds to draw from (color, count, shape, position)."""
-    colors: list[str] = field(default_factory=lambda: ["red", "green", "blue", "yellow", "orange", "purple"])
-    """shapes: shape colours."""
-    backgrounds: list[str] = field(default_factory=lambda: ["white"])
-    """shapes: background colours."""
-    n_shapes: list[int] = field(default_factory=lambda: [1, 1])
-    """shapes: inclusive [min, max] number of shapes per scene."""
-    shape_size: list[float] = field(default_factory=lambda: [0.3, 0.5])
-    """shapes: [min, max] shape size as a fraction of the image side."""
-    image_size: int = 56
-    """shapes: rendered image side in pixels (56 = 4 vision tokens for a Qwen-VL after merging)."""
-    min_pixels: int = 0
-    """Resize every image to at least this many pixels (qwen smart_resize; 0 = the processor's own limits)."""
-    max_pixels: int = 0
-    """Resize every image to at most this many pixels (0 = the processor's own limits)."""
-    eval_size: int = 64
-    """Fixed eval prompts (shapes: a separate seeded stream) scored greedily."""
 
 
 @dataclass
@@ -154,12 +119,11 @@ class RewardConfig:
     """A NaN/inf reward: `error` (stop, naming the reward component and the response) or `drop_sample` (train
     without it; a group left with < 2 responses is not trained on; counted as reward/nonfinite_samples)."""
     running_norm: bool = False
-    """Divide rewards by the running std of every reward seen so far before the advantages (LightRFT's
-    reward_running_norm; mmrl.core.running_norm; the statistics are checkpointed)."""
+    """Divide rewards by the running std of all rewards seen (LightRFT reward_running_norm; checkpointed)."""
     running_norm_center: bool = False
     """With running_norm: also subtract the running mean."""
     running_norm_clip: float = 0.0
-    """With running_norm: clamp normalised rewards to [-clip, clip] (0 = no clamp)."""
+    """With running_norm: clamp to [-clip, clip] (0 = off)."""
 
 
 @dataclass
@@ -190,6 +154,8 @@ class AlgoConfig:
     old_logprobs: Literal["auto", "recompute", "rollout"] = "auto"
     """`recompute` (a forward before updating), `rollout` (the engine's) or `auto` (recompute when more than
     one update per rollout or with vLLM)."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Engine vs trainer log-probs: TIS weights, MIS / veto masks (verl); no-op with old_logprobs=rollout."""
 
 
 @dataclass
@@ -355,6 +321,12 @@ def train(cfg: Config) -> dict:
                         :len(kept)].max()) if kept and batch.response_len else 0.0
                 else:
                     batch.old_logprobs = batch.rollout_logprobs
+                if al.rollout_correction.enabled and kept:  # sampling log-probs vs the trainer's old ones
+                    w, keep, m = al.rollout_correction.apply(batch.old_logprobs, batch.rollout_logprobs,
+                                                             batch.loss_mask)
+                    batch.advantages = weighted_advantages(batch.advantages, w)
+                    batch.loss_mask = batch.loss_mask & keep
+                    metrics.update(m)
                 # ---- loss and optimizer steps
                 n_rows = ctx.max_int(len(kept)) if ctx.enabled else len(kept)
                 mb = up.mini_batch_size // world or n_rows

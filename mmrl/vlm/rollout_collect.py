@@ -6,16 +6,55 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 
 from mmrl.core import keep_groups, overlong_penalty
-from mmrl.pipelines.data import PromptSampler, VQAItem, load_visual_qa
+from mmrl.pipelines.data import GEO3K_TEMPLATE, PromptSampler, VQAItem, load_visual_qa
 from mmrl.pipelines.shapes_qa import ShapesQA
 from mmrl.training import NONFINITE_KEY, check_rewards, finite_stats, group_keep
 from mmrl.vlm.common import encode_prompt, messages_from_text, render_prompt
 from mmrl.vlm.rollout import GenRequest, SamplingParams, make_engine
+
+
+@dataclass
+class DataConfig:
+    kind: Literal["shapes", "geo3k"] = "shapes"
+    """`shapes` (synthetic scenes, exact answers, infinite, seeded) or `geo3k` (jsonl/parquet via load_visual_qa)."""
+    path: str = ""
+    """geo3k: training file (.jsonl/.json/.parquet) with images/problem/answer."""
+    val_path: str = ""
+    """geo3k: optional held-out file for greedy eval accuracy (first `eval_size` rows)."""
+    image_root: str = ""
+    """geo3k: folder relative image paths are resolved against (default: the file's folder)."""
+    template: str = GEO3K_TEMPLATE
+    """Prompt template: geo3k uses {problem}; shapes uses {question}."""
+    system_prompt: str = ""
+    """Optional system message (empty: the chat template's default)."""
+    on_error: Literal["skip", "raise"] = "skip"
+    """geo3k rows with an unreadable image: `skip` (warn with the path) or `raise`."""
+    limit: int = 0
+    """geo3k: use at most this many rows (0 = all)."""
+    qa_kinds: list[str] = field(default_factory=lambda: ["color"])
+    """shapes: question kinds to draw from (color, count, shape, position)."""
+    colors: list[str] = field(default_factory=lambda: ["red", "green", "blue", "yellow", "orange", "purple"])
+    """shapes: shape colours."""
+    backgrounds: list[str] = field(default_factory=lambda: ["white"])
+    """shapes: background colours."""
+    n_shapes: list[int] = field(default_factory=lambda: [1, 1])
+    """shapes: inclusive [min, max] number of shapes per scene."""
+    shape_size: list[float] = field(default_factory=lambda: [0.3, 0.5])
+    """shapes: [min, max] shape size as a fraction of the image side."""
+    image_size: int = 56
+    """shapes: rendered image side in pixels (56 = 4 vision tokens for a Qwen-VL after merging)."""
+    min_pixels: int = 0
+    """Resize every image to at least this many pixels (qwen smart_resize; 0 = the processor's own limits)."""
+    max_pixels: int = 0
+    """Resize every image to at most this many pixels (0 = the processor's own limits)."""
+    eval_size: int = 64
+    """Fixed eval prompts (shapes: a separate seeded stream) scored greedily."""
+
 
 
 def build_data(cfg: Any) -> tuple[Any, list[VQAItem]]:

@@ -708,3 +708,28 @@ def test_running_reward_norm_is_applied_and_checkpointed(tiny_path, tmp_path):
     train(_cfg(tiny_path, out, "reward.running_norm=true", "train.save_every=1", "train.max_steps=3"))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["reward/running_count"] for r in rows] == [8, 16, 24]
+
+
+def test_rollout_correction_section_weights_masks_and_reaches_the_recipe(tiny_path, tmp_path):
+    """`algo.rollout_correction` (verl's TIS/MIS): the section's apply() is core.rollout_correction with its
+    settings (hand-checked: ratio e^1 capped at 2, ratio e^-3 masked by the veto), and a recipe run logs the
+    correction metrics; HF rollouts sample with the trainer's own log-probs, so every weight there is ~1."""
+    from mmrl.training.config import RolloutCorrectionConfig
+    from mmrl.vlm.grpo import train
+
+    sec = RolloutCorrectionConfig(is_level="token", is_threshold=2.0, rs_level="none", veto_threshold=0.1)
+    old = torch.tensor([[0.0, -1.0, -2.0], [0.0, 0.0, 0.0]])
+    rollout = torch.tensor([[-1.0, -1.0, -2.0], [3.0, 0.0, 0.0]])
+    w, keep, m = sec.apply(old, rollout, torch.ones(2, 3, dtype=torch.bool))
+    assert torch.allclose(w, torch.tensor([[2.0, 1.0, 1.0], [math.exp(-3.0), 1.0, 1.0]]))
+    assert keep.tolist() == [[True] * 3, [False] * 3]  # a token with ratio e^-3 < 0.1 vetoes its row
+    assert all(k.startswith("rollout/correction/") for k in m)
+    with pytest.raises(ValueError, match="is_threshold and rs_threshold must be > 1"):
+        RolloutCorrectionConfig(is_threshold=1.0)
+    out = tmp_path / "rc"
+    train(_cfg(tiny_path, out, "algo.rollout_correction.is_level=token", "algo.rollout_correction.rs_level=sequence",
+               "algo.old_logprobs=recompute"))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        assert abs(r["rollout/correction/rollout_is_mean"] - 1.0) < 1e-4
+        assert r["rollout/correction/rollout_rs_masked_fraction"] == 0.0
