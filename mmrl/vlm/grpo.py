@@ -32,7 +32,7 @@ from mmrl.rewards import load as load_reward
 from mmrl.runtime import Timer, seed_everything
 from mmrl.training import (FullOptimizerState, KLConfig, OnNonfinite, OptimConfig, UpdateGuard, build_optimizer,
                            checkpoint_due, restore_checkpoint, save_checkpoint, start_run)
-from mmrl.training.config import RolloutCorrectionConfig
+from mmrl.training.config import RolloutCorrectionConfig, TrackersConfig
 from mmrl.vlm.batch import RolloutBatch
 from mmrl.vlm.common import (VisionCache, language_block_types, vision_has_adapters, vision_tower,
                              vision_tower_trainable)
@@ -159,7 +159,7 @@ class AlgoConfig:
 
 
 @dataclass
-class LogConfig:
+class LogConfig(TrackersConfig):
     sample_every: int = 25
     """Save a grid of (image, question, response, reward) to samples/ every this many steps (0 = off)."""
     num_samples: int = 16

@@ -23,8 +23,8 @@ from mmrl.config import RunConfig, TrainConfig
 from mmrl.distributed import DistConfig
 from mmrl.runtime import Timer, seed_everything
 from mmrl.training import (NONFINITE_KEY, SKIPPED_KEY, FullOptimizerState, KLConfig, LoRAConfig, OnNonfinite,
-                           OptimConfig, UpdateConfig, UpdateGuard, build_optimizer, checkpoint_due, finite_stats,
-                           peft_lora_config, restore_checkpoint, save_checkpoint, start_run, summarise)
+                           OptimConfig, TrackersConfig, UpdateConfig, UpdateGuard, build_optimizer, checkpoint_due,
+                           finite_stats, peft_lora_config, restore_checkpoint, save_checkpoint, start_run, summarise)
 from mmrl.vlm.common import VisionCache, vision_has_adapters, vision_tower
 from mmrl.vlm.credit import Advantage, collect_groups, episode_returns, token_advantages, turn_advantages
 from mmrl.vlm.envs import EnvManager, make_env
@@ -135,7 +135,7 @@ class RewardConfig:
 
 
 @dataclass
-class LogConfig:
+class LogConfig(TrackersConfig):
     eval_every: int = 0
     """Greedy evaluation every this many steps (0 = only before and after training)."""
     sample_every: int = 10
@@ -203,7 +203,8 @@ def _load_model(cfg: Config, run: Any):
     return load_policy(path, device=run.device, dtype=run.dtype)
 
 
-def evaluate(cfg: Config, engine: Any, fmt: ChatFormat, manager: EnvManager, lockstep: PairedForwards) -> dict[str, float]:
+def evaluate(cfg: Config, engine: Any, fmt: ChatFormat, manager: EnvManager,
+             lockstep: PairedForwards) -> dict[str, float]:
     """Greedy episodes on fixed seeds (10^7 + i, never used for training); under FSDP every rank runs them."""
     specs = []
     for t, name in enumerate(cfg.env.tasks):
