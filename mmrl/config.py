@@ -26,6 +26,7 @@ RECIPES: dict[str, str] = {
     "flow_grpo": "mmrl.diffusion.flow_grpo",
     "dpo": "mmrl.diffusion.dpo",
     "nft": "mmrl.diffusion.nft",
+    "awm": "mmrl.diffusion.awm",
     "vlm_grpo": "mmrl.vlm.grpo",
     "vlm_multiturn": "mmrl.vlm.multiturn",
 }
@@ -80,14 +81,6 @@ class TrainConfig:
     overwrite: bool = False
     """Allow a run that would discard what output_dir holds (resume=never into a directory with checkpoints or
     metrics, or resuming from a checkpoint older than the newest): without it such a start is refused."""
-    max_skipped_updates: int = 3
-    """An optimizer update whose loss or gradient norm is NaN/inf is skipped (weights, optimizer, scheduler and EMA
-    unchanged; counted in `train/skipped_updates`); this many skips in a row stop the run with an error (>= 1)."""
-
-    def __post_init__(self) -> None:
-        if self.max_skipped_updates < 1:
-            raise ValueError(f"train.max_skipped_updates must be >= 1 (1 = stop at the first non-finite update), "
-                             f"got {self.max_skipped_updates}")
 
 
 @dataclass
@@ -211,8 +204,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
-def from_dict(cls: type, data: dict, path: str = "") -> Any:
-    """Build dataclass `cls` from a nested dict; unknown keys and wrong types raise ConfigError."""
+def from_dict(cls: type, data: dict, path: str = "", defaults: Any = None) -> Any:
+    """Build dataclass `cls` from a nested dict; unknown keys and wrong types raise ConfigError. Keys the dict does
+    not give keep the defaults of the enclosing field (a section declared with `default_factory=lambda:
+    OptimConfig(lr=1e-6)` keeps lr=1e-6 when the YAML sets only other keys of it), or of `defaults`."""
     if not isinstance(data, dict):
         raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
@@ -228,9 +223,16 @@ def from_dict(cls: type, data: dict, path: str = "") -> Any:
             f"unknown config key '{full}' (in section '{path or '<top>'}'); valid keys: {sorted(fields)}"
         )
     kwargs = {}
+    if defaults is not None:  # the enclosing field's default instance: its values for the keys not given
+        kwargs = {f: getattr(defaults, f) for f in fields if f not in data}
     for name, value in data.items():
         where = f"{path}.{name}" if path else name
-        kwargs[name] = _coerce(value, hints[name], where)
+        tp = hints[name]
+        f = fields[name]
+        if dataclasses.is_dataclass(tp) and isinstance(value, dict) and f.default_factory is not dataclasses.MISSING:
+            kwargs[name] = from_dict(tp, value, path=where, defaults=f.default_factory())
+        else:
+            kwargs[name] = _coerce(value, tp, where)
     return cls(**kwargs)
 
 
@@ -341,7 +343,10 @@ def load_config(source: str | Path | dict, overrides: typing.Iterable[str] = ())
     if not algorithm:
         raise ConfigError(f"{where}missing top-level key 'algorithm'; valid: {sorted(RECIPES)}")
     data["algorithm"] = algorithm
-    module = recipe_module(algorithm)
+    try:
+        module = recipe_module(algorithm)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}{exc}") from None
     token = _RENAMED.set(dict(getattr(module, "RENAMED_KEYS", {})))
     try:
         try:

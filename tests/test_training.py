@@ -14,7 +14,7 @@ from torch import nn
 
 from mmrl.config import ConfigError, RunConfig, TrainConfig, load_config
 from mmrl.runtime import Run
-from mmrl.training import (NONFINITE_KEY, SKIPPED_KEY, NonFiniteError, UpdateGuard, check_finite_weights,
+from mmrl.training import (NONFINITE_KEY, SKIPPED_KEY, NonFiniteError, UpdateConfig, UpdateGuard, check_finite_weights,
                            check_rewards, finite_stats, group_keep)
 
 
@@ -109,10 +109,10 @@ def test_n_skips_in_a_row_stop_with_the_last_checkpoint(tmp_path):
     with pytest.raises(NonFiniteError, match=r"2 consecutive updates had a non-finite loss/gradient at step 8 .*"
                                              r"last complete checkpoint: .*step_4"):
         guard.step(opt, [1.0], float("nan"), step=8)
-    with pytest.raises(ValueError, match="train.max_skipped_updates must be >= 1"):
+    with pytest.raises(ValueError, match="update.max_skipped_updates must be >= 1"):
         UpdateGuard(max_skipped=0)
-    with pytest.raises(ValueError, match="train.max_skipped_updates must be >= 1"):
-        TrainConfig(max_skipped_updates=0)
+    with pytest.raises(ValueError, match="update.max_skipped_updates: expected >= 1"):
+        UpdateConfig(max_skipped_updates=0)
 
 
 def _guard_worker(ctx, out):
@@ -188,10 +188,14 @@ def test_metrics_jsonl_is_strict_json(tmp_path):
 
 def test_config_keys():
     cfg = load_config({"algorithm": "flow_grpo", "reward": {"on_nonfinite": "drop_sample"},
-                       "train": {"max_skipped_updates": 5}})
-    assert cfg.reward.on_nonfinite == "drop_sample" and cfg.train.max_skipped_updates == 5
-    with pytest.raises(ValueError, match="train.max_skipped_updates must be >= 1"):  # a CLI override is checked too
-        load_config({"algorithm": "nft"}, ["train.max_skipped_updates=0"])
+                       "update": {"max_skipped_updates": 5}})
+    assert cfg.reward.on_nonfinite == "drop_sample" and cfg.update.max_skipped_updates == 5
+    with pytest.raises(ValueError, match="update.max_skipped_updates: expected >= 1"):  # a CLI override is checked too
+        load_config({"algorithm": "nft"}, ["update.max_skipped_updates=0"])
+    for algo in ("flow_grpo", "dpo", "nft", "vlm_grpo", "vlm_multiturn"):  # the earlier name points to the new one
+        with pytest.raises(ConfigError, match="'train.max_skipped_updates' was renamed to "
+                                              "'update.max_skipped_updates'"):
+            load_config({"algorithm": algo}, ["train.max_skipped_updates=5"])
     for algo in ("flow_grpo", "dpo", "nft", "vlm_grpo", "vlm_multiturn"):
         assert load_config({"algorithm": algo}).reward.on_nonfinite == "error"
         with pytest.raises(ConfigError, match=r"reward.on_nonfinite: expected one of \['error', 'drop_sample'\]"):

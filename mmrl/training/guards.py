@@ -8,7 +8,7 @@ the weights, the checkpoints or metrics.jsonl.
   is valid and its group still has `min_size` valid members (a group of one carries no relative signal).
 - `UpdateGuard`: wraps `optimizer.step()`. An update whose loss or gradient norm is non-finite on any rank is
   skipped on every rank (gradients zeroed; the recipe then leaves scheduler and EMA alone), counted in
-  `train/skipped_updates`, and `train.max_skipped_updates` skips in a row stop the run with an error.
+  `train/skipped_updates`, and `update.max_skipped_updates` skips in a row stop the run with an error.
 - `check_finite_weights(states, ...)`: before a checkpoint is written, every tensor of every policy state must be
   finite (a collective under DDP/FSDP: all ranks raise together).
 
@@ -116,7 +116,7 @@ def _all_finite(values: Sequence[Any]) -> bool:
 class UpdateGuard:
     """Skip optimizer updates whose loss or gradient norm is NaN/inf; stop after `max_skipped` in a row.
 
-        guard = UpdateGuard(cfg.train.max_skipped_updates, ctx, run)
+        guard = UpdateGuard(cfg.update.max_skipped_updates, ctx, run)
         ...backward passes; grad_norm = clip_grads(params, max_norm)
         if guard.step(optimizer, losses, grad_norm, step):
             lr_scheduler.step(); states.ema(...)        # only after an applied update
@@ -130,7 +130,7 @@ class UpdateGuard:
 
     def __init__(self, max_skipped: int = 3, ctx: Any = None, run: Any = None):
         if int(max_skipped) < 1:
-            raise ValueError(f"train.max_skipped_updates must be >= 1 (1 = stop at the first non-finite update), "
+            raise ValueError(f"update.max_skipped_updates must be >= 1 (1 = stop at the first non-finite update), "
                              f"got {max_skipped}")
         self.max_skipped = int(max_skipped)
         self.ctx, self.run = ctx, run
@@ -159,7 +159,7 @@ class UpdateGuard:
         if self.consecutive >= self.max_skipped:
             raise NonFiniteError(
                 f"{self.consecutive} consecutive updates had a non-finite loss/gradient at step {step} "
-                f"(train.max_skipped_updates={self.max_skipped}); no update was applied, last complete checkpoint: "
+                f"(update.max_skipped_updates={self.max_skipped}); no update was applied, last complete checkpoint: "
                 f"{last_checkpoint(self.run)}. Lower train.lr, check the rewards and the model's dtype")
         if self.ctx is None or self.ctx.is_main:
             print(f"[train] step {step}: skipped an update with a non-finite loss/gradient "
