@@ -1,21 +1,27 @@
 """Flow-GRPO step-time breakdown and framework overhead on CPU.
 
-    .venv/bin/python benchmarks/flow_grpo_step.py [--steps 4] [--threads 1] [--models tiny,medium]
-        [--prompts N] [config overrides, e.g. train.num_inner_epochs=2]
+    .venv/bin/python benchmarks/flow_grpo_step.py [--steps 6] [--medium-steps 3] [--threads 1] [--models tiny,medium]
+        [--prompts N] [--decode-repeats 7] [config overrides, e.g. update.epochs=2]
 
 For two SD3-architecture models (the tiny test model and a larger CPU-sized one) it runs
-`mmrl.diffusion.flow_grpo.train` for a few steps and reports, per step (mean over steps after the first):
-rollout / reward / train time, the time spent in the transformer (forward passes timed by hooks on the
-transformer module, backward passes by timing `Tensor.backward`, which runs the transformer's backward
-plus a few element-wise ops), and
+`mmrl.diffusion.flow_grpo.train` for a few steps and reports, per step: rollout / reward / train time, the
+time spent in the transformer (forward passes timed by hooks on the transformer module, backward passes by
+timing `Tensor.backward`, which runs the transformer's backward plus a few element-wise ops), and
 
     overhead = (step time - transformer forward - transformer backward) / step time
 
 i.e. everything that is not the network: SDE math, prompt encoding, VAE decode, reward, advantages,
 optimizer, logging. A second ratio also leaves out VAE decode, text encoders and the reward (model work
-outside the policy); the VAE decode alone is shown in brackets. `--prompts N` trains on a fixed set of the
-first N prompts of shapes_train.txt, so the prompt-embedding cache is warm after N / 4 steps (default: all
-146 prompts, every measured step sees new prompts). Prints a markdown table and the command line.
+outside the policy); the VAE decode alone is shown in brackets. Every step after the first (which includes
+one-off warm-up) is one repeat: times are medians over those steps, the two ratios min / median / max.
+`--prompts N` trains on a fixed set of the first N prompts of shapes_train.txt, so the prompt-embedding cache
+is warm after N / 4 steps (default: all 146 prompts, every measured step sees new prompts).
+
+A second table times the tiny model's VAE decode of one rollout batch (16 images, 64 px) as the rollout does
+it and in the variants that could make it cheaper (inference_mode, two chunks of 8, one image at a time,
+channels_last), interleaved (`_timing.interleaved`), each with its max |difference| from the shipped decode:
+a variant is only usable if it is bit-identical (0). `--decode-repeats 0` skips it. Prints markdown tables
+and the command line.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import time
 from pathlib import Path
 
 import torch
+from _timing import interleaved, machine, spread_of
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MMRL_NO_PROGRESS", "1")
@@ -106,10 +113,11 @@ def bench(name: str, path: Path, size: int, steps: int, out: Path, prompts: int 
     import mmrl.diffusion.models as models
     from mmrl.config import load_config
     from mmrl.diffusion import flow_grpo
+    from mmrl.runtime import Run
 
     clock = TransformerClock()
     orig_load = models.load_flow_model
-    per_step: list[tuple[float, float]] = []
+    per_step: list[tuple[float, float, float, float]] = []
 
     def load_and_hook(*a, **kw):
         m = orig_load(*a, **kw)
@@ -127,74 +135,134 @@ def bench(name: str, path: Path, size: int, steps: int, out: Path, prompts: int 
         prompt_file.write_text("\n".join(lines) + "\n")
     cfg = load_config({
         "algorithm": "flow_grpo", "output_dir": str(out), "seed": 0, "device": "cpu",
-        "model": {"path": str(path), "lora_rank": 8, "lora_alpha": 16},
-        "data": {"train_prompts": str(prompt_file), "prompts_per_step": 4},
-        "sample": {"height": size, "width": size, "num_steps": 8, "group_size": 4, "guidance_scale": 4.5},
-        "train": {"max_steps": steps, "save_every": 0, "resume": "never", "micro_batch_size": 8, "beta": 0.04,
-                  "ema": True},
+        "model": {"path": str(path), "lora": {"rank": 8, "alpha": 16}},
+        "data": {"train_prompts": str(prompt_file)},
+        "rollout": {"prompts_per_step": 4, "height": size, "width": size, "num_steps": 8, "group_size": 4,
+                    "guidance_scale": 4.5},
+        "update": {"micro_batch_size": 8, "mini_batch_size": 8},  # 2 optimizer updates per step
+        "algo": {"kl": {"coef": 0.04}, "ema": True},
+        "train": {"max_steps": steps, "save_every": 0, "resume": "never"},
         "reward": {"components": {"jpeg_compressibility": 1.0}},
         "log": {"sample_every": 0},
     }, list(overrides))
     # per-step transformer time: snapshot the clock whenever a metrics row is logged
-    orig_log = flow_grpo.Run.log
+    orig_log = Run.log
 
     def log_and_snapshot(run, step, metrics):
         per_step.append((clock.fwd, clock.bwd, clock.other, clock.vae))
         return orig_log(run, step, metrics)
 
-    flow_grpo.Run.log = log_and_snapshot
+    Run.log = log_and_snapshot
     models.load_flow_model = load_and_hook
     try:
         with clock:
             flow_grpo.train(cfg)
     finally:
         models.load_flow_model = orig_load
-        flow_grpo.Run.log = orig_log
+        Run.log = orig_log
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    fwd = [b[0] - a[0] for a, b in zip(per_step, per_step[1:])]
-    bwd = [b[1] - a[1] for a, b in zip(per_step, per_step[1:])]
-    other = [b[2] - a[2] for a, b in zip(per_step, per_step[1:])]
-    vae = [b[3] - a[3] for a, b in zip(per_step, per_step[1:])]
-    rows = rows[1:]  # the first step includes one-off warm-up
-    mean = lambda k: sum(r.get(k, 0.0) for r in rows) / len(rows)  # noqa: E731
-    step_s = mean("time/step_s")
-    net = sum(fwd) / len(fwd) + sum(bwd) / len(bwd)
-    reward = mean("time/reward_s")
-    return {"model": name, "step_s": step_s, "rollout_s": mean("time/rollout_s"), "reward_s": reward,
-            "train_s": mean("time/train_s"), "fwd_s": sum(fwd) / len(fwd), "bwd_s": sum(bwd) / len(bwd),
-            "other_s": sum(other) / len(other), "vae_s": sum(vae) / len(vae), "overhead": (step_s - net) / step_s,
-            "framework": (step_s - net - sum(other) / len(other) - reward) / step_s,
-            "drift": max(r["diag/logprob_drift"] for r in rows)}
+    # per-step clock deltas: snapshot k is taken when step k is logged, so deltas start at step 2 (the first
+    # step includes one-off warm-up and is left out, as are its metrics rows)
+    delta = [[b[j] - a[j] for j in range(4)] for a, b in zip(per_step, per_step[1:])]
+    rows = rows[1:]
+    steps = []
+    for r, (fwd, bwd, other, vae) in zip(rows, delta):
+        step_s, reward = r["time/step_s"], r.get("time/reward_s", 0.0)
+        steps.append({"step_s": step_s, "rollout_s": r.get("time/rollout_s", 0.0), "reward_s": reward,
+                      "train_s": r.get("time/train_s", 0.0), "fwd_s": fwd, "bwd_s": bwd, "other_s": other,
+                      "vae_s": vae, "overhead": (step_s - fwd - bwd) / step_s,
+                      "framework": (step_s - fwd - bwd - other - reward) / step_s})
+    res = {k: spread_of([st[k] for st in steps]) for k in steps[0]}
+    res["model"] = name
+    res["drift"] = max(r["diag/logprob_drift"] for r in rows)
+    return res
+
+
+def decode_variants(path: Path, size: int, n: int, repeats: int) -> list[tuple[str, object, float]]:
+    """(variant, Spread of seconds, max |image - shipped image|) for the VAE decode of one rollout batch."""
+    import copy
+
+    from mmrl.diffusion.models import load_flow_model
+
+    model = load_flow_model(path)
+    z = model.initial_noise(n, size, size, torch.Generator().manual_seed(0))
+    vae_cl = copy.deepcopy(model.vae).to(memory_format=torch.channels_last)
+
+    def shipped():  # what sample_groups does: one decode per rollout micro-batch, under no_grad
+        with torch.no_grad():
+            return model.decode(z, size, size)
+
+    def inference():
+        with torch.inference_mode():
+            return model.decode(z, size, size)
+
+    def chunks(k):
+        def f():
+            with torch.no_grad():
+                return torch.cat([model.decode(z[i:i + k], size, size) for i in range(0, n, k)])
+        return f
+
+    def channels_last():
+        with torch.no_grad():
+            img = vae_cl.decode(z.contiguous(memory_format=torch.channels_last), return_dict=False)[0]
+        return (img.float() / 2 + 0.5).clamp(0, 1)  # scaling 1, shift 0 for the tiny VAE (as _vae_decode)
+
+    fns = {f"shipped (no_grad, batch {n})": shipped, "inference_mode": inference,
+           f"2 chunks of {n // 2}": chunks(n // 2), "1 image at a time": chunks(1), "channels_last": channels_last}
+    ref = shipped()
+    diffs = {k: float((f().contiguous() - ref).abs().max()) for k, f in fns.items()}
+    times = interleaved(fns, repeats=repeats, warmup=1)
+    return [(k, times[k], diffs[k]) for k in fns]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=6, help="training steps of the tiny model (the first is not measured)")
+    ap.add_argument("--medium-steps", type=int, default=3,
+                    help="training steps of the medium model (20-35 s each on one core; the first is not measured)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--models", default="tiny,medium", help="comma-separated subset of: tiny, medium")
     ap.add_argument("--prompts", type=int, default=0,
                     help="train on the first N prompts of shapes_train.txt (0 = all 146: every step sees new prompts)")
-    ap.add_argument("overrides", nargs="*", help="config overrides, e.g. train.num_inner_epochs=2")
+    ap.add_argument("--decode-repeats", type=int, default=7,
+                    help="interleaved rounds of the tiny VAE decode variants (0 = skip that table)")
+    ap.add_argument("overrides", nargs="*", help="config overrides, e.g. update.epochs=2")
     args = ap.parse_args()
+    if min(args.steps, args.medium_steps) < 2:
+        raise SystemExit(f"--steps and --medium-steps must be >= 2 (the first step is warm-up and not measured), "
+                         f"got {args.steps} and {args.medium_steps}")
     wanted = [m.strip() for m in args.models.split(",") if m.strip()]
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        models = {n: v for n, v in build_models(tmp).items() if n.split()[0] in wanted}
-        results = [bench(n, p, s, args.steps, tmp / f"run{i}", args.prompts, args.overrides)
-                   for i, (n, (p, s)) in enumerate(models.items())]
-    print(f"\nFlow-GRPO step on CPU ({args.threads} thread(s)); 4 prompts x 4 images, 8 steps, CFG 4.5, "
+        built = build_models(tmp)
+        models = {n: v for n, v in built.items() if n.split()[0] in wanted}
+        results = [bench(n, p, s, args.medium_steps if n.startswith("medium") else args.steps, tmp / f"run{i}",
+                         args.prompts, args.overrides) for i, (n, (p, s)) in enumerate(models.items())]
+        decode = decode_variants(*next(iter(built.values())), 16, args.decode_repeats) if args.decode_repeats else []
+    print(f"\nFlow-GRPO step on CPU ({machine()}); 4 prompts x 4 images, 8 steps, CFG 4.5, "
           f"LoRA r=8, beta 0.04, EMA; {args.prompts or 146} training prompts; "
-          f"{' '.join(args.overrides) or 'no overrides'}; mean over steps 2..{args.steps}\n")
+          f"{' '.join(args.overrides) or 'no overrides'}; steps 2..N are the repeats (N = {args.steps} tiny, "
+          f"{args.medium_steps} medium): seconds are medians, overheads min / median / max\n")
     print("| model | step s | rollout s | reward s | train s | transformer fwd s | transformer bwd s "
-          "| VAE + text enc s (VAE) | overhead | overhead excl. VAE/text/reward | max drift |")
+          "| VAE + text enc s (VAE) | overhead % | overhead excl. VAE/text/reward % | max drift |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['model']} | {r['step_s']:.2f} | {r['rollout_s']:.2f} | {r['reward_s']:.3f} | {r['train_s']:.2f} | "
-              f"{r['fwd_s']:.2f} | {r['bwd_s']:.2f} | {r['other_s']:.3f} ({r['vae_s']:.3f}) | "
-              f"{100 * r['overhead']:.1f}% | {100 * r['framework']:.1f}% | {r['drift']:.1e} |")
-    print(f"\ncommand: .venv/bin/python benchmarks/flow_grpo_step.py --steps {args.steps} --threads {args.threads} "
-          f"--models {args.models} --prompts {args.prompts} {' '.join(args.overrides)}".rstrip())
+        m = {k: v.median for k, v in r.items() if hasattr(v, "median")}
+        print(f"| {r['model']} | {m['step_s']:.2f} | {m['rollout_s']:.2f} | {m['reward_s']:.3f} | {m['train_s']:.2f} | "
+              f"{m['fwd_s']:.2f} | {m['bwd_s']:.2f} | {m['other_s']:.3f} ({m['vae_s']:.3f}) | "
+              f"**{r['overhead'].fmt(100, 1)}** | {r['framework'].fmt(100, 1)} | {r['drift']:.1e} |")
+    if decode:
+        print(f"\nVAE decode of one rollout batch, tiny model (16 images, 64 px), {args.decode_repeats} interleaved "
+              f"rounds after 1 warm-up\n")
+        print("| variant | ms min / median / max | max abs difference from shipped |")
+        print("|---|---|---|")
+        for k, t, d in decode:
+            print(f"| {k} | {t.fmt(1e3, 1)} | {d:.1e} |")
+    print(f"\ncommand: .venv/bin/python benchmarks/flow_grpo_step.py --steps {args.steps} "
+          f"--medium-steps {args.medium_steps} --threads {args.threads} "
+          f"--models {args.models} --prompts {args.prompts} --decode-repeats {args.decode_repeats} "
+          f"{' '.join(args.overrides)}".rstrip())
 
 
 if __name__ == "__main__":

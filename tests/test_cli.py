@@ -90,44 +90,44 @@ DPO_ON, DPO_OFF = "configs/diffusion/dpo_tiny_online.yaml", "configs/diffusion/d
 VLM, MT = "configs/vlm/grpo_tiny_shapes.yaml", "configs/vlm/multiturn_grid_tiny.yaml"
 
 BAD_CONFIGS = [  # (config, overrides, the one-line message); "{tmp}" is the test's tmp_path
-    (FLOW, ["data.prompts_per_step=0"], "data.prompts_per_step: expected >= 1, got 0"),  # IndexError before
-    (FLOW, ["sample.height=0"], "sample.height: expected >= 1, got 0"),
-    (FLOW, ["sample.num_steps=0"], "sample.num_steps: expected >= 1, got 0"),
-    (FLOW, ["sample.batch_size=-1"], "sample.batch_size: expected >= 0, got -1"),
+    (FLOW, ["rollout.prompts_per_step=0"], "rollout.prompts_per_step: expected >= 1, got 0"),  # IndexError before
+    (FLOW, ["rollout.height=0"], "rollout.height: expected >= 1, got 0"),
+    (FLOW, ["rollout.num_steps=0"], "rollout.num_steps: expected >= 1, got 0"),
+    (FLOW, ["rollout.micro_batch_size=-1"], "rollout.micro_batch_size: expected >= 0, got -1"),
     (FLOW, ["model.max_sequence_length=-1"], "model.max_sequence_length: expected >= 0, got -1"),
-    (FLOW, ["log.num_sample_images=0"], "log.num_sample_images: expected >= 1, got 0"),
+    (FLOW, ["log.num_samples=0"], "log.num_samples: expected >= 1, got 0"),
     (FLOW, ["data.train_prompts={tmp}/gone.txt"], "data.train_prompts: prompt file not found: {tmp}/gone.txt"),
     (FLOW, ["data.eval_prompts={tmp}/gone.txt"], "data.eval_prompts: prompt file not found: {tmp}/gone.txt"),
-    (NFT, ["data.prompts_per_step=0"], "data.prompts_per_step: expected >= 1, got 0"),
-    (NFT, ["sample.width=-8"], "sample.width: expected >= 1, got -8"),
-    (DPO_ON, ["data.prompts_per_step=0"], "data.prompts_per_step: expected >= 1, got 0"),
+    (NFT, ["rollout.prompts_per_step=0"], "rollout.prompts_per_step: expected >= 1, got 0"),
+    (NFT, ["rollout.width=-8"], "rollout.width: expected >= 1, got -8"),
+    (DPO_ON, ["rollout.prompts_per_step=0"], "rollout.prompts_per_step: expected >= 1, got 0"),
     (DPO_ON, ["data.train_prompts={tmp}/gone.txt"], "data.train_prompts: prompt file not found: {tmp}/gone.txt"),
     (DPO_OFF, ["data.preference_file={tmp}/gone.jsonl"], "data.preference_file: preference file not found"),
     (DPO_OFF, ["data.preference_file={tmp}/pairs.jsonl", "data.image_root={tmp}/no_images"],
      "data.image_root: image folder not found: {tmp}/no_images"),
-    (VLM, ["rollout.batch_size=0"], "rollout.batch_size: expected >= 1, got 0"),
-    (VLM, ["rollout.batch_size=-2"], "rollout.batch_size: expected >= 1, got -2"),
-    (VLM, ["rollout.n=1"], "rollout.n=1: algo.advantage=grpo compares the responses to one prompt"),
-    (VLM, ["rollout.n=1", "algo.advantage=rloo"], "rollout.n=1: algo.advantage=rloo"),
-    (VLM, ["rollout.n=1", "algo.advantage=reinforce_pp", "algo.dynamic_sampling=true"],
-     "rollout.n=1: algo.dynamic_sampling keeps only groups whose rewards differ"),
+    (VLM, ["rollout.prompts_per_step=0"], "rollout.prompts_per_step: expected >= 1, got 0"),
+    (VLM, ["rollout.prompts_per_step=-2"], "rollout.prompts_per_step: expected >= 1, got -2"),
+    (VLM, ["rollout.group_size=1"], "rollout.group_size=1: algo.advantage=grpo compares the responses to one prompt"),
+    (VLM, ["rollout.group_size=1", "algo.advantage=rloo"], "rollout.group_size=1: algo.advantage=rloo"),
+    (VLM, ["rollout.group_size=1", "algo.advantage=reinforce_pp", "algo.dynamic_sampling=true"],
+     "rollout.group_size=1: algo.dynamic_sampling keeps only groups whose rewards differ"),
     (VLM, ["rollout.engine=vllm"], "rollout.engine=vllm: vLLM is not installed"),
     (VLM, ["rollout.top_p=0"], "rollout.top_p: expected 0 < top_p <= 1, got 0"),
     (VLM, ["data.image_size=0"], "data.image_size: expected >= 4, got 0"),
     (VLM, ["data.n_shapes=[1]"], "data.n_shapes: expected [min, max], got [1]"),
     (VLM, ["data.colors=[]"], "colors, kinds and backgrounds must be non-empty"),  # a dry draw of the data
-    (VLM, ["warmup.batch_size=0"], "warmup.batch_size: expected >= 1, got 0"),
-    (VLM, ["log.n_samples=0"], "log.n_samples: expected >= 1, got 0"),
+    (VLM, ["warm_start.batch_size=0"], "warm_start.batch_size: expected >= 1, got 0"),
+    (VLM, ["log.num_samples=0"], "log.num_samples: expected >= 1, got 0"),
     (VLM, ["data.template={foo}"], "data.template: unknown placeholder 'foo'"),
     (VLM, ["data.template=what {question"], "data.template: 'what {question' is not a format string"),
-    (VLM, ["data.kind=geo3k", "warmup.sft_steps=0", "data.path={tmp}/gone.jsonl"],
+    (VLM, ["data.kind=geo3k", "warm_start.steps=0", "data.path={tmp}/gone.jsonl"],
      "data.path: data file not found: {tmp}/gone.jsonl"),
-    (MT, ["rollout.batch_size=0"], "rollout.batch_size: expected >= 1, got 0"),
-    (MT, ["rollout.groups_per_step=0"], "rollout.groups_per_step: expected >= 1, got 0"),
+    (MT, ["rollout.micro_batch_size=0"], "rollout.micro_batch_size: expected >= 1, got 0"),
+    (MT, ["rollout.prompts_per_step=0"], "rollout.prompts_per_step: expected >= 1, got 0"),
     (MT, ["rollout.max_turns=0"], "rollout.max_turns: expected >= 1, got 0"),
     (MT, ["rollout.max_seq_len=3"], "rollout.max_seq_len: expected >= 4, got 3"),
-    (MT, ["train.ppo_epochs=0"], "train.ppo_epochs: expected >= 1, got 0"),
-    (MT, ["train.micro_batch_size=0"], "train.micro_batch_size: expected >= 1, got 0"),
+    (MT, ["update.epochs=0"], "update.epochs: expected >= 1, got 0"),
+    (MT, ["update.micro_batch_size=0"], "update.micro_batch_size: expected >= 1, got 0"),
 ]
 
 
@@ -207,8 +207,8 @@ def test_demo_writes_under_the_current_directory_and_prints_the_absolute_run_dir
     cwd.mkdir()
     monkeypatch.chdir(cwd)
     monkeypatch.setenv("MMRL_NO_PROGRESS", "1")
-    assert cli.main(["demo", "diffusion", "train.max_steps=1", "train.save_every=0", "sample.num_steps=2",
-                     "sample.group_size=2", "sample.height=32", "sample.width=32", "data.prompts_per_step=1",
+    assert cli.main(["demo", "diffusion", "train.max_steps=1", "train.save_every=0", "rollout.num_steps=2",
+                     "rollout.group_size=2", "rollout.height=32", "rollout.width=32", "rollout.prompts_per_step=1",
                      "log.sample_every=0", "log.eval_every=0"]) == 0
     run_dir = cwd / "runs" / "demo_diffusion"
     assert (run_dir / "metrics.jsonl").is_file() and (run_dir / "config.yaml").is_file()

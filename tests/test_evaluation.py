@@ -187,7 +187,7 @@ def test_accuracy_hand_values():
 # ---------------------------------------------------------------------------------------- mmrl eval end to end
 
 EVAL_ARGS = ["--max-prompts", "3", "--samples-per-prompt", "2"]
-EVAL_OVERRIDES = ["sample.eval_num_steps=4"]
+EVAL_OVERRIDES = ["rollout.eval_num_steps=4"]
 
 
 @pytest.fixture(scope="module")
@@ -202,11 +202,12 @@ def trained_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("eval")
     d = yaml.safe_load((REPO / "configs" / "diffusion" / "flow_grpo_tiny.yaml").read_text())
     d["output_dir"] = str(root / "run")
-    d["model"].update(path=str(MODEL), lora_rank=4, lora_alpha=8)
+    d["model"].update(path=str(MODEL), lora={"rank": 4, "alpha": 8})
     d["data"].update(train_prompts=str(REPO / "assets" / "prompts" / "shapes_train.txt"),
-                     eval_prompts=str(EVAL_PROMPTS), prompts_per_step=2)
-    d["sample"].update(group_size=2, num_steps=3)
-    d["train"].update(max_steps=1, save_every=1, ema=True, ema_decay=0.5)
+                     eval_prompts=str(EVAL_PROMPTS))
+    d["rollout"].update(group_size=2, num_steps=3, prompts_per_step=2)
+    d["train"].update(max_steps=1, save_every=1)
+    d["algo"].update(ema=True, ema_decay=0.5)
     d["log"].update(eval_every=0, sample_every=0)
     d["reward"]["components"] = {"jpeg_incompressibility": 1.0, "prompt_color": {"weight": 0.5, "target": "background"}}
     cfg_path = root / "flow_grpo_eval.yaml"
@@ -239,8 +240,8 @@ def _independent_images(cfg_path, n_prompts, samples, checkpoint=None, state="de
         for i, item in enumerate(load_prompts(cfg.data.eval_prompts)[:n_prompts]):
             gen = torch.Generator().manual_seed(cfg.seed * 1000003 + i)
             traj = sample_groups(model, model.encode_prompts([item.prompt]), samples, num_steps=4,
-                                 height=cfg.sample.height, width=cfg.sample.width,
-                                 guidance_scale=cfg.sample.eval_guidance_scale, noise_level=0.0, generator=gen)
+                                 height=cfg.rollout.height, width=cfg.rollout.width,
+                                 guidance_scale=cfg.rollout.eval_guidance_scale, noise_level=0.0, generator=gen)
             out.append((traj.images.clamp(0, 1) * 255).round().to(torch.uint8))
     return torch.cat(out)
 
@@ -318,11 +319,11 @@ def test_eval_base_model_and_prompt_independent_seeds(trained_run, tmp_path):
     # the checkpoint's adapters change the images (same prompts, same noise)
     ckpt = _independent_images(cfg_path, 3, 2, run / "checkpoints" / "step_1")
     assert (images.float() - ckpt.float()).abs().max() > 0
-    # no checkpoint but model.init_lora_path: the policy a run starts from (here the checkpoint's own adapter)
+    # no checkpoint but model.lora.init_path: the policy a run starts from (here the checkpoint's own adapter)
     init = run / "checkpoints" / "step_1" / "adapters" / "default"
     out_init = tmp_path / "init"
     assert main(["eval", str(cfg_path), "--out", str(out_init), *EVAL_ARGS, *EVAL_OVERRIDES,
-                 f"model.init_lora_path={init}"]) == 0
+                 f"model.lora.init_path={init}"]) == 0
     report_init, images_init = _check_report_against_files(out_init, cfg_path)
     assert report_init["policy"]["state"] == "init_lora_path" and torch.equal(images_init, ckpt)
     # prompt i's noise has its own seed: evaluating only the first prompt reproduces its images

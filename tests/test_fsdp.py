@@ -201,9 +201,9 @@ def test_policy_states_under_fsdp(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- the recipe
 
-OVERRIDES = ["data.prompts_per_step=2", "sample.group_size=4", "sample.num_steps=4", "sample.eval_num_steps=2",
-             "log.eval_every=2", "log.eval_max_prompts=2", "log.sample_every=0", "train.ema=true",
-             "train.micro_batch_size=3", "train.updates_per_step=2", "train.num_inner_epochs=2", "train.save_every=2"]
+OVERRIDES = ["rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.num_steps=4", "rollout.eval_num_steps=2",
+             "log.eval_every=2", "log.eval_max_prompts=2", "log.sample_every=0", "algo.ema=true",
+             "update.micro_batch_size=3", "update.mini_batch_size=4", "update.epochs=2", "train.save_every=2"]
 
 
 def _train(out: Path, strategy: str, max_steps: int, nproc: int = 2) -> float:
@@ -244,7 +244,7 @@ def test_flow_grpo_fsdp_equals_ddp_and_resumes(tmp_path):
     m_f, m_d = _metrics(fsdp), _metrics(ddp)
     assert [m["step"] for m in m_f] == [1, 2]
     for mf, md in zip(m_f, m_d):
-        for key in ("reward/mean", "train/loss", "policy/kl", "train/grad_norm"):
+        for key in ("reward/mean", "policy/loss", "kl/ref", "policy/grad_norm"):
             assert abs(mf[key] - md[key]) <= 1e-6 * max(1.0, abs(md[key])), (key, mf[key], md[key])
         assert mf["train/updates"] == 4
         # FSDP re-runs the reference forwards of inner epoch 2 (no cache: equal forwards on every rank)
@@ -291,7 +291,9 @@ def _flow_grpo_tests():
 def _one_update_fsdp(tfg, model_path, scenario, ctx):
     """test_flow_grpo._one_update with the transformer sharded by FSDP2 (wrap, refresh, then the optimizer)."""
     from mmrl.diffusion.common import build_policy_states
-    from mmrl.diffusion.flow_grpo import PerPromptStatTracker, _train_on_rollout, global_advantages
+    from mmrl.core.prompt_stats import PerPromptStatTracker
+    from mmrl.diffusion.grpo_update import train_on_rollout
+    from mmrl.diffusion.scoring import global_advantages
     from mmrl.diffusion.models import load_flow_model
     from mmrl.diffusion.sampling import Trajectory, sample_groups
     from mmrl.runtime import Timer, seed_everything
@@ -299,7 +301,7 @@ def _one_update_fsdp(tfg, model_path, scenario, ctx):
     P, G = tfg.P, tfg.G
     cfg = tfg._equality_cfg(model_path)
     cfg.dist.strategy = "fsdp"
-    s, t = cfg.sample, cfg.train
+    s, t = cfg.rollout, cfg.optim
     model = load_flow_model(model_path)
     seed_everything(0)
     states = build_policy_states(model, cfg.model, old=True, ref=True)
@@ -322,9 +324,9 @@ def _one_update_fsdp(tfg, model_path, scenario, ctx):
     scores = torch.tensor(tfg.SCENARIOS[scenario]).flatten()[rows]
     prompts = [prompts_all[i] for i in full.prompt_index[rows].tolist()]
     tracker = PerPromptStatTracker("group", history=4)
-    adv, keep, adv_metrics = global_advantages(ctx, tracker, prompts, scores, t.adv_clip_max, True)
+    adv, keep, adv_metrics = global_advantages(ctx, tracker, prompts, scores, cfg.algo.adv_clip_max, True)
     torch.manual_seed(100 + ctx.rank)
-    out = _train_on_rollout(cfg, model, states, traj, adv, keep, opt, sched, params, Timer(), ctx)
+    out = train_on_rollout(cfg, model, states, traj, adv, keep, opt, sched, params, Timer(), ctx)
     sd = states.state_dict()["states"]  # gathered
     return {"default": sd["default"], "n_keep": len(keep), "metrics": {**out, **adv_metrics}}
 

@@ -6,10 +6,10 @@
 
 What it does, top to bottom:
   1. the config's flow model (`model.path`), with a checkpoint's adapters applied (state "default", or "old" =
-     the EMA / old policy) or, without a checkpoint, the base model (plus `model.init_lora_path` when set: the
+     the EMA / old policy) or, without a checkpoint, the base model (plus `model.lora.init_path` when set: the
      policy a run starts from);
   2. deterministic ODE sampling (noise_level 0) of `samples_per_prompt` images per prompt with
-     `sample.eval_num_steps` / `sample.eval_guidance_scale` / `sample.height` x `sample.width`; prompt i's
+     `rollout.eval_num_steps` / `rollout.eval_guidance_scale` / `rollout.height` x `rollout.width`; prompt i's
      initial noise comes from its own generator seeded `seed * 1_000_003 + i`, so an image does not depend on
      which other prompts are evaluated;
   3. the images are rounded to 8 bits and saved (`images/p<i>_s<j>.png`); everything below scores those saved
@@ -89,7 +89,7 @@ def state_dir(adapters: Path, state: str) -> Path:
         have = json.loads(index.read_text()).get("written", []) if index.is_file() else \
             sorted(d.name for d in Path(adapters).iterdir() if d.is_dir())
         raise FileNotFoundError(f"checkpoint {adapters}: no policy state {state!r} (saved: {have}; 'old' exists only "
-                                f"for runs that keep one, e.g. train.ema: true)")
+                                f"for runs that keep one, e.g. algo.ema: true)")
     return sub
 
 
@@ -159,7 +159,7 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
              max_prompts: int = 0, batch_size: int = 8, grid_images: int = 32, config_file: str | None = None,
              overrides: Sequence[str] = ()) -> dict:
     """Evaluate the diffusion policy of `cfg` (see the module docstring); returns the report (also written)."""
-    from mmrl.diffusion.common import load_reward_fn
+    from mmrl.diffusion.scoring import load_reward_fn
     from mmrl.diffusion.models import load_flow_model
     from mmrl.diffusion.sampling import sample_groups
     from mmrl.pipelines.data import load_prompts
@@ -195,17 +195,17 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
     t0 = time.perf_counter()
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    device, s = resolve_device(cfg.device), cfg.sample
+    device, s = resolve_device(cfg.device), cfg.rollout
     reward_fn = load_reward_fn(cfg.reward.components, device)
     model = load_flow_model(cfg.model.path, device, resolve_dtype(cfg.dtype), cfg.model.max_sequence_length or None)
     if adapters is not None:
         policy = {"checkpoint": str(adapters), "step": step, **apply_checkpoint(model, adapters, state)}
-    elif cfg.model.init_lora_path:
+    elif cfg.model.lora.init_path:
         from mmrl.adapters import PolicyStates
 
-        model.transformer = PolicyStates(model.transformer, None, ref_adapter_path=cfg.model.init_lora_path).model
+        model.transformer = PolicyStates(model.transformer, None, ref_adapter_path=cfg.model.lora.init_path).model
         policy = {"checkpoint": None, "step": None, "mode": "lora", "state": "init_lora_path",
-                  "weights": cfg.model.init_lora_path}
+                  "weights": cfg.model.lora.init_path}
     else:
         policy = {"checkpoint": None, "step": None, "mode": "base", "state": None}
     model.transformer.eval()

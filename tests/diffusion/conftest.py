@@ -12,6 +12,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MMRL_NO_PROGRESS", "1")
 
 
+# every metrics.jsonl key of a recipe starts with one of these (issue 12's naming scheme), or is "step"
+METRIC_PREFIXES = ("reward/", "policy/", "kl/", "train/", "rollout/", "eval/", "time/", "diag/", "cost/", "dist/")
+
+
+@pytest.fixture
+def check_metric_names():
+    """Assert that every key of every metrics row starts with one of METRIC_PREFIXES (or is "step")."""
+
+    def check(rows):
+        keys = sorted({k for r in rows for k in r})
+        bad = [k for k in keys if k != "step" and not k.startswith(METRIC_PREFIXES)]
+        assert rows and not bad, f"metric names outside {METRIC_PREFIXES}: {bad}"
+        return keys
+
+    return check
+
+
 @pytest.fixture(scope="session")
 def tiny_sd3_path(tmp_path_factory):
     from mmrl.tiny import build_tiny_sd3

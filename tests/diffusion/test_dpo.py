@@ -10,7 +10,8 @@ import torch
 
 from mmrl.config import load_config
 from mmrl.diffusion.common import LatentCache, flow_matching_mse, noise_latents, sample_sigmas
-from mmrl.diffusion.dpo import Config, build_pairs, make_shapes_preference_file, train
+from mmrl.core.pairing import build_pairs
+from mmrl.diffusion.dpo import Config, make_shapes_preference_file, train
 from mmrl.testing import child_env, metrics_rows, run_torchrun, spawn_ranks, without_time
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,12 +28,14 @@ def pairs_file(tmp_path_factory):
 def _cfg(out, model_path, overrides=(), **sections) -> Config:
     d = {
         "algorithm": "dpo", "output_dir": str(out), "seed": 7, "device": "cpu",
-        "model": {"path": str(model_path), "lora_rank": 4, "lora_alpha": 8},
-        "data": {"train_prompts": PROMPTS, "prompts_per_step": 2, "pairs_per_step": 4},
-        "sample": {"height": 64, "width": 64, "num_steps": 3, "group_size": 3, "guidance_scale": 1.0,
-                   "eval_num_steps": 2},
-        "dpo": {"mode": "online", "beta": 100.0, "pairing": "all_pairs", "sigma_shift": 1.0},
-        "train": {"max_steps": 2, "save_every": 0, "micro_batch_size": 2, "lr": 1e-3},
+        "model": {"path": str(model_path), "lora": {"rank": 4, "alpha": 8}},
+        "data": {"train_prompts": PROMPTS, "pairs_per_step": 4},
+        "rollout": {"prompts_per_step": 2, "height": 64, "width": 64, "num_steps": 3, "group_size": 3,
+                    "guidance_scale": 1.0, "eval_num_steps": 2},
+        "algo": {"mode": "online", "beta": 100.0, "pairing": "all_pairs", "sigma_shift": 1.0},
+        "train": {"max_steps": 2, "save_every": 0},
+        "optim": {"lr": 1e-3},
+        "update": {"micro_batch_size": 2},
         "reward": {"components": {"jpeg_compressibility": 1.0}},
         "log": {"sample_every": 0},
     }
@@ -89,52 +92,69 @@ def test_training_points_by_hand():
 
 def test_log2_at_init_offline(tmp_path, tiny_sd3_path, pairs_file):
     """LoRA B starts at 0, so the policy equals the reference (adapters off) bitwise: zero margin, loss log 2."""
-    cfg = _cfg(tmp_path / "run", tiny_sd3_path, ["train.max_steps=1", "dpo.mode=offline",
+    cfg = _cfg(tmp_path / "run", tiny_sd3_path, ["train.max_steps=1", "algo.mode=offline",
                                                  f"data.preference_file={pairs_file}"])
     train(cfg)
     row = metrics_rows(tmp_path / "run")[0]
-    assert row["dpo/reward_margin"] == 0.0 and row["dpo/kl_proxy"] == 0.0
-    assert row["dpo/loss"] == pytest.approx(math.log(2), abs=1e-7)
-    assert row["dpo/implicit_acc"] == 0.0  # ties count as wrong
+    assert row["policy/reward_margin"] == 0.0 and row["kl/ref_proxy"] == 0.0
+    assert row["policy/loss"] == pytest.approx(math.log(2), abs=1e-7)
+    assert row["policy/implicit_acc"] == 0.0  # ties count as wrong
     assert row["reward/mean"] == 0.0 and row["reward/std"] == 0.0  # offline reward = implicit margin
     assert row["cost/transformer_evals"] == 4 * 2 * 2  # 4 pairs x (chosen, rejected) x (policy, ref)
 
 
 def test_log2_at_init_full_finetuning(tmp_path, tiny_sd3_path):
-    cfg = _cfg(tmp_path / "run", tiny_sd3_path, ["train.max_steps=1", "model.lora=false"])
+    cfg = _cfg(tmp_path / "run", tiny_sd3_path, ["train.max_steps=1", "model.lora.rank=0"])
     train(cfg)
     row = metrics_rows(tmp_path / "run")[0]
-    assert row["dpo/reward_margin"] == 0.0 and row["dpo/loss"] == pytest.approx(math.log(2), abs=1e-7)
-    assert row["dpo/pairs"] == row["dpo/pairs_trained"] > 0
-    for key in ("reward/mean", "reward/std", "reward/jpeg_compressibility", "time/step_s", "dpo/pair_gap"):
+    assert row["policy/reward_margin"] == 0.0 and row["policy/loss"] == pytest.approx(math.log(2), abs=1e-7)
+    assert row["rollout/pairs"] == row["train/pairs"] > 0
+    for key in ("reward/mean", "reward/std", "reward/jpeg_compressibility", "time/step_s", "rollout/pair_gap"):
         assert key in row
+
+
+@pytest.mark.parametrize("mode", ["online", "offline"])
+def test_renamed_keys_and_metric_names(tmp_path, tiny_sd3_path, pairs_file, mode, check_metric_names):
+    from mmrl.config import ConfigError
+
+    for old, new in [("dpo.beta", "algo.beta"), ("sample.noise_level", "rollout.noise_level"),
+                     ("train.micro_batch_size", "update.micro_batch_size"), ("model.lora_rank", "model.lora.rank")]:
+        with pytest.raises(ConfigError, match=f"config key '{old}' was renamed to '{new}'"):
+            _cfg(tmp_path, tiny_sd3_path, [f"{old}=2"])
+    out = tmp_path / mode
+    train(_cfg(out, tiny_sd3_path, ["train.max_steps=1", f"algo.mode={mode}", f"data.preference_file={pairs_file}",
+                                    f"data.eval_prompts={PROMPTS}", "log.eval_every=1", "log.eval_max_prompts=2"]))
+    keys = check_metric_names(metrics_rows(out))
+    for key in ("policy/loss", "policy/implicit_acc", "kl/ref_proxy", "policy/lr", "train/pairs", "eval/reward/mean"):
+        assert key in keys, key
+    assert ("rollout/pairs" in keys) == (mode == "online") and ("eval/policy/implicit_acc" in keys) == (mode != "online")
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(str(REPO / "configs" / "diffusion" / "dpo_*.yaml"))))
 def test_shipped_configs_load(path):
     cfg = load_config(path)
-    assert cfg.algorithm == "dpo" and cfg.dpo.mode in ("offline", "online")
+    assert cfg.algorithm == "dpo" and cfg.algo.mode in ("offline", "online")
 
 
 def test_published_hyperparameters():
     """SalesforceAIResearch/DiffusionDPO: beta_dpo 5000, lr 1e-8 x batch 2048, warm-up 500, 2000 steps."""
     cfg = load_config(REPO / "configs" / "diffusion" / "dpo_sd35_pickapic.yaml")
-    assert (cfg.dpo.beta, cfg.data.pairs_per_step, cfg.train.max_steps, cfg.train.warmup_steps) == (5000.0, 2048, 2000, 500)
-    assert cfg.train.lr == pytest.approx(1e-8 * 2048)
+    assert (cfg.algo.beta, cfg.data.pairs_per_step, cfg.train.max_steps, cfg.optim.warmup_steps) == (5000.0, 2048, 2000, 500)
+    assert cfg.optim.lr == pytest.approx(1e-8 * 2048)
 
 
 def test_bad_config_errors(tmp_path, tiny_sd3_path):
     with pytest.raises(ValueError, match="preference_file"):
-        train(_cfg(tmp_path / "a", tiny_sd3_path, ["dpo.mode=offline"]))
-    with pytest.raises(ValueError, match="dpo.mode"):
-        train(_cfg(tmp_path / "b", tiny_sd3_path, ["dpo.mode=replay"]))
+        train(_cfg(tmp_path / "a", tiny_sd3_path, ["algo.mode=offline"]))
+    with pytest.raises(ValueError, match="algo.mode"):
+        train(_cfg(tmp_path / "b", tiny_sd3_path, ["algo.mode=replay"]))
     with pytest.raises(FileNotFoundError):
-        train(_cfg(tmp_path / "c", tiny_sd3_path, ["dpo.mode=offline", f"data.preference_file={tmp_path}/none.jsonl"]))
+        train(_cfg(tmp_path / "c", tiny_sd3_path, ["algo.mode=offline", f"data.preference_file={tmp_path}/none.jsonl"]))
 
 
 @pytest.mark.parametrize("mode", ["online", "offline"])
 def test_resume_equals_uninterrupted_run(tmp_path, tiny_sd3_path, pairs_file, mode):
-    extra = ["dpo.mode=" + mode, f"data.preference_file={pairs_file}", "train.save_every=2", "log.eval_every=2",
+    extra = ["algo.mode=" + mode, f"data.preference_file={pairs_file}", "train.save_every=2", "log.eval_every=2",
              "log.eval_max_prompts=4"]
     train(_cfg(tmp_path / "full", tiny_sd3_path, ["train.max_steps=4"] + extra))
     train(_cfg(tmp_path / "half", tiny_sd3_path, ["train.max_steps=2"] + extra))
@@ -145,7 +165,7 @@ def test_resume_equals_uninterrupted_run(tmp_path, tiny_sd3_path, pairs_file, mo
     if mode == "offline":
         # the latents encoded before the interruption were read back, not encoded again
         cache = LatentCache(tmp_path / "half" / "latent_cache", 64, 64)
-        assert cache.loaded_from_disk >= b[-1]["dpo/latents_cached"] > 0
+        assert cache.loaded_from_disk >= b[-1]["diag/latents_cached"] > 0
 
 
 def test_latent_cache_reuse(tmp_path, tiny_sd3, pairs_file):
@@ -179,7 +199,7 @@ def test_offline_dpo_raises_implicit_accuracy(tmp_path, tiny_sd3_path):
                        "train.max_steps=40", "log.eval_every=20", "log.eval_max_prompts=16", "train.resume=never",
                        "train.save_every=0"])
     train(cfg)
-    evals = [r["eval/dpo/implicit_acc"] for r in metrics_rows(tmp_path / "run") if "eval/dpo/implicit_acc" in r]
+    evals = [r["eval/policy/implicit_acc"] for r in metrics_rows(tmp_path / "run") if "eval/policy/implicit_acc" in r]
     print("offline DPO eval implicit accuracy (16 pairs x 4 fixed draws):", evals)
     assert evals[-1] > 0.5
 
@@ -199,13 +219,13 @@ def test_online_dpo_tiny_raises_reward(tmp_path):
 
 def test_evaluation_does_not_change_training(tmp_path, tiny_sd3_path, pairs_file):
     """Offline evaluation draws its noise from its own generator: the training metrics are identical."""
-    extra = ["dpo.mode=offline", f"data.preference_file={pairs_file}", "train.max_steps=3", "log.eval_max_prompts=6"]
+    extra = ["algo.mode=offline", f"data.preference_file={pairs_file}", "train.max_steps=3", "log.eval_max_prompts=6"]
     train(_cfg(tmp_path / "a", tiny_sd3_path, extra + ["log.eval_every=1"]))
     train(_cfg(tmp_path / "b", tiny_sd3_path, extra + ["log.eval_every=0"]))
     a, b = metrics_rows(tmp_path / "a"), metrics_rows(tmp_path / "b")
-    assert all("eval/dpo/implicit_acc" in r for r in a) and not any("eval/dpo/implicit_acc" in r for r in b)
+    assert all("eval/policy/implicit_acc" in r for r in a) and not any("eval/policy/implicit_acc" in r for r in b)
     drop = lambda r: {k: v for k, v in without_time(r).items()  # noqa: E731
-                      if not k.startswith("eval/") and k not in ("dpo/latents_cached", "cost/transformer_evals")}
+                      if not k.startswith("eval/") and k not in ("diag/latents_cached", "cost/transformer_evals")}
     assert [drop(r) for r in a] == [drop(r) for r in b]
 
 
@@ -239,20 +259,20 @@ def test_torchrun_online_two_processes_then_resume_with_one(tmp_path):
         pytest.skip("assets/tiny_sd3_shapes not built")
     out = tmp_path / "ddp"
     args = ["configs/diffusion/dpo_tiny_online.yaml", f"output_dir={out}", f"model.path={SHAPES_MODEL}",
-            "train.save_every=1", "data.prompts_per_step=2", "sample.group_size=3", "sample.num_steps=3",
-            "train.micro_batch_size=2", "log.sample_every=1", "log.eval_every=0", "dist.backend=gloo"]
+            "train.save_every=1", "rollout.prompts_per_step=2", "rollout.group_size=3", "rollout.num_steps=3",
+            "update.micro_batch_size=2", "log.sample_every=1", "log.eval_every=0", "dist.backend=gloo"]
     env = child_env()
-    bad = run_torchrun(["-m", "mmrl.cli", "train", *args, "data.prompts_per_step=3", "dist.strategy=ddp"], cwd=REPO,
+    bad = run_torchrun(["-m", "mmrl.cli", "train", *args, "rollout.prompts_per_step=3", "dist.strategy=ddp"], cwd=REPO,
                        env=env)
     assert bad.returncode != 0
-    assert "data.prompts_per_step=3 (global) must be divisible by the number of processes (2)" in bad.stderr
+    assert "rollout.prompts_per_step=3 (global, over all processes) must be divisible by the number of processes (2)" in bad.stderr
     two = run_torchrun(["-m", "mmrl.cli", "train", *args, "train.max_steps=2", "dist.strategy=ddp"], cwd=REPO, env=env)
     assert two.returncode == 0, f"torchrun failed:\n{two.stdout[-2000:]}\n{two.stderr[-5000:]}"
     rows = metrics_rows(out)
     assert [r["step"] for r in rows] == [1, 2]  # rank 0 alone logs
     for r in rows:  # all_pairs inside each of the 2 global groups of 3 images: at most 3 pairs per group
-        assert 0 < r["dpo/pairs"] == r["dpo/pairs_trained"] <= 6 and math.isfinite(r["dpo/loss"])
-    assert rows[0]["dpo/implicit_acc"] == 0.0 and rows[0]["dpo/loss"] == pytest.approx(math.log(2), abs=1e-6)
+        assert 0 < r["rollout/pairs"] == r["train/pairs"] <= 6 and math.isfinite(r["policy/loss"])
+    assert rows[0]["policy/implicit_acc"] == 0.0 and rows[0]["policy/loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert sorted(os.listdir(out / "checkpoints")) == ["step_1", "step_2"]
     assert (out / "samples" / "step_000001.png").is_file()
     one = subprocess.run([sys.executable, "-m", "mmrl.cli", "train", *args, "train.max_steps=3"],
@@ -265,7 +285,7 @@ def test_torchrun_online_two_processes_then_resume_with_one(tmp_path):
     assert (out / "checkpoints" / "step_3" / "COMPLETE").is_file()
 
 
-# One optimizer update of `_dpo_update`, 2 ranks (this file run as a script, torch.multiprocessing.spawn) vs one
+# One optimizer update of `dpo_update`, 2 ranks (this file run as a script, torch.multiprocessing.spawn) vs one
 # process on all pairs. The recipe draws a noise level and noise per micro-batch; the test fixes the level and
 # makes the noise a function of the pair (seeded by its chosen latent), so both set-ups train on the same points.
 N_PAIRS = 4
@@ -281,12 +301,12 @@ def _pair_noise(x):
 
 
 def _one_dpo_update(model_path, split, ctx):
-    import mmrl.diffusion.dpo as dpo_mod
+    import mmrl.diffusion.dpo_update as dpo_mod
     from mmrl.diffusion.common import build_policy_states
     from mmrl.diffusion.models import load_flow_model
     from mmrl.runtime import Timer, seed_everything
 
-    cfg = _cfg("/tmp/unused", model_path, train={"micro_batch_size": 2, "lr": 1e-3})
+    cfg = _cfg("/tmp/unused", model_path, update={"micro_batch_size": 2}, optim={"lr": 1e-3})
     model = load_flow_model(model_path)
     seed_everything(0)  # identical LoRA init everywhere
     states = build_policy_states(model, cfg.model, old=False, ref=True)
@@ -309,7 +329,7 @@ def _one_dpo_update(model_path, split, ctx):
     randn_like, sigmas = torch.randn_like, dpo_mod.sample_sigmas
     torch.randn_like, dpo_mod.sample_sigmas = _pair_noise, lambda n, *a, **k: torch.full((n,), 0.6)
     try:
-        m = dpo_mod._dpo_update(cfg, model, states, x_w[rows], x_l[rows], embeds.select(rows), 1.0, opt, sched,
+        m = dpo_mod.dpo_update(cfg, model, states, x_w[rows], x_l[rows], embeds.select(rows), 1.0, opt, sched,
                                 params, Timer(), ctx, pad)
     finally:
         torch.randn_like, dpo_mod.sample_sigmas = randn_like, sigmas
@@ -336,15 +356,15 @@ def test_two_ranks_one_update_equals_one_process(tmp_path, tiny_sd3_path):
     assert proc.returncode == 0, f"2-rank run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     one = _one_dpo_update(tiny_sd3_path, "even", DistContext())
-    assert one["moved"] > 1e-4 and one["metrics"]["dpo/pairs_trained"] == N_PAIRS
+    assert one["moved"] > 1e-4 and one["metrics"]["train/pairs"] == N_PAIRS
     for name in SPLITS:
         r0, r1 = ranks[0][name], ranks[1][name]
         assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in r0["params"])  # same weights everywhere
         diff = max((r0["params"][k] - v).abs().max().item() for k, v in one["params"].items())
         print(f"[{name}] max |LoRA param diff| 2 ranks vs 1 process: {diff:.2e} (update {one['moved']:.2e})")
         assert diff < 1e-6
-        for key in ("dpo/pairs_trained", "dpo/loss", "dpo/implicit_acc", "dpo/reward_margin", "dpo/model_mse",
-                    "dpo/reward_margin_std", "train/grad_norm"):
+        for key in ("train/pairs", "policy/loss", "policy/implicit_acc", "policy/reward_margin", "policy/model_mse",
+                    "policy/reward_margin_std", "policy/grad_norm"):
             assert r0["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5, abs=1e-7), key
 
 
@@ -372,7 +392,7 @@ def test_online_nan_reward_error_or_pairs_without_it(tmp_path, tiny_sd3_path, mo
     (scores, gids), = seen
     assert len(scores) == 5 and bool(torch.isfinite(scores).all()) and gids.tolist() == [0, 0, 1, 1, 1]
     (row,) = metrics_rows(tmp_path / "drop")
-    assert row["reward/nonfinite_samples"] == 1 and row["dpo/pairs"] > 0 and math.isfinite(row["dpo/loss"])
+    assert row["reward/nonfinite_samples"] == 1 and row["rollout/pairs"] > 0 and math.isfinite(row["policy/loss"])
 
 
 if __name__ == "__main__":  # 2 ranks for test_two_ranks_one_update_equals_one_process

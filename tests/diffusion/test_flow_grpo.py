@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from mmrl.config import load_config
-from mmrl.diffusion.flow_grpo import Config, PerPromptStatTracker, train
+from mmrl.core.prompt_stats import PerPromptStatTracker
+from mmrl.diffusion.flow_grpo import Config, train
 from mmrl.testing import child_env, metrics_rows, run_torchrun, spawn_ranks, without_time
 
 REPO = Path(__file__).resolve().parents[2]
@@ -20,12 +21,14 @@ EVAL_PROMPTS = str(REPO / "assets" / "prompts" / "shapes_eval.jsonl")
 def _cfg(out, model_path, overrides=(), **sections) -> Config:
     d = {
         "algorithm": "flow_grpo", "output_dir": str(out), "seed": 3,
-        "model": {"path": str(model_path), "lora_rank": 4, "lora_alpha": 8},
-        "data": {"train_prompts": PROMPTS, "prompts_per_step": 2},
-        "sample": {"height": 64, "width": 64, "num_steps": 3, "group_size": 3, "guidance_scale": 1.0,
-                   "eval_num_steps": 2, "timestep_fraction": 0.99},
-        "train": {"max_steps": 2, "save_every": 0, "micro_batch_size": 4, "updates_per_step": 2, "beta": 0.0,
-                  "ema": False, "lr": 1e-3},
+        "model": {"path": str(model_path), "lora": {"rank": 4, "alpha": 8}},
+        "data": {"train_prompts": PROMPTS},
+        "rollout": {"prompts_per_step": 2, "height": 64, "width": 64, "num_steps": 3, "group_size": 3,
+                    "guidance_scale": 1.0, "eval_num_steps": 2, "timestep_fraction": 0.99},
+        "train": {"max_steps": 2, "save_every": 0},
+        "optim": {"lr": 1e-3},
+        "update": {"micro_batch_size": 4, "mini_batch_size": 3},  # 2 updates per epoch over 2 x 3 samples
+        "algo": {"kl": {"coef": 0.0}, "ema": False},
         "reward": {"components": {"jpeg_compressibility": 1.0}},
         "log": {"sample_every": 0},
     }
@@ -68,16 +71,17 @@ def test_stat_tracker_hand_values_and_state():
 @pytest.mark.parametrize("path", sorted(glob.glob(str(REPO / "configs" / "diffusion" / "flow_grpo_*.yaml"))))
 def test_shipped_configs_load(path):
     cfg = load_config(path)
-    assert cfg.algorithm == "flow_grpo" and cfg.sample.group_size >= 2
+    assert cfg.algorithm == "flow_grpo" and cfg.rollout.group_size >= 2
 
 
 def test_published_hyperparameters():
     cfg = load_config(REPO / "configs" / "diffusion" / "flow_grpo_sd35_pickscore.yaml")
-    s, t = cfg.sample, cfg.train
+    s, a = cfg.rollout, cfg.algo
     assert (s.height, s.num_steps, s.group_size, s.noise_level, s.guidance_scale) == (512, 10, 24, 0.7, 4.5)
-    assert (t.lr, t.clip_range, t.beta, cfg.model.lora_rank, cfg.model.lora_alpha) == (3e-4, 1e-4, 0.01, 32, 64)
+    lora = cfg.model.lora
+    assert (cfg.optim.lr, a.clip_range, a.kl.coef, lora.rank, lora.alpha) == (3e-4, 1e-4, 0.01, 32, 64)
     assert s.timestep_fraction == 0.99 and cfg.reward.std_mode == "global"
-    assert load_config(REPO / "configs" / "diffusion" / "flow_grpo_sd35_ocr.yaml").train.beta == 0.04
+    assert load_config(REPO / "configs" / "diffusion" / "flow_grpo_sd35_ocr.yaml").algo.kl.coef == 0.04
 
 
 def test_clear_errors(tmp_path, tiny_sd3_path):
@@ -88,9 +92,52 @@ def test_clear_errors(tmp_path, tiny_sd3_path):
     with pytest.raises(FileNotFoundError, match="prompt file not found: .*nowhere.txt"):
         train(_cfg(tmp_path / "c", tiny_sd3_path, data={"train_prompts": str(tmp_path / "nowhere.txt")}))
     with pytest.raises(ValueError, match="sde_type"):
-        train(_cfg(tmp_path / "d", tiny_sd3_path, sample={"sde_type": "ddpm"}))
-    with pytest.raises(Exception, match="unknown config key 'sample.group'"):
-        _cfg(tmp_path / "e", tiny_sd3_path, ["sample.group=3"])
+        train(_cfg(tmp_path / "d", tiny_sd3_path, rollout={"sde_type": "ddpm"}))
+    with pytest.raises(Exception, match="unknown config key 'rollout.group'"):
+        _cfg(tmp_path / "e", tiny_sd3_path, ["rollout.group=3"])
+
+
+def test_renamed_keys_name_their_replacement(tmp_path, tiny_sd3_path):
+    from mmrl.config import ConfigError
+    from mmrl.diffusion.flow_grpo import RENAMED_KEYS
+
+    for old, new in [("sample.group_size", "rollout.group_size"), ("train.beta", "algo.kl.coef"),
+                     ("train.updates_per_step", "update.mini_batch_size"), ("model.lora_rank", "model.lora.rank"),
+                     ("data.prompts_per_step", "rollout.prompts_per_step"), ("train.lr", "optim.lr"),
+                     ("sample.batch_size", "rollout.micro_batch_size"), ("train.num_inner_epochs", "update.epochs")]:
+        assert RENAMED_KEYS.get(old, new) == new  # listed, or under a renamed section
+        with pytest.raises(ConfigError, match=f"config key '{old}' was renamed to '{new}'"):
+            _cfg(tmp_path, tiny_sd3_path, [f"{old}=2"])
+    with pytest.raises(ConfigError, match="config section 'sample' was renamed to 'rollout'"):
+        load_config({"algorithm": "flow_grpo", "sample": {"group_size": 4}})
+    with pytest.raises(ValueError, match=r"update.mini_batch_size=4 must divide the rollout batch .* = 6\)"):
+        train(_cfg(tmp_path / "mb", tiny_sd3_path, ["update.mini_batch_size=4"]))
+
+
+@pytest.mark.parametrize("algo, optim, update, kl", [("flow_grpo", (3e-4, 1e-4), (48, 8), 0.04),
+                                                      ("nft", (3e-4, 1e-4), (0, 9), 1e-4), ("dpo", (1e-5, 1e-2), (0, 4), None)])
+def test_partial_sections_keep_the_recipe_defaults(algo, optim, update, kl):
+    """A YAML that gives one key of optim/update/algo.kl keeps the recipe's defaults for the others (the sections
+    are recipe subclasses, not shared classes built with other values)."""
+    d = {"algorithm": algo, "optim": {"eps": 1e-6}, "update": {"max_grad_norm": 2.0}}
+    if kl is not None:
+        d["algo"] = {"kl": {"in_reward": False}}
+    cfg = load_config(d)
+    assert (cfg.optim.lr, cfg.optim.weight_decay) == optim and cfg.optim.eps == 1e-6
+    assert (cfg.update.mini_batch_size, cfg.update.micro_batch_size) == update and cfg.update.max_grad_norm == 2.0
+    assert kl is None or cfg.algo.kl.coef == kl
+
+
+def test_metric_names(tmp_path, tiny_sd3_path, check_metric_names):
+    """Every key Flow-GRPO logs (KL, EMA, evaluation, dropped samples included) is in the naming scheme."""
+    out = tmp_path / "run"
+    train(_cfg(out, tiny_sd3_path, ["train.max_steps=1", "reward.on_nonfinite=drop_sample"],
+               algo={"kl": {"coef": 0.04}, "ema": True}, data={"eval_prompts": EVAL_PROMPTS},
+               log={"eval_every": 1, "eval_max_prompts": 2}))
+    keys = check_metric_names(metrics_rows(out))
+    for key in ("policy/loss", "policy/grad_norm", "policy/lr", "kl/ref", "train/updates", "eval/reward/mean",
+                "reward/nonfinite_samples", "diag/logprob_drift", "cost/transformer_evals"):
+        assert key in keys, key
 
 
 # ---------------------------------------------------------------------------------------- runs
@@ -98,13 +145,13 @@ def test_clear_errors(tmp_path, tiny_sd3_path):
 
 def test_short_run_logs_drift_and_writes_checkpoint(tmp_path, tiny_sd3_path):
     out = tmp_path / "run"
-    summary = train(_cfg(out, tiny_sd3_path, sample={"guidance_scale": 2.0, "window_size": 2, "num_steps": 4},
-                         train={"beta": 0.04, "ema": True}, data={"eval_prompts": EVAL_PROMPTS},
+    summary = train(_cfg(out, tiny_sd3_path, rollout={"guidance_scale": 2.0, "window_size": 2, "num_steps": 4},
+                         algo={"kl": {"coef": 0.04}, "ema": True}, data={"eval_prompts": EVAL_PROMPTS},
                          log={"sample_every": 1, "eval_every": 2, "eval_max_prompts": 2}))
     rows = metrics_rows(out)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
-        for key in ("reward/mean", "reward/std", "reward/jpeg_compressibility", "policy/clipfrac", "policy/kl",
+        for key in ("reward/mean", "reward/std", "reward/jpeg_compressibility", "policy/clipfrac", "kl/ref",
                     "policy/approx_kl", "diag/logprob_drift", "time/rollout_s", "time/reward_s", "time/train_s",
                     "time/step_s"):
             assert key in r, key
@@ -120,8 +167,8 @@ def test_short_run_logs_drift_and_writes_checkpoint(tmp_path, tiny_sd3_path):
 
 
 def test_resume_reproduces_metrics_exactly(tmp_path, tiny_sd3_path):
-    common = dict(train={"beta": 0.02, "ema": True, "save_every": 2, "num_inner_epochs": 2},
-                  sample={"guidance_scale": 2.0}, reward={"history": 4})
+    common = dict(train={"save_every": 2}, algo={"kl": {"coef": 0.02}, "ema": True}, update={"epochs": 2},
+                  rollout={"guidance_scale": 2.0}, reward={"history": 4})
     full = tmp_path / "full"
     train(_cfg(full, tiny_sd3_path, ["train.max_steps=4"], **common))
     split = tmp_path / "split"
@@ -157,7 +204,7 @@ def test_saved_lora_loads_into_plain_diffusers_pipeline(tmp_path, tiny_sd3_path)
     from diffusers import StableDiffusion3Pipeline
 
     from mmrl.adapters import PolicyStates
-    from mmrl.diffusion.common import lora_config
+    from mmrl.training import peft_lora_config
     from mmrl.diffusion.models import load_flow_model
 
     out = tmp_path / "run"
@@ -166,7 +213,7 @@ def test_saved_lora_loads_into_plain_diffusers_pipeline(tmp_path, tiny_sd3_path)
     lora_dir = out / "checkpoints" / "step_1" / "adapters" / "default"
     # our view: model + adapters restored from the checkpoint
     ours = load_flow_model(tiny_sd3_path)
-    states = PolicyStates(ours.transformer, lora_config(cfg.model, ours))
+    states = PolicyStates(ours.transformer, peft_lora_config(cfg.model.lora, ours.lora_target_modules))
     states.load(lora_dir.parent)
     # the README snippet: plain diffusers
     pipe = StableDiffusion3Pipeline.from_pretrained(str(tiny_sd3_path))
@@ -185,28 +232,28 @@ def test_saved_lora_loads_into_plain_diffusers_pipeline(tmp_path, tiny_sd3_path)
 
 
 def test_cfg_grad_changes_only_the_update(tmp_path, tiny_sd3_path):
-    """sample.cfg_grad reaches the trainer: at CFG 4.5 the rollout, rewards and log-probs (drift 0) of step 1
+    """rollout.cfg_grad reaches the trainer: at CFG 4.5 the rollout, rewards and log-probs (drift 0) of step 1
     are the same in both modes, the gradient is not. The default is flow_grpo's (`both`)."""
-    assert Config().sample.cfg_grad == "both"
+    assert Config().rollout.cfg_grad == "both"
     rows = {}
     for mode in ("both", "cond_only"):
         out = tmp_path / mode
-        train(_cfg(out, tiny_sd3_path, [f"sample.cfg_grad={mode}"], sample={"guidance_scale": 4.5},
-                   train={"max_steps": 1, "updates_per_step": 1}))
+        train(_cfg(out, tiny_sd3_path, [f"rollout.cfg_grad={mode}"], rollout={"guidance_scale": 4.5},
+                   train={"max_steps": 1}, update={"mini_batch_size": 0}))
         rows[mode] = metrics_rows(out)[0]
     a, c = rows["both"], rows["cond_only"]
     assert a["reward/mean"] == c["reward/mean"] and a["reward/std"] == c["reward/std"]
     assert a["diag/logprob_drift"] < 1e-6 and c["diag/logprob_drift"] < 1e-6
-    assert abs(a["train/grad_norm"] - c["train/grad_norm"]) > 1e-3 * a["train/grad_norm"]
-    with pytest.raises(Exception, match=r"sample.cfg_grad: expected one of \['both', 'cond_only'\], got 'uncond'"):
-        _cfg(tmp_path / "bad", tiny_sd3_path, ["sample.cfg_grad=uncond"])
+    assert abs(a["policy/grad_norm"] - c["policy/grad_norm"]) > 1e-3 * a["policy/grad_norm"]
+    with pytest.raises(Exception, match=r"rollout.cfg_grad: expected one of \['both', 'cond_only'\], got 'uncond'"):
+        _cfg(tmp_path / "bad", tiny_sd3_path, ["rollout.cfg_grad=uncond"])
 
 
 def test_full_finetuning_and_cps_window(tmp_path, tiny_sd3_path):
     out = tmp_path / "full_ft"
-    train(_cfg(out, tiny_sd3_path, model={"lora": False},
-               sample={"sde_type": "cps", "window_size": 2, "window_range": [0, 3]},
-               train={"max_steps": 1, "beta": 0.01, "ema": True, "lr": 1e-5}))
+    train(_cfg(out, tiny_sd3_path, model={"lora": {"rank": 0}},
+               rollout={"sde_type": "cps", "window_size": 2, "window_range": [0, 3]},
+               train={"max_steps": 1}, algo={"kl": {"coef": 0.01}, "ema": True}, optim={"lr": 1e-5}))
     row = metrics_rows(out)[0]
     assert row["diag/logprob_drift"] < 1e-4 and row["train/updates"] >= 1
     assert (out / "checkpoints" / "step_1" / "adapters" / "default" / "model.safetensors").is_file()
@@ -231,9 +278,10 @@ def test_tiny_demo_reward_rises(tmp_path):
 def test_flux_run_with_guidance_embedding(tmp_path, tiny_flux_path):
     """FLUX: LoRA on the joint/single-stream attention, packed latents inside the wrapper, guidance embedding."""
     out = tmp_path / "flux"
-    summary = train(_cfg(out, tiny_flux_path, sample={"guidance_scale": 3.5}, train={"max_steps": 1, "beta": 0.01}))
+    summary = train(_cfg(out, tiny_flux_path, rollout={"guidance_scale": 3.5}, train={"max_steps": 1},
+                         algo={"kl": {"coef": 0.01}}))
     row = metrics_rows(out)[0]
-    assert row["diag/logprob_drift"] < 1e-4 and row["train/updates"] == 2 and "policy/kl" in row
+    assert row["diag/logprob_drift"] < 1e-4 and row["train/updates"] == 2 and "kl/ref" in row
     assert summary["steps_logged"] == 1
 
 
@@ -264,8 +312,8 @@ def test_reference_forward_once_per_sample_and_step(tmp_path, tiny_sd3_path):
     """With 2 inner epochs the frozen reference runs once per (sample, trained step), not once per epoch:
     transformer evaluations per step = rollout B * num_steps + policy epochs * kept * K + reference kept * K."""
     out = tmp_path / "run"
-    train(_cfg(out, tiny_sd3_path, sample={"num_steps": 3},
-               train={"max_steps": 2, "beta": 0.04, "num_inner_epochs": 2}))
+    train(_cfg(out, tiny_sd3_path, rollout={"num_steps": 3},
+               train={"max_steps": 2}, algo={"kl": {"coef": 0.04}}, update={"epochs": 2}))
     rows, total = metrics_rows(out), 0
     for r in rows:
         kept = round(r["train/kept_fraction"] * 6)  # 2 prompts x 3 images; K = int(3 * 0.99) = 2 trained steps
@@ -274,15 +322,38 @@ def test_reference_forward_once_per_sample_and_step(tmp_path, tiny_sd3_path):
 
 
 def test_restore_checkpoint_truncate_flag(tmp_path):
-    """Ranks != 0 call restore_checkpoint(truncate=False): they never rewrite rank 0's metrics.jsonl."""
+    """Ranks != 0 (ctx.is_main False) never rewrite rank 0's metrics.jsonl when restoring."""
+    from types import SimpleNamespace
+
     from mmrl.config import RunConfig
-    from mmrl.diffusion.common import restore_checkpoint
     from mmrl.runtime import Run
+    from mmrl.training import restore_checkpoint
 
     run = Run(RunConfig(algorithm="flow_grpo", output_dir=str(tmp_path)))
     run.log(1, {"reward/mean": 1.0})
-    assert restore_checkpoint(run, None, {}, truncate=False) == (0, {}) and len(run.read_metrics()) == 1
-    assert restore_checkpoint(run, None, {}) == (0, {}) and run.read_metrics() == []  # fresh run: cleared
+    other, main = SimpleNamespace(is_main=False), SimpleNamespace(is_main=True)
+    assert restore_checkpoint(other, run, None, {}) == (0, {}) and len(run.read_metrics()) == 1
+    assert restore_checkpoint(main, run, None, {}) == (0, {}) and run.read_metrics() == []  # fresh run: cleared
+
+
+def test_checkpoint_of_the_earlier_version_resumes(tmp_path, tiny_sd3_path):
+    """A checkpoint written before the training spine (state.pt without "step"; stateful names optimizer,
+    lr_scheduler, tracker {"buffers": {prompt: [rewards]}}, data, transformer_evals) resumes to the same metrics."""
+    common = dict(train={"save_every": 1}, reward={"history": 4}, algo={"kl": {"coef": 0.02}})
+    full = tmp_path / "full"
+    train(_cfg(full, tiny_sd3_path, ["train.max_steps=2"], **common))
+    old = tmp_path / "old"
+    train(_cfg(old, tiny_sd3_path, ["train.max_steps=1"], **common))
+    state_file = old / "checkpoints" / "step_1" / "state.pt"
+    state = torch.load(state_file, weights_only=False)
+    assert sorted(state["stateful"]) == ["data", "lr_scheduler", "optimizer", "tracker", "transformer_evals"]
+    assert all(isinstance(v, list) for v in state["stateful"]["tracker"]["buffers"].values())
+    torch.save({k: v for k, v in state.items() if k != "step"}, state_file)  # the earlier save_state call
+    from mmrl.checkpoint_files import write_manifest
+
+    write_manifest(old / "checkpoints" / "step_1")  # state.pt changed: its size and crc32 as the run records them
+    train(_cfg(old, tiny_sd3_path, ["train.max_steps=2"], **common))
+    assert [without_time(r) for r in metrics_rows(old)] == [without_time(r) for r in metrics_rows(full)]
 
 
 # ---------------------------------------------------------------------------------------- several processes
@@ -301,22 +372,24 @@ SCENARIOS = {
 
 
 def _equality_cfg(model_path):
-    return _cfg("/tmp/unused", model_path, sample={"num_steps": 3, "group_size": G, "guidance_scale": 2.0},
-                train={"micro_batch_size": 2, "updates_per_step": 1, "beta": 0.04, "ema": True, "lr": 1e-3},
-                data={"prompts_per_step": P})
+    return _cfg("/tmp/unused", model_path,
+                rollout={"num_steps": 3, "group_size": G, "guidance_scale": 2.0, "prompts_per_step": P},
+                update={"micro_batch_size": 2, "mini_batch_size": 0}, algo={"kl": {"coef": 0.04}, "ema": True},
+                optim={"lr": 1e-3})
 
 
 def _one_update(model_path, scenario, ctx):
     """One Flow-GRPO optimizer update on this rank's share of a fixed global rollout batch; returns the
     trainable weights after it (by name), this rank's advantages, the tracker state and the loss metrics."""
     from mmrl.diffusion.common import build_policy_states
-    from mmrl.diffusion.flow_grpo import _train_on_rollout, global_advantages
+    from mmrl.diffusion.grpo_update import train_on_rollout
+    from mmrl.diffusion.scoring import global_advantages
     from mmrl.diffusion.models import load_flow_model
     from mmrl.diffusion.sampling import Trajectory, sample_groups
     from mmrl.runtime import Timer, seed_everything
 
     cfg = _equality_cfg(model_path)
-    s, t = cfg.sample, cfg.train
+    s, t = cfg.rollout, cfg.optim
     model = load_flow_model(model_path)
     seed_everything(0)  # identical LoRA init everywhere
     states = build_policy_states(model, cfg.model, old=True, ref=True)
@@ -339,12 +412,10 @@ def _one_update(model_path, scenario, ctx):
                       prompt_index=full.prompt_index[rows] - ctx.rank * k, embeds=full.embeds.select(pi))
     scores = torch.tensor(SCENARIOS[scenario]).flatten()[rows]
     prompts = [prompts_all[i] for i in full.prompt_index[rows].tolist()]
-    from mmrl.diffusion.flow_grpo import PerPromptStatTracker
-
     tracker = PerPromptStatTracker("group", history=4)
-    adv, keep, adv_metrics = global_advantages(ctx, tracker, prompts, scores, t.adv_clip_max, True)
+    adv, keep, adv_metrics = global_advantages(ctx, tracker, prompts, scores, cfg.algo.adv_clip_max, True)
     torch.manual_seed(100 + ctx.rank)  # the order inside a chunk does not matter for one update
-    out = _train_on_rollout(cfg, model, states, traj, adv, keep, opt, sched, params, Timer(), ctx)
+    out = train_on_rollout(cfg, model, states, traj, adv, keep, opt, sched, params, Timer(), ctx)
     names = {id(p): n for n, p in states.model.named_parameters()}
     return {"params": {names[id(p)]: p.detach().clone() for p in params}, "adv": adv, "n_keep": len(keep),
             "tracker": tracker.state_dict(), "metrics": {**out, **adv_metrics}}
@@ -409,7 +480,7 @@ def test_torchrun_cli_two_processes_then_resume_with_one(tmp_path):
         pytest.skip("assets/tiny_sd3_shapes not built")
     out = tmp_path / "ddp"
     args = ["configs/diffusion/flow_grpo_tiny.yaml", f"output_dir={out}", "train.save_every=1",
-            "data.prompts_per_step=2", "sample.group_size=3", "sample.num_steps=3", "train.micro_batch_size=2",
+            "rollout.prompts_per_step=2", "rollout.group_size=3", "rollout.num_steps=3", "update.micro_batch_size=2",
             "log.sample_every=1", "log.eval_every=0", "dist.backend=gloo"]
     env = child_env()
     two = run_torchrun(["-m", "mmrl.cli", "train", *args, "train.max_steps=2", "dist.strategy=ddp"], cwd=REPO, env=env)
@@ -467,7 +538,7 @@ def test_nan_reward_drop_sample_trains_on(tmp_path, tiny_sd3_path):
     assert [r["reward/nonfinite_samples"] for r in rows] == [1, 1]
     for r in rows:  # the dropped sample leaves its group (2 of 3 left: still trained); statistics are finite
         assert 0 < r["train/kept_fraction"] <= 5 / 6 and r["train/updates"] == 2 and r["train/skipped_updates"] == 0
-        assert math.isfinite(r["reward/mean"]) and math.isfinite(r["train/loss"])
+        assert math.isfinite(r["reward/mean"]) and math.isfinite(r["policy/loss"])
     assert math.isfinite(summary["reward_rise"])
     lora = load_file(tmp_path / "run/checkpoints/step_2/adapters/default/adapter_model.safetensors")
     assert all(bool(torch.isfinite(v).all()) for v in lora.values())
@@ -475,7 +546,7 @@ def test_nan_reward_drop_sample_trains_on(tmp_path, tiny_sd3_path):
 
 def _nan_policy_loss(monkeypatch):
     """Make every Flow-GRPO loss NaN (its gradients too), as a numerically broken update would be."""
-    import mmrl.diffusion.flow_grpo as fg
+    import mmrl.diffusion.grpo_update as fg
 
     real = fg.clipped_policy_loss
 
@@ -487,26 +558,26 @@ def _nan_policy_loss(monkeypatch):
 
 
 def test_nonfinite_gradient_skips_updates_then_stops(tmp_path, tiny_sd3_path, monkeypatch):
-    import mmrl.diffusion.flow_grpo as fg
+    import mmrl.training as fg
     from mmrl.training import NonFiniteError
 
     _nan_policy_loss(monkeypatch)
     seen = {}
-    real_make = fg.make_optimizer
+    real_make = fg.build_optimizer
 
-    def spy(params, t):  # the trainable tensors and their values before any update
+    def spy(params, optim, **kw):  # the trainable tensors and their values before any update
         seen["params"], seen["init"] = list(params), [p.detach().clone() for p in params]
-        return real_make(params, t)
+        return real_make(seen["params"], optim, **kw)
 
-    monkeypatch.setattr(fg, "make_optimizer", spy)
+    monkeypatch.setattr(fg, "build_optimizer", spy)
     # 2 updates per step, 3 skips in a row allowed: step 1 skips both and is saved; step 2's first skip stops
-    cfg = _cfg(tmp_path / "run", tiny_sd3_path, ["train.save_every=1", "train.max_skipped_updates=3"])
+    cfg = _cfg(tmp_path / "run", tiny_sd3_path, ["train.save_every=1", "update.max_skipped_updates=3"])
     with pytest.raises(NonFiniteError, match=r"3 consecutive updates had a non-finite loss/gradient at step 2 .*"
                                              r"last complete checkpoint: .*step_1"):
         train(cfg)
     assert all(torch.equal(p.detach(), v) for p, v in zip(seen["params"], seen["init"]))  # bit-identical
     (row,) = _strict_rows(tmp_path / "run")
-    assert row["train/skipped_updates"] == 2 and row["train/updates"] == 0 and row["train/loss"] is None
+    assert row["train/skipped_updates"] == 2 and row["train/updates"] == 0 and row["policy/loss"] is None
     assert sorted(p.name for p in (tmp_path / "run/checkpoints").iterdir()) == ["step_1"]
 
 

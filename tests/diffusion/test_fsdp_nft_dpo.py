@@ -1,6 +1,6 @@
 """FSDP2 (`dist.strategy: fsdp`, LoRA and full fine-tuning) for DiffusionNFT and online Diffusion-DPO on 2 real CPU processes (gloo).
 
-For each recipe: ``torchrun --nproc_per_node 2 -m mmrl.cli train <tiny config> model.lora=true ...`` for 2 steps
+For each recipe: ``torchrun --nproc_per_node 2 -m mmrl.cli train <tiny config> model.lora.rank=32 ...`` for 2 steps
 under ``dist.strategy=fsdp`` gives the same adapters (and AdamW moments, rewards, losses) as the same run under
 ``dist.strategy=ddp`` (within 1e-6); the run covers padding micro-steps (micro-batch 3 does not divide the
 rows), the NFT "old" EMA and the reference passes, evaluation on every rank and the collective save. A
@@ -26,15 +26,15 @@ TORCHRUN = Path(sys.executable).parent / "torchrun"
 
 pytestmark = pytest.mark.slow
 
-COMMON = ["model.lora=true", "data.prompts_per_step=2", "sample.group_size=4", "sample.num_steps=4",
-          "sample.eval_num_steps=2", "log.eval_every=2", "log.eval_max_prompts=2", "log.sample_every=0",
-          "train.micro_batch_size=3", "train.save_every=2"]
+COMMON = ["model.lora.rank=32", "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.num_steps=4",
+          "rollout.eval_num_steps=2", "log.eval_every=2", "log.eval_max_prompts=2", "log.sample_every=0",
+          "update.micro_batch_size=3", "train.save_every=2"]
 RECIPES = {
     "nft": ("configs/diffusion/nft_tiny.yaml", ["default", "old"],
-            ["train.updates_per_step=2", "train.kl_beta=0.01", "nft.ema_schedule=linear"],
-            ("reward/mean", "nft/loss", "nft/kl", "train/grad_norm")),
-    "dpo": ("configs/diffusion/dpo_tiny_online.yaml", ["default"], ["dpo.max_pairs_per_step=5"],
-            ("reward/mean", "dpo/loss", "dpo/implicit_acc", "train/grad_norm")),
+            ["update.mini_batch_size=4", "algo.kl.coef=0.01", "algo.ema_schedule=linear"],  # 2 updates of 4 of 8
+            ("reward/mean", "policy/loss", "kl/ref", "policy/grad_norm")),
+    "dpo": ("configs/diffusion/dpo_tiny_online.yaml", ["default"], ["algo.max_pairs_per_step=5"],
+            ("reward/mean", "policy/loss", "policy/implicit_acc", "policy/grad_norm")),
 }
 
 
@@ -109,13 +109,13 @@ def test_fsdp_equals_ddp_and_resumes(recipe, tmp_path):
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun not in the venv")
 def test_nft_full_finetuning_fsdp_equals_ddp(tmp_path):
-    """model.lora=false: the "old" EMA and the KL "ref" are full-weight snapshots that FSDP shards like the weights
+    """model.lora.rank=0: the "old" EMA and the KL "ref" are full-weight snapshots that FSDP shards like the weights
     (PolicyStates.refresh). One step under FSDP equals the DDP run (after it, full-weight Adam turns fp-level
     gradient differences into ~1e-9 weight differences, enough to flip a JPEG-size reward: later steps are not
     compared); FSDP resumes its checkpoint, then one process resumes the FSDP run."""
     from safetensors.torch import load_file
 
-    full = ("model.lora=false", "train.lr=1e-4", "train.save_every=1")
+    full = ("model.lora.rank=0", "optim.lr=1e-4", "train.save_every=1")
     fsdp, ddp = tmp_path / "fsdp", tmp_path / "ddp"
     walls = {"fsdp": _train("nft", fsdp, "fsdp", 1, more=full), "ddp": _train("nft", ddp, "ddp", 1, more=full)}
     w = {n: {s: load_file(str(out / "checkpoints/step_1/adapters" / s / "model.safetensors")) for s in ("default", "old")}

@@ -22,12 +22,14 @@ SHAPES_MODEL = Path(os.environ.get("MMRL_SHAPES_MODEL", REPO / "assets" / "tiny_
 def _cfg(out, model_path, overrides=(), **sections) -> Config:
     d = {
         "algorithm": "nft", "output_dir": str(out), "seed": 5, "device": "cpu",
-        "model": {"path": str(model_path), "lora_rank": 4, "lora_alpha": 8},
-        "data": {"train_prompts": PROMPTS, "prompts_per_step": 2},
-        "sample": {"height": 64, "width": 64, "num_steps": 3, "group_size": 3, "eval_num_steps": 2},
-        "nft": {"guidance_beta": 0.5, "ema_schedule": "linear", "timestep_fraction": 0.7},
-        "train": {"max_steps": 2, "save_every": 0, "micro_batch_size": 4, "updates_per_step": 2, "kl_beta": 0.1,
-                  "lr": 1e-3},
+        "model": {"path": str(model_path), "lora": {"rank": 4, "alpha": 8}},
+        "data": {"train_prompts": PROMPTS},
+        "rollout": {"prompts_per_step": 2, "height": 64, "width": 64, "num_steps": 3, "group_size": 3,
+                    "eval_num_steps": 2},
+        "algo": {"guidance_beta": 0.5, "ema_schedule": "linear", "timestep_fraction": 0.7, "kl": {"coef": 0.1}},
+        "train": {"max_steps": 2, "save_every": 0},
+        "optim": {"lr": 1e-3},
+        "update": {"micro_batch_size": 4, "mini_batch_size": 3},  # 2 updates per epoch over 2 x 3 samples
         "reward": {"components": {"jpeg_compressibility": 1.0}},
         "log": {"sample_every": 0},
     }
@@ -73,16 +75,16 @@ def test_v_equal_v_old_gives_equal_pos_and_neg_losses():
 
 def test_recipe_first_step_has_v_equal_v_old(tmp_path, tiny_sd3_path):
     """Before the first optimizer update "old" == "default" (copied at init): pos and neg losses are equal."""
-    cfg = _cfg(tmp_path / "run", tiny_sd3_path, ["train.max_steps=1", "train.updates_per_step=1"])
+    cfg = _cfg(tmp_path / "run", tiny_sd3_path, ["train.max_steps=1", "update.mini_batch_size=0"])
     train(cfg)
     row = metrics_rows(tmp_path / "run")[0]
-    assert row["nft/pos_loss"] == row["nft/neg_loss"]
-    assert row["nft/old_deviate"] == 0.0
-    assert row["nft/old_decay"] == pytest.approx(0.001)  # 1 update done -> min(0.001 * 1, 0.5)
+    assert row["policy/pos_loss"] == row["policy/neg_loss"]
+    assert row["policy/old_deviate"] == 0.0
+    assert row["policy/old_decay"] == pytest.approx(0.001)  # 1 update done -> min(0.001 * 1, 0.5)
     assert row["train/updates"] == 1
     # 6 images x 3 ODE steps (rollout) + 6 images x 2 timesteps x 3 passes (policy, old, ref)
     assert row["cost/transformer_evals"] == 6 * 3 + 6 * 2 * 3
-    for key in ("reward/mean", "reward/std", "time/step_s", "nft/kl", "nft/loss"):
+    for key in ("reward/mean", "reward/std", "time/step_s", "kl/ref", "policy/loss"):
         assert key in row and math.isfinite(row[key])
 
 
@@ -92,28 +94,43 @@ def test_recipe_first_step_has_v_equal_v_old(tmp_path, tiny_sd3_path):
 @pytest.mark.parametrize("path", sorted(glob.glob(str(REPO / "configs" / "diffusion" / "nft_*.yaml"))))
 def test_shipped_configs_load(path):
     cfg = load_config(path)
-    assert cfg.algorithm == "nft" and cfg.sample.group_size >= 2
-    ema_decay(cfg.nft.ema_schedule, 0)
+    assert cfg.algorithm == "nft" and cfg.rollout.group_size >= 2
+    ema_decay(cfg.algo.ema_schedule, 0)
 
 
 def test_published_hyperparameters():
     """NVlabs/DiffusionNFT config/nft.py: sd3_pickscore / sd3_ocr (+ base.py)."""
     pick = load_config(REPO / "configs" / "diffusion" / "nft_sd35_pickscore.yaml")
-    assert (pick.nft.guidance_beta, pick.nft.ema_schedule, pick.train.kl_beta) == (1.0, "linear", 1e-4)
-    assert (pick.sample.num_steps, pick.sample.group_size, pick.data.prompts_per_step) == (10, 24, 48)
-    assert (pick.sample.guidance_scale, pick.train.lr, pick.train.adv_clip_max) == (1.0, 3e-4, 5.0)
-    assert (pick.model.lora_rank, pick.model.lora_alpha, pick.train.updates_per_step) == (32, 64, 1)
+    assert (pick.algo.guidance_beta, pick.algo.ema_schedule, pick.algo.kl.coef) == (1.0, "linear", 1e-4)
+    assert (pick.rollout.num_steps, pick.rollout.group_size, pick.rollout.prompts_per_step) == (10, 24, 48)
+    assert (pick.rollout.guidance_scale, pick.optim.lr, pick.algo.adv_clip_max) == (1.0, 3e-4, 5.0)
+    updates = lambda c: c.update.updates_per_epoch(c.rollout.batch)  # noqa: E731  (gradient_step_per_epoch)
+    assert (pick.model.lora.rank, pick.model.lora.alpha, updates(pick)) == (32, 64, 1)
     ocr = load_config(REPO / "configs" / "diffusion" / "nft_sd35_ocr.yaml")
-    assert (ocr.nft.guidance_beta, ocr.nft.ema_schedule, ocr.train.updates_per_step) == (0.1, "delayed_linear", 2)
+    assert (ocr.algo.guidance_beta, ocr.algo.ema_schedule, updates(ocr)) == (0.1, "delayed_linear", 2)
+
+
+def test_renamed_keys_and_metric_names(tmp_path, tiny_sd3_path, check_metric_names):
+    for old, new in [("nft.guidance_beta", "algo.guidance_beta"), ("train.kl_beta", "algo.kl.coef"),
+                     ("sample.group_size", "rollout.group_size"), ("train.updates_per_step", "update.mini_batch_size"),
+                     ("model.lora_alpha", "model.lora.alpha")]:
+        with pytest.raises(ConfigError, match=f"config key '{old}' was renamed to '{new}'"):
+            _cfg(tmp_path, tiny_sd3_path, [f"{old}=2"])
+    out = tmp_path / "run"
+    train(_cfg(out, tiny_sd3_path, ["train.max_steps=1", f"data.eval_prompts={EVAL_PROMPTS}", "log.eval_every=1",
+                                    "log.eval_max_prompts=2"]))
+    keys = check_metric_names(metrics_rows(out))
+    for key in ("policy/loss", "policy/old_decay", "policy/r_mean", "kl/ref", "eval/reward/mean", "train/updates"):
+        assert key in keys, key
 
 
 def test_bad_config_errors(tmp_path, tiny_sd3_path):
     with pytest.raises(ValueError, match="ema_schedule"):
-        train(_cfg(tmp_path / "a", tiny_sd3_path, ["nft.ema_schedule=cosine"]))
+        train(_cfg(tmp_path / "a", tiny_sd3_path, ["algo.ema_schedule=cosine"]))
     with pytest.raises(ValueError, match="guidance_beta"):
-        train(_cfg(tmp_path / "b", tiny_sd3_path, ["nft.guidance_beta=0"]))
-    with pytest.raises(ConfigError, match="kl_beta"):  # the KL weight lives in train:, not nft:
-        _cfg(tmp_path / "c", tiny_sd3_path, ["nft.kl_beta=0.1"])
+        train(_cfg(tmp_path / "b", tiny_sd3_path, ["algo.guidance_beta=0"]))
+    with pytest.raises(ConfigError, match="kl_beta"):  # the KL weight is algo.kl.coef
+        _cfg(tmp_path / "c", tiny_sd3_path, ["algo.kl_beta=0.1"])
 
 
 # ---------------------------------------------------------------------------------------- resume, EMA
@@ -142,13 +159,13 @@ def test_old_follows_the_schedule(tmp_path, tiny_sd3_path):
     """copy: old == default after a step; linear with one update: old = 0.001 old0 + 0.999 new."""
     from safetensors.torch import load_file
 
-    train(_cfg(tmp_path / "copy", tiny_sd3_path, ["train.max_steps=1", "nft.ema_schedule=copy"]))
+    train(_cfg(tmp_path / "copy", tiny_sd3_path, ["train.max_steps=1", "algo.ema_schedule=copy"]))
     ad = tmp_path / "copy/checkpoints/step_1/adapters"
     d, o = (load_file(str(ad / s / "adapter_model.safetensors")) for s in ("default", "old"))
     assert all(torch.equal(d[k], o[k]) for k in d)
     assert any(not torch.equal(d[k], torch.zeros_like(d[k])) for k in d if "lora_B" in k)  # it did train
 
-    train(_cfg(tmp_path / "lin", tiny_sd3_path, ["train.max_steps=1", "train.updates_per_step=1"]))
+    train(_cfg(tmp_path / "lin", tiny_sd3_path, ["train.max_steps=1", "update.mini_batch_size=0"]))
     ad = tmp_path / "lin/checkpoints/step_1/adapters"
     d, o = (load_file(str(ad / s / "adapter_model.safetensors")) for s in ("default", "old"))
     # lora_B starts at 0 in both states (gaussian init), so old_B = 0.999 * default_B after one update
@@ -158,9 +175,9 @@ def test_old_follows_the_schedule(tmp_path, tiny_sd3_path):
 
 
 def test_full_finetuning_runs(tmp_path, tiny_sd3_path):
-    train(_cfg(tmp_path / "full", tiny_sd3_path, ["train.max_steps=1", "model.lora=false",
-                                                   "train.updates_per_step=1"]))
-    assert metrics_rows(tmp_path / "full")[0]["nft/pos_loss"] == metrics_rows(tmp_path / "full")[0]["nft/neg_loss"]
+    train(_cfg(tmp_path / "full", tiny_sd3_path, ["train.max_steps=1", "model.lora.rank=0",
+                                                   "update.mini_batch_size=0"]))
+    assert metrics_rows(tmp_path / "full")[0]["policy/pos_loss"] == metrics_rows(tmp_path / "full")[0]["policy/neg_loss"]
 
 
 # ---------------------------------------------------------------------------------------- reward rises
@@ -209,10 +226,9 @@ SCENARIOS = {
 
 
 def _equality_cfg(model_path):
-    return _cfg("/tmp/unused", model_path, sample={"num_steps": 3, "group_size": G},
-                nft={"timestep_fraction": 0.34, "guidance_beta": 0.5},  # K = int(3 * 0.34) = 1
-                train={"micro_batch_size": 2, "updates_per_step": 1, "kl_beta": 0.1, "lr": 1e-3},
-                data={"prompts_per_step": P})
+    return _cfg("/tmp/unused", model_path, rollout={"num_steps": 3, "group_size": G, "prompts_per_step": P},
+                algo={"timestep_fraction": 0.34, "guidance_beta": 0.5, "kl": {"coef": 0.1}},  # K = int(3 * 0.34) = 1
+                update={"micro_batch_size": 2, "mini_batch_size": 0}, optim={"lr": 1e-3})
 
 
 def _sample_noise(x):
@@ -230,14 +246,15 @@ def _one_update(model_path, scenario, ctx):
 
     from mmrl.core.losses import nft_optimality_prob
     from mmrl.diffusion.common import build_policy_states
-    from mmrl.diffusion.flow_grpo import PerPromptStatTracker, global_advantages
+    from mmrl.core.prompt_stats import PerPromptStatTracker
+    from mmrl.diffusion.scoring import global_advantages
     from mmrl.diffusion.models import load_flow_model
     from mmrl.diffusion.nft import _Counters, _train_on_rollout
     from mmrl.diffusion.sampling import Trajectory, sample_groups
     from mmrl.runtime import Timer, seed_everything
 
     cfg = _equality_cfg(model_path)
-    s, t = cfg.sample, cfg.train
+    s, t = cfg.rollout, cfg.algo
     scores_pp, drop_zero = SCENARIOS[scenario]
     model = load_flow_model(model_path)
     seed_everything(0)  # identical LoRA init everywhere
@@ -316,7 +333,7 @@ def test_two_ranks_one_update_equals_one_process(tmp_path, tiny_sd3_path):
             diff = max((r0[state][k] - v).abs().max().item() for k, v in one[state].items())
             print(f"[{name}] max |{state} param diff| 2 ranks vs 1 process: {diff:.2e}")
             assert diff < 1e-6
-        for key in ("nft/loss", "nft/kl", "train/grad_norm", "nft/r_mean"):
+        for key in ("policy/loss", "kl/ref", "policy/grad_norm", "policy/r_mean"):
             assert r0["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5, abs=1e-7), key
 
 
@@ -329,8 +346,8 @@ def test_torchrun_cli_two_processes_then_resume_with_one(tmp_path):
         pytest.skip("assets/tiny_sd3_shapes not built")
     out = tmp_path / "ddp"
     args = ["configs/diffusion/nft_tiny.yaml", f"output_dir={out}", f"model.path={SHAPES_MODEL}",
-            "train.save_every=1", "data.prompts_per_step=2", "sample.group_size=3", "sample.num_steps=4",
-            "train.micro_batch_size=2", "log.sample_every=1", "log.eval_every=0", "dist.backend=gloo"]
+            "train.save_every=1", "rollout.prompts_per_step=2", "rollout.group_size=3", "rollout.num_steps=4",
+            "update.micro_batch_size=2", "log.sample_every=1", "log.eval_every=0", "dist.backend=gloo"]
     env = child_env()
     two = run_torchrun(["-m", "mmrl.cli", "train", *args, "train.max_steps=2", "dist.strategy=ddp"], cwd=REPO, env=env)
     assert two.returncode == 0, f"torchrun failed:\n{two.stdout[-2000:]}\n{two.stderr[-5000:]}"
@@ -339,7 +356,7 @@ def test_torchrun_cli_two_processes_then_resume_with_one(tmp_path):
     # 2 ranks x (3 images x 4 ODE steps + 3 images x K=2 timesteps x (policy + old)) per step
     assert [r["cost/transformer_evals"] for r in rows] == [48, 96]
     assert all(r["train/updates"] == 1 and r["train/kept_fraction"] == 1.0 for r in rows)
-    assert [r["nft/old_decay"] for r in rows] == [0.001, 0.002]
+    assert [r["policy/old_decay"] for r in rows] == [0.001, 0.002]
     assert sorted(os.listdir(out / "checkpoints")) == ["step_1", "step_2"]
     assert (out / "samples" / "step_000001.png").is_file()
     one = subprocess.run([sys.executable, "-m", "mmrl.cli", "train", *args, "train.max_steps=3"],
@@ -349,7 +366,7 @@ def test_torchrun_cli_two_processes_then_resume_with_one(tmp_path):
     rows = metrics_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[2]["cost/transformer_evals"] == 96 + 48  # the same global batch (6 images), now in one process
-    assert rows[2]["nft/old_decay"] == 0.003  # the update counter (EMA schedule position) was restored
+    assert rows[2]["policy/old_decay"] == 0.003  # the update counter (EMA schedule position) was restored
     assert (out / "checkpoints" / "step_3" / "COMPLETE").is_file()
 
 
@@ -367,25 +384,27 @@ def test_nan_reward_drop_sample_and_nan_loss_skipped(tmp_path, tiny_sd3_path, mo
                reward={"components": {"_test_nan_at_1": 1.0}}))
     (row,) = metrics_rows(tmp_path / "drop")
     assert row["reward/nonfinite_samples"] == 1 and math.isfinite(row["reward/mean"]) and row["train/updates"] == 2
-    assert math.isfinite(row["nft/loss"]) and row["train/skipped_updates"] == 0
+    assert math.isfinite(row["policy/loss"]) and row["train/skipped_updates"] == 0
 
-    real_loss, real_make, seen = nft_mod.nft_loss, nft_mod.make_optimizer, {}
+    import mmrl.training as spine
+
+    real_loss, real_make, seen = nft_mod.nft_loss, spine.build_optimizer, {}
 
     def nan_loss(*args, **kwargs):
         loss, m = real_loss(*args, **kwargs)
         return loss * float("nan"), m
 
-    def spy(params, t):  # the trainable tensors and their values before any update
+    def spy(params, optim, **kw):  # the trainable tensors and their values before any update
         seen["params"], seen["init"] = list(params), [p.detach().clone() for p in params]
-        return real_make(params, t)
+        return real_make(seen["params"], optim, **kw)
 
     monkeypatch.setattr(nft_mod, "nft_loss", nan_loss)
-    monkeypatch.setattr(nft_mod, "make_optimizer", spy)
-    train(_cfg(tmp_path / "nan", tiny_sd3_path, ["train.max_steps=1", "train.max_skipped_updates=3"]))
+    monkeypatch.setattr(spine, "build_optimizer", spy)
+    train(_cfg(tmp_path / "nan", tiny_sd3_path, ["train.max_steps=1", "update.max_skipped_updates=3"]))
     assert all(torch.equal(p.detach(), v) for p, v in zip(seen["params"], seen["init"]))
     lines = (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()
     (row,) = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl")) for line in lines]
-    assert row["train/skipped_updates"] == 2 and row["train/updates"] == 0 and row["nft/loss"] is None
+    assert row["train/skipped_updates"] == 2 and row["train/updates"] == 0 and row["policy/loss"] is None
 
 
 if __name__ == "__main__":  # 2 ranks for test_two_ranks_one_update_equals_one_process

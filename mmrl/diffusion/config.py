@@ -1,0 +1,164 @@
+"""Config sections the three diffusion recipes (flow_grpo, dpo, nft) share: `model` (with `model.lora`), `data`,
+`rollout`, `reward`, `log`. Each recipe subclasses a section where it adds keys or changes a default; the
+optimizer/update/KL sections come from `mmrl.training`. Also the renamed keys all three share (`RENAMED_KEYS`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from mmrl.training import LoRAConfig, OnNonfinite, OptimConfig
+
+# old key (before issue 12) -> new key, common to flow_grpo, dpo and nft (each recipe adds its own)
+RENAMED_KEYS: dict[str, str] = {
+    "sample": "rollout",
+    "sample.batch_size": "rollout.micro_batch_size",
+    "data.prompts_per_step": "rollout.prompts_per_step",
+    "model.lora_rank": "model.lora.rank",
+    "model.lora_alpha": "model.lora.alpha",
+    "model.lora_target_modules": "model.lora.target_modules",
+    "model.lora_init": "model.lora.init",
+    "model.init_lora_path": "model.lora.init_path",
+    "train.lr": "optim.lr",
+    "train.weight_decay": "optim.weight_decay",
+    "train.adam_betas": "optim.betas",
+    "train.adam_eps": "optim.eps",
+    "train.warmup_steps": "optim.warmup_steps",
+    "train.micro_batch_size": "update.micro_batch_size",
+    "train.max_grad_norm": "update.max_grad_norm",
+    "train.max_skipped_updates": "update.max_skipped_updates",
+    "log.num_sample_images": "log.num_samples",
+}
+
+
+# A recipe default that differs from a shared section's is a subclass with its own field default, never a
+# `field(default_factory=lambda: Section(x=...))`: a YAML that gives the section (even one key of it) builds the
+# annotated class, whose defaults then apply to the keys it leaves out.
+
+
+@dataclass
+class DiffusionOptimConfig(OptimConfig):
+    lr: float = 3e-4
+    """AdamW learning rate (Flow-GRPO / DiffusionNFT: 3e-4 with LoRA)."""
+    weight_decay: float = 1e-4
+    """AdamW weight decay."""
+
+
+@dataclass
+class DiffusionLoRAConfig(LoRAConfig):
+    init: str = "gaussian"
+    """peft `init_lora_weights`: `gaussian` (Flow-GRPO's), `true` (B = 0: the policy starts as the base model), ..."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "assets/tiny_sd3_shapes"
+    """Local diffusers pipeline directory (StableDiffusion3Pipeline or FluxPipeline, with model_index.json)."""
+    max_sequence_length: int = 0
+    """T5 tokens per prompt; 0 = family default (SD3: 128 as Flow-GRPO, FLUX: 512)."""
+    lora: DiffusionLoRAConfig = field(default_factory=DiffusionLoRAConfig)
+    """LoRA on the transformer (`rank: 0` = full fine-tuning; empty target_modules = the family's attention
+    projections)."""
+
+    def __post_init__(self) -> None:
+        if self.max_sequence_length < 0:
+            raise ValueError(f"model.max_sequence_length: expected >= 0, got {self.max_sequence_length}")
+
+
+@dataclass
+class DataConfig:
+    train_prompts: str = "assets/prompts/shapes_train.txt"
+    """Prompt file: .txt (one per line) or .jsonl with `prompt` (other keys = metadata for rewards)."""
+    eval_prompts: str = ""
+    """Held-out prompt file for periodic ODE evaluation (empty = no evaluation)."""
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = 4
+    """Distinct prompts per RL step (global, over all processes); the batch is prompts_per_step * group_size."""
+    group_size: int = 24
+    """Images per prompt (G)."""
+    height: int = 512
+    """Image height in pixels."""
+    width: int = 512
+    """Image width in pixels."""
+    num_steps: int = 10
+    """Sampling steps of a training rollout."""
+    guidance_scale: float = 4.5
+    """Classifier-free guidance (SD3) / guidance embedding (FLUX-dev) in rollout and training; 1 = off."""
+    micro_batch_size: int = 0
+    """Rollout micro-batch (images per transformer call); 0 = whole batch."""
+    eval_num_steps: int = 40
+    """ODE steps for evaluation."""
+    eval_guidance_scale: float = 4.5
+    """Guidance for evaluation."""
+
+    def __post_init__(self) -> None:
+        # sizes that would otherwise fail deep inside a step (IndexError, empty torch.cat, negative shapes)
+        for key, least in (("prompts_per_step", 1), ("height", 1), ("width", 1), ("num_steps", 1),
+                           ("eval_num_steps", 1), ("micro_batch_size", 0), ("group_size", 1)):
+            if getattr(self, key) < least:
+                raise ValueError(f"rollout.{key}: expected >= {least}, got {getattr(self, key)}")
+
+    @property
+    def batch(self) -> int:
+        """Samples per step over all processes (prompts_per_step * group_size)."""
+        return self.prompts_per_step * self.group_size
+
+
+@dataclass
+class RewardConfig:
+    components: dict[str, Any] = field(default_factory=lambda: {"jpeg_compressibility": 1.0})
+    """Zoo rewards: name -> weight, or name -> {weight: w, <load kwargs>} (mmrl.rewards.load mapping)."""
+    on_nonfinite: OnNonfinite = "error"
+    """A NaN/inf reward: `error` (stop, naming the reward component and the sample) or `drop_sample` (train without
+    it: it leaves its prompt's group statistics, a group left with < 2 samples is not trained on; the count is
+    logged as reward/nonfinite_samples)."""
+
+
+@dataclass
+class AdvantageRewardConfig(RewardConfig):
+    std_mode: Literal["group", "global"] = "group"
+    """Advantage scale: `group` (per-prompt std) or `global` (std of the whole batch)."""
+    history: int = 0
+    """Per-prompt stat tracker memory: 0 = current batch only (Flow-GRPO), N = last N rewards per prompt."""
+    drop_zero_advantage: bool = True
+    """Skip samples whose advantage is exactly 0 (groups with identical rewards)."""
+
+    def __post_init__(self) -> None:
+        if self.history < 0:
+            raise ValueError(f"reward.history: expected >= 0, got {self.history}")
+
+
+@dataclass
+class LogConfig:
+    sample_every: int = 10
+    """Save a grid of rollout images (with prompt and reward) every this many steps (0 = never)."""
+    num_samples: int = 16
+    """Images in each grid (rollout samples and evaluation)."""
+    eval_every: int = 0
+    """ODE evaluation on data.eval_prompts every this many steps and at the end (0 = never)."""
+    eval_max_prompts: int = 64
+    """At most this many evaluation prompts."""
+
+    def __post_init__(self) -> None:
+        for key in ("sample_every", "eval_every", "num_samples"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"log.{key}: expected >= 0, got {getattr(self, key)}")
+
+
+def check_common(cfg: Any, online: bool = True) -> None:
+    """Cross-section checks of a diffusion recipe config (single sections check themselves on construction)."""
+    from mmrl.pipelines.data import require_path
+
+    # transitional: TrainConfig still has this field (shared with the VLM recipes); it is read from update.*
+    if getattr(cfg.train, "max_skipped_updates", 3) != 3:
+        raise ValueError("config key 'train.max_skipped_updates' was renamed to 'update.max_skipped_updates'")
+    log = cfg.log
+    if log.num_samples < 1 and ((online and log.sample_every) or (log.eval_every and cfg.data.eval_prompts)):
+        raise ValueError(f"log.num_samples: expected >= 1, got {log.num_samples}")
+    if online:
+        require_path("data.train_prompts", cfg.data.train_prompts, "prompt file")
+    if cfg.data.eval_prompts:
+        require_path("data.eval_prompts", cfg.data.eval_prompts, "prompt file")

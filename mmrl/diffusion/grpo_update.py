@@ -1,0 +1,150 @@
+"""The Flow-GRPO update on one rollout batch: PPO-clipped per-step ratios of the SDE step log-probs, plus
+the closed-form Gaussian KL to the reference (adapters off), accumulated over trained timesteps and micro-batches,
+one optimizer update per mini-batch (`update.mini_batch_size`), optional EMA of the trainable weights."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from mmrl.core.kl import gaussian_kl_equal_std
+from mmrl.core.losses import clipped_policy_loss
+from mmrl.diffusion.sampling import step_log_prob
+from mmrl.distributed import DistContext
+from mmrl.training import UpdateGuard, clip_grads, merge_rank_lists
+
+__all__ = ["train_on_rollout", "RefMeanCache"]
+
+
+def train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, params, timer,
+                      ctx: DistContext | None = None, guard: UpdateGuard | None = None, step: int = 0) -> dict:
+    """Inner epochs over one rollout batch; returns averaged loss metrics and diag/logprob_drift.
+
+    Several ranks: each holds its rows of the global batch; an update's chunk is the union of the ranks'
+    local chunks, each rank's loss is weighted by `ctx.loss_scale(len(local chunk))` (DDP averages, so the
+    gradient is the global chunk mean), all ranks run the same number of micro-steps (zero-weight padding
+    micro-batches where a rank has fewer or no rows), and gradients are all-reduced once per update (no_sync
+    around the forward and backward of every other micro-step)."""
+    ctx = ctx or DistContext()
+    u, a_cfg, r = cfg.update, cfg.algo, cfg.rollout
+    kl_coef = a_cfg.kl.coef
+    guard = guard or UpdateGuard(u.max_skipped_updates, ctx)
+    step_kw = dict(guidance_scale=r.guidance_scale, noise_level=r.noise_level, sde_type=r.sde_type,
+                   cfg_grad=r.cfg_grad)
+    updates_per_epoch = u.updates_per_epoch(r.batch)
+    acc: dict[str, list] = defaultdict(list)  # floats or 0-dim tensors (converted once, at the end: no GPU syncs)
+    drift: list[torch.Tensor] = []
+    steps = traj.train_steps.tolist()
+    if ctx.max_int(len(keep)) == 0 or not steps:
+        return {"diag/logprob_drift": 0.0, "train/updates": 0}
+    # the reference is frozen: its step means are computed once per (sample, step) and reused by later epochs
+    # (not under FSDP: cache hits differ between ranks with padding micro-steps, and FSDP needs equal forwards)
+    fsdp = ctx.enabled and getattr(cfg, "dist", None) is not None and cfg.dist.strategy == "fsdp"
+    ref_cache = RefMeanCache(traj) if kl_coef > 0 and u.epochs > 1 and not fsdp else None
+    pad_rows = keep[:1] if len(keep) else torch.zeros(1, dtype=torch.long)  # any real row; weight 0
+    updates = 0
+    for epoch in range(u.epochs):
+        order = keep[torch.randperm(len(keep))]
+        n_updates = min(updates_per_epoch, ctx.max_int(len(order)))  # identical on every rank
+        for k, chunk in enumerate(torch.tensor_split(order, n_updates)):
+            first_update = epoch == 0 and k == 0
+            n_losses = len(acc["policy/loss"])  # this update's micro-step losses are appended after this index
+            micro = [m for m in torch.split(chunk, u.micro_batch_size) if len(m)]  # (an empty chunk splits into [[]])
+            n_micro = ctx.max_int(len(micro))  # same number of micro-steps on every rank
+            scale = ctx.loss_scale(len(chunk))  # local mean -> global mean under DDP's gradient average
+            for mi in range(n_micro):
+                real = mi < len(micro)
+                rows = micro[mi] if real else pad_rows
+                b = len(rows)
+                emb = traj.embeds.select(traj.prompt_index[rows])
+                a = adv[rows].to(model.device)
+                weight = b / len(chunk) / len(steps) * scale if real else 0.0  # mean over the chunk and steps
+                ref_means = _reference_means(model, states, traj, rows, steps, emb, step_kw, ref_cache, timer) \
+                    if kl_coef > 0 else {}
+                for j in steps:
+                    last = mi == n_micro - 1 and j == steps[-1]  # DDP all-reduces in this backward only
+                    with ctx.no_sync(model.transformer, sync=last):  # wraps forward AND backward
+                        x, x_next = traj.latents[rows, j], traj.latents[rows, j + 1]
+                        sig, sig_next = traj.sigmas[j].expand(b), traj.sigmas[j + 1].expand(b)
+                        old_lp = traj.log_probs[rows, j]
+                        with timer("forward_backward"):
+                            cur = step_log_prob(model, x, x_next, sig, sig_next, emb, **step_kw)
+                        if first_update and real:  # no optimizer step has happened yet: must equal the rollout
+                            drift.append((cur.log_prob.detach() - old_lp).abs().max())
+                        loss, m = clipped_policy_loss(cur.log_prob, old_lp, a, clip_low=a_cfg.clip_range,
+                                                      clip_high=a_cfg.clip_range)
+                        if kl_coef > 0:
+                            std = cur.std[:, 0, 0, 0].clamp(min=1e-8)
+                            kl = gaussian_kl_equal_std(cur.mean, ref_means[j], std).mean()
+                            loss = loss + kl_coef * kl
+                            if real:
+                                acc["kl/ref"].append(kl.detach())
+                        with timer("forward_backward"):
+                            (loss * weight).backward()
+                    if real:
+                        acc["policy/clipfrac"].append(m["clipfrac"])
+                        acc["policy/approx_kl"].append(m["approx_kl"])
+                        acc["policy/ratio_max"].append(m["ratio_max"])
+                        acc["policy/loss"].append(loss.detach())
+            grad_norm = clip_grads(params, u.max_grad_norm)
+            acc["policy/grad_norm"].append(grad_norm)
+            if guard.step(optimizer, acc["policy/loss"][n_losses:], grad_norm, step):  # NaN/inf: skipped
+                lr_sched.step()
+                updates += 1
+                if a_cfg.ema:
+                    states.ema("default", "old", a_cfg.ema_decay)
+            optimizer.zero_grad(set_to_none=True)
+    vals = {k: [float(x) for x in v] for k, v in acc.items()}
+    vals["diag/logprob_drift"] = [0.0] + [float(d) for d in drift]
+    vals = merge_rank_lists(ctx, vals)  # metrics of the whole batch: every rank's micro-step values
+    out = {k: max(v) if k in ("policy/ratio_max", "diag/logprob_drift") else sum(v) / len(v)
+           for k, v in vals.items() if v}
+    out["train/updates"] = updates
+    return out
+
+
+@torch.no_grad()
+def _reference_means(model, states, traj, rows, steps, emb, step_kw, ref_cache, timer) -> dict[int, torch.Tensor]:
+    """Step means of the reference policy for one micro-batch at every trained step: {j: mean [b, C, h, w]}.
+
+    All of a micro-batch's reference forwards run under ONE switch to the reference state (switching peft
+    adapters walks every LoRA layer), before the policy's forward/backward passes; with `ref_cache` (several
+    inner epochs) steps computed in an earlier epoch are looked up instead."""
+    b = len(rows)
+    out, todo = {}, []
+    for j in steps:
+        cached = ref_cache.get(rows, j) if ref_cache is not None else None
+        if cached is None:
+            todo.append(j)
+        else:
+            out[j] = cached
+    if todo:
+        with states.use("ref"), timer("forward_backward"):
+            for j in todo:
+                out[j] = step_log_prob(model, traj.latents[rows, j], traj.latents[rows, j + 1],
+                                       traj.sigmas[j].expand(b), traj.sigmas[j + 1].expand(b), emb, **step_kw).mean
+                if ref_cache is not None:
+                    ref_cache.put(rows, j, out[j])
+    return out
+
+
+class RefMeanCache:
+    """Reference-policy step means [B, K, C, h, w] of one rollout batch (K = trained steps), filled on first
+    use. The reference (adapters off, or a frozen snapshot) does not change during a step's inner epochs, so
+    epochs after the first skip the reference forward entirely."""
+
+    def __init__(self, traj):
+        self.index = {j: k for k, j in enumerate(traj.train_steps.tolist())}
+        shape = (traj.latents.shape[0], len(self.index), *traj.latents.shape[2:])
+        self.means = torch.empty(shape, dtype=torch.float32, device=traj.latents.device)
+        self.filled = torch.zeros(shape[:2], dtype=torch.bool)
+
+    def get(self, rows: torch.Tensor, j: int) -> torch.Tensor | None:
+        k = self.index[j]
+        return self.means[rows.to(self.means.device), k] if bool(self.filled[rows, k].all()) else None
+
+    def put(self, rows: torch.Tensor, j: int, mean: torch.Tensor) -> None:
+        k = self.index[j]
+        self.means[rows.to(self.means.device), k] = mean.detach().float()
+        self.filled[rows, k] = True

@@ -1,0 +1,92 @@
+"""Rewards and advantages of a diffusion rollout batch, over one process or several.
+
+- `load_reward_fn(components, device)` + `score_images(...)`: the zoo reward of a config and its metrics.
+- `score_rollout(ctx, ...)`: `score_images` on this rank's images, metrics averaged over ranks.
+- `global_advantages(ctx, tracker, ...)`: per-prompt advantages (`mmrl.core.prompt_stats`) over every rank's
+  rewards, this rank's rows kept (Flow-GRPO and DiffusionNFT).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mmrl.training import NONFINITE_KEY, finite_stats, group_keep
+
+Tensor = torch.Tensor
+
+__all__ = ["load_reward_fn", "score_images", "score_rollout", "global_advantages"]
+
+
+def load_reward_fn(components: dict[str, Any], device: Any):
+    """`mmrl.rewards.load(mapping)` with a clear error for an empty or unknown component."""
+    from mmrl import rewards
+
+    if not components:
+        raise ValueError(f"reward.components is empty; give name -> weight, e.g. {{jpeg_compressibility: 1.0}}; "
+                         f"available: {rewards.available()}")
+    for key, value in components.items():
+        name = value.get("reward", key) if isinstance(value, dict) else key
+        if name not in rewards.available():
+            raise ValueError(f"reward.components: unknown reward '{name}'; available: {rewards.available()}")
+    return rewards.load(dict(components), device=str(device))
+
+
+def score_images(reward_fn: Any, images: Tensor, prompts: list[str], metadata: list[dict],
+                 prefix: str = "reward/", on_nonfinite: str = "error") -> tuple[Tensor, dict[str, float]]:
+    """scores[B] (float, cpu) and metrics: `<prefix>mean`, `<prefix>std` and one mean per component.
+
+    Every score is validated (`mmrl.training.check_rewards`): a NaN/inf score raises naming the reward component
+    and the prompt (`on_nonfinite="error"`), or (`"drop_sample"`) stays in `scores` as the mark of a dropped sample
+    (the recipes test `torch.isfinite`) while the metrics cover the finite ones and count the others in
+    `reward/nonfinite_samples`."""
+    from mmrl.training import check_rewards
+
+    out = reward_fn(images=images, prompts=prompts, metadata=metadata)
+    scores = out.scores.detach().float().cpu()
+    components = list(getattr(reward_fn, "components", {}))
+    keep, metrics = check_rewards(scores, out.details, on_nonfinite, reward=getattr(reward_fn, "name", "reward"),
+                                  components=components, labels=[f"prompt {p!r}" for p in prompts or []])
+    metrics.update(finite_stats(scores, prefix))
+    for name in components:
+        v = torch.as_tensor(out.details[name]).float().cpu()
+        metrics[f"{prefix}{name}"] = (v[keep] if v.shape == keep.shape else v).mean().item()
+    return scores, metrics
+
+
+def score_rollout(ctx: Any, reward_fn: Any, images: Tensor, prompts: list[str], metadata: list[dict],
+                  on_nonfinite: str = "error") -> tuple[Tensor, dict[str, float]]:
+    """`score_images` of this rank's samples; several ranks (equal sample counts): every metric is the mean of the
+    ranks' means (the batch mean), `reward/nonfinite_samples` the sum."""
+    scores, metrics = score_images(reward_fn, images, prompts, metadata, on_nonfinite=on_nonfinite)
+    if ctx.enabled:
+        metrics = {k: int(ctx.all_reduce_sum(v)) if k == NONFINITE_KEY else float(ctx.all_reduce_mean(v))
+                   for k, v in metrics.items()}
+    return scores, metrics
+
+
+def global_advantages(ctx: Any, tracker: Any, prompts: list[str], scores: Tensor, adv_clip_max: float,
+                      drop_zero_advantage: bool) -> tuple[Tensor, Tensor, dict]:
+    """(advantages of this rank's samples [b], indices of the samples to train on, metrics).
+
+    Rewards and prompts of every rank are all-gathered (rank order), the tracker (`PerPromptStatTracker`)
+    normalises per prompt over that global batch (a prompt's group may even span ranks), and each rank keeps its
+    own rows. Every rank updates its tracker with the same global batch, so the tracker state is identical
+    everywhere (rank 0's checkpoint is everyone's). One process: exactly `tracker.update(prompts, scores)`.
+    Non-finite scores mark samples dropped by `reward.on_nonfinite: drop_sample`: they are never kept, and neither
+    are the samples of a prompt left with fewer than 2 finite rewards (no relative signal)."""
+    all_prompts = [p for part in ctx.all_gather_object(list(prompts)) for p in part]
+    all_scores = ctx.all_gather_tensor(scores)
+    sizes = list(ctx.last_gather_sizes)
+    adv_all = tracker.update(all_prompts, all_scores).clamp(-adv_clip_max, adv_clip_max)
+    adv = ctx.local_slice(adv_all, sizes)
+    prompt_ids = {p: i for i, p in enumerate(dict.fromkeys(all_prompts))}
+    groups = torch.tensor([prompt_ids[p] for p in all_prompts])
+    usable = ctx.local_slice(group_keep(torch.isfinite(all_scores), groups), sizes)
+    keep = (usable & (adv != 0) if drop_zero_advantage else usable).nonzero().flatten()
+    n_keep = int(ctx.all_reduce_sum(len(keep)))
+    metrics = {"train/kept_fraction": n_keep / len(adv_all), "policy/advantage_abs": adv_all.abs().mean().item()}
+    if ctx.enabled:  # the whole batch's reward statistics (score_images gave this rank's)
+        metrics.update(finite_stats(all_scores))
+    return adv, keep, metrics
