@@ -162,6 +162,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
+        if not isinstance(value, dict) and renamed_to(where) is not None:  # e.g. the earlier `model.lora: true`
+            raise ConfigError(f"config key '{where}' (a value) is now a section: use '{renamed_to(where)}'")
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping (section {tp.__name__}), got {value!r}")
         return from_dict(tp, value, path=where)

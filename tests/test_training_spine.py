@@ -167,3 +167,27 @@ def test_start_run_checks_global_sizes_and_summary_skips_nulls(tmp_path, capsys)
     rows = [json.loads(line) for line in (run.dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[1]["reward/mean"] is None
     assert dataclasses.is_dataclass(cfg)
+
+
+@dataclass
+class _WithDefaults:
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6, warmup_steps=5))
+
+
+def test_partial_section_keeps_the_fields_defaults():
+    cfg = from_dict(_WithDefaults, {"optim": {"weight_decay": 0.1}})
+    assert (cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.weight_decay) == (1e-6, 5, 0.1)
+    assert from_dict(_WithDefaults, {}).optim.lr == 1e-6
+    assert from_dict(_WithDefaults, {"optim": {"lr": 0.5}}).optim.lr == 0.5
+
+
+def test_earlier_scalar_lora_key_names_its_section():
+    from mmrl.config import load_config
+
+    with pytest.raises(ConfigError, match=r"config key 'model.lora' \(a value\) is now a section: use 'model.lora.rank"):
+        load_config({"algorithm": "flow_grpo", "model": {"lora": True}})
+    with pytest.raises(ConfigError, match=r"config key 'model.lora' \(a value\) is now a section"):
+        load_config({"algorithm": "nft"}, ["model.lora=false"])
+    for algo in ("flow_grpo", "dpo", "nft", "vlm_grpo", "vlm_multiturn"):  # every recipe's log has the trackers
+        assert load_config({"algorithm": algo}, ["log.trackers=[jsonl, tensorboard]"]).log.trackers == [
+            "jsonl", "tensorboard"]

@@ -7,13 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from mmrl.training import LoRAConfig, OnNonfinite, OptimConfig
+from mmrl.training import LoRAConfig, OnNonfinite, OptimConfig, TrackersConfig
 
 # old key (before issue 12) -> new key, common to flow_grpo, dpo and nft (each recipe adds its own)
 RENAMED_KEYS: dict[str, str] = {
     "sample": "rollout",
     "sample.batch_size": "rollout.micro_batch_size",
     "data.prompts_per_step": "rollout.prompts_per_step",
+    "model.lora": "model.lora.rank (0 = full fine-tuning, > 0 = LoRA rank)",
     "model.lora_rank": "model.lora.rank",
     "model.lora_alpha": "model.lora.alpha",
     "model.lora_target_modules": "model.lora.target_modules",
@@ -132,7 +133,7 @@ class AdvantageRewardConfig(RewardConfig):
 
 
 @dataclass
-class LogConfig:
+class LogConfig(TrackersConfig):
     sample_every: int = 10
     """Save a grid of rollout images (with prompt and reward) every this many steps (0 = never)."""
     num_samples: int = 16
@@ -152,9 +153,6 @@ def check_common(cfg: Any, online: bool = True) -> None:
     """Cross-section checks of a diffusion recipe config (single sections check themselves on construction)."""
     from mmrl.pipelines.data import require_path
 
-    # transitional: TrainConfig still has this field (shared with the VLM recipes); it is read from update.*
-    if getattr(cfg.train, "max_skipped_updates", 3) != 3:
-        raise ValueError("config key 'train.max_skipped_updates' was renamed to 'update.max_skipped_updates'")
     log = cfg.log
     if log.num_samples < 1 and ((online and log.sample_every) or (log.eval_every and cfg.data.eval_prompts)):
         raise ValueError(f"log.num_samples: expected >= 1, got {log.num_samples}")
