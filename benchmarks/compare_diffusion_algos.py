@@ -1,9 +1,9 @@
-"""Flow-GRPO vs DiffusionNFT vs online Diffusion-DPO on one tiny task, side by side (CPU, a few minutes).
+"""Flow-GRPO vs DiffusionNFT vs online Diffusion-DPO vs AWM on one tiny task, side by side (CPU, a few minutes).
 
 Same model (the data-trained tiny SD3 in assets/tiny_sd3_shapes), same prompts, same reward, same seed,
 same sample budget per step (4 prompts x 8 images from an 8-step sampler, 64x64) and the same number of
 steps; everything else (LoRA or full fine-tuning, learning rate, CFG, SDE or ODE, trained timesteps) is
-each recipe's shipped tiny config (flow_grpo_tiny / nft_tiny / dpo_tiny_online.yaml). Measured per
+each recipe's shipped tiny config (flow_grpo_tiny / nft_tiny / dpo_tiny_online / awm_tiny.yaml). Measured per
 step: reward of the step's rollout images, wall-clock since the run started (model loading included,
 the same for all), and transformer evaluations (sample rows through the transformer, counted by a
 wrapper around SD3Model._forward, i.e. every transformer call: rollout and training, policy, old and reference
@@ -30,20 +30,21 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
-TINY_CONFIGS = {"flow_grpo": "flow_grpo_tiny.yaml", "nft": "nft_tiny.yaml", "dpo_online": "dpo_tiny_online.yaml"}
+TINY_CONFIGS = {"flow_grpo": "flow_grpo_tiny.yaml", "nft": "nft_tiny.yaml", "dpo_online": "dpo_tiny_online.yaml",
+                "awm": "awm_tiny.yaml"}
 
 
 def _configs(model: str, steps: int, reward: str, out: Path, seed: int) -> dict[str, list]:
     """Each recipe's shipped tiny config (its own tuned optimiser settings), with the shared task forced:
     same model, prompts, reward, seed, prompts x images per step, sampler steps, image size, step count."""
     shared = [f"model.path={model}", f"seed={seed}", "device=cpu", "dtype=float32",
-              f"data.train_prompts={REPO / 'assets/prompts/shapes_train.txt'}", "data.prompts_per_step=4",
-              "sample.group_size=8", "sample.num_steps=8", "sample.height=64", "sample.width=64",
+              f"data.train_prompts={REPO / 'assets/prompts/shapes_train.txt'}", "rollout.prompts_per_step=4",
+              "rollout.group_size=8", "rollout.num_steps=8", "rollout.height=64", "rollout.width=64",
               f"reward.components={{{reward}: 1.0}}", f"train.max_steps={steps}", "train.save_every=0",
               "train.resume=never", "log.sample_every=0",
               # same held-out evaluation for all: ODE, fixed noise, 26 prompts, at step 1, every steps/3, last
               f"data.eval_prompts={REPO / 'assets/prompts/shapes_eval.txt'}", f"log.eval_every={max(1, steps // 3)}",
-              "log.eval_max_prompts=26", "sample.eval_num_steps=8", "sample.eval_guidance_scale=1.0"]
+              "log.eval_max_prompts=26", "rollout.eval_num_steps=8", "rollout.eval_guidance_scale=1.0"]
     return {name: [REPO / "configs/diffusion" / path, shared + [f"output_dir={out / name}"]]
             for name, path in TINY_CONFIGS.items()}
 
@@ -52,7 +53,7 @@ def _configs(model: str, steps: int, reward: str, out: Path, seed: int) -> dict[
 def _baseline_eval(model_path: str, reward: str, seed: int) -> float:
     """The held-out evaluation of the starting model: the same prompts, noise (generator seeded like
     `common.evaluate_ode`) and ODE sampler as the recipes' `eval/reward/mean`."""
-    from mmrl.diffusion.common import load_reward_fn
+    from mmrl.diffusion.scoring import load_reward_fn
     from mmrl.diffusion.models import load_flow_model
     from mmrl.diffusion.sampling import sample_groups
     from mmrl.pipelines.data import load_prompts
@@ -68,15 +69,18 @@ def _baseline_eval(model_path: str, reward: str, seed: int) -> float:
 
 def _settings(cfg) -> str:
     """One line of what differs between the recipes."""
-    m, s, t = cfg.model, cfg.sample, cfg.train
-    tune = f"LoRA r{m.lora_rank}" if m.lora else "full FT"
+    m, s, a = cfg.model, cfg.rollout, cfg.algo
+    tune = f"LoRA r{m.lora.rank}" if m.lora.rank else "full FT"
     if cfg.algorithm == "flow_grpo":
-        extra = f"SDE a={s.noise_level}, trains {int(s.num_steps * s.timestep_fraction)} steps, KL {t.beta}"
+        extra = f"SDE a={s.noise_level}, trains {int(s.num_steps * s.timestep_fraction)} steps, KL {a.kl.coef}"
     elif cfg.algorithm == "nft":
-        extra = f"ODE, NFT beta {cfg.nft.guidance_beta}, trains {int(s.num_steps * cfg.nft.timestep_fraction)} t, kl {t.kl_beta}"
+        extra = f"ODE, NFT beta {a.guidance_beta}, trains {int(s.num_steps * a.timestep_fraction)} t, kl {a.kl.coef}"
+    elif cfg.algorithm == "awm":
+        extra = (f"ODE from {a.rollout_state}, {a.weighting}, K={a.num_train_timesteps} t, clip {a.clip_range:g}, "
+                 f"kl old {a.old_kl_coef:g} ref {a.kl.coef:g}")
     else:
-        extra = f"{'ODE' if s.noise_level == 0 else f'SDE a={s.noise_level}'}, beta {cfg.dpo.beta}, {cfg.dpo.pairing}"
-    return f"{tune}, lr {t.lr:g}, CFG {s.guidance_scale:g}, {extra}"
+        extra = f"{'ODE' if s.noise_level == 0 else f'SDE a={s.noise_level}'}, beta {a.beta}, {a.pairing}"
+    return f"{tune}, lr {cfg.optim.lr:g}, CFG {s.guidance_scale:g}, {extra}"
 
 
 def main(argv=None) -> dict:
@@ -86,7 +90,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--reward", default="jpeg_compressibility")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(REPO / "runs/compare_diffusion"))
-    ap.add_argument("--only", nargs="*", default=None, help="subset of flow_grpo nft dpo_online")
+    ap.add_argument("--only", nargs="*", default=None, help="subset of flow_grpo nft dpo_online awm")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -189,7 +193,8 @@ def main(argv=None) -> dict:
         ax.set_ylabel(f"reward/mean ({args.reward})")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("tiny SD3 shapes: Flow-GRPO vs DiffusionNFT vs online Diffusion-DPO (same prompts, seed, samples/step)")
+    fig.suptitle("tiny SD3 shapes: Flow-GRPO vs DiffusionNFT vs online Diffusion-DPO vs AWM (same prompts, seed, "
+                 "samples/step)")
     fig.tight_layout()
     out.mkdir(parents=True, exist_ok=True)
     png = out / "compare_diffusion_algos.png"
