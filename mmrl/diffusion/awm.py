@@ -43,8 +43,9 @@ from mmrl.config import RunConfig
 from mmrl.core.awm import awm_policy_loss, matching_log_prob, stratified_timestep_indices
 from mmrl.core.prompt_stats import PerPromptStatTracker
 from mmrl.diffusion import config as dc
+from mmrl.diffusion import old_policy
+from mmrl.diffusion.old_policy import AWM_EMA_SCHEDULES
 from mmrl.diffusion.common import noise_latents
-from mmrl.diffusion.nft import EMA_SCHEDULES as NFT_EMA_SCHEDULES
 from mmrl.distributed import DistConfig, DistContext
 from mmrl.runtime import Timer, seed_everything
 from mmrl.training import SKIPPED_KEY, KLConfig, UpdateConfig, UpdateGuard, clip_grads, merge_rank_lists
@@ -53,20 +54,13 @@ __all__ = ["Config", "train", "ema_decay", "EMA_SCHEDULES", "RENAMED_KEYS"]
 
 RENAMED_KEYS = dict(dc.RENAMED_KEYS)  # the diffusion recipes' pre-issue-12 names (sample.* -> rollout.*, ...)
 
-# name -> (flat steps, rate, cap): decay(n) = 0 if n < flat else min(rate * (n - flat), cap); n = optimizer updates
-EMA_SCHEDULES: dict[str, tuple[int, float, float]] = {
-    **NFT_EMA_SCHEDULES,            # copy, linear, delayed_linear (DiffusionNFT's)
-    "awm_linear": (0, 0.001, 0.3),  # source: train_sd3_awm.py kl_ema_decay_type 'linear', kl_ema_decay 0.3
-}
+EMA_SCHEDULES = AWM_EMA_SCHEDULES
 EmaSchedule = Literal["copy", "linear", "delayed_linear", "awm_linear"]
 
 
 def ema_decay(schedule: str, n: int) -> float:
-    """EMA decay of the "old" policy after `n` optimizer updates in total."""
-    if schedule not in EMA_SCHEDULES:
-        raise ValueError(f"algo.ema_schedule: unknown schedule {schedule!r}; valid: {sorted(EMA_SCHEDULES)}")
-    flat, rate, cap = EMA_SCHEDULES[schedule]
-    return 0.0 if n < flat else min(rate * (n - flat), cap)
+    """EMA decay of the "old" policy after `n` optimizer updates (this recipe's schedules; see old_policy)."""
+    return old_policy.ema_decay(schedule, n, EMA_SCHEDULES)
 
 
 # ------------------------------------------------------------------------------------------ config
@@ -172,19 +166,6 @@ class Config(RunConfig):
     """Several processes under torchrun / accelerate launch (strategy none|ddp|fsdp, backend, ...)."""
 
 
-class _Counters:
-    """Resumable integers: optimizer updates so far (the EMA schedule position)."""
-
-    def __init__(self):
-        self.updates = 0
-
-    def state_dict(self) -> dict:
-        return {"updates": self.updates}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.updates = int(state["updates"])
-
-
 def _step_range(cfg: Config) -> tuple[int, int]:
     """[lo, hi) of the rollout schedule's step indices the noise levels come from (ValueError if empty)."""
     a = cfg.algo
@@ -221,7 +202,7 @@ def train(cfg: Config) -> dict:
                                                                              ref=a.kl.coef > 0)
     tracker = PerPromptStatTracker(cfg.reward.std_mode, cfg.reward.history)
     sampler = PromptSampler(train_items, seed=cfg.seed)
-    counters = _Counters()
+    counters = old_policy.UpdateCounter()
     stateful = {"optimizer": FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,
                 "tracker": tracker, "data": sampler, "counters": counters, "transformer_evals": evals}
     start, _ = restore_checkpoint(ctx, run, states, stateful)

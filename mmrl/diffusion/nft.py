@@ -48,6 +48,8 @@ from mmrl.config import RunConfig
 from mmrl.core.losses import nft_loss, nft_optimality_prob
 from mmrl.core.prompt_stats import PerPromptStatTracker
 from mmrl.diffusion import config as dc
+from mmrl.diffusion import old_policy
+from mmrl.diffusion.old_policy import NFT_EMA_SCHEDULES
 from mmrl.diffusion.common import noise_latents
 from mmrl.distributed import DistConfig, DistContext
 from mmrl.runtime import Timer, seed_everything
@@ -65,22 +67,13 @@ RENAMED_KEYS = {
     "train.adv_clip_max": "algo.adv_clip_max",
 }
 
-# name -> (flat steps, rate per step, cap):  decay(n) = 0 if n < flat else min(rate * (n - flat), cap)
-# source: NVlabs/DiffusionNFT scripts/train_nft_sd3.py return_decay (decay_type 0, 1, 2)
-EMA_SCHEDULES: dict[str, tuple[int, float, float]] = {
-    "copy": (0, 0.0, 0.0),                 # decay_type 0: old <- new after every step
-    "linear": (0, 0.001, 0.5),             # decay_type 1: min(0.001 n, 0.5)            (PickScore, GenEval)
-    "delayed_linear": (75, 0.0075, 0.999),  # decay_type 2: 0 for n < 75, then min(0.0075 (n - 75), 0.999)  (OCR)
-}
+EMA_SCHEDULES = NFT_EMA_SCHEDULES
 EmaSchedule = Literal["copy", "linear", "delayed_linear"]
 
 
 def ema_decay(schedule: str, n: int) -> float:
-    """EMA decay of the "old" policy after `n` optimizer updates in total (the official `global_step`)."""
-    if schedule not in EMA_SCHEDULES:
-        raise ValueError(f"algo.ema_schedule: unknown schedule {schedule!r}; valid: {sorted(EMA_SCHEDULES)}")
-    flat, rate, cap = EMA_SCHEDULES[schedule]
-    return 0.0 if n < flat else min(rate * (n - flat), cap)
+    """EMA decay of the "old" policy after `n` optimizer updates (this recipe's schedules; see old_policy)."""
+    return old_policy.ema_decay(schedule, n, EMA_SCHEDULES)
 
 
 # ------------------------------------------------------------------------------------------ config
@@ -168,19 +161,6 @@ class Config(RunConfig):
     """Several processes under torchrun / accelerate launch (strategy none|ddp|fsdp, backend, find_unused_parameters)."""
 
 
-class _Counters:
-    """Resumable integers: optimizer updates so far (the EMA schedule position)."""
-
-    def __init__(self):
-        self.updates = 0
-
-    def state_dict(self) -> dict:
-        return {"updates": self.updates}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.updates = int(state["updates"])
-
-
 # ------------------------------------------------------------------------------------------ training
 
 
@@ -207,7 +187,7 @@ def train(cfg: Config) -> dict:
                                                                              ref=a.kl.coef > 0)
     tracker = PerPromptStatTracker(cfg.reward.std_mode, cfg.reward.history)
     sampler = PromptSampler(train_items, seed=cfg.seed)
-    counters = _Counters()
+    counters = old_policy.UpdateCounter()
     stateful = {"optimizer": FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,
                 "tracker": tracker, "data": sampler, "counters": counters, "transformer_evals": evals}
     start, _ = restore_checkpoint(ctx, run, states, stateful)
