@@ -249,7 +249,8 @@ def _one_update(model_path, scenario, ctx):
     from mmrl.core.prompt_stats import PerPromptStatTracker
     from mmrl.diffusion.scoring import global_advantages
     from mmrl.diffusion.models import load_flow_model
-    from mmrl.diffusion.nft import _Counters, _train_on_rollout
+    from mmrl.diffusion.nft import _train_on_rollout
+    from mmrl.diffusion.old_policy import UpdateCounter
     from mmrl.diffusion.sampling import Trajectory, sample_groups
     from mmrl.runtime import Timer, seed_everything
 
@@ -281,7 +282,7 @@ def _one_update(model_path, scenario, ctx):
     tracker = PerPromptStatTracker("group")
     adv, keep, _ = global_advantages(ctx, tracker, prompts, scores, _math.inf, drop_zero)
     r = nft_optimality_prob(adv, t.adv_clip_max)
-    counters = _Counters()
+    counters = UpdateCounter()
     names = {id(p): n for n, p in states.model.named_parameters()}
     before = {names[id(p)]: p.detach().clone() for p in params}
     randn_like = torch.randn_like
