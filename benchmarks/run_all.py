@@ -33,6 +33,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "rope_index": ["--threads", "1"],
     "rewards_throughput": ["--threads", "1"],
     "vlm_step": ["--part", "all", "--threads", "1"],
+    "reward_overlap": ["--threads", "1"],
     "compare_diffusion_algos": ["--out", "runs/compare_diffusion/{stamp}"],
 }
 

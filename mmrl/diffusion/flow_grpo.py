@@ -27,8 +27,8 @@ the same transformer forwards (equal prompts per rank, zero-weight padding micro
 evaluation on every rank), and checkpoints gather full tensors (all ranks) that rank 0 writes: they resume with
 any strategy and any number of processes.
 
-What is simplified away versus flow_grpo's scripts: the rollout and reward run one
-after the other (no thread pool); KL as a loss only (no KL-in-reward).
+What is simplified away versus flow_grpo's scripts: the reward overlaps the rollout only with
+`reward.async_scoring` (flow_grpo always uses its thread pool); KL as a loss only (no KL-in-reward).
 """
 
 from __future__ import annotations
@@ -113,6 +113,13 @@ class FlowGRPOKLConfig(KLConfig):
 
 
 @dataclass
+class RewardConfig(dc.AdvantageRewardConfig):
+    async_scoring: bool = False
+    """Score each rollout micro-batch (rollout.micro_batch_size) in a worker thread while the next one is sampled,
+    as flow_grpo's executor does; same rewards as scoring the whole batch (per-sample rewards only)."""
+
+
+@dataclass
 class AlgoConfig:
     clip_range: float = 1e-4
     """PPO clip range on the per-step ratio."""
@@ -143,7 +150,7 @@ class Config(RunConfig):
     """Inner epochs, mini-batches (optimizer updates), micro-batches, gradient clipping."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     """Flow-GRPO loss: clipping, KL, EMA."""
-    reward: dc.AdvantageRewardConfig = field(default_factory=dc.AdvantageRewardConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     """Rewards and advantages."""
     log: dc.LogConfig = field(default_factory=dc.LogConfig)
     """Samples, evaluation."""
@@ -165,7 +172,7 @@ def train(cfg: Config) -> dict:
     from mmrl.diffusion.grpo_update import train_on_rollout
     from mmrl.diffusion.models import PromptEmbedCache, load_flow_model
     from mmrl.diffusion.sampling import sample_groups
-    from mmrl.diffusion.scoring import global_advantages, load_reward_fn, score_rollout
+    from mmrl.diffusion.scoring import AsyncRewardScorer, global_advantages, load_reward_fn, score_rollout
     from mmrl.pipelines.data import PromptSampler, load_prompts
     from mmrl.training import FullOptimizerState, restore_checkpoint, start_run
 
@@ -176,6 +183,7 @@ def train(cfg: Config) -> dict:
     train_items = load_prompts(cfg.data.train_prompts)
     eval_items = load_prompts(cfg.data.eval_prompts)[: cfg.log.eval_max_prompts] if cfg.data.eval_prompts else []
     reward_fn = load_reward_fn(cfg.reward.components, run.device)
+    scorer = AsyncRewardScorer(reward_fn) if cfg.reward.async_scoring else None  # rewards overlap the next rollout
     model = load_flow_model(cfg.model.path, run.device, run.dtype, cfg.model.max_sequence_length or None)
     n_distinct = len({it.prompt for it in train_items})
     encode = PromptEmbedCache(model, n_distinct) if 0 < n_distinct <= s.prompt_cache_size else model.encode_prompts
@@ -207,14 +215,16 @@ def train(cfg: Config) -> dict:
             with timer("rollout"):
                 items = ctx.shard(sampler.next(s.prompts_per_step))
                 embeds = encode([it.prompt for it in items])
-                traj = sample_groups(model, embeds, s.group_size, window_generator=window_gen, **rollout_kw)
-                prompts = [items[i].prompt for i in traj.prompt_index.tolist()]
-                metadata = [items[i].metadata for i in traj.prompt_index.tolist()]
+                rows = [i for i in range(len(items)) for _ in range(s.group_size)]  # sample -> prompt (traj order)
+                prompts, metadata = [items[i].prompt for i in rows], [items[i].metadata for i in rows]
+                on_images = (lambda lo, hi, im: scorer.submit(im, prompts[lo:hi], metadata[lo:hi])) if scorer else None
+                traj = sample_groups(model, embeds, s.group_size, window_generator=window_gen, on_images=on_images,
+                                     **rollout_kw)
 
             # ---- 2. rewards (weighted sum; each component logged; several ranks: means over all samples)
             with timer("reward"):
                 scores, reward_metrics = score_rollout(ctx, reward_fn, traj.images, prompts, metadata,
-                                                       cfg.reward.on_nonfinite)
+                                                       cfg.reward.on_nonfinite, out=scorer.output() if scorer else None)
             metrics.update(reward_metrics)
 
             # ---- 3. advantages: per-prompt normalisation over all ranks' rewards, clipping, drop zero advantages
@@ -245,6 +255,8 @@ def train(cfg: Config) -> dict:
         end_step(ctx, run, step, metrics, timer, bar, states, stateful, fsdp,
                  drift=f"{metrics.get('diag/logprob_drift', 0):.1e}")
     bar.close()
+    if scorer is not None:
+        scorer.close()
     summary = _summarise(run) if ctx.is_main else {}
     ctx.barrier()
     ctx.close()

@@ -29,6 +29,7 @@ the two modes are the same.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -133,6 +134,7 @@ def sample_groups(
     generator: torch.Generator | None = None,
     decode: bool = True,
     window_generator: torch.Generator | None = None,
+    on_images: Callable[[int, int, torch.Tensor], None] | None = None,
 ) -> Trajectory:
     """Roll out `group_size` samples for each of the P prompts in `embeds` (encoded once, reused).
 
@@ -141,6 +143,8 @@ def sample_groups(
     batch_size: rollout micro-batch (default all B at once); does not change the result.
     window_generator: draws the SDE window position instead of `generator` (data-parallel training passes
     one seeded identically on every rank, so all ranks train on the same steps while their noise differs).
+    on_images(lo, hi, images): called with each micro-batch's decoded images as soon as they exist (rows lo:hi), so
+    a reward can score them while the next micro-batch is sampled; the result does not change.
     """
     p = len(embeds)
     b = p * group_size
@@ -175,6 +179,7 @@ def sample_groups(
     log_probs = torch.zeros((b, num_steps), dtype=torch.float32, device=device)
     latents[:, 0] = x0
     mb = batch_size or b
+    chunks = []
     for lo in range(0, b, mb):
         rows = slice(lo, min(b, lo + mb))
         emb = embeds.select(prompt_index[rows])
@@ -190,8 +195,10 @@ def sample_groups(
                 v = model.velocity(x, s, emb, guidance_scale=guidance_scale)
                 x = ode_step(x, v, s, s_next)
             latents[rows, i + 1] = x
-    images = None
-    if decode:
-        images = torch.cat([model.decode(latents[lo:lo + mb, -1], height, width) for lo in range(0, b, mb)])
+        if decode:  # this micro-batch's images now (the same chunks as decoding at the end would use)
+            chunks.append(model.decode(latents[rows, -1], height, width))
+            if on_images is not None:
+                on_images(rows.start, rows.stop, chunks[-1])
+    images = torch.cat(chunks) if decode else None
     return Trajectory(latents=latents, log_probs=log_probs, sigmas=sigmas, sde_mask=sde_mask,
                       train_steps=train_steps, prompt_index=prompt_index, embeds=embeds, images=images)

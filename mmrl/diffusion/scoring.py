@@ -16,7 +16,7 @@ from mmrl.training import NONFINITE_KEY, finite_stats, group_keep
 
 Tensor = torch.Tensor
 
-__all__ = ["load_reward_fn", "score_images", "score_rollout", "global_advantages"]
+__all__ = ["load_reward_fn", "score_images", "score_rollout", "global_advantages", "AsyncRewardScorer"]
 
 
 def load_reward_fn(components: dict[str, Any], device: Any):
@@ -33,8 +33,43 @@ def load_reward_fn(components: dict[str, Any], device: Any):
     return rewards.load(dict(components), device=str(device))
 
 
+class AsyncRewardScorer:
+    """Scores rollout micro-batches in a worker thread while the next micro-batch is sampled (as flow_grpo and
+    ddpo submit the reward to an executor per sampling batch); `output()` joins the chunks, in order, into what one
+    call on the whole batch returns: identical for rewards that score each sample on its own (every zoo reward;
+    a composite with `normalize: batch` is refused)."""
+
+    def __init__(self, reward_fn: Any, workers: int = 1):
+        from concurrent.futures import ThreadPoolExecutor
+
+        if getattr(reward_fn, "normalize", "none") != "none":
+            raise ValueError("reward.async_scoring needs per-sample rewards; a composite with normalize: batch "
+                             "scores the whole batch together (set reward.async_scoring=false)")
+        self.reward_fn, self.pool, self.futures = reward_fn, ThreadPoolExecutor(max_workers=workers), []
+
+    def submit(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> None:
+        self.futures.append(self.pool.submit(self.reward_fn, images=images, prompts=prompts, metadata=metadata))
+
+    def output(self) -> Any:
+        """The chunks' RewardOutputs joined: scores and tensor details concatenated, list details extended."""
+        outs, self.futures = [f.result() for f in self.futures], []
+        details: dict[str, Any] = {}
+        for key in outs[0].details:
+            vals = [o.details[key] for o in outs]
+            if all(isinstance(v, Tensor) for v in vals):
+                details[key] = torch.cat([v.reshape(-1) if v.dim() == 0 else v for v in vals])
+            elif all(isinstance(v, (list, tuple)) for v in vals):
+                details[key] = [x for v in vals for x in v]
+            else:
+                details[key] = vals
+        return type(outs[0])(scores=torch.cat([o.scores for o in outs]), details=details)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
 def score_images(reward_fn: Any, images: Tensor, prompts: list[str], metadata: list[dict],
-                 prefix: str = "reward/", on_nonfinite: str = "error") -> tuple[Tensor, dict[str, float]]:
+                 prefix: str = "reward/", on_nonfinite: str = "error", out: Any = None) -> tuple[Tensor, dict[str, float]]:
     """scores[B] (float, cpu) and metrics: `<prefix>mean`, `<prefix>std` and one mean per component.
 
     Every score is validated (`mmrl.training.check_rewards`): a NaN/inf score raises naming the reward component
@@ -43,7 +78,7 @@ def score_images(reward_fn: Any, images: Tensor, prompts: list[str], metadata: l
     `reward/nonfinite_samples`."""
     from mmrl.training import check_rewards
 
-    out = reward_fn(images=images, prompts=prompts, metadata=metadata)
+    out = reward_fn(images=images, prompts=prompts, metadata=metadata) if out is None else out  # (already scored)
     scores = out.scores.detach().float().cpu()
     components = list(getattr(reward_fn, "components", {}))
     keep, metrics = check_rewards(scores, out.details, on_nonfinite, reward=getattr(reward_fn, "name", "reward"),
@@ -56,10 +91,11 @@ def score_images(reward_fn: Any, images: Tensor, prompts: list[str], metadata: l
 
 
 def score_rollout(ctx: Any, reward_fn: Any, images: Tensor, prompts: list[str], metadata: list[dict],
-                  on_nonfinite: str = "error") -> tuple[Tensor, dict[str, float]]:
-    """`score_images` of this rank's samples; several ranks (equal sample counts): every metric is the mean of the
-    ranks' means (the batch mean), `reward/nonfinite_samples` the sum."""
-    scores, metrics = score_images(reward_fn, images, prompts, metadata, on_nonfinite=on_nonfinite)
+                  on_nonfinite: str = "error", out: Any = None) -> tuple[Tensor, dict[str, float]]:
+    """`score_images` of this rank's samples (`out`: their RewardOutput if already scored, e.g. by
+    `AsyncRewardScorer`); several ranks (equal sample counts): every metric is the mean of the ranks' means (the
+    batch mean), `reward/nonfinite_samples` the sum."""
+    scores, metrics = score_images(reward_fn, images, prompts, metadata, on_nonfinite=on_nonfinite, out=out)
     if ctx.enabled:
         metrics = {k: int(ctx.all_reduce_sum(v)) if k == NONFINITE_KEY else float(ctx.all_reduce_mean(v))
                    for k, v in metrics.items()}

@@ -597,3 +597,35 @@ if __name__ == "__main__":  # 2 ranks for test_two_ranks_one_update_equals_one_p
     import sys
 
     spawn_ranks(_equality_worker, sys.argv[1], sys.argv[2])
+
+
+def test_async_reward_scoring_gives_the_synchronous_results(tmp_path, tiny_sd3_path):
+    """`reward.async_scoring`: each rollout micro-batch is scored in a worker thread while the next one is sampled;
+    a run writes exactly the metrics of the synchronous run (two components, so per-component details are joined
+    too), and the scorer saw one chunk per micro-batch."""
+    from mmrl.diffusion import scoring
+
+    chunks = []
+    submit = scoring.AsyncRewardScorer.submit
+
+    def counted(self, images, prompts, metadata):
+        chunks.append(len(images))
+        return submit(self, images, prompts, metadata)
+
+    comps = {"components": {"jpeg_compressibility": 1.0, "prompt_color": 0.5}}
+    rows = {}
+    for mode in ("false", "true"):
+        out = tmp_path / mode
+        scoring.AsyncRewardScorer.submit = counted
+        try:
+            train(_cfg(out, tiny_sd3_path, [f"reward.async_scoring={mode}", "rollout.micro_batch_size=2"],
+                       reward=comps))
+        finally:
+            scoring.AsyncRewardScorer.submit = submit
+        rows[mode] = [without_time(r) for r in metrics_rows(out)]
+    assert rows["true"] == rows["false"] and len(rows["true"]) == 2
+    assert chunks == [2, 2, 2] * 2  # 2 prompts x 3 images per step in micro-batches of 2, two steps
+    with pytest.raises(ValueError, match="reward.async_scoring needs per-sample rewards"):
+        from mmrl.rewards import load
+
+        scoring.AsyncRewardScorer(load({"components": {"jpeg_compressibility": 1.0}, "normalize": "batch"}))
