@@ -28,6 +28,8 @@ Fields (N rows, L = P + T columns; all tensors on one device):
   old_logprobs, ref_logprobs, rollout_logprobs   float32[N, T] or None
   weights            float32[N]     1 for rows that count, 0 for placeholder rows (a rank that kept nothing still
                                     runs a forward/backward so collectives pair; see ``mmrl.vlm.update``)
+  packed             bool           forwards run padding-free (``pack``: every row's real tokens in one row with a
+                                    block-diagonal mask; LightRFT's packing); equal log-probs up to float order
 
 Slicing: ``select(rows)`` (and ``micro_batches(size)``) keep the chosen rows and cut the columns that are padding
 in all of them, so a selection is exactly what collating those rows alone would give (ids, masks, positions: the
@@ -132,6 +134,7 @@ class RolloutBatch:
     ref_logprobs: Tensor | None = None
     rollout_logprobs: Tensor | None = None
     weights: Tensor | None = None
+    packed: bool = False
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -227,6 +230,8 @@ class RolloutBatch:
                 v = P_sub
             elif f.name == "mm":
                 v = [v[i] for i in rows]
+            elif f.name == "packed":
+                pass
             elif f.name in _PER_TOKEN or (f.name == "advantages" and v is not None and v.dim() == 2):
                 v = None if v is None else v[di][:, :T_sub]
             elif v is not None:  # advantages [N], weights [N]
@@ -265,6 +270,8 @@ class RolloutBatch:
         T = self.response_len
         if dtype is None:
             dtype = getattr(getattr(model, "module", model), "dtype", None)
+        if self.packed:
+            return self._packed_forward_logprobs(model, temperature, with_entropy, entropy_grad, vision_cache, dtype)
         out = model(**self.model_inputs(dtype, vision_cache), use_cache=False, logits_to_keep=T + 1)
         logits = out.logits[:, :T]  # logits at columns P-1 .. P+T-2 predict response tokens 0 .. T-1
         resp = self.input_ids[:, self.prompt_len:]
@@ -287,6 +294,38 @@ class RolloutBatch:
             if ent is not None:
                 ent[idx, :t] = e.float().to(self.device) * sub.response_mask
         return (lp, ent) if with_entropy else lp
+
+    # ------------------------------------------------------------------ padding-free forwards (packed=True)
+    def pack(self, dtype: torch.dtype | None = None, vision_cache: Any = None) -> tuple[dict[str, Any], Tensor, Tensor]:
+        """(model kwargs of ONE row holding every row's real tokens, logit index [N, T] of each response token,
+        valid [N, T]). Text positions restart at 0 at each row boundary: transformers then builds a block-diagonal
+        causal mask when no attention mask is given (`masking_utils.find_packed_sequence_indices`), and Qwen-VL
+        takes position ids [4, 1, L] = (text positions, the 3 M-RoPE rows of each row's padded index); images keep
+        their row order. Response token t of row b is predicted at offset_b + prompt_lens[b] + t - 1."""
+        keep = self.attention_mask.bool()
+        lens = keep.sum(-1)
+        offsets = torch.cumsum(lens, 0) - lens
+        ids = self.input_ids[keep][None]
+        text = torch.cat([torch.arange(int(n), device=ids.device) for n in lens])[None, None]
+        kw: dict[str, Any] = dict(input_ids=ids, position_ids=torch.cat([text, self.position_ids[:, keep][:, None]]),
+                                  mm_token_type_ids=self.mm_token_type_ids[keep][None],
+                                  **cat_mm(self.mm, self.device, dtype))
+        if vision_cache is not None:
+            kw = vision_cache.apply(kw, self.mm)
+        t = torch.arange(self.response_len, device=ids.device)
+        index = (offsets + self.prompt_lens.to(ids.device))[:, None] + t[None] - 1
+        valid = self.response_mask.to(ids.device)
+        return kw, torch.where(valid, index, torch.zeros_like(index)), valid
+
+    def _packed_forward_logprobs(self, model: Any, temperature: float, with_entropy: bool, entropy_grad: bool,
+                                 vision_cache: Any, dtype: torch.dtype | None) -> tuple[Tensor, Tensor | None]:
+        kw, index, valid = self.pack(dtype, vision_cache)
+        logits = model(**kw, use_cache=False).logits[0]  # [total tokens, V]: no padding anywhere
+        picked = logits[index.reshape(-1)].reshape(*index.shape, -1)  # [N, T, V]
+        resp = self.input_ids[:, self.prompt_len:].to(logits.device)
+        lp, ent = token_logprobs(picked, resp, temperature, with_entropy, entropy_grad)
+        zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
+        return torch.where(valid, lp, zero), (None if ent is None else torch.where(valid, ent, zero))
 
     def replace(self, **changes: Any) -> "RolloutBatch":
         """A copy with some fields replaced (``dataclasses.replace``)."""

@@ -43,6 +43,9 @@ class VLMUpdateConfig(UpdateConfig):
     """Run the vision tower once per prompt image set per step and reuse the features for all responses and the
     reference / old / training passes (exact). The training pass recomputes them with gradients when the vision
     tower is trained; a reference pass with LoRA on the vision tower gets its own cache. Off under FSDP."""
+    packing: bool = False
+    """Padding-free forwards: every micro-batch's real tokens in one row with a block-diagonal causal mask and
+    per-row (M-RoPE) positions (RolloutBatch.pack); log-probs and gradients equal the padded ones up to float order."""
 
 
 @dataclass
