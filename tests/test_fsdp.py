@@ -299,7 +299,7 @@ def _one_update_fsdp(tfg, model_path, scenario, ctx):
     from mmrl.runtime import Timer, seed_everything
 
     P, G = tfg.P, tfg.G
-    cfg = tfg._equality_cfg(model_path)
+    cfg = tfg._scenario_cfg(model_path, scenario)
     cfg.dist.strategy = "fsdp"
     s, t = cfg.rollout, cfg.optim
     model = load_flow_model(model_path)
@@ -310,6 +310,7 @@ def _one_update_fsdp(tfg, model_path, scenario, ctx):
     full = sample_groups(model, model.encode_prompts(prompts_all), G, num_steps=s.num_steps, height=s.height,
                          width=s.width, guidance_scale=s.guidance_scale, noise_level=s.noise_level,
                          timestep_fraction=s.timestep_fraction, generator=torch.Generator().manual_seed(7))
+    tfg._scenario_rollout(full, scenario)
     model.transformer = ctx.wrap_model(states.model, "fsdp")
     states.refresh()
     params = states.trainable_parameters()
@@ -348,7 +349,8 @@ def _update_worker(model_path: str, out: str) -> None:
 
 def test_one_update_under_fsdp_equals_one_process(tmp_path):
     """Fixed rollout batch, per-prompt rewards where zero-advantage groups are dropped: ranks keep 5 + 3 rows
-    ("uneven") and 5 + 0 ("idle": rank 1 runs only zero-weight padding micro-steps, forwards included)."""
+    ("uneven") and 5 + 0 ("idle": rank 1 runs only zero-weight padding micro-steps, forwards included);
+    "uneven_mis": recomputed pi_old (no-grad forwards of every row under FSDP) with step-level MIS masks."""
     from mmrl.distributed import DistContext
     from mmrl.tiny import build_tiny_sd3
 
@@ -364,8 +366,10 @@ def test_one_update_under_fsdp_equals_one_process(tmp_path):
         torch.manual_seed(100)
         one = tfg._one_update(model_path, name, DistContext())
         r0, r1 = ranks[0][name], ranks[1][name]
-        assert (r0["n_keep"], r1["n_keep"]) == ((5, 3) if name == "uneven" else (5, 0))
+        assert (r0["n_keep"], r1["n_keep"]) == ((5, 3) if name.startswith("uneven") else (5, 0))
         assert r0["metrics"]["train/updates"] == 1
+        if name.endswith("_mis"):  # recomputed pi_old under FSDP; 3 of rank 0's 10 kept (sample, step) pairs masked
+            assert r0["metrics"]["rollout/correction/rollout_rs_masked_fraction"] == pytest.approx(3 / 10)
         # one["params"] is keyed by parameter name ('...lora_A.default.weight'), the gathered state by peft key
         by_name = one["params"]
         assert max((by_name[k] - p0).abs().max().item() for k, p0 in initial.items()) > 1e-4  # a real update

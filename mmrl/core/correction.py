@@ -206,7 +206,7 @@ def offpolicy_metrics(trainer_logp: Tensor, rollout_logp: Tensor, mask: Tensor |
     mean_new, mean_old = (new.sum(-1) / n.clamp(min=1))[rows], (old.sum(-1) / n.clamp(min=1))[rows]
     diff = mean_old - mean_new
     return {
-        "kl": tok(-d), "k3_kl": tok(torch.exp(dc) - dc - 1.0),
+        "kl": tok(-d), "k3_kl": tok(torch.expm1(dc) - dc),  # expm1: exact for tiny d (exp(d) - 1 rounds to 0)
         "training_log_ppl": float(-mean_new.mean()), "rollout_log_ppl": float(-mean_old.mean()),
         "training_ppl": float(torch.exp(-mean_new).mean()), "rollout_ppl": float(torch.exp(-mean_old).mean()),
         "log_ppl_diff": float(diff.mean()), "log_ppl_abs_diff": float(diff.abs().mean()),

@@ -27,6 +27,12 @@ the same transformer forwards (equal prompts per rank, zero-weight padding micro
 evaluation on every rank), and checkpoints gather full tensors (all ranks) that rank 0 writes: they resume with
 any strategy and any number of processes.
 
+Rollout precision and correction (issue 13): `rollout.precision: bf16` samples under torch.autocast(bfloat16) (a
+faster engine on GPUs); the rollout's log-probs then differ from the fp32 trainer's by more than the 1e-4 clip range.
+`algo.old_logprobs: recompute` takes pi_old from one no-grad trainer forward per (sample, trained step) before the
+update (decoupled PPO), and `algo.rollout_correction` weights (TIS) or masks (MIS, veto) each denoising step
+(`token`) or trajectory (`sequence`, `geometric`) by pi_old / pi_rollout (`grpo_update._old_policy`).
+
 What is simplified away versus flow_grpo's scripts: the reward overlaps the rollout only with
 `reward.async_scoring` (flow_grpo always uses its thread pool); KL as a loss only (no KL-in-reward).
 """
@@ -43,7 +49,8 @@ from mmrl.core.prompt_stats import PerPromptStatTracker
 from mmrl.diffusion import config as dc
 from mmrl.distributed import DistConfig, rank_seed
 from mmrl.runtime import Timer, seed_everything
-from mmrl.training import KLConfig, UpdateConfig
+from mmrl.training import KLConfig, RunningNormFields, UpdateConfig
+from mmrl.training.config import RolloutCorrectionConfig
 
 __all__ = ["Config", "train", "RENAMED_KEYS"]
 
@@ -80,6 +87,10 @@ class RolloutConfig(dc.RolloutConfig):
     """With CFG (guidance_scale > 1, SD3): which branches of v_u + w (v_c - v_u) the training gradient flows
     through. `both` = flow_grpo's training (one forward on [empty; prompt], no detach); `cond_only` detaches the
     unconditional branch (gradient w * dv_c). Log-probs, rollouts and logprob drift are identical in both."""
+    precision: Literal["run", "bf16"] = "run"
+    """`bf16`: the rollout's transformer forwards run under torch.autocast(bfloat16), a faster lower-precision
+    sampler; the trainer recomputes in the run's dtype, so its log-probs differ from the rollout's (use
+    `algo.old_logprobs: recompute` and `algo.rollout_correction`). `run`: the model's own dtype."""
     prompt_cache_size: int = 1024
     """Keep the text embeddings of every training prompt (CPU, LRU by prompt text) when the prompt file has at
     most this many distinct prompts: the text encoders then run once per prompt instead of every step. Larger
@@ -113,7 +124,7 @@ class FlowGRPOKLConfig(KLConfig):
 
 
 @dataclass
-class RewardConfig(dc.AdvantageRewardConfig):
+class RewardConfig(RunningNormFields, dc.AdvantageRewardConfig):  # + running_norm*, before the per-prompt stats
     async_scoring: bool = False
     """Score each rollout micro-batch (rollout.micro_batch_size) in a worker thread while the next one is sampled,
     as flow_grpo's executor does; same rewards as scoring the whole batch (per-sample rewards only)."""
@@ -132,6 +143,17 @@ class AlgoConfig:
     """Keep an EMA of the trainable weights (the "old" state) and evaluate with it."""
     ema_decay: float = 0.9
     """EMA decay per optimizer update."""
+    old_logprobs: Literal["rollout", "recompute"] = "rollout"
+    """pi_old of the PPO ratio: the rollout's recorded log-probs (`rollout`, Flow-GRPO), or a no-grad forward per
+    trained step with the trainer before the update (`recompute`; one extra forward per sample and step)."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """With old_logprobs=recompute: TIS weights / MIS and veto masks between pi_old and the rollout's log-probs,
+    per denoising step (`token`) or per trajectory (`sequence`, `geometric`); `rollout/correction/*` metrics."""
+
+    def __post_init__(self) -> None:
+        if self.rollout_correction.enabled and self.old_logprobs == "rollout":
+            raise ValueError("algo.rollout_correction needs algo.old_logprobs=recompute: with `rollout` the PPO ratio "
+                             "is already taken against the rollout's log-probs (the weights would count it twice)")
 
 
 @dataclass
@@ -195,13 +217,15 @@ def train(cfg: Config) -> dict:
     sampler = PromptSampler(train_items, seed=cfg.seed)
     stateful = {"optimizer": FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,
                 "tracker": tracker, "data": sampler, "transformer_evals": evals}
+    reward_norm = cfg.reward.build_running_norm(stateful)  # updated with the gathered rewards: same on every rank
     start, _ = restore_checkpoint(ctx, run, states, stateful)
 
     rollout_kw = dict(num_steps=s.num_steps, height=s.height, width=s.width, guidance_scale=s.guidance_scale,
                       noise_level=s.noise_level, sde_type=s.sde_type, window_size=s.window_size,
                       window_range=tuple(s.window_range) if s.window_range else None,
                       timestep_fraction=s.timestep_fraction, same_noise=s.same_noise,
-                      batch_size=s.micro_batch_size or None)
+                      batch_size=s.micro_batch_size or None,
+                      autocast_dtype=torch.bfloat16 if s.precision == "bf16" else None)
     timer = Timer(sync_cuda=run.device.type == "cuda")
     bar = run.progress(cfg.train.max_steps, initial=start)
     for step in range(start + 1, cfg.train.max_steps + 1):
@@ -229,7 +253,7 @@ def train(cfg: Config) -> dict:
 
             # ---- 3. advantages: per-prompt normalisation over all ranks' rewards, clipping, drop zero advantages
             adv, keep, adv_metrics = global_advantages(ctx, tracker, prompts, scores, a.adv_clip_max,
-                                                       cfg.reward.drop_zero_advantage)
+                                                       cfg.reward.drop_zero_advantage, reward_norm)
             metrics.update(adv_metrics)
 
             # ---- 4./5. loss per trained timestep, accumulated; optimizer updates (+ EMA)

@@ -43,6 +43,8 @@ def train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, p
     fsdp = ctx.enabled and getattr(cfg, "dist", None) is not None and cfg.dist.strategy == "fsdp"
     ref_cache = RefMeanCache(traj) if kl_coef > 0 and u.epochs > 1 and not fsdp else None
     pad_rows = keep[:1] if len(keep) else torch.zeros(1, dtype=torch.long)  # any real row; weight 0
+    # algo.old_logprobs=recompute: pi_old from the trainer before any update, corrected towards the rollout's
+    old_lp, is_w, valid, corr_metrics = _old_policy(cfg, model, traj, keep, steps, step_kw, timer)
     updates = 0
     for epoch in range(u.epochs):
         order = keep[torch.randperm(len(keep))]
@@ -52,7 +54,10 @@ def train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, p
             n_losses = len(acc["policy/loss"])  # this update's micro-step losses are appended after this index
             micro = [m for m in torch.split(chunk, u.micro_batch_size) if len(m)]  # (an empty chunk splits into [[]])
             n_micro = ctx.max_int(len(micro))  # same number of micro-steps on every rank
-            scale = ctx.loss_scale(len(chunk))  # local mean -> global mean under DDP's gradient average
+            # local mean -> global mean under DDP's gradient average; with MIS/veto masks the mean is over the
+            # (sample, step) pairs kept
+            n_valid = len(chunk) * len(steps) if valid is None else int(valid[chunk][:, steps].sum())
+            scale = ctx.loss_scale(len(chunk) if valid is None else n_valid)
             for mi in range(n_micro):
                 real = mi < len(micro)
                 rows = micro[mi] if real else pad_rows
@@ -67,16 +72,21 @@ def train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, p
                     with ctx.no_sync(model.transformer, sync=last):  # wraps forward AND backward
                         x, x_next = traj.latents[rows, j], traj.latents[rows, j + 1]
                         sig, sig_next = traj.sigmas[j].expand(b), traj.sigmas[j + 1].expand(b)
-                        old_lp = traj.log_probs[rows, j]
+                        old_j = traj.log_probs[rows, j] if old_lp is None else old_lp[rows, j]
+                        a_j = a if is_w is None else a * is_w[rows, j]  # TIS: w * A (loss homogeneous in A)
+                        mask_j = None if valid is None else valid[rows, j]
+                        if mask_j is not None:  # the step's kept pairs' share of the chunk's kept pairs
+                            weight = float(mask_j.sum()) / max(n_valid, 1) * scale if real else 0.0
                         with timer("forward_backward"):
                             cur = step_log_prob(model, x, x_next, sig, sig_next, emb, **step_kw)
-                        if first_update and real:  # no optimizer step has happened yet: must equal the rollout
-                            drift.append((cur.log_prob.detach() - old_lp).abs().max())
-                        loss, m = clipped_policy_loss(cur.log_prob, old_lp, a, clip_low=a_cfg.clip_range,
-                                                      clip_high=a_cfg.clip_range)
+                        if first_update and real:  # no optimizer step has happened yet: ratio must start at 1
+                            drift.append((cur.log_prob.detach() - old_j).abs().max())
+                        loss, m = clipped_policy_loss(cur.log_prob, old_j, a_j, mask=mask_j,
+                                                      clip_low=a_cfg.clip_range, clip_high=a_cfg.clip_range)
                         if kl_coef > 0:
                             std = cur.std[:, 0, 0, 0].clamp(min=1e-8)
-                            kl = gaussian_kl_equal_std(cur.mean, ref_means[j], std).mean()
+                            kl = gaussian_kl_equal_std(cur.mean, ref_means[j], std)  # [b]
+                            kl = kl.mean() if mask_j is None else (kl * mask_j).sum() / mask_j.sum().clamp(min=1)
                             loss = loss + kl_coef * kl
                             if real:
                                 acc["kl/ref"].append(kl.detach())
@@ -101,7 +111,39 @@ def train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, p
     out = {k: max(v) if k in ("policy/ratio_max", "diag/logprob_drift") else sum(v) / len(v)
            for k, v in vals.items() if v}
     out["train/updates"] = updates
+    out.update(corr_metrics)
     return out
+
+
+@torch.no_grad()
+def _old_policy(cfg, model, traj, keep, steps, step_kw, timer):
+    """-> (old_logp [B, T] or None, IS weights [B, T] or None, kept mask [B, T] or None, metrics).
+
+    `algo.old_logprobs: rollout` (Flow-GRPO): (None, None, None, {}) - the ratio is taken against the rollout's
+    own log-probs. `recompute` (decoupled PPO, verl): one no-grad forward per (sample, trained step) with the
+    current weights, i.e. pi_old in the trainer's precision, micro-batched like the update (every rank runs the
+    same number of forwards: equal rows per rank); then `algo.rollout_correction` between pi_old and the
+    rollout's log-probs over the kept samples' trained steps ("token" = one denoising step, "sequence" = the
+    product over a trajectory's trained steps): TIS weights and MIS / veto masks, `rollout/correction/*`."""
+    a = cfg.algo
+    if a.old_logprobs == "rollout":
+        return None, None, None, {}
+    old = torch.zeros_like(traj.log_probs)
+    with timer("old_logprobs"):
+        for rows in torch.split(torch.arange(len(traj)), cfg.update.micro_batch_size):
+            b = len(rows)
+            emb = traj.embeds.select(traj.prompt_index[rows])
+            for j in steps:
+                old[rows, j] = step_log_prob(model, traj.latents[rows, j], traj.latents[rows, j + 1],
+                                             traj.sigmas[j].expand(b), traj.sigmas[j + 1].expand(b), emb,
+                                             **step_kw).log_prob.float()
+    mask = torch.zeros(traj.log_probs.shape, dtype=torch.bool, device=old.device)
+    mask[keep[:, None].to(old.device), torch.as_tensor(steps, device=old.device)[None, :]] = True
+    if not bool(mask.any()):
+        return old, None, None, {}
+    w, valid, metrics = a.rollout_correction.apply(old, traj.log_probs, mask)
+    rejects = a.rollout_correction.rs_level != "none" or a.rollout_correction.veto_threshold > 0
+    return old, w, valid if rejects else None, metrics
 
 
 @torch.no_grad()

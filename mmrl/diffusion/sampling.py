@@ -28,6 +28,7 @@ the two modes are the same.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -76,6 +77,13 @@ def sde_window(num_steps: int, window_size: int, window_range: tuple[int, int] |
 
 
 CFG_GRAD_MODES = ("both", "cond_only")
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    """torch.autocast at `dtype` on `device`, or a no-op context when dtype is None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def guided_velocity(model: FlowModel, latents: Tensor, sigma: Tensor | float, embeds: PromptEmbeds, *,
@@ -135,6 +143,7 @@ def sample_groups(
     decode: bool = True,
     window_generator: torch.Generator | None = None,
     on_images: Callable[[int, int, torch.Tensor], None] | None = None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> Trajectory:
     """Roll out `group_size` samples for each of the P prompts in `embeds` (encoded once, reused).
 
@@ -145,6 +154,8 @@ def sample_groups(
     one seeded identically on every rank, so all ranks train on the same steps while their noise differs).
     on_images(lo, hi, images): called with each micro-batch's decoded images as soon as they exist (rows lo:hi), so
     a reward can score them while the next micro-batch is sampled; the result does not change.
+    autocast_dtype: run the transformer forwards under `torch.autocast` at this dtype (a lower-precision rollout
+    engine, e.g. bfloat16); the SDE math, the log-probs and the VAE decode stay in float32 / the model's dtype.
     """
     p = len(embeds)
     b = p * group_size
@@ -184,17 +195,18 @@ def sample_groups(
         rows = slice(lo, min(b, lo + mb))
         emb = embeds.select(prompt_index[rows])
         x = latents[rows, 0]
-        for i in range(num_steps):
-            s, s_next = sigmas[i].item(), sigmas[i + 1].item()
-            if sde_mask[i]:
-                out = step_log_prob(model, x, None, s, s_next, emb, guidance_scale=guidance_scale,
-                                    noise_level=noise_level, sde_type=sde_type,
-                                    noise=step_noise[rows, sde_steps.index(i)])
-                x, log_probs[rows, i] = out.prev_sample, out.log_prob
-            else:
-                v = model.velocity(x, s, emb, guidance_scale=guidance_scale)
-                x = ode_step(x, v, s, s_next)
-            latents[rows, i + 1] = x
+        with _autocast(device, autocast_dtype):  # no-op when None
+            for i in range(num_steps):
+                s, s_next = sigmas[i].item(), sigmas[i + 1].item()
+                if sde_mask[i]:
+                    out = step_log_prob(model, x, None, s, s_next, emb, guidance_scale=guidance_scale,
+                                        noise_level=noise_level, sde_type=sde_type,
+                                        noise=step_noise[rows, sde_steps.index(i)])
+                    x, log_probs[rows, i] = out.prev_sample, out.log_prob
+                else:
+                    v = model.velocity(x, s, emb, guidance_scale=guidance_scale)
+                    x = ode_step(x, v, s, s_next)
+                latents[rows, i + 1] = x
         if decode:  # this micro-batch's images now (the same chunks as decoding at the end would use)
             chunks.append(model.decode(latents[rows, -1], height, width))
             if on_images is not None:

@@ -103,7 +103,7 @@ def score_rollout(ctx: Any, reward_fn: Any, images: Tensor, prompts: list[str], 
 
 
 def global_advantages(ctx: Any, tracker: Any, prompts: list[str], scores: Tensor, adv_clip_max: float,
-                      drop_zero_advantage: bool) -> tuple[Tensor, Tensor, dict]:
+                      drop_zero_advantage: bool, reward_norm: Any = None) -> tuple[Tensor, Tensor, dict]:
     """(advantages of this rank's samples [b], indices of the samples to train on, metrics).
 
     Rewards and prompts of every rank are all-gathered (rank order), the tracker (`PerPromptStatTracker`)
@@ -111,11 +111,14 @@ def global_advantages(ctx: Any, tracker: Any, prompts: list[str], scores: Tensor
     own rows. Every rank updates its tracker with the same global batch, so the tracker state is identical
     everywhere (rank 0's checkpoint is everyone's). One process: exactly `tracker.update(prompts, scores)`.
     Non-finite scores mark samples dropped by `reward.on_nonfinite: drop_sample`: they are never kept, and neither
-    are the samples of a prompt left with fewer than 2 finite rewards (no relative signal)."""
+    are the samples of a prompt left with fewer than 2 finite rewards (no relative signal).
+    `reward_norm` (a `RunningRewardNorm`, reward.running_norm): updated with the global batch's finite rewards, then
+    the rewards are normalised before the tracker sees them (metrics `reward/running_*`; `reward/mean` stays raw)."""
     all_prompts = [p for part in ctx.all_gather_object(list(prompts)) for p in part]
     all_scores = ctx.all_gather_tensor(scores)
     sizes = list(ctx.last_gather_sizes)
-    adv_all = tracker.update(all_prompts, all_scores).clamp(-adv_clip_max, adv_clip_max)
+    normed = all_scores if reward_norm is None else reward_norm(all_scores)  # update, then normalise (as vlm_grpo)
+    adv_all = tracker.update(all_prompts, normed).clamp(-adv_clip_max, adv_clip_max)
     adv = ctx.local_slice(adv_all, sizes)
     prompt_ids = {p: i for i, p in enumerate(dict.fromkeys(all_prompts))}
     groups = torch.tensor([prompt_ids[p] for p in all_prompts])
@@ -125,4 +128,6 @@ def global_advantages(ctx: Any, tracker: Any, prompts: list[str], scores: Tensor
     metrics = {"train/kept_fraction": n_keep / len(adv_all), "policy/advantage_abs": adv_all.abs().mean().item()}
     if ctx.enabled:  # the whole batch's reward statistics (score_images gave this rank's)
         metrics.update(finite_stats(all_scores))
+    if reward_norm is not None:
+        metrics.update(reward_norm.metrics())
     return adv, keep, metrics

@@ -21,8 +21,8 @@ in the one layout, FSDP included), `summary` (first-5 vs last-5 steps).
 """
 
 from mmrl.training.checkpoint import (FullOptimizerState, checkpoint_due, restore_checkpoint, save_checkpoint)
-from mmrl.training.config import (KLConfig, LoRAConfig, OptimConfig, TrackersConfig, UpdateConfig,
-                                  peft_lora_config)
+from mmrl.training.config import (KLConfig, LoRAConfig, OptimConfig, RunningNormFields, TrackersConfig,
+                                  UpdateConfig, peft_lora_config)
 from mmrl.training.guards import (NONFINITE_KEY, ON_NONFINITE, SKIPPED_KEY, NonFiniteError, OnNonfinite, UpdateGuard,
                                   check_finite_weights, check_rewards, finite_stats, group_keep, last_checkpoint)
 from mmrl.training.optim import build_optimizer, clip_grads, lr_factor
@@ -32,7 +32,7 @@ from mmrl.training.summary import summarise
 __all__ = [
     "NONFINITE_KEY", "ON_NONFINITE", "SKIPPED_KEY", "NonFiniteError", "OnNonfinite", "UpdateGuard",
     "check_finite_weights", "check_rewards", "finite_stats", "group_keep", "last_checkpoint",
-    "KLConfig", "LoRAConfig", "TrackersConfig", "OptimConfig", "UpdateConfig", "peft_lora_config",
+    "KLConfig", "LoRAConfig", "TrackersConfig", "OptimConfig", "UpdateConfig", "RunningNormFields", "peft_lora_config",
     "build_optimizer", "clip_grads", "lr_factor", "start_run", "merge_rank_lists",
     "FullOptimizerState", "checkpoint_due", "restore_checkpoint", "save_checkpoint", "summarise",
 ]

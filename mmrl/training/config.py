@@ -186,3 +186,37 @@ class RolloutCorrectionConfig:
             rs_threshold_lower=self.rs_threshold_lower or None, veto_threshold=self.veto_threshold or None)
         metrics = {k.replace("rollout_corr/", "rollout/correction/"): v for k, v in out.metrics.items()}
         return out.weights, out.mask, metrics
+
+
+@dataclass
+class RunningNormFields:
+    """Running reward normalisation keys of a recipe's `reward:` section (LightRFT's reward_running_norm;
+    `mmrl.core.running_norm`): vlm_grpo, vlm_multiturn and flow_grpo's RewardConfig inherit them. Put it first
+    among the bases (``class RewardConfig(RunningNormFields, Base)``) to list its keys after the base's."""
+
+    running_norm: bool = False
+    """Divide rewards by the running std of all rewards seen (LightRFT reward_running_norm; checkpointed)."""
+    running_norm_center: bool = False
+    """With running_norm: also subtract the running mean."""
+    running_norm_clip: float = 0.0
+    """With running_norm: clamp to [-clip, clip] (0 = off)."""
+
+    def __post_init__(self) -> None:
+        if self.running_norm_clip < 0:
+            raise ValueError(f"reward.running_norm_clip: expected >= 0 (0 = off), got {self.running_norm_clip}")
+        post = getattr(super(), "__post_init__", None)  # the next base's checks (e.g. reward.history)
+        if post is not None:
+            post()
+
+    def build_running_norm(self, stateful: dict[str, Any] | None = None):
+        """The `RunningRewardNorm` of these settings, or None when running_norm is off; with `stateful` (the
+        recipe's checkpointed objects) it is registered there as "reward_norm", so checkpoints carry its state.
+        The recipe must update it with the gathered global rewards (identical on every rank), then normalise."""
+        if not self.running_norm:
+            return None
+        from mmrl.core.running_norm import RunningRewardNorm
+
+        norm = RunningRewardNorm(self.running_norm_center, self.running_norm_clip or None)
+        if stateful is not None:
+            stateful["reward_norm"] = norm
+        return norm

@@ -45,11 +45,16 @@ def episode_returns(episodes: Sequence[Episode], gamma: float) -> torch.Tensor:
 
 
 def turn_advantages(episodes: Sequence[Episode], mode: str, gamma: float, omega: float = 1.0,
-                    scale_by_std: bool = True) -> torch.Tensor:
-    """Advantage of every turn, [E, K] (0 where an episode has no such turn); see the module docstring."""
+                    scale_by_std: bool = True, reward_norm: Any = None) -> torch.Tensor:
+    """Advantage of every turn, [E, K] (0 where an episode has no such turn); see the module docstring.
+    `reward_norm` (a `RunningRewardNorm`, reward.running_norm): updated with every turn reward of `episodes`
+    (pass the global batch), then the turn rewards are normalised before the returns and advantages."""
     if mode not in ADVANTAGES:
         raise ValueError(f"algo.advantage: expected one of {list(ADVANTAGES)}, got {mode!r}")
-    _, mask, returns = turn_tensors(episodes, gamma)
+    rewards, mask, returns = turn_tensors(episodes, gamma)
+    if reward_norm is not None:
+        rewards[mask] = reward_norm(rewards[mask])  # update with this batch, then normalise (as vlm_grpo)
+        returns = discounted_returns(rewards, mask, gamma)
     R = torch.where(mask[:, 0], returns[:, 0], torch.zeros(()))
     gid = torch.tensor([ep.group for ep in episodes], dtype=torch.long)
     if mode == "grpo":

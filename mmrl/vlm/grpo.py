@@ -26,13 +26,12 @@ import torch
 from mmrl.config import RunConfig, TrainConfig
 from mmrl.core import get_advantage_estimator, kl_estimate
 from mmrl.core.correction import weighted_advantages
-from mmrl.core.running_norm import RunningRewardNorm
 from mmrl.distributed import DistConfig
 from mmrl.rewards import load as load_reward
 from mmrl.runtime import Timer, seed_everything
 from mmrl.training import (FullOptimizerState, KLConfig, OnNonfinite, OptimConfig, UpdateGuard, build_optimizer,
                            checkpoint_due, restore_checkpoint, save_checkpoint, start_run)
-from mmrl.training.config import RolloutCorrectionConfig, TrackersConfig
+from mmrl.training.config import RolloutCorrectionConfig, RunningNormFields, TrackersConfig
 from mmrl.vlm.batch import RolloutBatch
 from mmrl.vlm.common import (VisionCache, language_block_types, vision_has_adapters, vision_tower,
                              vision_tower_trainable)
@@ -104,7 +103,7 @@ class RolloutConfig:
 
 
 @dataclass
-class RewardConfig:
+class RewardConfig(RunningNormFields):  # + running_norm, running_norm_center, running_norm_clip
     name: str = "exact_match"
     """Reward from the zoo (mmrl.rewards.available()); scored on the response text with metadata['answer']."""
     kwargs: dict[str, Any] = field(default_factory=dict)
@@ -118,12 +117,6 @@ class RewardConfig:
     on_nonfinite: OnNonfinite = "error"
     """A NaN/inf reward: `error` (stop, naming the reward component and the response) or `drop_sample` (train
     without it; a group left with < 2 responses is not trained on; counted as reward/nonfinite_samples)."""
-    running_norm: bool = False
-    """Divide rewards by the running std of all rewards seen (LightRFT reward_running_norm; checkpointed)."""
-    running_norm_center: bool = False
-    """With running_norm: also subtract the running mean."""
-    running_norm_clip: float = 0.0
-    """With running_norm: clamp to [-clip, clip] (0 = off)."""
 
 
 @dataclass
@@ -235,10 +228,7 @@ def train(cfg: Config) -> dict:
     optimizer, lr_sched = build_optimizer(params, cfg.optim, total_steps=updates)
     stateful = {"optimizer": FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,
                 "data": data}
-    reward_norm = None
-    if cfg.reward.running_norm:  # identical on every rank: updated with the gathered global rewards
-        stateful["reward_norm"] = reward_norm = RunningRewardNorm(cfg.reward.running_norm_center,
-                                                                  cfg.reward.running_norm_clip or None)
+    reward_norm = cfg.reward.build_running_norm(stateful)  # identical on every rank: updated with global rewards
     start, _ = restore_checkpoint(ctx, run, states, stateful)
     # vision features: shared by the policy and reference passes only when no state can change the tower
     reuse = up.reuse_vision_features and not fsdp

@@ -23,8 +23,9 @@ from mmrl.config import RunConfig, TrainConfig
 from mmrl.distributed import DistConfig
 from mmrl.runtime import Timer, seed_everything
 from mmrl.training import (NONFINITE_KEY, SKIPPED_KEY, FullOptimizerState, KLConfig, LoRAConfig, OnNonfinite,
-                           OptimConfig, TrackersConfig, UpdateConfig, UpdateGuard, build_optimizer, checkpoint_due,
-                           finite_stats, peft_lora_config, restore_checkpoint, save_checkpoint, start_run, summarise)
+                           OptimConfig, RunningNormFields, TrackersConfig, UpdateConfig, UpdateGuard, build_optimizer,
+                           checkpoint_due, finite_stats, peft_lora_config, restore_checkpoint, save_checkpoint,
+                           start_run, summarise)
 from mmrl.vlm.common import VisionCache, vision_has_adapters, vision_tower
 from mmrl.vlm.credit import Advantage, collect_groups, episode_returns, token_advantages, turn_advantages
 from mmrl.vlm.envs import EnvManager, make_env
@@ -127,7 +128,7 @@ class AlgoConfig:
 
 
 @dataclass
-class RewardConfig:
+class RewardConfig(RunningNormFields):  # running_norm*: on the turn rewards of the global training episodes
     on_nonfinite: OnNonfinite = "error"
     """A NaN/inf turn reward from an environment: `error` (stop, naming the environment, episode and turn) or
     `drop_sample` (train without that episode: it leaves its group's statistics, a group left with < 2 episodes is
@@ -158,7 +159,7 @@ class Config(RunConfig):
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     """Credit assignment and loss."""
     reward: RewardConfig = field(default_factory=RewardConfig)
-    """Checks on the environments' turn rewards."""
+    """Checks on the environments' turn rewards and their running normalisation."""
     optim: MultiTurnOptimConfig = field(default_factory=MultiTurnOptimConfig)
     """AdamW and the learning-rate schedule (lr_end_factor: linear decay over train.max_steps)."""
     update: MultiTurnUpdateConfig = field(default_factory=MultiTurnUpdateConfig)
@@ -255,6 +256,7 @@ def train(cfg: Config) -> dict:
 
         lockstep = PairedForwards(ctx, model, pad_id, enabled=fsdp)  # FSDP: pair the ranks' unequal forwards
         stateful = {"optimizer": FullOptimizerState(opt) if fsdp else opt, "lr_scheduler": sched}
+        reward_norm = cfg.reward.build_running_norm(stateful)  # updated with the global batch: same on every rank
         start_step, extra = restore_checkpoint(ctx, run, states, stateful)
         task_cursor = int(extra.get("task_cursor", 0))  # global: a run resumes on any number of processes
         summary_extra = dict(extra.get("summary", {}))
@@ -318,8 +320,9 @@ def train(cfg: Config) -> dict:
             train_eps, glob_train, lo = got.train_rows(rank)
             # ---- advantages (statistics and GiGPO anchor groups over the global batch), this rank's rows
             with timer("advantages"):
-                turn_adv = turn_advantages(glob_train, algo.advantage, algo.gamma, algo.omega,
-                                           algo.scale_by_std) if glob_train else torch.zeros(0, 1)
+                turn_adv = turn_advantages(glob_train, algo.advantage, algo.gamma, algo.omega, algo.scale_by_std,
+                                           reward_norm) if glob_train else torch.zeros(0, 1)
+                metrics.update(reward_norm.metrics() if reward_norm is not None and glob_train else {})
                 adv = token_advantages(train_eps, turn_adv[lo:lo + len(train_eps)])
                 vcache = VisionCache(model) if reuse and train_eps else None  # this step's images, "default" state
                 # nothing kept here but elsewhere: a placeholder row (weight 0) keeps the collectives paired

@@ -369,6 +369,10 @@ SCENARIOS = {
     "uneven": [[0.1, 0.9, 0.4], [2.0, -1.0, 0.5], [0.3, 1.7, 1.1], [0.5, 0.5, 0.5]],  # ranks keep 5 and 3 rows
     "idle": [[0.1, 0.9, 0.4], [2.0, -1.0, 0.5], [0.7, 0.7, 0.7], [0.5, 0.5, 0.5]],  # 5 and 0: rank 1 idles
 }
+# recomputed pi_old + step-level MIS: these (sample, step) pairs get ratio pi_old / pi_rollout = e^1 > 2 and leave
+# the loss, so the ranks keep different numbers of pairs (the global mean must still match one process)
+SCENARIOS["uneven_mis"] = SCENARIOS["uneven"]
+MIS_REJECT = [(0, 0), (1, 1), (3, 0), (6, 1), (7, 0), (7, 1)]
 
 
 def _equality_cfg(model_path):
@@ -376,6 +380,22 @@ def _equality_cfg(model_path):
                 rollout={"num_steps": 3, "group_size": G, "guidance_scale": 2.0, "prompts_per_step": P},
                 update={"micro_batch_size": 2, "mini_batch_size": 0}, algo={"kl": {"coef": 0.04}, "ema": True},
                 optim={"lr": 1e-3})
+
+
+def _scenario_cfg(model_path, scenario):
+    """The equality config; `*_mis` scenarios recompute pi_old and mask (sample, step) pairs by token-level MIS."""
+    cfg = _equality_cfg(model_path)
+    if scenario.endswith("_mis"):
+        cfg.algo = type(cfg.algo)(**{**vars(cfg.algo), "old_logprobs": "recompute", "rollout_correction": type(
+            cfg.algo.rollout_correction)(rs_level="token", rs_threshold=2.0)})
+    return cfg
+
+
+def _scenario_rollout(full, scenario) -> None:
+    """`*_mis` scenarios: lower the recorded rollout log-probs of the MIS_REJECT pairs by 1 (ratio e > 2)."""
+    if scenario.endswith("_mis"):
+        for i, j in MIS_REJECT:
+            full.log_probs[i, j] -= 1.0
 
 
 def _one_update(model_path, scenario, ctx):
@@ -388,7 +408,7 @@ def _one_update(model_path, scenario, ctx):
     from mmrl.diffusion.sampling import Trajectory, sample_groups
     from mmrl.runtime import Timer, seed_everything
 
-    cfg = _equality_cfg(model_path)
+    cfg = _scenario_cfg(model_path, scenario)
     s, t = cfg.rollout, cfg.optim
     model = load_flow_model(model_path)
     seed_everything(0)  # identical LoRA init everywhere
@@ -404,6 +424,7 @@ def _one_update(model_path, scenario, ctx):
     full = sample_groups(model, model.encode_prompts(prompts_all), G, num_steps=s.num_steps, height=s.height,
                          width=s.width, guidance_scale=s.guidance_scale, noise_level=s.noise_level,
                          timestep_fraction=s.timestep_fraction, generator=torch.Generator().manual_seed(7))
+    _scenario_rollout(full, scenario)
     k = P // ctx.world_size
     pi = torch.arange(ctx.rank * k, (ctx.rank + 1) * k)
     rows = torch.arange(ctx.rank * k * G, (ctx.rank + 1) * k * G)
@@ -448,7 +469,10 @@ def test_two_ranks_one_update_equals_one_process(tmp_path, tiny_sd3_path):
         assert r0["tracker"] == r1["tracker"] == one["tracker"]
         assert r0["metrics"]["train/kept_fraction"] == one["metrics"]["train/kept_fraction"]
         # the 0.5 of [2.0, -1.0, 0.5] equals its group mean: advantage 0, dropped too
-        assert (r0["n_keep"], r1["n_keep"]) == ((5, 3) if name == "uneven" else (5, 0))
+        assert (r0["n_keep"], r1["n_keep"]) == ((5, 3) if name.startswith("uneven") else (5, 0))
+        if name.endswith("_mis"):  # 6 of the 16 kept (sample, step) pairs rejected: 3 of 10 on rank 0, 3 of 6 on 1
+            assert one["metrics"]["rollout/correction/rollout_rs_masked_fraction"] == pytest.approx(6 / 16)
+            assert r0["metrics"]["rollout/correction/rollout_rs_masked_fraction"] == pytest.approx(3 / 10)
         assert r0["metrics"]["diag/logprob_drift"] < 1e-4 and one["metrics"]["diag/logprob_drift"] < 1e-4
         moved = max((one["params"][k] - p0).abs().max().item() for k, p0 in initial.items())
         assert moved > 1e-4  # the update is not trivially zero
