@@ -108,3 +108,9 @@ def machine(threads: int | None = None) -> str:
 def spread_of(values: Sequence[float]) -> Spread:
     """A Spread of already measured values (e.g. one ratio per training step)."""
     return Spread(tuple(float(v) for v in values))
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A Markdown table: the header row, the separator, then one line per row (cells as str)."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])

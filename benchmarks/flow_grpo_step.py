@@ -20,8 +20,11 @@ is warm after N / 4 steps (default: all 146 prompts, every measured step sees ne
 A second table times the tiny model's VAE decode of one rollout batch (16 images, 64 px) as the rollout does
 it and in the variants that could make it cheaper (inference_mode, two chunks of 8, one image at a time,
 channels_last), interleaved (`_timing.interleaved`), each with its max |difference| from the shipped decode:
-a variant is only usable if it is bit-identical (0). `--decode-repeats 0` skips it. Prints markdown tables
-and the command line.
+a variant is only usable if it is bit-identical (0). Two more rows time the shipped decode in two worker
+processes, one with glibc's default malloc (MMRL_NO_MALLOC_TUNING=1) and one tuned (`mmrl.runtime.tune_malloc`,
+which `start_run` applies, so the training runs above are tuned unless that variable is set), interleaved with
+each other; separate processes because glibc's adaptive mmap threshold cannot be restored by `mallopt` once set.
+`--decode-repeats 0` skips that table. Prints markdown tables and the command line.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import time
 from pathlib import Path
 
 import torch
-from _timing import interleaved, machine, spread_of
+from _timing import interleaved, machine, speedup, spread_of
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MMRL_NO_PROGRESS", "1")
@@ -215,7 +218,69 @@ def decode_variants(path: Path, size: int, n: int, repeats: int) -> list[tuple[s
     return [(k, times[k], diffs[k]) for k in fns]
 
 
+def decode_worker(path: str, size: int, n: int, out: str) -> None:
+    """`--decode-worker`: a process that decodes the rollout batch of `decode_variants` once per line read from
+    stdin and answers each with a line; its first decode is saved to `out`. Its malloc is whatever
+    `mmrl.runtime.tune_malloc` leaves (MMRL_NO_MALLOC_TUNING=1: glibc's defaults, untouched)."""
+    from mmrl.diffusion.models import load_flow_model
+    from mmrl.runtime import tune_malloc
+
+    tuned = tune_malloc()
+    torch.set_num_threads(1)
+    model = load_flow_model(Path(path))
+    z = model.initial_noise(n, size, size, torch.Generator().manual_seed(0))
+    print(f"ready tuned={tuned}", flush=True)
+    first = True
+    for _ in sys.stdin:
+        with torch.no_grad():
+            img = model.decode(z, size, size)
+        if first:
+            torch.save(img, out)
+            first = False
+        print("done", flush=True)
+
+
+def malloc_variants(path: Path, size: int, n: int, repeats: int, tmp: Path) -> list[tuple[str, object, float]]:
+    """(variant, Spread of seconds, max |image - default image|): the same decode as `decode_variants`' shipped one,
+    in two worker processes, one with glibc's default malloc and one tuned (`mmrl.runtime.tune_malloc`), timed
+    interleaved (`_timing.interleaved`: each call sends one line and waits for the answer, ~0.1 ms of pipe).
+    Two processes because glibc's default mmap threshold adapts at run time and no `mallopt` call restores that."""
+    import subprocess
+
+    workers = {}
+    for name, extra in (("glibc default malloc", {"MMRL_NO_MALLOC_TUNING": "1"}), ("malloc tuned", {})):
+        out = tmp / f"decode_{len(workers)}.pt"
+        env = {k: v for k, v in os.environ.items() if k != "MMRL_NO_MALLOC_TUNING"}
+        env.update(OMP_NUM_THREADS="1", **extra)
+        p = subprocess.Popen([sys.executable, __file__, "--decode-worker", str(path), str(size), str(n), str(out)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
+        ready = p.stdout.readline().strip()
+        expected = f"ready tuned={name == 'malloc tuned'}"
+        if ready != expected:
+            raise RuntimeError(f"decode worker ({name}): expected {expected!r}, got {ready!r}")
+        workers[name] = (p, out)
+
+    def call(p):
+        def f():
+            p.stdin.write("go\n")
+            p.stdin.flush()
+            if p.stdout.readline().strip() != "done":
+                raise RuntimeError("decode worker died")
+        return f
+
+    try:
+        times = interleaved({k: call(p) for k, (p, _) in workers.items()}, repeats=repeats, warmup=1)
+    finally:
+        for p, _ in workers.values():
+            p.stdin.close()
+            p.wait(timeout=60)
+    ref = torch.load(workers["glibc default malloc"][1])
+    return [(k, times[k], float((torch.load(o) - ref).abs().max())) for k, (_, o) in workers.items()]
+
+
 def main() -> None:
+    if len(sys.argv) == 6 and sys.argv[1] == "--decode-worker":
+        return decode_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=6, help="training steps of the tiny model (the first is not measured)")
     ap.add_argument("--medium-steps", type=int, default=3,
@@ -240,10 +305,16 @@ def main() -> None:
         results = [bench(n, p, s, args.medium_steps if n.startswith("medium") else args.steps, tmp / f"run{i}",
                          args.prompts, args.overrides) for i, (n, (p, s)) in enumerate(models.items())]
         decode = decode_variants(*next(iter(built.values())), 16, args.decode_repeats) if args.decode_repeats else []
+        mallocs = malloc_variants(*next(iter(built.values())), 16, args.decode_repeats, tmp) \
+            if args.decode_repeats else []
+    from mmrl.runtime import tune_malloc
+
+    malloc_note = ("glibc malloc tuned at run start (mmrl.runtime.tune_malloc)" if tune_malloc()  # (again: harmless)
+                   else "glibc malloc not tuned (MMRL_NO_MALLOC_TUNING set, or not Linux/glibc)")
     print(f"\nFlow-GRPO step on CPU ({machine()}); 4 prompts x 4 images, 8 steps, CFG 4.5, "
           f"LoRA r=8, beta 0.04, EMA; {args.prompts or 146} training prompts; "
-          f"{' '.join(args.overrides) or 'no overrides'}; steps 2..N are the repeats (N = {args.steps} tiny, "
-          f"{args.medium_steps} medium): seconds are medians, overheads min / median / max\n")
+          f"{' '.join(args.overrides) or 'no overrides'}; {malloc_note}; steps 2..N are the repeats "
+          f"(N = {args.steps} tiny, {args.medium_steps} medium): seconds are medians, overheads min / median / max\n")
     print("| model | step s | rollout s | reward s | train s | transformer fwd s | transformer bwd s "
           "| VAE + text enc s (VAE) | overhead % | overhead excl. VAE/text/reward % | max drift |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -254,11 +325,14 @@ def main() -> None:
               f"**{r['overhead'].fmt(100, 1)}** | {r['framework'].fmt(100, 1)} | {r['drift']:.1e} |")
     if decode:
         print(f"\nVAE decode of one rollout batch, tiny model (16 images, 64 px), {args.decode_repeats} interleaved "
-              f"rounds after 1 warm-up\n")
-        print("| variant | ms min / median / max | max abs difference from shipped |")
-        print("|---|---|---|")
-        for k, t, d in decode:
-            print(f"| {k} | {t.fmt(1e3, 1)} | {d:.1e} |")
+              f"rounds after 1 warm-up. Rows 1-5 in this process ({malloc_note.split(' (')[0]}); the last two: the "
+              f"shipped decode in two worker processes, glibc's default malloc vs tuned, interleaved with each other\n")
+        print("| variant | ms min / median / max | speed-up vs first row of its group (medians) "
+              "| max abs difference from shipped |")
+        print("|---|---|---|---|")
+        for group in (decode, mallocs):
+            for i, (k, t, d) in enumerate(group):
+                print(f"| {k} | {t.fmt(1e3, 1)} | {speedup(group[0][1], t) if i else '(reference)'} | {d:.1e} |")
     print(f"\ncommand: .venv/bin/python benchmarks/flow_grpo_step.py --steps {args.steps} "
           f"--medium-steps {args.medium_steps} --threads {args.threads} "
           f"--models {args.models} --prompts {args.prompts} --decode-repeats {args.decode_repeats} "

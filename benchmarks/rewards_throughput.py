@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import torch
-from _timing import interleaved, machine, speedup
+from _timing import interleaved, machine, markdown_table, speedup
 
 from mmrl.rewards import load
 from mmrl.tiny import OPEN_CLIP_CONFIGS, build_tiny_clip, build_tiny_open_clip
@@ -147,11 +147,8 @@ def main(argv=None) -> None:
     print(f"\n`{cmd}` - {args.n} images of {args.size}x{args.size} (OCR: {min(args.n, 8)} rendered text images), "
           f"device {args.device}, {machine()}; {args.repeats} interleaved rounds after 1 warm-up (OCR: "
           f"{args.ocr_repeats})\n")
-    print("| reward | backbone | images | images/s batched, median (min-max) | images/s one by one, median (min-max) "
-          "| batching speed-up (medians) |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print("| " + " | ".join(r) + " |")
+    print(markdown_table(["reward", "backbone", "images", "images/s batched, median (min-max)",
+                          "images/s one by one, median (min-max)", "batching speed-up (medians)"], rows))
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
     import shutil
 

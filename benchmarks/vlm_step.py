@@ -18,6 +18,11 @@ stopped at EOS are printed; `--eos-mean-tokens 0` = no bias). The
 padding share is what the training passes pad: micro-batches of consecutive rows (a prompt's n samples are
 neighbours, as in the recipe), each padded to its longest prompt (left) and longest response (right); the old
 and reference log-prob passes batch the same rows the same way, so the share is the same for all three passes.
+A second table of the `step` part times the training pass as `mmrl.vlm.update.policy_update` runs it (PPO-clip
+loss, micro-batches, gradient clipping; a no-op optimizer keeps the weights fixed across rounds) padded vs packed
+(`update.packing`, `RolloutBatch.pack`), interleaved, on that rollout batch and on a second one sampled with
+`--packing-long-tail` times the token cap (same EOS bias: a longer tail of lengths and more padding), with the
+largest log-prob difference between the two forwards.
 
 Part `reuse`: the same kind of model with LoRA on the language model (vision tower frozen, the default recipe),
 `prompts x n` rows with `image_size`^2 images and `response_tokens` random response tokens each, timed through the
@@ -40,7 +45,7 @@ import torch
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _timing import interleaved, machine, speedup, spread_of  # noqa: E402
+from _timing import interleaved, machine, markdown_table, speedup, spread_of  # noqa: E402
 
 from mmrl.vlm.common import (VisionCache, collate, compute_logprobs, load_policy, messages_from_text,  # noqa: E402
                              response_logprobs)
@@ -185,6 +190,9 @@ def main() -> None:
                     help="timed interleaved rounds after 1 warm-up (min / median / max are reported)")
     ap.add_argument("--eos-mean-tokens", type=float, default=24.0,
                     help="step part: EOS logit bias for ~1/N EOS probability per token (0 = no bias)")
+    ap.add_argument("--packing-long-tail", type=int, default=4,
+                    help="step part: the packing table also times a batch sampled with this many times "
+                         "--max-new-tokens (same EOS bias: a longer tail of lengths, more padding; 0 = skip)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -197,11 +205,18 @@ def main() -> None:
         if args.part == "reuse":
             return
         print()
-    rows = bench_step(args)
+    rows, packing = bench_step(args)
     print("| quantity | value |\n|---|---|")
     for k, v in rows:
         print(f"| {k} | {v} |")
     print(f"\ncommand: .venv/bin/python benchmarks/vlm_step.py {' '.join(sys.argv[1:])}".rstrip())
+    print(f"\nTraining pass (forward + backward of the policy log-probs over the rollout batch, as "
+          f"`mmrl.vlm.update.policy_update` runs it: micro-batch {args.micro_batch}, PPO-clip loss, grad clipping; "
+          f"no-op optimizer so every round sees the same weights), padded vs packed (`update.packing`); "
+          f"{args.repeats} interleaved rounds after 1 warm-up, {machine()}\n")
+    print(markdown_table(["batch", "response tokens min / median / max", "padding share", "variant",
+                          "s min / median / max", "speed-up vs padded (medians)", "max abs log p diff vs padded"],
+                         packing))
 
 
 def eos_bias(vocab_size: int, mean_tokens: float) -> float:
@@ -260,6 +275,13 @@ def bench_step(args: argparse.Namespace) -> list[tuple[str, str]]:
     model.train(False)
     rollout()  # the training pass needs responses before the first (warm-up) round
     t = interleaved({"rollout": rollout, "train": train}, repeats=args.repeats, warmup=1)
+    packing = bench_packing(model, res, engine.pad_id, args,
+                            f"the batch above (up to {args.max_new_tokens} new tokens)")
+    if args.packing_long_tail > 0:
+        long_sp = SamplingParams(n=args.n, temperature=1.0,
+                                 max_new_tokens=args.max_new_tokens * args.packing_long_tail, seed=0)
+        packing += bench_packing(model, engine.generate(reqs, long_sp), engine.pad_id, args,
+                                 f"long tail: up to {long_sp.max_new_tokens} new tokens")
     lens = spread_of([len(r.response_ids) for r in res])
     n_eos = sum(r.finish_reason == "stop" for r in res)
     gen_tokens = sum(len(r.response_ids) for r in res)
@@ -284,7 +306,57 @@ def bench_step(args: argparse.Namespace) -> list[tuple[str, str]]:
         ("padding share of the training passes (pad / all tokens)",
          f"**{1 - real / total:.1%}** ({total - real} of {total}: {prompt_pad} left of prompts, {resp_pad} right of "
          f"responses)"),
-    ]
+    ], packing
+
+
+class _NoOpOptimizer:
+    """Stands in for the optimizer in the packing timing: the update runs in full (zero_grad, micro-batch forwards
+    and backwards, clipping, the guard) but the weights stay as they are, so every round trains the same model."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+    def step(self) -> None:
+        pass
+
+
+def bench_packing(model, res: list, pad_id: int, args: argparse.Namespace, label: str) -> list[tuple[str, ...]]:
+    """Table rows: the training pass of `mmrl.vlm.update.policy_update` over the rollout results `res` (one
+    `RolloutBatch`, old log-probs = the rollout's, fixed random advantages, one mini-batch, micro-batches of
+    `--micro-batch` consecutive rows), padded vs packed, interleaved. The vision tower is trained here (full
+    fine-tuning), so a VisionCache would pass the training forward through unchanged: none is used."""
+    from mmrl.training import UpdateGuard
+    from mmrl.vlm.batch import RolloutBatch
+    from mmrl.vlm.update import PolicyGradientLoss, contiguous_minibatches, policy_update
+
+    batch = RolloutBatch.build(model, [r.prompt_ids for r in res], [r.response_ids for r in res],
+                               [r.mm for r in res], pad_id, rollout_logprobs=[r.response_logprobs for r in res])
+    batch.old_logprobs = batch.rollout_logprobs
+    batch.advantages = torch.randn(len(batch), generator=torch.Generator().manual_seed(0))
+    params = [p for p in model.parameters() if p.requires_grad]
+    loss_fn = PolicyGradientLoss("ppo_clip", norm_const=args.max_new_tokens)  # as the recipe builds it (token-mean)
+    logp: dict[bool, torch.Tensor] = {}
+
+    def update(packed: bool) -> None:
+        model.zero_grad(set_to_none=True)
+        policy_update(model, batch.replace(packed=packed), _NoOpOptimizer(), params, loss_fn=loss_fn,
+                      minibatches=contiguous_minibatches(len(batch), len(batch), len(batch)),
+                      micro_batch_size=args.micro_batch, max_grad_norm=1.0, guard=UpdateGuard())
+
+    for packed in (False, True):  # the values the two ways compute (equal up to float order)
+        logp[packed] = batch.replace(packed=packed).logprobs(model, args.micro_batch)
+    diff = float(((logp[True] - logp[False]).abs() * batch.response_mask).max())
+    t = interleaved({"padded": lambda: update(False), "packed": lambda: update(True)}, repeats=args.repeats, warmup=1)
+    lens = spread_of([len(r.response_ids) for r in res])
+    # padding of the padded micro-batches (what packing removes): each micro-batch padded to its own longest rows
+    real = total = 0
+    for sub in batch.micro_batches(args.micro_batch):
+        real += int(sub.attention_mask.sum())
+        total += sub.attention_mask.numel()
+    share = f"{1 - real / total:.1%} ({total - real} of {total})"
+    return [(label, lens.fmt(digits=0), share, "padded", t["padded"].fmt(), "(reference)", "(reference)"),
+            (label, lens.fmt(digits=0), share, "packed", t["packed"].fmt(), speedup(t["padded"], t["packed"]),
+             f"{diff:.1e}")]
 
 
 if __name__ == "__main__":

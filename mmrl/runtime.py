@@ -87,6 +87,46 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+# glibc malloc tuning (tune_malloc): parameter ids of mallopt (<malloc.h>) and the values set
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+MALLOC_MMAP_THRESHOLD = 256 << 20
+"""Allocations below this come from the heap instead of a fresh mmap (glibc: 128 KiB, adapting up to 32 MiB)."""
+MALLOC_TRIM_THRESHOLD = 1 << 30
+"""Free memory at the top of the heap is returned to the system only above this (glibc: 128 KiB, adapting)."""
+
+
+def tune_malloc() -> bool:
+    """Keep large CPU buffers (convolution / matmul workspaces, activations) in the process heap between calls.
+
+    With glibc's defaults a buffer above the mmap threshold (128 KiB, raised as large blocks are freed, but never
+    past 32 MiB) is a fresh ``mmap`` on every allocation and an ``munmap`` on every free, and heap memory above the
+    trim threshold is handed back on every free: each call of a model then page-faults (and the kernel zeroes)
+    its buffers again. ``mallopt`` with a 256 MiB mmap threshold and a 1 GiB trim threshold lets freed buffers be
+    reused. Only where memory comes from changes, never a value: the numbers a run computes stay bit-identical
+    (tests/test_malloc.py). The cost: up to the run's peak CPU allocations stay mapped after they are freed.
+
+    Linux with glibc only; a no-op elsewhere (musl, macOS, Windows) and when ``MMRL_NO_MALLOC_TUNING=1``. Never
+    raises. Returns True when both settings were applied (``mallopt`` said yes). Called once at run start
+    (``mmrl.training.start_run``); calling it again is harmless."""
+    if os.environ.get("MMRL_NO_MALLOC_TUNING", "").strip().lower() not in ("", "0", "false", "no"):
+        return False
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+        import platform
+
+        if platform.libc_ver()[0] != "glibc":
+            return False
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+        mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+        ok_mmap = mallopt(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD) == 1
+        ok_trim = mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD) == 1
+        return ok_mmap and ok_trim
+    except Exception:  # no libc.so.6, no mallopt symbol, a sandbox without ctypes: keep the defaults
+        return False
+
+
 def _jsonable(value: Any) -> Any:
     """A metric value as strict JSON: tensors / numpy values -> numbers or (nested) lists, NaN/inf -> null
     (metrics.jsonl never holds the non-standard NaN / Infinity literals)."""

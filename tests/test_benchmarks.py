@@ -62,6 +62,11 @@ def test_speedup_is_ratio_of_medians_and_flags_overlapping_ranges():
     assert timing.overlaps(noisy, fast) and not timing.overlaps(slow, fast)
 
 
+def test_markdown_table_rows_and_separator():
+    assert timing.markdown_table(["a", "b c"], [("1", "2"), (3, 4.5)]) == "| a | b c |\n|---|---|\n| 1 | 2 |\n| 3 | 4.5 |"
+    assert timing.markdown_table(["x"], []) == "| x |\n|---|"
+
+
 def test_bad_arguments_raise_one_clear_error():
     with pytest.raises(ValueError, match="repeats must be >= 1"):
         timing.interleaved({"a": lambda: None}, repeats=0)
@@ -92,9 +97,10 @@ def test_run_all_runs_every_benchmark_and_reports_a_failure_without_stopping(tmp
     (tmp_path / "bad.py").write_text("import sys\nprint('boom: no such model', file=sys.stderr)\nsys.exit(3)\n")
     (tmp_path / "ok.py").write_text("import sys\nprint('| a | b |', sys.argv[1:])\n")
     monkeypatch.setattr(run_all, "HERE", tmp_path)
-    monkeypatch.setattr(run_all, "BENCHMARKS", {"bad": [], "ok": ["--out", "x/{stamp}"]})
+    monkeypatch.setattr(run_all, "BENCHMARKS", {"bad": [], "ok": ["--out", "x/{stamp}"], "ok:again": ["--v", "2"]})
     assert run_all.main(["--out", str(tmp_path / "report.md")]) == 1
     report = (tmp_path / "report.md").read_text()
     assert "`python benchmarks/bad.py` FAILED (exit 3)" in report and "boom: no such model" in report
     assert "| a | b | ['--out', 'x/2" in report  # ran after the failure, with this pass's stamp filled in
+    assert "## ok:again\n\n`python benchmarks/ok.py --v 2`" in report and "| a | b | ['--v', '2']" in report
     assert report.rstrip().endswith("FAILED: bad")

@@ -14,10 +14,12 @@ def start_run(cfg: Any, global_sizes: dict[str, int] | None = None):
     global size in `global_sizes` (config key -> value) must be divisible by the number of processes. Rank 0
     creates the run directory and writes config.yaml first (the run-directory checks of `mmrl.runtime.Run` run on
     every rank); the other ranks get no progress bar and use `ctx.device` (cuda:LOCAL_RANK). One process: exactly
-    `Run(cfg)`."""
+    `Run(cfg)`. Also tunes glibc malloc for the run (``mmrl.runtime.tune_malloc``; opt out with
+    MMRL_NO_MALLOC_TUNING=1): large CPU buffers stay in the heap between calls; no number changes."""
     from mmrl.distributed import DistContext
-    from mmrl.runtime import Run
+    from mmrl.runtime import Run, tune_malloc
 
+    tune_malloc()
     ctx = DistContext.init(cfg.dist.backend)
     try:
         if ctx.enabled and cfg.dist.strategy == "none":
