@@ -277,7 +277,12 @@ def to_yaml(cfg: Any, comments: bool = True) -> str:
 
 
 def apply_overrides(cfg: Any, overrides: typing.Iterable[str]) -> Any:
-    """Apply `a.b.c=value` overrides in place (value parsed as YAML, then type-checked); returns cfg."""
+    """Apply `a.b.c=value` overrides in place (value parsed as YAML, then type-checked); returns cfg.
+
+    The overridden section's own checks (`__post_init__`) run after each override; once all are applied, the checks
+    of every enclosing section on an overridden path run again, innermost first, so a check across nested sections
+    (e.g. `algo` checking `algo.rollout_correction`) sees the overridden values."""
+    enclosing: dict[int, tuple[int, Any]] = {}  # id -> (depth, section) of the sections above overridden keys
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form dotted.key=value")
@@ -295,6 +300,8 @@ def apply_overrides(cfg: Any, overrides: typing.Iterable[str]) -> Any:
                 where = ".".join(parts[:i]) or "<top>"
                 raise ConfigError(f"unknown config key '{key}' (in section '{where}'); valid keys: {sorted(names)}")
             if i < len(parts) - 1:
+                if i > 0:
+                    enclosing[id(obj)] = (i, obj)
                 obj = getattr(obj, part)
         hints = typing.get_type_hints(type(obj))
         value = yaml.safe_load(raw) if raw.strip() else ""
@@ -304,6 +311,9 @@ def apply_overrides(cfg: Any, overrides: typing.Iterable[str]) -> Any:
         setattr(obj, parts[-1], new)
         if hasattr(obj, "__post_init__"):  # a section's own checks see overridden values too
             obj.__post_init__()
+    for _, section in sorted(enclosing.values(), key=lambda d_s: -d_s[0]):
+        if hasattr(section, "__post_init__"):
+            section.__post_init__()
     return cfg
 
 

@@ -82,6 +82,40 @@ def test_overrides_typed():
         C.apply_overrides(cfg, ["train.lr=fast"])
 
 
+@dataclass
+class ToyInner:
+    level: str = "none"
+    """Inner choice."""
+
+
+@dataclass
+class ToyOuter:
+    enabled: bool = False
+    """Whether the inner choice may be set."""
+    inner: ToyInner = field(default_factory=ToyInner)
+    """Inner section."""
+
+    def __post_init__(self):
+        if self.inner.level != "none" and not self.enabled:
+            raise ValueError("outer.inner.level needs outer.enabled")
+
+
+@dataclass
+class ToyNested(RunConfig):
+    outer: ToyOuter = field(default_factory=ToyOuter)
+    """Outer section."""
+
+
+def test_overrides_rerun_the_checks_of_enclosing_sections():
+    """A section's check across its nested sections sees a dotted override of a nested key (the CLI path), after all
+    overrides are applied (so their order does not matter)."""
+    with pytest.raises(ValueError, match="outer.inner.level needs outer.enabled"):
+        C.apply_overrides(ToyNested(), ["outer.inner.level=token"])
+    for order in (["outer.inner.level=token", "outer.enabled=true"], ["outer.enabled=true", "outer.inner.level=token"]):
+        cfg = C.apply_overrides(ToyNested(), order)
+        assert (cfg.outer.enabled, cfg.outer.inner.level) == (True, "token")
+
+
 def test_yaml_round_trip_with_docs():
     cfg = ToyConfig(algorithm="toy")
     text = C.to_yaml(cfg)

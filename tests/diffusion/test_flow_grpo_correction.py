@@ -173,6 +173,12 @@ def test_config_errors(tmp_path):
         _cfg(tmp_path, "m", algo={"rollout_correction": {"is_level": "token"}})
     with pytest.raises(ValueError, match="precision"):
         _cfg(tmp_path, "m", rollout={"precision": "fp8"})
+    # the command-line path: dotted overrides of the nested section
+    with pytest.raises(ValueError, match="needs algo.old_logprobs=recompute"):
+        load_config({"algorithm": "flow_grpo"}, ["algo.rollout_correction.is_level=token"])
+    ok = load_config({"algorithm": "flow_grpo"}, ["algo.rollout_correction.is_level=token",
+                                                  "algo.old_logprobs=recompute"])
+    assert ok.algo.rollout_correction.enabled and ok.algo.old_logprobs == "recompute"
 
 
 def test_bf16_rollout_runs_clipped_unless_recomputed(tmp_path, tiny_sd3_path):
