@@ -70,15 +70,13 @@ def train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, p
                 for j in steps:
                     last = mi == n_micro - 1 and j == steps[-1]  # DDP all-reduces in this backward only
                     with ctx.no_sync(model.transformer, sync=last):  # wraps forward AND backward
-                        x, x_next = traj.latents[rows, j], traj.latents[rows, j + 1]
-                        sig, sig_next = traj.sigmas[j].expand(b), traj.sigmas[j + 1].expand(b)
                         old_j = traj.log_probs[rows, j] if old_lp is None else old_lp[rows, j]
                         a_j = a if is_w is None else a * is_w[rows, j]  # TIS: w * A (loss homogeneous in A)
                         mask_j = None if valid is None else valid[rows, j]
                         if mask_j is not None:  # the step's kept pairs' share of the chunk's kept pairs
                             weight = float(mask_j.sum()) / max(n_valid, 1) * scale if real else 0.0
                         with timer("forward_backward"):
-                            cur = step_log_prob(model, x, x_next, sig, sig_next, emb, **step_kw)
+                            cur = _transition(model, traj, rows, j, emb, step_kw)
                         if first_update and real:  # no optimizer step has happened yet: ratio must start at 1
                             drift.append((cur.log_prob.detach() - old_j).abs().max())
                         loss, m = clipped_policy_loss(cur.log_prob, old_j, a_j, mask=mask_j,
@@ -115,6 +113,13 @@ def train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, p
     return out
 
 
+def _transition(model, traj, rows, j, emb, step_kw):
+    """The recorded transition j -> j + 1 of samples `rows` under the current weights (`step_log_prob`)."""
+    b = len(rows)
+    return step_log_prob(model, traj.latents[rows, j], traj.latents[rows, j + 1], traj.sigmas[j].expand(b),
+                         traj.sigmas[j + 1].expand(b), emb, **step_kw)
+
+
 @torch.no_grad()
 def _old_policy(cfg, model, traj, keep, steps, step_kw, timer):
     """-> (old_logp [B, T] or None, IS weights [B, T] or None, kept mask [B, T] or None, metrics).
@@ -131,12 +136,9 @@ def _old_policy(cfg, model, traj, keep, steps, step_kw, timer):
     old = torch.zeros_like(traj.log_probs)
     with timer("old_logprobs"):
         for rows in torch.split(torch.arange(len(traj)), cfg.update.micro_batch_size):
-            b = len(rows)
             emb = traj.embeds.select(traj.prompt_index[rows])
             for j in steps:
-                old[rows, j] = step_log_prob(model, traj.latents[rows, j], traj.latents[rows, j + 1],
-                                             traj.sigmas[j].expand(b), traj.sigmas[j + 1].expand(b), emb,
-                                             **step_kw).log_prob.float()
+                old[rows, j] = _transition(model, traj, rows, j, emb, step_kw).log_prob.float()
     mask = torch.zeros(traj.log_probs.shape, dtype=torch.bool, device=old.device)
     mask[keep[:, None].to(old.device), torch.as_tensor(steps, device=old.device)[None, :]] = True
     if not bool(mask.any()):
@@ -153,7 +155,6 @@ def _reference_means(model, states, traj, rows, steps, emb, step_kw, ref_cache, 
     All of a micro-batch's reference forwards run under ONE switch to the reference state (switching peft
     adapters walks every LoRA layer), before the policy's forward/backward passes; with `ref_cache` (several
     inner epochs) steps computed in an earlier epoch are looked up instead."""
-    b = len(rows)
     out, todo = {}, []
     for j in steps:
         cached = ref_cache.get(rows, j) if ref_cache is not None else None
@@ -164,8 +165,7 @@ def _reference_means(model, states, traj, rows, steps, emb, step_kw, ref_cache, 
     if todo:
         with states.use("ref"), timer("forward_backward"):
             for j in todo:
-                out[j] = step_log_prob(model, traj.latents[rows, j], traj.latents[rows, j + 1],
-                                       traj.sigmas[j].expand(b), traj.sigmas[j + 1].expand(b), emb, **step_kw).mean
+                out[j] = _transition(model, traj, rows, j, emb, step_kw).mean
                 if ref_cache is not None:
                     ref_cache.put(rows, j, out[j])
     return out

@@ -25,22 +25,23 @@ Advantage = Literal["grpo", "turn_grpo", "gigpo"]
 ADVANTAGES = ("grpo", "turn_grpo", "gigpo")
 
 
-def turn_tensors(episodes: Sequence[Episode], gamma: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(turn rewards[E, K], valid mask[E, K], discounted returns G[E, K]) with K = the most turns."""
+def turn_rewards(episodes: Sequence[Episode]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(turn rewards[E, K], valid mask[E, K]) with K = the most turns."""
     K = max([len(ep.turns) for ep in episodes] + [1])
     rewards = torch.zeros(len(episodes), K)
     mask = torch.zeros(len(episodes), K, dtype=torch.bool)
     for i, ep in enumerate(episodes):
         for k, t in enumerate(ep.turns):
             rewards[i, k], mask[i, k] = t.reward, True
-    return rewards, mask, discounted_returns(rewards, mask, gamma)
+    return rewards, mask
 
 
 def episode_returns(episodes: Sequence[Episode], gamma: float) -> torch.Tensor:
     """R_i = sum_k gamma^(k-1) r_k (0 for an episode without turns)."""
     if not episodes:
         return torch.zeros(0)
-    _, mask, returns = turn_tensors(episodes, gamma)
+    rewards, mask = turn_rewards(episodes)
+    returns = discounted_returns(rewards, mask, gamma)
     return torch.where(mask[:, 0], returns[:, 0], torch.zeros(()))
 
 
@@ -51,10 +52,10 @@ def turn_advantages(episodes: Sequence[Episode], mode: str, gamma: float, omega:
     (pass the global batch), then the turn rewards are normalised before the returns and advantages."""
     if mode not in ADVANTAGES:
         raise ValueError(f"algo.advantage: expected one of {list(ADVANTAGES)}, got {mode!r}")
-    rewards, mask, returns = turn_tensors(episodes, gamma)
+    rewards, mask = turn_rewards(episodes)
     if reward_norm is not None:
         rewards[mask] = reward_norm(rewards[mask])  # update with this batch, then normalise (as vlm_grpo)
-        returns = discounted_returns(rewards, mask, gamma)
+    returns = discounted_returns(rewards, mask, gamma)
     R = torch.where(mask[:, 0], returns[:, 0], torch.zeros(()))
     gid = torch.tensor([ep.group for ep in episodes], dtype=torch.long)
     if mode == "grpo":
