@@ -198,3 +198,18 @@ def test_bf16_rollout_runs_clipped_unless_recomputed(tmp_path, tiny_sd3_path):
         ws = [k for k in r if k.startswith("rollout/correction/")]
         assert ws and all(math.isfinite(r[k]) for k in ws), r
     assert not any(k.startswith("rollout/correction/") for k in rows_a[0])
+
+
+def test_bf16_recompute_and_correction_resume_exactly(tmp_path, tiny_sd3_path):
+    """A bf16 rollout with recomputed pi_old and TIS/MIS: 2 steps straight equal 1 step + a resume to 2 (every metric
+    but wall-clock times)."""
+    from mmrl.testing import without_time
+
+    extra = dict(rollout={"precision": "bf16"}, algo={"old_logprobs": "recompute", "rollout_correction": {
+        "is_level": "sequence", "is_threshold": 2.0, "rs_level": "token", "rs_threshold": 2.0}})
+    train(_cfg(tmp_path / "full", tiny_sd3_path, **extra))
+    train(_cfg(tmp_path / "split", tiny_sd3_path, train={"max_steps": 1, "save_every": 1}, **extra))
+    train(_cfg(tmp_path / "split", tiny_sd3_path, train={"max_steps": 2, "save_every": 1}, **extra))
+    full, split = metrics_rows(tmp_path / "full"), metrics_rows(tmp_path / "split")
+    assert [r["step"] for r in split] == [1, 2] and "rollout/correction/rollout_is_mean" in split[1]
+    assert [without_time(r) for r in split] == [without_time(r) for r in full]
