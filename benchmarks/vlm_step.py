@@ -20,9 +20,10 @@ neighbours, as in the recipe), each padded to its longest prompt (left) and long
 and reference log-prob passes batch the same rows the same way, so the share is the same for all three passes.
 A second table of the `step` part times the training pass as `mmrl.vlm.update.policy_update` runs it (PPO-clip
 loss, micro-batches, gradient clipping; a no-op optimizer keeps the weights fixed across rounds) padded vs packed
-(`update.packing`, `RolloutBatch.pack`), interleaved, on that rollout batch and on a second one sampled with
-`--packing-long-tail` times the token cap (same EOS bias: a longer tail of lengths and more padding), with the
-largest log-prob difference between the two forwards.
+(`update.packing`, `RolloutBatch.pack`: rows of the longest sequence, the default, and everything in one row),
+interleaved, on that rollout batch and on a second one sampled with `--packing-long-tail` times the token cap (same
+EOS bias: a longer tail of lengths and more padding), with the padding (or filler) share of the token slots each
+variant's forwards run over and the largest log-prob difference from the padded forward.
 
 Part `reuse`: the same kind of model with LoRA on the language model (vision tower frozen, the default recipe),
 `prompts x n` rows with `image_size`^2 images and `response_tokens` random response tokens each, timed through the
@@ -214,7 +215,8 @@ def main() -> None:
           f"`mmrl.vlm.update.policy_update` runs it: micro-batch {args.micro_batch}, PPO-clip loss, grad clipping; "
           f"no-op optimizer so every round sees the same weights), padded vs packed (`update.packing`); "
           f"{args.repeats} interleaved rounds after 1 warm-up, {machine()}\n")
-    print(markdown_table(["batch", "response tokens min / median / max", "padding share", "variant",
+    print(markdown_table(["batch", "response tokens min / median / max", "padding / filler share of the token slots",
+                          "variant",
                           "s min / median / max", "speed-up vs padded (medians)", "max abs log p diff vs padded"],
                          packing))
 
@@ -337,26 +339,33 @@ def bench_packing(model, res: list, pad_id: int, args: argparse.Namespace, label
     loss_fn = PolicyGradientLoss("ppo_clip", norm_const=args.max_new_tokens)  # as the recipe builds it (token-mean)
     logp: dict[bool, torch.Tensor] = {}
 
-    def update(packed: bool) -> None:
+    variants = {"padded": (False, 0), "packed, rows of the longest sequence (pack_length 0, default)": (True, 0),
+                "packed, one row (pack_length 10^9)": (True, 10 ** 9)}
+
+    def update(packed: bool, pack_length: int) -> None:
         model.zero_grad(set_to_none=True)
-        policy_update(model, batch.replace(packed=packed), _NoOpOptimizer(), params, loss_fn=loss_fn,
-                      minibatches=contiguous_minibatches(len(batch), len(batch), len(batch)),
+        policy_update(model, batch.replace(packed=packed, pack_length=pack_length), _NoOpOptimizer(), params,
+                      loss_fn=loss_fn, minibatches=contiguous_minibatches(len(batch), len(batch), len(batch)),
                       micro_batch_size=args.micro_batch, max_grad_norm=1.0, guard=UpdateGuard())
 
-    for packed in (False, True):  # the values the two ways compute (equal up to float order)
-        logp[packed] = batch.replace(packed=packed).logprobs(model, args.micro_batch)
-    diff = float(((logp[True] - logp[False]).abs() * batch.response_mask).max())
-    t = interleaved({"padded": lambda: update(False), "packed": lambda: update(True)}, repeats=args.repeats, warmup=1)
+    logp = {k: batch.replace(packed=pk, pack_length=pl).logprobs(model, args.micro_batch)  # equal up to float order
+            for k, (pk, pl) in variants.items()}
+    t = interleaved({k: (lambda v=v: update(*v)) for k, v in variants.items()}, repeats=args.repeats, warmup=1)
     lens = spread_of([len(r.response_ids) for r in res])
-    # padding of the padded micro-batches (what packing removes): each micro-batch padded to its own longest rows
-    real = total = 0
+    # token slots each variant's forwards run over (real tokens + padding / filler): what packing removes
+    real = 0
+    slots = dict.fromkeys(variants, 0)
     for sub in batch.micro_batches(args.micro_batch):
         real += int(sub.attention_mask.sum())
-        total += sub.attention_mask.numel()
-    share = f"{1 - real / total:.1%} ({total - real} of {total})"
-    return [(label, lens.fmt(digits=0), share, "padded", t["padded"].fmt(), "(reference)", "(reference)"),
-            (label, lens.fmt(digits=0), share, "packed", t["packed"].fmt(), speedup(t["padded"], t["packed"]),
-             f"{diff:.1e}")]
+        for k, (pk, pl) in variants.items():
+            slots[k] += sub.replace(pack_length=pl).pack()[0]["input_ids"].numel() if pk else sub.attention_mask.numel()
+    out = []
+    for k in variants:
+        diff = float(((logp[k] - logp["padded"]).abs() * batch.response_mask).max())
+        out.append((label, lens.fmt(digits=0), f"{1 - real / slots[k]:.1%} ({slots[k] - real} of {slots[k]})", k,
+                    t[k].fmt(), speedup(t["padded"], t[k]) if k != "padded" else "(reference)",
+                    f"{diff:.1e}" if k != "padded" else "(reference)"))
+    return out
 
 
 if __name__ == "__main__":

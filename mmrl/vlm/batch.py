@@ -28,8 +28,11 @@ Fields (N rows, L = P + T columns; all tensors on one device):
   old_logprobs, ref_logprobs, rollout_logprobs   float32[N, T] or None
   weights            float32[N]     1 for rows that count, 0 for placeholder rows (a rank that kept nothing still
                                     runs a forward/backward so collectives pair; see ``mmrl.vlm.update``)
-  packed             bool           forwards run padding-free (``pack``: every row's real tokens in one row with a
-                                    block-diagonal mask; LightRFT's packing); equal log-probs up to float order
+  packed             bool           forwards run padding-free (``pack``: the rows' real tokens packed into bins of
+                                    ``pack_length`` tokens (0: the longest row) with block-diagonal masks; LightRFT's
+                                    packing); equal log-probs up to float order
+  pack_length        int            tokens per packed row (at least the longest row; 0 = the longest row)
+  pad_id             int            the pad token id (fills the end of a packed row)
 
 Slicing: ``select(rows)`` (and ``micro_batches(size)``) keep the chosen rows and cut the columns that are padding
 in all of them, so a selection is exactly what collating those rows alone would give (ids, masks, positions: the
@@ -66,6 +69,24 @@ def pad_to(rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype, le
             else:
                 out[i, :len(r)] = t
     return out
+
+
+def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Row indices grouped into bins whose lengths sum to at most `capacity` (>= every length): first fit
+    decreasing (rows by decreasing length, ties in row order, each into the first bin with room). Deterministic."""
+    if lengths and max(lengths) > capacity:
+        raise ValueError(f"pack_rows: a row of {max(lengths)} tokens does not fit a capacity of {capacity}")
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        k = next((k for k, left in enumerate(room) if left >= lengths[i]), None)
+        if k is None:
+            bins.append([])
+            room.append(capacity)
+            k = len(bins) - 1
+        bins[k].append(i)
+        room[k] -= lengths[i]
+    return bins
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
@@ -135,6 +156,8 @@ class RolloutBatch:
     rollout_logprobs: Tensor | None = None
     weights: Tensor | None = None
     packed: bool = False
+    pack_length: int = 0
+    pad_id: int = 0
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -181,7 +204,7 @@ class RolloutBatch:
                    response_mask=resp_mask, loss_mask=lmask, mm=list(mm), advantages=adv,
                    old_logprobs=_rows_tensor(old_logprobs, T, device),
                    ref_logprobs=_rows_tensor(ref_logprobs, T, device),
-                   rollout_logprobs=_rows_tensor(rollout_logprobs, T, device), weights=w.to(device))
+                   rollout_logprobs=_rows_tensor(rollout_logprobs, T, device), weights=w.to(device), pad_id=int(pad_id))
 
     def per_token(self, rows: Any) -> Tensor:
         """float32[N, T] aligned with this batch's response tokens from ragged rows or a [N, >=T] tensor (e.g. token
@@ -230,7 +253,7 @@ class RolloutBatch:
                 v = P_sub
             elif f.name == "mm":
                 v = [v[i] for i in rows]
-            elif f.name == "packed":
+            elif f.name in ("packed", "pack_length", "pad_id"):
                 pass
             elif f.name in _PER_TOKEN or (f.name == "advantages" and v is not None and v.dim() == 2):
                 v = None if v is None else v[di][:, :T_sub]
@@ -296,32 +319,61 @@ class RolloutBatch:
         return (lp, ent) if with_entropy else lp
 
     # ------------------------------------------------------------------ padding-free forwards (packed=True)
-    def pack(self, dtype: torch.dtype | None = None, vision_cache: Any = None) -> tuple[dict[str, Any], Tensor, Tensor]:
-        """(model kwargs of ONE row holding every row's real tokens, logit index [N, T] of each response token,
-        valid [N, T]). Text positions restart at 0 at each row boundary: transformers then builds a block-diagonal
-        causal mask when no attention mask is given (`masking_utils.find_packed_sequence_indices`), and Qwen-VL
-        takes position ids [4, 1, L] = (text positions, the 3 M-RoPE rows of each row's padded index); images keep
-        their row order. Response token t of row b is predicted at offset_b + prompt_lens[b] + t - 1."""
+    def pack(self, dtype: torch.dtype | None = None, vision_cache: Any = None
+             ) -> tuple[dict[str, Any], Tensor, Tensor, Tensor]:
+        """(model kwargs of R packed rows, logits_to_keep: long[K] columns, index [N, T] of each response token into
+        the [R * K] flattened kept logits, valid [N, T]).
+
+        The rows' real tokens (no padding) go into bins of at most ``max(pack_length, longest row)`` tokens, first
+        fit decreasing (`pack_rows`): R <= N rows of width W. Text positions restart at 0 at each sequence boundary:
+        transformers then builds a block-diagonal causal mask when no attention mask is given
+        (`masking_utils.find_packed_sequence_indices`), and Qwen-VL takes position ids [4, R, W] = (text positions,
+        the 3 M-RoPE rows of each row's padded index). A bin shorter than W ends in a filler sequence of pad tokens
+        (positions restarting at 0: its own block, which no real token attends to; its logits are never read). The
+        images go in the order their rows are packed. Logits are only computed at the columns that predict a
+        response token of some bin (``logits_to_keep``): row b's response token t is predicted at column
+        offset_b + prompt_lens[b] + t - 1 of its bin."""
         keep = self.attention_mask.bool()
-        lens = keep.sum(-1)
-        offsets = torch.cumsum(lens, 0) - lens
-        ids = self.input_ids[keep][None]
-        text = torch.cat([torch.arange(int(n), device=ids.device) for n in lens])[None, None]
-        kw: dict[str, Any] = dict(input_ids=ids, position_ids=torch.cat([text, self.position_ids[:, keep][:, None]]),
-                                  mm_token_type_ids=self.mm_token_type_ids[keep][None],
-                                  **cat_mm(self.mm, self.device, dtype))
+        lens = keep.sum(-1).tolist()
+        bins = pack_rows(lens, max(self.pack_length, max(lens)))
+        order = [i for b in bins for i in b]
+        R, W = len(bins), max(sum(lens[i] for i in b) for b in bins)
+        dev = self.input_ids.device
+        ids = torch.full((R, W), self.pad_id, dtype=self.input_ids.dtype, device=dev)
+        pos = torch.zeros((4, R, W), dtype=self.position_ids.dtype, device=dev)
+        types = torch.zeros((R, W), dtype=self.mm_token_type_ids.dtype, device=dev)
+        bin_of, offset = [0] * len(lens), [0] * len(lens)
+        for r, b in enumerate(bins):
+            o = 0
+            for i in b:
+                n, k = lens[i], keep[i]
+                ids[r, o:o + n] = self.input_ids[i, k]
+                pos[0, r, o:o + n] = torch.arange(n, device=dev)
+                pos[1:, r, o:o + n] = self.position_ids[:, i, k]
+                types[r, o:o + n] = self.mm_token_type_ids[i, k]
+                bin_of[i], offset[i] = r, o
+                o += n
+            if o < W:  # filler sequence: positions restart at 0 (a block of its own)
+                pos[:, r, o:] = torch.arange(W - o, device=dev)
+        kw: dict[str, Any] = dict(input_ids=ids, position_ids=pos, mm_token_type_ids=types,
+                                  **cat_mm([self.mm[i] for i in order], self.device, dtype))
         if vision_cache is not None:
-            kw = vision_cache.apply(kw, self.mm)
-        t = torch.arange(self.response_len, device=ids.device)
-        index = (offsets + self.prompt_lens.to(ids.device))[:, None] + t[None] - 1
-        valid = self.response_mask.to(ids.device)
-        return kw, torch.where(valid, index, torch.zeros_like(index)), valid
+            kw = vision_cache.apply(kw, [self.mm[i] for i in order])
+        t = torch.arange(self.response_len, device=dev)
+        valid = self.response_mask.to(dev)
+        col = (torch.tensor(offset, device=dev) + self.prompt_lens.to(dev))[:, None] + t[None] - 1  # [N, T]
+        cols = torch.unique(col[valid])  # sorted
+        if not len(cols):  # no response token at all: one column keeps the shapes (every value is masked)
+            cols = col.new_zeros(1)
+        at = torch.searchsorted(cols, col).clamp(max=len(cols) - 1)  # exact where valid
+        index = torch.tensor(bin_of, device=dev)[:, None] * len(cols) + at
+        return kw, cols, torch.where(valid, index, torch.zeros_like(index)), valid
 
     def _packed_forward_logprobs(self, model: Any, temperature: float, with_entropy: bool, entropy_grad: bool,
                                  vision_cache: Any, dtype: torch.dtype | None) -> tuple[Tensor, Tensor | None]:
-        kw, index, valid = self.pack(dtype, vision_cache)
-        logits = model(**kw, use_cache=False).logits[0]  # [total tokens, V]: no padding anywhere
-        picked = logits[index.reshape(-1)].reshape(*index.shape, -1)  # [N, T, V]
+        kw, cols, index, valid = self.pack(dtype, vision_cache)
+        logits = model(**kw, use_cache=False, logits_to_keep=cols).logits  # [R, K, V]: response columns only
+        picked = logits.reshape(-1, logits.shape[-1])[index.reshape(-1)].reshape(*index.shape, -1)  # [N, T, V]
         resp = self.input_ids[:, self.prompt_len:].to(logits.device)
         lp, ent = token_logprobs(picked, resp, temperature, with_entropy, entropy_grad)
         zero = torch.zeros((), dtype=lp.dtype, device=lp.device)

@@ -280,7 +280,7 @@ def train(cfg: Config) -> dict:
                                            [r.mm for r in rows], pad_id,
                                            rollout_logprobs=[r.response_logprobs for r in rows],
                                            weights=[1.0] * len(kept) or [0.0])
-                batch.packed = up.packing  # padding-free forwards in the ref / old / training passes
+                up.set_packing(batch)  # padding-free forwards in the ref / old / training passes (or padded)
                 vcache = VisionCache(model) if reuse else None  # this step's images, policy ("default") state
                 # ---- reference log-probs, KL as a reward penalty
                 if al.kl.coef > 0:

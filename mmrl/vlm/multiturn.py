@@ -33,7 +33,7 @@ from mmrl.vlm.episode_train import check_fsdp_rl_params, episode_batch, format_p
 from mmrl.vlm.episodes import (ChatFormat, EnvConfig, RolloutConfig, RolloutStats, episode_metrics, rollout_episodes,
                                samples_text)
 from mmrl.vlm.rollout import SamplingParams
-from mmrl.vlm.update import PairedForwards, PolicyGradientLoss, policy_update
+from mmrl.vlm.update import PackingFields, PairedForwards, PolicyGradientLoss, policy_update
 from mmrl.vlm.warm_start import WarmStartConfig, format_warm_start
 
 # keys of earlier versions -> their names now (a config using an old name fails naming the new one)
@@ -85,7 +85,7 @@ class ModelConfig:
 
 
 @dataclass
-class MultiTurnUpdateConfig(UpdateConfig):
+class MultiTurnUpdateConfig(PackingFields, UpdateConfig):
     micro_batch_size: int = 16
     """Episodes per forward/backward."""
     reuse_vision_features: bool = True
@@ -327,6 +327,8 @@ def train(cfg: Config) -> dict:
                 vcache = VisionCache(model) if reuse and train_eps else None  # this step's images, "default" state
                 # nothing kept here but elsewhere: a placeholder row (weight 0) keeps the collectives paired
                 batch = episode_batch(model, train_eps, pad_id, adv, placeholder_from=got.local if glob_train else None)
+                if batch is not None:
+                    upd.set_packing(batch)  # padding-free forwards (update.packing) or padded
                 if use_ref and (train_eps or fsdp):
                     ref_cache = vcache if share_ref else (VisionCache(model) if reuse else None)
                     with states.use("ref"), lockstep():

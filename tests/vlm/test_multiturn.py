@@ -324,6 +324,40 @@ def test_checkpoint_resume_equals_uninterrupted_run(tiny, tmp_path):
     assert last["diag/logprob_drift"] < 1e-4 and "eval_after" in summary
 
 
+def test_packing_trains_like_the_padded_run(tiny, tmp_path, monkeypatch):
+    """`update.packing: true` in vlm_multiturn (episodes with observations and a board image per turn, packed into
+    rows of the longest episode or into one row): the padded run's rewards, losses equal to float precision."""
+    import json
+
+    from mmrl.vlm.batch import RolloutBatch
+    from mmrl.vlm.multiturn import train
+
+    packed_rows, pack = [], RolloutBatch.pack
+
+    def recording_pack(batch, *a, **kw):
+        out = pack(batch, *a, **kw)
+        packed_rows.append(out[0]["input_ids"])
+        return out
+
+    monkeypatch.setattr(RolloutBatch, "pack", recording_pack)
+    rows = {}
+    for name, update in (("padded", {}), ("bins", {"packing": True}),
+                         ("one_row", {"packing": True, "pack_length": 10 ** 6})):
+        packed_rows.clear()
+        train(_recipe_cfg(tmp_path / name, tiny[0], update={**update}, train={"max_steps": 2, "save_every": 0}))
+        rows[name] = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()][1:]
+        # the forwards ran packed (or not): several episodes in a row only when one row was asked for
+        assert bool(packed_rows) == (name != "padded")
+        assert name != "one_row" or all(r.shape[0] == 1 for r in packed_rows)
+    assert len(rows["padded"]) == 2
+    for name in ("bins", "one_row"):
+        for a, b in zip(rows["padded"], rows[name]):
+            assert a["reward/mean"] == b["reward/mean"]
+            assert a["rollout/tokens/policy_mean"] == b["rollout/tokens/policy_mean"]
+            assert a["policy/loss"] == pytest.approx(b["policy/loss"], abs=1e-5)
+            assert a["diag/logprob_drift"] == pytest.approx(b["diag/logprob_drift"], abs=1e-5)
+
+
 def test_configs_load_and_bad_values_fail():
     from pathlib import Path
 

@@ -18,12 +18,43 @@ def _batch(tiny_path):
     return model, RolloutBatch.build(model, P, R, MM, proc.tokenizer.pad_token_id)
 
 
-def test_packed_logprobs_and_gradients_equal_padded(tiny_path):
+def test_pack_rows_first_fit_decreasing_by_hand():
+    from mmrl.vlm.batch import pack_rows
+
+    # decreasing: 9 (row 1), 7 (row 3), 5 (row 0), 3 (row 2), 2 (row 4); capacity 10:
+    # 9 -> bin 0 (1 left), 7 -> bin 1 (3 left), 5 -> bin 2 (5 left), 3 -> bin 1 (0 left), 2 -> bin 2 (3 left)
+    assert pack_rows([5, 9, 3, 7, 2], 10) == [[1], [3, 2], [0, 4]]
+    assert pack_rows([5, 9, 3, 7, 2], 9) == [[1], [3, 4], [0, 2]]  # 7 + 2 fill bin 1; 5 + 3 fit bin 2
+    assert pack_rows([4, 4, 4], 100) == [[0, 1, 2]]  # ties keep row order
+    assert pack_rows([3, 0, 2], 3) == [[0, 1], [2]]  # an empty row fits anywhere
+    with pytest.raises(ValueError, match="12 tokens does not fit a capacity of 10"):
+        pack_rows([12, 3], 10)
+
+
+def _layout(batch):
+    lens = batch.attention_mask.sum(-1)
+    return {"one row": 10 ** 6, "longest": 0, "longest + shortest": int(lens.max() + lens.min())}
+
+
+@pytest.mark.parametrize("layout", ["one row", "longest", "longest + shortest"])
+def test_packed_logprobs_and_gradients_equal_padded(tiny_path, layout):
+    """Each packing layout (everything in one row; bins of the longest sequence; bins holding two sequences and a
+    filler tail) gives the padded forward's log-probs, entropies and parameter gradients."""
     model, batch = _batch(tiny_path)
+    batch.pack_length = _layout(batch)[layout]
     keep = batch.attention_mask.bool()
-    kw, index, valid = batch.pack()
-    assert kw["input_ids"].shape == (1, int(keep.sum())) and kw["position_ids"].shape == (4, 1, int(keep.sum()))
-    assert int(keep.sum()) < keep.numel()  # the padded batch had padding to skip
+    lens = keep.sum(-1)
+    kw, cols, index, valid = batch.pack()
+    R, W = kw["input_ids"].shape
+    assert kw["position_ids"].shape == (4, R, W) and int(keep.sum()) < keep.numel()  # the padded batch had padding
+    if layout == "one row":
+        assert (R, W) == (1, int(keep.sum()))
+    elif layout == "longest":
+        assert W == int(lens.max()) and R <= len(batch)
+    else:  # some bin holds two sequences, some bin ends in a filler sequence
+        assert 1 < R < len(batch) and R * W > int(keep.sum())
+    # logits are kept only at the columns that predict a response token
+    assert len(cols) <= int(batch.response_mask.sum()) and len(cols) < W
     grads = {}
     for packed in (False, True):
         model.zero_grad(set_to_none=True)
@@ -36,17 +67,44 @@ def test_packed_logprobs_and_gradients_equal_padded(tiny_path):
     assert len(ga) == len(gb) and all(torch.allclose(x, y, atol=1e-5, rtol=1e-4) for x, y in zip(ga, gb))
     # micro-batched no-grad passes and select() keep the packing
     assert torch.allclose(batch.replace(packed=True).logprobs(model, 2), batch.logprobs(model, 2), atol=2e-5)
-    assert batch.replace(packed=True).select([2, 0]).packed
+    sub = batch.replace(packed=True).select([2, 0])
+    assert sub.packed and sub.pack_length == batch.pack_length and sub.pad_id == batch.pad_id
+
+
+def test_pack_layout_images_in_packed_order(tiny_path):
+    """The bins reorder rows (longest first): the packed row holds every row's real tokens unchanged, text
+    positions restart per sequence, the filler tail is pad tokens, and the image features follow the packed order."""
+    model, batch = _batch(tiny_path)
+    batch.pack_length = _layout(batch)["longest + shortest"]
+    keep = batch.attention_mask.bool()
+    lens = keep.sum(-1).tolist()
+    kw, cols, index, valid = batch.pack()
+    from mmrl.vlm.batch import cat_mm, pack_rows
+
+    bins = pack_rows(lens, batch.pack_length)
+    assert bins != [[i] for i in range(len(batch))]  # rows really are regrouped
+    for r, b in enumerate(bins):
+        o = 0
+        for i in b:
+            assert torch.equal(kw["input_ids"][r, o:o + lens[i]], batch.input_ids[i, keep[i]])
+            assert torch.equal(kw["position_ids"][0, r, o:o + lens[i]], torch.arange(lens[i]))
+            assert torch.equal(kw["position_ids"][1:, r, o:o + lens[i]], batch.position_ids[:, i, keep[i]])
+            o += lens[i]
+        assert (kw["input_ids"][r, o:] == batch.pad_id).all()
+        assert torch.equal(kw["position_ids"][0, r, o:], torch.arange(kw["input_ids"].shape[1] - o))
+    order = [i for b in bins for i in b]
+    assert torch.equal(kw["pixel_values"], cat_mm([batch.mm[i] for i in order])["pixel_values"])
 
 
 def test_row_boundaries_matter(tiny_path):
     """Without the position restarts the rows would attend to each other: the log-probs then differ, so the
     equality above comes from the block-diagonal mask, not from luck."""
     model, batch = _batch(tiny_path)
-    kw, index, valid = batch.pack()
+    batch.pack_length = 10 ** 6  # one row
+    kw, cols, index, valid = batch.pack()
     kw["position_ids"][0] = torch.arange(kw["input_ids"].shape[1])  # one long sequence
-    logits = model(**kw, use_cache=False).logits[0]
-    picked = logits[index.reshape(-1)].reshape(*index.shape, -1)
+    logits = model(**kw, use_cache=False, logits_to_keep=cols).logits
+    picked = logits.reshape(-1, logits.shape[-1])[index.reshape(-1)].reshape(*index.shape, -1)
     from mmrl.vlm.batch import token_logprobs
 
     lp, _ = token_logprobs(picked, batch.input_ids[:, batch.prompt_len:])
