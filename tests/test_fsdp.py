@@ -350,7 +350,8 @@ def _update_worker(model_path: str, out: str) -> None:
 def test_one_update_under_fsdp_equals_one_process(tmp_path):
     """Fixed rollout batch, per-prompt rewards where zero-advantage groups are dropped: ranks keep 5 + 3 rows
     ("uneven") and 5 + 0 ("idle": rank 1 runs only zero-weight padding micro-steps, forwards included);
-    "uneven_mis": recomputed pi_old (no-grad forwards of every row under FSDP) with step-level MIS masks."""
+    "uneven_mis" / "idle_mis": recomputed pi_old (no-grad forwards of the kept rows, padded to equal counts under
+    FSDP: the idle rank runs them on padding rows) with step-level MIS masks."""
     from mmrl.distributed import DistContext
     from mmrl.tiny import build_tiny_sd3
 

@@ -44,7 +44,7 @@ def train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, p
     ref_cache = RefMeanCache(traj) if kl_coef > 0 and u.epochs > 1 and not fsdp else None
     pad_rows = keep[:1] if len(keep) else torch.zeros(1, dtype=torch.long)  # any real row; weight 0
     # algo.old_logprobs=recompute: pi_old from the trainer before any update, corrected towards the rollout's
-    old_lp, is_w, valid, corr_metrics = _old_policy(cfg, model, traj, keep, steps, step_kw, timer)
+    old_lp, is_w, valid, corr_metrics = _old_policy(cfg, model, traj, keep, steps, step_kw, timer, ctx, pad_rows)
     updates = 0
     for epoch in range(u.epochs):
         order = keep[torch.randperm(len(keep))]
@@ -121,24 +121,32 @@ def _transition(model, traj, rows, j, emb, step_kw):
 
 
 @torch.no_grad()
-def _old_policy(cfg, model, traj, keep, steps, step_kw, timer):
+def _old_policy(cfg, model, traj, keep, steps, step_kw, timer, ctx: DistContext | None = None, pad_rows=None):
     """-> (old_logp [B, T] or None, IS weights [B, T] or None, kept mask [B, T] or None, metrics).
 
     `algo.old_logprobs: rollout` (Flow-GRPO): (None, None, None, {}) - the ratio is taken against the rollout's
-    own log-probs. `recompute` (decoupled PPO, verl): one no-grad forward per (sample, trained step) with the
-    current weights, i.e. pi_old in the trainer's precision, micro-batched like the update (every rank runs the
-    same number of forwards: equal rows per rank); then `algo.rollout_correction` between pi_old and the
-    rollout's log-probs over the kept samples' trained steps ("token" = one denoising step, "sequence" = the
-    product over a trajectory's trained steps): TIS weights and MIS / veto masks, `rollout/correction/*`."""
+    own log-probs. `recompute` (decoupled PPO, verl): one no-grad forward per (kept sample, trained step) with the
+    current weights, i.e. pi_old in the trainer's precision, in micro-batches of the kept rows (samples dropped for
+    a zero advantage are never trained, so their pi_old is not computed: 0 there); every rank runs the max-over-ranks
+    number of micro-batches, the missing ones on `pad_rows` (results unused), so DDP/FSDP forwards pair. Then
+    `algo.rollout_correction` between pi_old and the rollout's log-probs over the kept samples' trained steps
+    ("token" = one denoising step, "sequence" = the product over a trajectory's trained steps): TIS weights and
+    MIS / veto masks, `rollout/correction/*`."""
     a = cfg.algo
     if a.old_logprobs == "rollout":
         return None, None, None, {}
+    ctx = ctx or DistContext()
     old = torch.zeros_like(traj.log_probs)
+    micro = [m for m in torch.split(keep, cfg.update.micro_batch_size) if len(m)]
+    pad_rows = keep[:1] if pad_rows is None else pad_rows
     with timer("old_logprobs"):
-        for rows in torch.split(torch.arange(len(traj)), cfg.update.micro_batch_size):
+        for mi in range(ctx.max_int(len(micro))):
+            rows = micro[mi] if mi < len(micro) else pad_rows
             emb = traj.embeds.select(traj.prompt_index[rows])
             for j in steps:
-                old[rows, j] = _transition(model, traj, rows, j, emb, step_kw).log_prob.float()
+                lp = _transition(model, traj, rows, j, emb, step_kw).log_prob.float()
+                if mi < len(micro):
+                    old[rows, j] = lp
     mask = torch.zeros(traj.log_probs.shape, dtype=torch.bool, device=old.device)
     mask[keep[:, None].to(old.device), torch.as_tensor(steps, device=old.device)[None, :]] = True
     if not bool(mask.any()):

@@ -372,6 +372,7 @@ SCENARIOS = {
 # recomputed pi_old + step-level MIS: these (sample, step) pairs get ratio pi_old / pi_rollout = e^1 > 2 and leave
 # the loss, so the ranks keep different numbers of pairs (the global mean must still match one process)
 SCENARIOS["uneven_mis"] = SCENARIOS["uneven"]
+SCENARIOS["idle_mis"] = SCENARIOS["idle"]  # rank 1 keeps nothing: it runs the pi_old forwards on padding rows only
 MIS_REJECT = [(0, 0), (1, 1), (3, 0), (6, 1), (7, 0), (7, 1)]
 
 
@@ -470,8 +471,10 @@ def test_two_ranks_one_update_equals_one_process(tmp_path, tiny_sd3_path):
         assert r0["metrics"]["train/kept_fraction"] == one["metrics"]["train/kept_fraction"]
         # the 0.5 of [2.0, -1.0, 0.5] equals its group mean: advantage 0, dropped too
         assert (r0["n_keep"], r1["n_keep"]) == ((5, 3) if name.startswith("uneven") else (5, 0))
-        if name.endswith("_mis"):  # 6 of the 16 kept (sample, step) pairs rejected: 3 of 10 on rank 0, 3 of 6 on 1
-            assert one["metrics"]["rollout/correction/rollout_rs_masked_fraction"] == pytest.approx(6 / 16)
+        if name.endswith("_mis"):  # uneven: 6 of the 16 kept (sample, step) pairs rejected: 3 of 10 on rank 0, 3 of 6
+            # on 1; idle: rank 0's 3 of 10 are all there are
+            assert one["metrics"]["rollout/correction/rollout_rs_masked_fraction"] == pytest.approx(
+                6 / 16 if name.startswith("uneven") else 3 / 10)
             assert r0["metrics"]["rollout/correction/rollout_rs_masked_fraction"] == pytest.approx(3 / 10)
         assert r0["metrics"]["diag/logprob_drift"] < 1e-4 and one["metrics"]["diag/logprob_drift"] < 1e-4
         moved = max((one["params"][k] - p0).abs().max().item() for k, p0 in initial.items())

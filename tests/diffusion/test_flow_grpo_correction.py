@@ -95,8 +95,10 @@ def test_tis_weights_and_mis_mask_by_hand(tmp_path, tiny_sd3, level):
     cfg = _cfg(tmp_path, "unused", algo={"old_logprobs": "recompute", "rollout_correction": {
         "is_level": level, "is_threshold": 2.0, "rs_level": level, "rs_threshold": 2.5}})
     old, w, valid, metrics = _old_policy(cfg, tiny_sd3, traj, keep, steps, _step_kw(), Timer())
-    d = (old - traj.log_probs)[:, steps].double()  # = shift up to fp32 rounding
-    assert torch.allclose(d, shift.double(), atol=1e-5)
+    assert not old[2].any()  # a row outside `keep` is never trained: its pi_old is not computed
+    d = (old - traj.log_probs)[:, steps].double()  # = shift up to fp32 rounding on the kept rows
+    assert torch.allclose(d[keep], shift[keep].double(), atol=1e-5)
+    d[2] = shift[2].double()  # (row 2 is masked below whatever its value)
     if level == "token":
         log_w = d
     elif level == "sequence":
