@@ -29,7 +29,7 @@ any strategy and any number of processes.
 
 Rollout precision and correction (issue 13): `rollout.precision: bf16` samples under torch.autocast(bfloat16) (a
 faster engine on GPUs); the rollout's log-probs then differ from the fp32 trainer's by more than the 1e-4 clip range.
-`algo.old_logprobs: recompute` takes pi_old from one no-grad trainer forward per (sample, trained step) before the
+`algo.old_logprobs: recompute` takes pi_old from one no-grad trainer forward per (kept sample, trained step) before the
 update (decoupled PPO), and `algo.rollout_correction` weights (TIS) or masks (MIS, veto) each denoising step
 (`token`) or trajectory (`sequence`, `geometric`) by pi_old / pi_rollout (`grpo_update._old_policy`).
 
@@ -145,7 +145,7 @@ class AlgoConfig:
     """EMA decay per optimizer update."""
     old_logprobs: Literal["rollout", "recompute"] = "rollout"
     """pi_old of the PPO ratio: the rollout's recorded log-probs (`rollout`, Flow-GRPO), or a no-grad forward per
-    trained step with the trainer before the update (`recompute`; one extra forward per sample and step)."""
+    trained step with the trainer before the update (`recompute`; one extra forward per kept sample and step)."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """With old_logprobs=recompute: TIS weights / MIS and veto masks between pi_old and the rollout's log-probs,
     per denoising step (`token`) or per trajectory (`sequence`, `geometric`); `rollout/correction/*` metrics."""

@@ -65,8 +65,13 @@ def test_packed_logprobs_and_gradients_equal_padded(tiny_path, layout):
     (a, ga), (b, gb) = grads[False], grads[True]
     assert torch.allclose(a, b, atol=2e-5, rtol=0) and (a != 0).sum() == batch.response_mask.sum()
     assert len(ga) == len(gb) and all(torch.allclose(x, y, atol=1e-5, rtol=1e-4) for x, y in zip(ga, gb))
-    # micro-batched no-grad passes and select() keep the packing
+    # micro-batched no-grad passes and select() keep the packing; cached vision features follow the packed order
+    from mmrl.vlm.common import VisionCache
+
     assert torch.allclose(batch.replace(packed=True).logprobs(model, 2), batch.logprobs(model, 2), atol=2e-5)
+    cache = VisionCache(model)
+    cached = batch.replace(packed=True).logprobs(model, len(batch), vision_cache=cache)
+    assert cache.vision_calls > 0 and torch.allclose(cached, batch.logprobs(model, len(batch)), atol=2e-5)
     sub = batch.replace(packed=True).select([2, 0])
     assert sub.packed and sub.pack_length == batch.pack_length and sub.pad_id == batch.pad_id
 
