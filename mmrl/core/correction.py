@@ -21,11 +21,12 @@ Modes (what the trainer must do):
 * decoupled: recompute old_logp with the trainer before the update (PPO ratio = pi / pi_old), then
   `rollout_correction(old_logp, rollout_logp, mask, is_level=..., rs_level=...)` once per batch; use
   `weighted_advantages(adv, out.weights)` and `out.mask` in the policy loss.
-* bypass: skip the old-log-prob forward and set old_logp := rollout_logp (the VLM recipe's
-  `old_logprobs: rollout`). The PPO ratio pi / pi_rollout then already is the importance weight, so apply
-  NO IS weights (they would count it twice); rejection and veto still apply, computed per micro-batch from
-  the current policy: `rollout_correction(logp.detach(), rollout_logp, mask, rs_level=...)`, before the loss.
-  One forward fewer per step; the clip range is anchored at the engine's distribution.
+* bypass (the VLM recipe's `old_logprobs: rollout`): skip the old-log-prob forward, old_logp := rollout_logp.
+  With a PPO-type loss the ratio pi / pi_rollout already is the importance weight: nothing to apply (the recipe
+  refuses the combination). With the plain policy-gradient loss (`policy_loss: reinforce`; verl's bypass +
+  use_policy_gradient, pg_is / pg_rs) the weights and masks come from the current policy in every micro-batch,
+  `rollout_correction(logp.detach(), rollout_logp, mask, ...)`, and the loss is -sg(w) A logp on the kept tokens
+  (`mmrl.vlm.update.PolicyGradientLoss.correction`). One forward fewer per step.
 Diffusion: the same functions on per-denoising-step log-probs [B, T] (T = steps, mask = the SDE window):
 "token" is per step, "sequence" the product over a trajectory's steps. [B] inputs are B rows of length 1.
 

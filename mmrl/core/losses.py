@@ -208,9 +208,31 @@ def gspo_policy_loss(
     return loss, metrics
 
 
+def reinforce_policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor | None = None, *,
+                          agg: str = "token-mean", norm_const: float | None = None,
+                          **clip_args: float | None) -> tuple[Tensor, dict[str, float]]:
+    """Plain policy gradient (REINFORCE), no ratio and no clipping: l = -A * logp, loss = agg_loss(l, mask).
+
+    Shapes as `clipped_policy_loss`; the registry's clip arguments (clip_low, clip_high, dual_clip) are accepted
+    and ignored.
+    Its gradient -A * grad logp equals PPO-clip's at ratio 1. With importance weights w folded into the advantages
+    (`correction.weighted_advantages`) it is -sg(w) * A * logp: verl's bypass + policy-gradient loss (pg_is / pg_rs)
+    when w and the mask come from the current policy against the rollout's log-probs. metrics as PPO-clip's
+    (clipfrac 0; approx_kl and ratio against old_logp, for monitoring)."""
+    # source: Williams 1992 (REINFORCE); verl core_algos.compute_policy_loss_with_rollout_correction
+    logp, old_logp, adv, m = _prepare_pg_inputs(logp, old_logp, advantages, mask)
+    loss = agg_loss(-adv * logp, m, agg, norm_const)
+    with torch.no_grad():
+        metrics = {"clipfrac": 0.0, **_ratio_metrics(torch.exp((logp - old_logp).clamp(-20.0, 20.0)), old_logp,
+                                                     logp, m)}
+        metrics["pg_loss"] = float(loss)
+    return loss, metrics
+
+
 POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, float]]]] = {
     "ppo_clip": clipped_policy_loss,
     "gspo": gspo_policy_loss,
+    "reinforce": reinforce_policy_loss,
 }
 
 

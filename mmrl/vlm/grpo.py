@@ -125,8 +125,9 @@ class AlgoConfig:
     """Advantage estimator from mmrl.core (grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, cpgd)."""
     policy_loss: str = "ppo_clip"
     """Policy loss from the mmrl.core registry: `ppo_clip` (token-level ratio), `gspo` (sequence-level ratio;
-    use it with small clip ranges, e.g. clip_low 3e-4, clip_high 4e-4) or `cpgd` (clipped log-ratio + policy drift,
-    drift coef 0.01 / clip 0.2 as MM-EUREKA; pair it with `advantage: cpgd`)."""
+    use it with small clip ranges, e.g. clip_low 3e-4, clip_high 4e-4), `cpgd` (clipped log-ratio + policy drift,
+    drift coef 0.01 / clip 0.2 as MM-EUREKA; pair it with `advantage: cpgd`) or `reinforce` (-A log p, no ratio;
+    with old_logprobs=rollout and rollout_correction: verl's bypass + policy gradient, pg_is / pg_rs)."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal and generate more until the batch is full."""
     max_gen_batches: int = 4
@@ -148,7 +149,9 @@ class AlgoConfig:
     """`recompute` (a forward before updating), `rollout` (the engine's) or `auto` (recompute when more than
     one update per rollout or with vLLM)."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
-    """Engine vs trainer log-probs: TIS weights, MIS / veto masks (verl); no-op with old_logprobs=rollout."""
+    """Engine vs trainer log-probs: TIS weights, MIS / veto masks (verl). Decoupled (old log-probs recomputed):
+    pi_old / pi_rollout once per batch. Bypass (old_logprobs=rollout, needs policy_loss=reinforce): pi / pi_rollout
+    of the current policy in every micro-batch."""
 
 
 @dataclass
@@ -237,8 +240,10 @@ def train(cfg: Config) -> dict:
         id(p) in state_ids for p in vision_tower(model).parameters())
     vision_grads_need_images = fsdp and vision_tower_trainable(model)
     lockstep = PairedForwards(ctx, model, pad_id, enabled=fsdp)  # FSDP: pair the ranks' old/ref forwards
+    bypass_correction = al.rollout_correction if al.rollout_correction.enabled and not recompute else None
     loss_fn = PolicyGradientLoss(al.policy_loss, al.clip_low, al.clip_high, al.dual_clip, al.loss_agg,
-                                 ro.max_new_tokens, al.entropy_coef, al.kl.coef, al.kl.estimator, al.kl.in_reward)
+                                 ro.max_new_tokens, al.entropy_coef, al.kl.coef, al.kl.estimator, al.kl.in_reward,
+                                 correction=bypass_correction)  # bypass: pi / pi_rollout in every micro-batch
     if start == 0 and (ctx.is_main or fsdp):  # FSDP: every rank runs the eval forwards, rank 0 reports
         first = evaluate(engine, processor, eval_items, reward_model, cfg)
         summary.update({k.replace("eval/accuracy", "eval_accuracy_first"): v for k, v in first.items()})
@@ -312,7 +317,7 @@ def train(cfg: Config) -> dict:
                         :len(kept)].max()) if kept and batch.response_len else 0.0
                 else:
                     batch.old_logprobs = batch.rollout_logprobs
-                if al.rollout_correction.enabled and kept:  # sampling log-probs vs the trainer's old ones
+                if al.rollout_correction.enabled and kept and recompute:  # sampling log-probs vs the trainer's
                     w, keep, m = al.rollout_correction.apply(batch.old_logprobs, batch.rollout_logprobs,
                                                              batch.loss_mask)
                     batch.advantages = weighted_advantages(batch.advantages, w)

@@ -24,6 +24,12 @@ def check_config(cfg: Any) -> None:
         raise ValueError("dist.strategy=fsdp: vlm_grpo supports FSDP with rollout.engine=hf only")
     if cfg.model.lora.init_path:
         raise ValueError("model.lora.init_path: vlm_grpo starts LoRA from scratch (leave it empty)")
+    if al.rollout_correction.enabled and not recompute_old_logprobs(cfg) and al.policy_loss != "reinforce":
+        raise ValueError(f"algo.rollout_correction with the rollout's log-probs as pi_old (algo.old_logprobs="
+                         f"{al.old_logprobs}: bypass) and algo.policy_loss={al.policy_loss}: the ratio pi / pi_rollout "
+                         f"already is the importance weight, so the correction would do nothing; use "
+                         f"algo.old_logprobs=recompute (decoupled) or algo.policy_loss=reinforce (bypass + policy "
+                         f"gradient: weights and masks from the current policy, verl's pg_is / pg_rs)")
     if al.old_logprobs == "rollout" and (up.epochs > 1 or up.mini_batch_size not in (0, nominal)):
         raise ValueError("algo.old_logprobs=rollout needs exactly one update per rollout (update.epochs=1, "
                          "update.mini_batch_size=0)")

@@ -104,9 +104,10 @@ class AlgoConfig:
     """GiGPO weight of the step-level (anchor-group) advantage."""
     scale_by_std: bool = True
     """Divide group advantages by the group std (False = Dr.GRPO-style mean-centring only)."""
-    policy_loss: Literal["ppo_clip", "gspo", "cpgd"] = "ppo_clip"
+    policy_loss: Literal["ppo_clip", "gspo", "cpgd", "reinforce"] = "ppo_clip"
     """Policy loss (mmrl.core.POLICY_LOSSES), token-mean over the policy tokens of a mini-batch: ppo_clip (token
-    ratios) or gspo (sequence ratio; use its small clip ranges, e.g. clip_low 3e-4, clip_high 4e-4)."""
+    ratios), gspo (sequence ratio; use its small clip ranges, e.g. clip_low 3e-4, clip_high 4e-4), cpgd or reinforce
+    (-A log p, no ratio)."""
     clip_low: float = 0.2
     """Ratio clip below 1."""
     clip_high: float = 0.28

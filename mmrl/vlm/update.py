@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from mmrl.core import agg_loss, get_policy_loss, kl_estimate
+from mmrl.core.correction import weighted_advantages
 from mmrl.training import UpdateConfig, UpdateGuard, clip_grads
 from mmrl.vlm.batch import RolloutBatch
 
@@ -116,17 +117,26 @@ class PolicyGradientLoss:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     kl_in_reward: bool = False
+    correction: Any = None
+    """A `RolloutCorrectionConfig` applied in every micro-batch between the current policy's log-probs (detached)
+    and ``batch.rollout_logprobs`` (verl's bypass mode with a policy-gradient loss, pg_is / pg_rs): the IS weights
+    multiply the advantages, rejected / vetoed tokens leave the policy loss (their share of the normaliser stays,
+    as the mask is only known in the forward). None: the batch's advantages and loss mask as they are."""
 
     def __post_init__(self) -> None:
         self.fn = get_policy_loss(self.policy_loss)  # unknown name -> ValueError with the valid list
 
     def __call__(self, mb: MicroBatch) -> tuple[Tensor, dict[str, float]]:
         b, mask = mb.batch, mb.batch.loss_mask
-        adv = b.advantages
+        adv, corr = b.advantages, {}
+        if self.correction is not None and b.rollout_logprobs is not None and not mb.placeholder:
+            w, keep, corr = self.correction.apply(mb.logp.detach(), b.rollout_logprobs, mask)
+            # w * A on kept tokens, 0 on rejected ones (no gradient; the normaliser still counts them)
+            adv = weighted_advantages(adv, (keep.float() if w is None else w * keep).to(mb.logp.dtype))
         loss, m = self.fn(mb.logp, b.old_logprobs, adv, mask, clip_low=self.clip_low, clip_high=self.clip_high,
                           dual_clip=self.dual_clip or None, agg=self.loss_agg, norm_const=self.norm_const)
         out = {"policy/loss": m["pg_loss"], "policy/clipfrac": m["clipfrac"], "policy/approx_kl": m["approx_kl"],
-               "policy/ratio_max": m["ratio_max"]}
+               "policy/ratio_max": m["ratio_max"], **corr}
         if mb.entropy is not None:
             ent_mean = agg_loss(mb.entropy, mask, self.loss_agg, self.norm_const)
             if self.entropy_coef:

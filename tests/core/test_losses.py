@@ -174,7 +174,7 @@ def test_gspo_sequence_ratio():
 def test_policy_loss_registry():
     assert get_policy_loss("ppo_clip") is clipped_policy_loss and "gspo" in POLICY_LOSSES
     with pytest.raises(ValueError, match="valid: .*ppo_clip"):
-        get_policy_loss("reinforce")
+        get_policy_loss("a2c")
 
 
 # ---------------------------------------------------------------------------------------------- DPO
@@ -264,3 +264,26 @@ def test_nft_bad_inputs():
         nft_loss(v_pred, v_old, x0, xt, t, torch.ones(3), beta=1.0)
     with pytest.raises(ValueError, match="beta"):
         nft_loss(v_pred, v_old, x0, xt, t, torch.ones(2), beta=0.0)
+
+
+def test_reinforce_loss_by_hand():
+    """-A * logp averaged over valid tokens; its gradient is -A / n per valid token (PPO-clip's at ratio 1)."""
+    from mmrl.core.losses import get_policy_loss, reinforce_policy_loss
+
+    assert get_policy_loss("reinforce") is reinforce_policy_loss
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -9.0]], requires_grad=True)
+    old = torch.tensor([[-1.0, -1.0, -1.0], [-0.3, -0.7, -9.0]])
+    adv = torch.tensor([2.0, -1.0])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    loss, m = reinforce_policy_loss(logp, old, adv, mask, clip_low=0.2)
+    want = -(2.0 * (-1.0 - 2.0 - 0.5) + -1.0 * (-0.3 - 0.7)) / 5
+    assert float(loss) == pytest.approx(want) and m["pg_loss"] == pytest.approx(want) and m["clipfrac"] == 0.0
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([[-0.4, -0.4, -0.4], [0.2, 0.2, 0.0]]))
+    assert m["ratio_max"] == pytest.approx(math.exp(0.5))  # exp(-0.5 - -1.0) at token 3 of row 0
+    # same gradient as PPO-clip at ratio 1 (old = logp)
+    from mmrl.core.losses import clipped_policy_loss
+
+    p2 = logp.detach().clone().requires_grad_(True)
+    clipped_policy_loss(p2, p2.detach(), adv, mask)[0].backward()
+    assert torch.allclose(p2.grad, logp.grad)

@@ -710,6 +710,58 @@ def test_running_reward_norm_is_applied_and_checkpointed(tiny_path, tmp_path):
     assert [r["reward/running_count"] for r in rows] == [8, 16, 24]
 
 
+def test_bypass_policy_gradient_correction_by_hand():
+    """policy_loss=reinforce with the correction in the loss (bypass): w = min(pi / pi_rollout, 2) from the current
+    policy per token, a token outside [1/3, 3] rejected (no gradient, still in the token-mean normaliser), so the
+    loss is -sum(w * A * logp) / 6 and its gradient -w * A / 6 on kept tokens."""
+    from mmrl.training.config import RolloutCorrectionConfig
+    from mmrl.vlm.batch import RolloutBatch
+    from mmrl.vlm.update import MicroBatch, PolicyGradientLoss
+
+    rollout = torch.tensor([[-1.0, -1.0, -3.0], [-0.5, -0.5, -0.5]])
+    ones = torch.ones(2, 3, dtype=torch.bool)
+    z = torch.zeros(2, 4, dtype=torch.long)
+    batch = RolloutBatch(input_ids=z, attention_mask=z + 1, position_ids=torch.zeros(3, 2, 4, dtype=torch.long),
+                         mm_token_type_ids=z, prompt_lens=torch.tensor([1, 1]), response_lens=torch.tensor([3, 3]),
+                         prompt_len=1, response_mask=ones, loss_mask=ones, mm=[{}, {}],
+                         advantages=torch.tensor([1.0, -2.0]), old_logprobs=rollout, rollout_logprobs=rollout)
+    logp = torch.tensor([[-1.0, -2.0, -0.1], [-0.5, -0.5, -0.5]], requires_grad=True)
+    corr = RolloutCorrectionConfig(is_level="token", is_threshold=2.0, rs_level="token", rs_threshold=3.0)
+    fn = PolicyGradientLoss("reinforce", correction=corr)
+    loss, m = fn(MicroBatch(batch, logp, None, mini_tokens=6.0, mini_rows=2, scale=1.0, placeholder=False))
+    w = torch.tensor([[1.0, math.exp(-1.0), 0.0], [1.0, 1.0, 1.0]])  # e^2.9 > 3: rejected; e^-1 > 1/3: kept
+    adv = torch.tensor([[1.0] * 3, [-2.0] * 3])
+    assert float(loss) == pytest.approx(float(-(w * adv * logp.detach()).sum() / 6), rel=1e-6)
+    loss.backward()
+    assert torch.allclose(logp.grad, -w * adv / 6, atol=1e-7)
+    assert m["rollout/correction/rollout_rs_masked_fraction"] == pytest.approx(1 / 6)
+    assert m["rollout/correction/rollout_is_max"] == pytest.approx(math.exp(2.9), rel=1e-5)
+    # without the correction: plain REINFORCE, every token at weight 1
+    logp.grad = None
+    PolicyGradientLoss("reinforce")(MicroBatch(batch, logp, None, 6.0, 2, 1.0, False))[0].backward()
+    assert torch.allclose(logp.grad, -adv / 6)
+
+
+def test_bypass_correction_in_the_recipe_and_its_config_check(tiny_path, tmp_path):
+    """old_logprobs=rollout + policy_loss=reinforce + rollout_correction trains and logs the per-micro-batch
+    correction metrics (HF rollouts: weights ~1); with ppo_clip the same settings fail at start-up (the correction
+    would do nothing)."""
+    from mmrl.vlm.grpo import train
+
+    bypass = ("algo.old_logprobs=rollout", "algo.rollout_correction.is_level=sequence",
+              "algo.rollout_correction.rs_level=token")
+    with pytest.raises(ValueError, match="the correction would do nothing"):
+        train(_cfg(tiny_path, tmp_path / "bad", *bypass))
+    out = tmp_path / "pg"
+    train(_cfg(tiny_path, out, *bypass, "algo.policy_loss=reinforce"))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all("time/old_logprob_s" not in r for r in rows)  # bypass: no old-log-prob pass
+    for r in rows:
+        assert abs(r["rollout/correction/rollout_is_mean"] - 1.0) < 1e-4
+        assert r["rollout/correction/rollout_rs_masked_fraction"] == 0.0
+        assert math.isfinite(r["policy/loss"]) and r["policy/clipfrac"] == 0.0
+
+
 def test_rollout_correction_section_weights_masks_and_reaches_the_recipe(tiny_path, tmp_path):
     """`algo.rollout_correction` (verl's TIS/MIS): the section's apply() is core.rollout_correction with its
     settings (hand-checked: ratio e^1 capped at 2, ratio e^-3 masked by the veto), and a recipe run logs the
@@ -733,3 +785,4 @@ def test_rollout_correction_section_weights_masks_and_reaches_the_recipe(tiny_pa
     for r in rows:
         assert abs(r["rollout/correction/rollout_is_mean"] - 1.0) < 1e-4
         assert r["rollout/correction/rollout_rs_masked_fraction"] == 0.0
+        assert r["time/old_logprob_s"] > 0  # decoupled: the old-log-prob pass ran
