@@ -731,7 +731,7 @@ def test_bypass_policy_gradient_correction_by_hand():
     loss, m = fn(MicroBatch(batch, logp, None, mini_tokens=6.0, mini_rows=2, scale=1.0, placeholder=False))
     w = torch.tensor([[1.0, math.exp(-1.0), 0.0], [1.0, 1.0, 1.0]])  # e^2.9 > 3: rejected; e^-1 > 1/3: kept
     adv = torch.tensor([[1.0] * 3, [-2.0] * 3])
-    assert float(loss) == pytest.approx(float(-(w * adv * logp.detach()).sum() / 6), rel=1e-6)
+    assert float(loss.detach()) == pytest.approx(float(-(w * adv * logp.detach()).sum() / 6), rel=1e-6)
     loss.backward()
     assert torch.allclose(logp.grad, -w * adv / 6, atol=1e-7)
     assert m["rollout/correction/rollout_rs_masked_fraction"] == pytest.approx(1 / 6)

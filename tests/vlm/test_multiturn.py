@@ -415,7 +415,8 @@ def test_old_config_keys_name_their_replacement():
             load_config({"algorithm": "vlm_multiturn"}, [old])
     with pytest.raises(ConfigError, match="'model.lora_alpha' was renamed to 'model.lora.alpha'"):
         load_config({"algorithm": "vlm_multiturn", "model": {"lora_alpha": 8}})
-    with pytest.raises(ConfigError, match=r"algo.policy_loss: expected one of \['ppo_clip', 'gspo', 'cpgd'\]"):
+    with pytest.raises(ConfigError,
+                       match=r"algo.policy_loss: expected one of \['ppo_clip', 'gspo', 'cpgd', 'reinforce'\]"):
         load_config({"algorithm": "vlm_multiturn", "algo": {"policy_loss": "ppo"}})
     with pytest.raises(ValueError, match=r"update.mini_batch_size=3 must divide the rollout batch .* = 4"):
         from mmrl.vlm.multiturn import check_config
