@@ -1,5 +1,6 @@
 """Helpers of the benchmark scripts (benchmarks/ is not a package): `_timing` (call order, statistics and the
-speed-up wording, with a fake clock: nothing is timed), the EOS bias of vlm_step.py, run_all's argument check."""
+speed-up wording, with a fake clock: nothing is timed), the EOS bias of vlm_step.py, run_all's argument check, and
+the stack folding of profile_flow_grpo_step.py on hand-written py-spy lines."""
 
 import importlib.util
 import sys
@@ -104,3 +105,32 @@ def test_run_all_runs_every_benchmark_and_reports_a_failure_without_stopping(tmp
     assert "| a | b | ['--out', 'x/2" in report  # ran after the failure, with this pass's stamp filled in
     assert "## ok:again\n\n`python benchmarks/ok.py --v 2`" in report and "| a | b | ['--v', '2']" in report
     assert report.rstrip().endswith("FAILED: bad")
+
+
+def test_profile_fold_categories_by_hand():
+    """profile_flow_grpo_step.fold: samples outside a step are dropped, the first matching category wins, and the
+    framework samples are attributed to the innermost mmrl function."""
+    prof = load_script("profile_flow_grpo_step")
+    step = "train (mmrl/diffusion/flow_grpo.py:240);train_on_rollout (mmrl/diffusion/grpo_update.py:80)"
+    rollout = "train (mmrl/diffusion/flow_grpo.py:236);sample_groups (mmrl/diffusion/sampling.py:199)"
+    lines = [
+        f"{step};_transition (mmrl/diffusion/grpo_update.py:120);forward (diffusers/models/transformers/"
+        f"transformer_sd3.py:316) 50",
+        f"{step};backward (torch/_tensor.py:625);_engine_run_backward (torch/autograd/graph.py:841) 20",
+        f"{rollout};FlowModel._vae_decode (mmrl/diffusion/models/base.py:150);conv (torch/nn/conv.py:1) 7",
+        "train (mmrl/diffusion/flow_grpo.py:236);PromptEmbedCache.__call__ (mmrl/diffusion/models/base.py:300);"
+        "SD3Model.encode_prompts (mmrl/diffusion/models/sd3.py:19);forward (transformers/models/t5/modeling_t5.py:9) 3",
+        "train (mmrl/diffusion/flow_grpo.py:236);SD3Model.encode_prompts (mmrl/diffusion/models/sd3.py:19);"
+        "_encode_plus (transformers/tokenization_utils_tokenizers.py:1) 2",
+        f"{rollout};sde_step_with_logprob (mmrl/diffusion/sde.py:122) 4",
+        f"{step};UpdateGuard.step (mmrl/training/guards.py:152);_single_tensor_adam (torch/optim/adam.py:1) 1",
+        "train (mmrl/diffusion/flow_grpo.py:290);plot_reward_curve (mmrl/plots.py:61) 99",  # after the steps
+        " 535",  # a sample without Python frames
+    ]
+    cats, framework = prof.fold(lines)
+    assert cats == {"transformer forward": 50, "transformer backward": 20, "VAE decode": 7, "text encoders": 3,
+                    "framework": 7}
+    assert framework == {"SD3Model.encode_prompts": 2, "sde_step_with_logprob": 4, "UpdateGuard.step": 1}
+    text = prof.table(cats, framework, top=2)
+    assert "| framework | 7 | 8.0% |" in text and "| **all step samples** | 87 | 100% |" in text
+    assert "`sde_step_with_logprob` | 4 | 4.60%" in text and "UpdateGuard" not in text  # top 2 only

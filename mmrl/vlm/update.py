@@ -30,8 +30,10 @@ from mmrl.training import UpdateConfig, UpdateGuard, clip_grads
 from mmrl.vlm.batch import RolloutBatch
 
 Tensor = torch.Tensor
-# per-micro-batch metrics reduced with max (the rest: mean)
-_MAX_KEYS = ("ratio_max", "drift")
+# per-micro-batch metrics reduced with max / min (the rest: mean); `_max` / `_min` also cover the per-micro-batch
+# rollout-correction metrics of the bypass mode (rollout_is_max / rollout_is_min)
+_MAX_KEYS = ("_max", "drift")
+_MIN_KEYS = ("_min",)
 
 
 @dataclass
@@ -170,7 +172,7 @@ class UpdateResult:
     placeholders: int = 0
 
     def metrics(self, ctx: Any = None) -> dict[str, float]:
-        """Means (max for ratio_max) of the micro-batch metrics, + policy/grad_norm; with an enabled `ctx` the lists
+        """Means (max for *_max and drift, min for *_min) of the micro-batch metrics, + policy/grad_norm; with an enabled `ctx` the lists
         of every rank are merged first (a collective)."""
         vals: dict[str, list[float]] = {k: list(v) for k, v in self.values.items()}
         if self.grad_norms:
@@ -181,7 +183,8 @@ class UpdateResult:
                 for k, v in part.items():
                     merged[k] += v
             vals = merged
-        return {k: (max(v) if k.endswith(_MAX_KEYS) else sum(v) / len(v)) for k, v in vals.items() if v}
+        return {k: (max(v) if k.endswith(_MAX_KEYS) else min(v) if k.endswith(_MIN_KEYS) else sum(v) / len(v))
+                for k, v in vals.items() if v}
 
 
 def policy_update(model: Any, batch: RolloutBatch, optimizer: Any, params: Sequence[Tensor], *,

@@ -742,6 +742,18 @@ def test_bypass_policy_gradient_correction_by_hand():
     assert torch.allclose(logp.grad, -adv / 6)
 
 
+def test_update_metrics_reduce_max_min_and_mean_over_micro_batches():
+    """Per-micro-batch metrics: *_max (ratio_max, the bypass correction's rollout_is_max) and drift by max, *_min by
+    min, the rest by mean."""
+    from mmrl.vlm.update import UpdateResult
+
+    res = UpdateResult(values={"policy/ratio_max": [1.5, 3.0], "rollout/correction/rollout_is_max": [2.0, 7.0],
+                               "rollout/correction/rollout_is_min": [0.5, 0.25], "policy/loss": [1.0, 3.0]})
+    got = res.metrics()
+    assert got["policy/ratio_max"] == 3.0 and got["rollout/correction/rollout_is_max"] == 7.0
+    assert got["rollout/correction/rollout_is_min"] == 0.25 and got["policy/loss"] == 2.0
+
+
 def test_bypass_correction_in_the_recipe_and_its_config_check(tiny_path, tmp_path):
     """old_logprobs=rollout + policy_loss=reinforce + rollout_correction trains and logs the per-micro-batch
     correction metrics (HF rollouts: weights ~1); with ppo_clip the same settings fail at start-up (the correction
