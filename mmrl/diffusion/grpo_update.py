@@ -42,7 +42,7 @@ def train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, p
     # (not under FSDP: cache hits differ between ranks with padding micro-steps, and FSDP needs equal forwards)
     fsdp = ctx.enabled and getattr(cfg, "dist", None) is not None and cfg.dist.strategy == "fsdp"
     ref_cache = RefMeanCache(traj) if kl_coef > 0 and u.epochs > 1 and not fsdp else None
-    pad_rows = keep[:1] if len(keep) else torch.zeros(1, dtype=torch.long)  # any real row; weight 0
+    pad_rows = _pad_rows(keep)
     # algo.old_logprobs=recompute: pi_old from the trainer before any update, corrected towards the rollout's
     old_lp, is_w, valid, corr_metrics = _old_policy(cfg, model, traj, keep, steps, step_kw, timer, ctx, pad_rows)
     updates = 0
@@ -113,6 +113,11 @@ def train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, p
     return out
 
 
+def _pad_rows(keep: torch.Tensor) -> torch.Tensor:
+    """The rows of a padding micro-batch (weight 0 / results unused) on a rank with fewer kept rows: any real row."""
+    return keep[:1] if len(keep) else torch.zeros(1, dtype=torch.long)
+
+
 def _transition(model, traj, rows, j, emb, step_kw):
     """The recorded transition j -> j + 1 of samples `rows` under the current weights (`step_log_prob`)."""
     b = len(rows)
@@ -138,7 +143,7 @@ def _old_policy(cfg, model, traj, keep, steps, step_kw, timer, ctx: DistContext 
     ctx = ctx or DistContext()
     old = torch.zeros_like(traj.log_probs)
     micro = [m for m in torch.split(keep, cfg.update.micro_batch_size) if len(m)]
-    pad_rows = keep[:1] if pad_rows is None else pad_rows
+    pad_rows = _pad_rows(keep) if pad_rows is None else pad_rows
     with timer("old_logprobs"):
         for mi in range(ctx.max_int(len(micro))):
             rows = micro[mi] if mi < len(micro) else pad_rows

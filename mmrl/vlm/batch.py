@@ -355,10 +355,11 @@ class RolloutBatch:
                 o += n
             if o < W:  # filler sequence: positions restart at 0 (a block of its own)
                 pos[:, r, o:] = torch.arange(W - o, device=dev)
+        mm = [self.mm[i] for i in order]  # the images in packed order
         kw: dict[str, Any] = dict(input_ids=ids, position_ids=pos, mm_token_type_ids=types,
-                                  **cat_mm([self.mm[i] for i in order], self.device, dtype))
+                                  **cat_mm(mm, self.device, dtype))
         if vision_cache is not None:
-            kw = vision_cache.apply(kw, [self.mm[i] for i in order])
+            kw = vision_cache.apply(kw, mm)
         t = torch.arange(self.response_len, device=dev)
         valid = self.response_mask.to(dev)
         col = (torch.tensor(offset, device=dev) + self.prompt_lens.to(dev))[:, None] + t[None] - 1  # [N, T]
