@@ -55,6 +55,10 @@ def save_checkpoint(ctx: Any, run: Any, step: int, states: Any, stateful: dict[s
     from mmrl.training.guards import check_finite_weights
 
     check_finite_weights(states, step, ctx, run)
+    for obj in stateful.values():  # state spread over ranks (e.g. in-flight rollouts) is collected first, on every rank
+        gather = getattr(obj, "gather_for_checkpoint", None)
+        if gather is not None:
+            gather(ctx)
     with ctx.checkpoint(run, step) as d:
         if d is None and not fsdp:
             return

@@ -220,3 +220,37 @@ class RunningNormFields:
         if stateful is not None:
             stateful["reward_norm"] = norm
         return norm
+
+
+RolloutWorker = Literal["inline", "process"]
+
+
+@dataclass
+class AsyncRolloutFields:
+    """Where rollouts run and how far they may run ahead of the trainer (`mmrl.training.async_rollout`): vlm_grpo's
+    and flow_grpo's `rollout:` sections inherit them. Put it first among the bases (``class RolloutConfig(
+    AsyncRolloutFields, Base)``) to list its keys after the base's."""
+
+    worker: RolloutWorker = "inline"
+    """`inline`: rollouts run in the trainer process between updates (the synchronous loop). `process`: a rollout
+    process per trainer process, with its own copy of the policy, generates (and scores) batches ahead of the
+    trainer; the trainer pushes its weights to it after every update."""
+    max_staleness: int = 0
+    """With worker=process: how many policy versions the batch of a step may lag behind the trainer. 0 = the batch
+    of step s is generated with the weights after update s-1 (the synchronous run, equal metrics); k = with the
+    weights after update s-1-k, generated while the trainer runs updates s-k..s-1."""
+    worker_threads: int = 0
+    """torch intra-op threads of the rollout process (0 = the run's num_threads, or torch's default)."""
+
+    def __post_init__(self) -> None:
+        if self.max_staleness < 0:
+            raise ValueError(f"rollout.max_staleness: expected >= 0 (0 = synchronous), got {self.max_staleness}")
+        if self.worker_threads < 0:
+            raise ValueError(f"rollout.worker_threads: expected >= 0 (0 = the run's num_threads), got "
+                             f"{self.worker_threads}")
+        if self.max_staleness > 0 and self.worker == "inline":
+            raise ValueError(f"rollout.max_staleness={self.max_staleness} needs rollout.worker=process (rollouts in "
+                             f"their own process); inline rollouts always use the newest weights")
+        post = getattr(super(), "__post_init__", None)  # the next base's checks
+        if post is not None:
+            post()

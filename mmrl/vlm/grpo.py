@@ -31,16 +31,17 @@ from mmrl.rewards import load as load_reward
 from mmrl.runtime import Timer, seed_everything
 from mmrl.training import (FullOptimizerState, KLConfig, OnNonfinite, OptimConfig, UpdateGuard, build_optimizer,
                            checkpoint_due, restore_checkpoint, save_checkpoint, start_run)
-from mmrl.training.config import RolloutCorrectionConfig, RunningNormFields, TrackersConfig
+from mmrl.training.async_rollout import policy_weights, rollout_process
+from mmrl.training.config import AsyncRolloutFields, RolloutCorrectionConfig, RunningNormFields, TrackersConfig
 from mmrl.vlm.batch import RolloutBatch
 from mmrl.vlm.common import (VisionCache, language_block_types, vision_has_adapters, vision_tower,
                              vision_tower_trainable)
 from mmrl.vlm.grpo_checks import check_config, recompute_old_logprobs
 from mmrl.vlm.policy import VLMLoRAConfig, build_policy, rl_parameters
-from mmrl.vlm.rollout import SamplingParams
 from mmrl.vlm.rollout_collect import (DataConfig, build_data, check_fsdp_images, collect_rollouts, evaluate, finish,
                                       make_rollout_engine, rollout_metrics, save_sample_grid, score,
                                       shapes_warm_start_pairs, to_request)
+from mmrl.vlm.rollout_worker import BUILDER, sampling_params
 from mmrl.vlm.update import (PairedForwards, PolicyGradientLoss, VLMUpdateConfig, contiguous_minibatches,
                              policy_update)
 from mmrl.vlm.warm_start import WarmStartConfig, format_warm_start
@@ -78,7 +79,7 @@ class ModelConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(AsyncRolloutFields):  # + worker, max_staleness, worker_threads (a rollout process)
     engine: Literal["hf", "vllm"] = "hf"
     """`hf` (transformers sampling loop) or `vllm` (needs the [vllm] extra and a GPU)."""
     prompts_per_step: int = 8
@@ -208,9 +209,10 @@ def train(cfg: Config) -> dict:
     model, tok = states.model, processor.tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     eos_id = tok.convert_tokens_to_ids("<|im_end|>")
-    engine, syncer = make_rollout_engine(cfg, states, processor, ctx if fsdp else None)
-    sampling = SamplingParams(n=ro.group_size, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
-                              max_new_tokens=ro.max_new_tokens, stop=ro.stop)
+    # with a rollout process (rollout.worker=process) this engine only evaluates
+    engine, syncer = make_rollout_engine(cfg, states, processor, ctx if fsdp else None,
+                                         engine="hf" if ro.worker == "process" else None)
+    sampling = sampling_params(ro)
     recompute = recompute_old_logprobs(cfg)
     summary: dict[str, Any] = {}
     if run.find_resume() is None and cfg.warm_start.steps > 0:  # before sharding: identical on every rank
@@ -232,7 +234,10 @@ def train(cfg: Config) -> dict:
     stateful = {"optimizer": FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,
                 "data": data}
     reward_norm = cfg.reward.build_running_norm(stateful)  # identical on every rank: updated with global rewards
+    pipe = rollout_process(cfg, ctx, run, BUILDER, stateful)  # rollout.worker=process: None inline
     start, _ = restore_checkpoint(ctx, run, states, stateful)
+    if pipe is not None:  # the rollout process starts from this version's weights and data position
+        pipe.start(start, policy_weights(states))
     # vision features: shared by the policy and reference passes only when no state can change the tower
     reuse = up.reuse_vision_features and not fsdp
     state_ids = {id(p) for p in states.trainable_parameters()}
@@ -273,12 +278,18 @@ def train(cfg: Config) -> dict:
                     return score(reward_model, results, cfg, validate=True)
 
             # ---- rollout (+ DAPO dynamic sampling) and rewards; each rank generates its share of the prompts
-            count = (lambda kept: min(ctx.all_gather_object(len(kept)))) if ctx.enabled else len
-            roll = collect_rollouts(lambda k: ctx.shard(data.next(k * world)) if ctx.enabled else data.next(k),
-                                    generate, score_fn, ro.prompts_per_step // world, ro.group_size,
-                                    al.dynamic_sampling, al.max_gen_batches, count=count)
+            async_metrics: dict[str, Any] = {}
+            if pipe is None:
+                count = (lambda kept: min(ctx.all_gather_object(len(kept)))) if ctx.enabled else len
+                roll = collect_rollouts(lambda k: ctx.shard(data.next(k * world)) if ctx.enabled else data.next(k),
+                                        generate, score_fn, ro.prompts_per_step // world, ro.group_size,
+                                        al.dynamic_sampling, al.max_gen_batches, count=count)
+            else:  # made by the rollout process with the weights after update step-1-max_staleness
+                payload, async_metrics = pipe.next(step)
+                roll, generated[:] = payload["roll"], payload["first"]
             kept = roll.results
             n_kept, all_lens, metrics = rollout_metrics(ctx, roll, cfg)
+            metrics.update(async_metrics)
             if n_kept:  # every rank takes part in the update; a rank that kept nothing with a zero-weight row
                 rewards_t, rows = roll.scores, kept or generated
                 batch = RolloutBatch.build(model, [r.prompt_ids for r in rows], [r.response_ids for r in rows],
@@ -346,6 +357,8 @@ def train(cfg: Config) -> dict:
                 if fsdp:  # zero-weight micro-batches and 1-token dummy forwards, summed over ranks
                     metrics["dist/padding_micro_batches"] = sum(ctx.all_gather_object(res.placeholders))
                     metrics["dist/lockstep_dummy_forwards"] = sum(ctx.all_gather_object(lockstep.pop_dummies()))
+            if pipe is not None:  # version `step`: the rollout process makes later batches with these weights
+                metrics.update(pipe.push(step, policy_weights(states, only=params)))
             if ctx.is_main and cfg.log.sample_every and (step % cfg.log.sample_every == 0 or step == 1):
                 save_sample_grid(run, step, roll, cfg.log.num_samples)
             if (ctx.is_main or fsdp) and ((cfg.log.eval_every and step % cfg.log.eval_every == 0)
@@ -363,5 +376,7 @@ def train(cfg: Config) -> dict:
         if checkpoint_due(cfg, step):  # FSDP: a collective; rank 0 writes
             save_checkpoint(ctx, run, step, states, stateful, fsdp=fsdp)
     bar.close()
+    if pipe is not None:
+        pipe.close()
     ctx.close()
     return finish(run, summary) if ctx.is_main else {}

@@ -263,15 +263,17 @@ def finish(run: Any, summary: dict) -> dict:
     return run.finish(summary)
 
 
-def make_rollout_engine(cfg: Any, states: Any, processor: Any, fsdp_ctx: Any = None) -> tuple[Any, Any]:
-    """(engine, vLLM weight syncer or None) for the `rollout:` section. `fsdp_ctx`: under FSDP every rank runs the
+def make_rollout_engine(cfg: Any, states: Any, processor: Any, fsdp_ctx: Any = None, engine: str | None = None
+                        ) -> tuple[Any, Any]:
+    """(engine, vLLM weight syncer or None) for the `rollout:` section (`engine`: another than rollout.engine, e.g.
+    "hf" for the trainer's evaluation when a rollout process generates). `fsdp_ctx`: under FSDP every rank runs the
     same number of decode forwards (finished ranks run masked ones until all are done)."""
-    ro, model = cfg.rollout, states.model
-    kw = {"batch_size": ro.micro_batch_size} if ro.engine == "hf" else dict(ro.vllm_kwargs)
+    ro, model, name = cfg.rollout, states.model, engine or cfg.rollout.engine
+    kw = {"batch_size": ro.micro_batch_size} if name == "hf" else dict(ro.vllm_kwargs)
     if fsdp_ctx is not None:
         kw["step_sync"] = fsdp_ctx.any_rank
-    engine = make_engine(ro.engine, model, processor, model_path=cfg.model.path, **kw)
-    if ro.engine != "vllm":
+    engine = make_engine(name, model, processor, model_path=cfg.model.path, **kw)
+    if name != "vllm":
         return engine, None
     from mmrl.vlm.vllm_sync import VLLMWeightSyncer
 

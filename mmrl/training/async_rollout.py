@@ -1,0 +1,445 @@
+"""Rollouts in their own process, ahead of the trainer by at most `rollout.max_staleness` policy versions.
+
+    pipe = AsyncRollout("mmrl.vlm.rollout_worker:VLMRolloutProducer", cfg, max_staleness=k, last_step=N, seed=...)
+    stateful["async_rollout"] = pipe                         # in-flight batches travel with the checkpoint
+    start, _ = restore_checkpoint(ctx, run, states, stateful)
+    pipe.start(start, policy_weights(states), {"data": data}) # this version's weights + the data position
+    for step in range(start + 1, N + 1):
+        payload, metrics = pipe.next(step)                    # the batch of `step`, tagged with its policy version
+        ... advantages, update (decoupled PPO / rollout correction for the off-policy gap) ...
+        metrics |= pipe.push(step, policy_weights(states, only=params))   # after every update
+
+The rollout process (``torch.multiprocessing``, spawn) builds a *producer* from the run's config: its own copy of
+the policy (the HF model, a vLLM engine, or a diffusion pipeline), the reward and the data stream. It serves one
+FIFO channel of three messages: ``weights`` (the trainer's "default" policy state after update v, copied into the
+producer's model: `load_weights`), ``state`` (the data position on start and resume) and ``produce`` (generate and
+score the batch of step t). Batches come back on a second channel, tagged with the version of the weights that
+produced them. Tensors cross processes through shared memory (torch.multiprocessing's queue reductions); the weights
+of one push are packed into one flat buffer per dtype.
+
+Schedule (k = max_staleness). When the trainer asks for the batch of step t (`next(t)`) it first sends the ticket
+of step t+k; the weights of version t-1 were pushed before it (after update t-1) and the channel is FIFO, so the
+batch of step t is generated with exactly version max(0, t-1-k), whatever the timing: an async run is reproducible,
+its staleness at step t is min(k, t-1), and while the trainer trains step t the rollout process works on the batches
+up to t+k. With k = 0 the ticket carries the trainer's RNG state, which the trainer takes back with the batch: the
+rollout process then computes exactly what the synchronous loop would (the same random stream, the same weights):
+equal metrics (tested). With k > 0 the rollout noise of step t comes from a seed of (seed, rank, t) (`rank_seed`),
+a stream of its own. A run makes the k batches after its last step too (while it trains its last k steps); they
+are saved with the final checkpoint, so a run extended later (a larger train.max_steps) continues exactly.
+
+Resume rule: **in-flight batches are saved, never regenerated** (regenerating them would need the older weights
+that produced them). `state_dict()` (called by `save_checkpoint`) first waits for every submitted ticket, then
+returns the finished batches (as plain tensors / numbers / strings, loadable with ``weights_only=True``) together
+with the data position after the newest one. A resumed run consumes the saved batches, sends the weights of its
+restored version and continues the schedule: exactly the uninterrupted run (tested). A checkpoint therefore costs
+the wait for up to k batches.
+
+Metrics of `next` / `push`: ``rollout/staleness/mean|max`` (trainer version - batch version, per sample),
+``rollout/policy_version``; timing-dependent (under ``time/``): ``time/async/wait_s`` (trainer blocked on the
+batch), ``time/async/trainer_idle_ratio`` (that wait / the trainer's step), ``time/async/rollout_idle_ratio`` (the
+rollout process waiting for work / its wall time since its previous batch), ``time/async/queue_length`` (finished
+batches waiting when the trainer asks), ``time/async/weight_push_s``, ``time/async/weight_load_s``, and the
+producer's own ``time/*`` (rollout, reward).
+
+Several processes (DDP under torchrun, also across machines): every trainer rank starts its own rollout process on
+its node and pushes to it; each producer generates its rank's share. Checkpoints gather every rank's in-flight
+batches to rank 0 (`gather_for_checkpoint`, a collective) and resume on the same number of ranks. FSDP is refused:
+the rollout process needs whole weights.
+
+source: the design facts in verl (fully_async_policy, v1 separate_async), AReaL (max_head_offpolicyness,
+decoupled PPO), slime (train_async: one-step-off), OpenRLHF (async queue; queued batches are not saved there).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import queue as queue_mod
+import sys
+import time
+import traceback
+import weakref
+from typing import Any, Callable, Iterable, Protocol
+
+import torch
+
+from mmrl.distributed import rank_seed
+from mmrl.runtime import get_rng_state, seed_everything, set_rng_state
+from mmrl.training.payloads import from_plain, pack_tensors, to_plain, unpack_tensors
+
+__all__ = ["AsyncRollout", "RolloutProducer", "rollout_process", "policy_weights", "load_policy_weights",
+           "check_async_rollout", "ASYNC_SEED_RANK", "RolloutProcessError"]
+
+ASYNC_SEED_RANK = 500_000
+"""Rank offset of the rollout processes' per-step seeds (max_staleness > 0): `rank_seed(seed, ASYNC_SEED_RANK + rank,
+step)` never equals a trainer rank's seed."""
+
+_POLL_S = 0.5  # how often a blocked side checks that the other one is still alive
+
+
+class RolloutProcessError(RuntimeError):
+    """The rollout process died or failed; the message names the step and the cause."""
+
+
+class RolloutProducer(Protocol):
+    """What a recipe's producer class (built in the rollout process as ``cls(cfg, rank, world, device)``: the
+    trainer rank's device) provides."""
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy these "default"-state tensors (`PolicyStates.state_tensors` keys) into the producer's policy."""
+
+    def produce(self, step: int) -> tuple[Any, dict[str, float]]:
+        """(payload, metrics) of step `step`: rollouts and rewards, in any structure `to_plain` accepts."""
+
+    def state_dict(self) -> dict:
+        """The producer's resumable state (the data position), by the names the trainer mirrors."""
+
+    def load_state_dict(self, state: dict) -> None:
+        ...
+
+
+def check_async_rollout(cfg: Any, multi_process: bool | None = None) -> None:
+    """One-line errors for combinations the rollout process does not support (the section's own checks run when
+    the config loads: max_staleness >= 0, max_staleness > 0 only with worker=process). `multi_process`: several
+    trainer processes (None: read WORLD_SIZE, as set by torchrun)."""
+    ro = cfg.rollout
+    if multi_process is None:
+        multi_process = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+    if ro.worker != "process":
+        return
+    strategy = getattr(getattr(cfg, "dist", None), "strategy", "none")
+    if strategy == "fsdp":
+        raise ValueError("rollout.worker=process with dist.strategy=fsdp is not supported (the rollout process needs "
+                         "whole weights, FSDP shards them); use dist.strategy=ddp or rollout.worker=inline")
+    algo = getattr(cfg, "algo", None)
+    if multi_process and getattr(algo, "dynamic_sampling", False):
+        raise ValueError("rollout.worker=process with several processes and algo.dynamic_sampling=true is not "
+                         "supported (the generation rounds need a count over all ranks); use one process or "
+                         "rollout.worker=inline")
+
+
+def rollout_process(cfg: Any, ctx: Any, run: Any, builder: str, stateful: dict[str, Any],
+                    mirror: Iterable[str] = ("data",)) -> "AsyncRollout | None":
+    """The recipe's `AsyncRollout` when `rollout.worker=process` (None: inline rollouts), registered in `stateful`
+    as "async_rollout" (its in-flight batches go into checkpoints) and keeping the `mirror` entries of `stateful`
+    (the data position) equal to the producer's. Start it with `.start(...)` after `restore_checkpoint`."""
+    ro = cfg.rollout
+    if ro.worker != "process":
+        return None
+    check_async_rollout(cfg, multi_process=ctx.enabled)
+    pipe = AsyncRollout(builder, cfg, max_staleness=ro.max_staleness, last_step=cfg.train.max_steps, seed=cfg.seed,
+                        rank=ctx.rank, world=ctx.world_size, threads=ro.worker_threads or cfg.num_threads,
+                        device=run.device, mirror={name: stateful[name] for name in mirror})
+    stateful["async_rollout"] = pipe
+    return pipe
+
+
+# ------------------------------------------------------------------------------------------ weights
+
+
+def policy_weights(states: Any, only: Iterable[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The "default" policy state's live tensors by their state-independent keys (`PolicyStates.state_tensors`):
+    LoRA weights, or the full-fine-tuning parameters. `only`: just those tensors (e.g. the optimizer's parameters:
+    what an update can change)."""
+    tensors = states.state_tensors("default")
+    if only is None:
+        return tensors
+    ids = {id(p) for p in only}
+    return {k: t for k, t in tensors.items() if id(t) in ids}
+
+
+# ------------------------------------------------------------------------------------------ the rollout process
+
+
+def _import(spec: str) -> Callable:
+    module, _, attr = spec.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - an exception type that does not survive pickling
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def _worker_main(builder: str, cfg: Any, rank: int, world: int, device: str, threads: int, inbox: Any,
+                 outbox: Any) -> None:
+    """The rollout process: build the producer, then serve `inbox` in order until "stop" or the trainer is gone."""
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    try:
+        if threads > 0:
+            torch.set_num_threads(threads)
+        producer = _import(builder)(cfg, rank, world, device)
+        outbox.put(("ready", os.getpid()))
+        version, idle, busy, load_s = -1, 0.0, 0.0, 0.0
+        while True:
+            t0 = time.perf_counter()
+            msg = None
+            while msg is None:
+                try:
+                    msg = inbox.get(timeout=_POLL_S)
+                except queue_mod.Empty:
+                    if parent is not None and not parent.is_alive():
+                        return  # the trainer is gone: nobody will read what we make
+            t1 = time.perf_counter()
+            idle += t1 - t0
+            kind = msg[0]
+            if kind == "stop":
+                return
+            if kind == "weights":
+                version = int(msg[1])
+                producer.load_weights(unpack_tensors(msg[2]))
+                load_s += time.perf_counter() - t1
+            elif kind == "state":
+                producer.load_state_dict(msg[1])
+            elif kind == "produce":
+                _, step, seed, rng = msg
+                if rng is not None:
+                    set_rng_state(rng)
+                if seed is not None:
+                    seed_everything(seed)
+                payload, metrics = producer.produce(step)
+                plain = to_plain(payload)
+                busy += time.perf_counter() - t1
+                state = {"producer": producer.state_dict(), "rng": get_rng_state() if rng is not None else None}
+                info = {"version": version, "idle_s": idle, "busy_s": busy, "weight_load_s": load_s,
+                        "metrics": dict(metrics)}
+                outbox.put(("batch", int(step), plain, state, info))
+                idle = busy = load_s = 0.0
+                continue
+            else:
+                raise ValueError(f"rollout process: unknown message {kind!r}")
+            busy += time.perf_counter() - t1
+    except BaseException as exc:  # noqa: BLE001 - reported to the trainer, which raises it
+        try:
+            outbox.put(("error", _picklable(exc), traceback.format_exc()))
+        except Exception:  # noqa: BLE001 - the queue is gone too
+            pass
+        raise SystemExit(1) from None
+
+
+def _shutdown(proc: Any, inbox: Any) -> None:
+    """Stop the rollout process (finalizer: also when the trainer fails between steps)."""
+    try:
+        if proc.is_alive():
+            inbox.put(("stop",))
+            proc.join(timeout=10)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=5)
+    except Exception:  # noqa: BLE001 - interpreter shutdown
+        pass
+
+
+class AsyncRollout:
+    """The trainer's side of one rollout process (module docstring).
+
+    Args:
+        builder: "module:Class" of the producer, built in the new process as ``Class(cfg, rank, world, device)``.
+        cfg: the run's config (pickled to the process).
+        max_staleness: k; see the module docstring.
+        last_step: train.max_steps (no weights are pushed after it).
+        seed: the run's seed (k > 0: per-step rollout seeds).
+        rank, world: this trainer's rank and the number of trainer ranks (the producer generates its share).
+        threads: torch threads of the rollout process (0 = torch's default there).
+        device: the trainer's device: the producer's too, and where `next` puts the payload's tensors (None: CPU).
+        mirror: trainer-side objects kept equal to the producer's state of the same name after every batch
+            received (e.g. {"data": data}): what the trainer's checkpoint saves of the data position.
+    """
+
+    def __init__(self, builder: str, cfg: Any, *, max_staleness: int, last_step: int, seed: int, rank: int = 0,
+                 world: int = 1, threads: int = 0, device: torch.device | str | None = None,
+                 mirror: dict[str, Any] | None = None):
+        if max_staleness < 0:
+            raise ValueError(f"rollout.max_staleness: expected >= 0 (0 = synchronous), got {max_staleness}")
+        import torch.multiprocessing as tmp
+
+        self.k, self.last_step, self.seed, self.rank, self.world = int(max_staleness), int(last_step), int(seed), \
+            int(rank), int(world)
+        self.device, self.mirror = device, dict(mirror or {})
+        ctx = tmp.get_context("spawn")
+        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=_worker_main, args=(builder, cfg, self.rank, self.world, str(device or "cpu"),
+                                                            int(threads), self.inbox, self.outbox),
+                                daemon=True, name=f"mmrl-rollout-{self.rank}")
+        self.proc.start()
+        self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.inbox)
+        self.ready: dict[int, tuple] = {}  # step -> (plain payload, state, info), finished and not yet consumed
+        self.submitted = 0  # newest step whose ticket was sent (or whose batch was restored)
+        self.consumed = 0  # newest step whose batch the trainer took
+        self.version: int | None = None  # newest version pushed
+        self._gathered: list | None = None
+        self._last_return: float | None = None
+
+    # ---------------------------------------------------------------- messages
+    def _send(self, *msg: Any) -> None:
+        self.inbox.put(msg)
+
+    def _receive(self, waiting_for: str) -> None:
+        """Block until one message arrives from the rollout process and file it; raise if the process failed."""
+        while True:
+            try:
+                msg = self.outbox.get(timeout=_POLL_S)
+                break
+            except queue_mod.Empty:
+                if not self.proc.is_alive():
+                    try:  # its last words may have arrived just now
+                        msg = self.outbox.get(timeout=_POLL_S)
+                        break
+                    except queue_mod.Empty:
+                        raise RolloutProcessError(
+                            f"rollout process {self.proc.pid} (rank {self.rank}) exited with code "
+                            f"{self.proc.exitcode} while the trainer waited for {waiting_for}; its output is above"
+                        ) from None
+        self._file(msg, waiting_for)
+
+    def _file(self, msg: tuple, waiting_for: str) -> None:
+        kind = msg[0]
+        if kind == "error":
+            exc, tb = msg[1], msg[2]
+            self.close()
+            print(f"[rollout process, rank {self.rank}] {tb.rstrip()}", file=sys.stderr, flush=True)
+            raise exc
+        if kind == "batch":
+            _, step, plain, state, info = msg
+            self.ready[step] = (plain, state, info)
+            for name, obj in self.mirror.items():  # the data position after the newest batch made
+                obj.load_state_dict(state["producer"][name])
+        # "ready": the producer is built (nothing to do)
+
+    def _drain_nowait(self) -> None:
+        while True:
+            try:
+                msg = self.outbox.get_nowait()
+            except queue_mod.Empty:
+                return
+            self._file(msg, "finished batches")
+
+    def _submit(self, upto: int) -> None:
+        """Send the tickets up to step `upto`. k = 0: with the trainer's RNG state (the synchronous loop's random
+        stream); k > 0: with a seed of (seed, rank, step)."""
+        while self.submitted < upto:
+            t = self.submitted + 1
+            if self.k == 0:
+                self._send("produce", t, None, get_rng_state())
+            else:
+                self._send("produce", t, rank_seed(self.seed, ASYNC_SEED_RANK + self.rank, t), None)
+            self.submitted = t
+
+    # ---------------------------------------------------------------- the trainer's calls
+    def start(self, step: int, weights: dict[str, torch.Tensor], producer_state: dict[str, Any] | None = None
+              ) -> None:
+        """Begin after `step` completed updates (0 = a fresh run): the data position (the `mirror` objects'
+        state_dicts, plus `producer_state`), the weights of version `step`, then the tickets that are due."""
+        state = {name: obj.state_dict() for name, obj in self.mirror.items()}
+        state.update(producer_state or {})
+        self._send("state", state)
+        self.version = self.consumed = int(step)
+        self._send("weights", self.version, pack_tensors(weights))
+        self.submitted = max(self.submitted, self.version)
+
+    def push(self, version: int, weights: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The weights after update `version` (not after the last step: no ticket of this run will use them; a
+        resumed or extended run sends its weights in `start`)."""
+        t0 = time.perf_counter()
+        self.version = int(version)
+        if self.version < self.last_step:
+            self._send("weights", self.version, pack_tensors(weights))
+        return {"time/async/weight_push_s": time.perf_counter() - t0}
+
+    def next(self, step: int) -> tuple[Any, dict[str, float]]:
+        """The batch of `step` (blocks until it is made) and the step's async metrics."""
+        if self.version is None:
+            raise RuntimeError("AsyncRollout.next: call start() first")
+        if self.version != step - 1:
+            raise RuntimeError(f"AsyncRollout.next({step}): the weights of version {step - 1} were not pushed (newest: "
+                               f"{self.version})")
+        self._submit(step + self.k)  # ticket t is sent when the trainer asks for batch t-k: version t-1-k is pushed
+        self._drain_nowait()
+        queue_length = sum(1 for s in self.ready if s >= step)
+        t0 = time.perf_counter()
+        while step not in self.ready:
+            if self.submitted < step:
+                raise RuntimeError(f"AsyncRollout.next({step}): no batch was requested for this step (newest "
+                                   f"ticket {self.submitted}); steps must be consumed in order")
+            self._receive(f"the batch of step {step}")
+        wait = time.perf_counter() - t0
+        plain, state, info = self.ready.pop(step)
+        self.consumed = step
+        if state["rng"] is not None:  # k = 0: continue the random stream where the rollout left it
+            set_rng_state(state["rng"])
+        now = time.perf_counter()
+        cycle = now - self._last_return if self._last_return is not None else None
+        self._last_return = now
+        staleness = float(self.version - info["version"])
+        metrics: dict[str, float] = {
+            "rollout/staleness/mean": staleness, "rollout/staleness/max": staleness,
+            "rollout/policy_version": float(info["version"]),
+            "time/async/wait_s": wait, "time/async/queue_length": float(queue_length),
+            "time/async/weight_load_s": info["weight_load_s"],
+        }
+        if cycle:
+            metrics["time/async/trainer_idle_ratio"] = min(1.0, wait / cycle)
+        span = info["idle_s"] + info["busy_s"]
+        if span > 0:
+            metrics["time/async/rollout_idle_ratio"] = info["idle_s"] / span
+        metrics.update(info["metrics"])
+        return from_plain(plain, self.device), metrics
+
+    # ---------------------------------------------------------------- checkpoints
+    def _finish_submitted(self) -> None:
+        while any(s not in self.ready for s in range(self.consumed + 1, self.submitted + 1)):
+            self._receive("in-flight batches before a checkpoint")
+
+    def _local_state(self) -> dict:
+        self._finish_submitted()
+        return {"submitted": self.submitted, "ready": {int(s): v for s, v in sorted(self.ready.items())}}
+
+    def gather_for_checkpoint(self, ctx: Any) -> None:
+        """Every rank, before a checkpoint (a collective under several processes): wait for the in-flight batches
+        and collect every rank's on rank 0, whose `state_dict` then returns them all."""
+        local = self._local_state()
+        self._gathered = ctx.all_gather_object(local) if ctx.enabled else [local]
+
+    def state_dict(self) -> dict:
+        """{"max_staleness", "ranks": [per rank: {"submitted", "ready": {step: (payload, state, info)}}]}."""
+        ranks = self._gathered if self._gathered is not None else [self._local_state()]
+        self._gathered = None
+        return {"max_staleness": self.k, "ranks": ranks}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take this rank's saved in-flight batches (call before `start`)."""
+        ranks = state["ranks"]
+        pending = sum(len(r["ready"]) for r in ranks)
+        if pending and len(ranks) != self.world:
+            raise ValueError(f"checkpoint holds in-flight rollout batches of {len(ranks)} trainer process(es); resume "
+                             f"with the same number of processes ({len(ranks)}), not {self.world}")
+        mine = ranks[self.rank] if self.rank < len(ranks) else {"submitted": 0, "ready": {}}
+        self.ready = {int(s): tuple(v) for s, v in mine["ready"].items()}
+        self.submitted = int(mine["submitted"]) if self.ready else 0
+
+    def close(self) -> None:
+        """Stop the rollout process (idempotent)."""
+        self._finalizer()
+
+
+@torch.no_grad()
+def load_policy_weights(states: Any, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy pushed "default"-state tensors (`policy_weights` keys) into `states` (a producer's own PolicyStates);
+    a key it does not have is an error naming it (the trainer and the producer must build the same policy)."""
+    live = states.state_tensors("default")
+    missing = [k for k in tensors if k not in live]
+    if missing:
+        raise KeyError(f"rollout process: the trainer sent weights its policy does not have: {missing[:3]} "
+                       f"({len(missing)} of {len(tensors)}); both must be built from the same model config")
+    for k, t in tensors.items():
+        live[k].copy_(t)

@@ -1,0 +1,136 @@
+"""Payloads of the rollout process, in transit and in checkpoints: plain state and packed weights.
+
+- `to_plain(obj)` / `from_plain(obj)`: a rollout batch (dataclasses and dict subclasses of mmrl, PIL images, numpy
+  arrays, tensors, containers) as tensors, numbers, strings and containers only, which is what a checkpoint loads
+  with ``weights_only=True`` (`mmrl.checkpoint_files.load_state_file`) and what crosses processes through
+  torch.multiprocessing queues (tensors in shared memory). Only classes of mmrl modules are rebuilt: a foreign
+  checkpoint cannot make this process import anything else.
+- `pack_tensors(named)` / `unpack_tensors(packed)`: named weights as one flat buffer per dtype (one shared-memory
+  segment each), and back as views.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["to_plain", "from_plain", "pack_tensors", "unpack_tensors"]
+
+
+def pack_tensors(named: dict[str, torch.Tensor]) -> dict:
+    """Copy `named` into one flat CPU buffer per dtype (one shared-memory segment each when sent through a
+    torch.multiprocessing queue): {"names", "shapes", "dtypes", "flat": {dtype name: 1-D tensor}}."""
+    groups: dict[str, list[torch.Tensor]] = {}
+    names, shapes, dtypes = [], [], []
+    for name, t in named.items():
+        t = t.detach()
+        key = str(t.dtype).replace("torch.", "")
+        groups.setdefault(key, []).append(t.reshape(-1).cpu())
+        names.append(name), shapes.append(list(t.shape)), dtypes.append(key)
+    flat = {k: torch.cat(v) if len(v) > 1 else v[0].clone() for k, v in groups.items()}
+    return {"names": names, "shapes": shapes, "dtypes": dtypes, "flat": flat}
+
+
+def unpack_tensors(packed: dict) -> dict[str, torch.Tensor]:
+    """The inverse of `pack_tensors`: {name: view into the flat buffer}."""
+    offsets = {k: 0 for k in packed["flat"]}
+    out = {}
+    for name, shape, key in zip(packed["names"], packed["shapes"], packed["dtypes"]):
+        n = int(np.prod(shape)) if shape else 1
+        out[name] = packed["flat"][key][offsets[key]:offsets[key] + n].view(shape)
+        offsets[key] += n
+    return out
+
+
+# ------------------------------------------------------------------------------------------ payloads as plain state
+
+_DATACLASS, _DICT, _IMAGE, _ARRAY = "__mmrl_dataclass__", "__mmrl_dict__", "__mmrl_pil__", "__mmrl_ndarray__"
+
+
+def _class_name(obj: Any) -> str:
+    return f"{type(obj).__module__}:{type(obj).__qualname__}"
+
+
+def _resolve(name: str) -> type:
+    """An mmrl class named by `_class_name` (only classes of mmrl modules: a checkpoint never imports others)."""
+    module, _, qual = name.partition(":")
+    if not (module == "mmrl" or module.startswith("mmrl.")):
+        raise ValueError(f"rollout payload: refusing to rebuild {name!r} (only mmrl classes)")
+    obj: Any = importlib.import_module(module)
+    for part in qual.split("."):
+        obj = getattr(obj, part)
+    if not isinstance(obj, type):
+        raise ValueError(f"rollout payload: {name!r} is not a class")
+    return obj
+
+
+def to_plain(obj: Any) -> Any:
+    """`obj` as tensors (CPU), numbers, strings and containers only: what a checkpoint loads with
+    ``weights_only=True`` and what crosses processes cheaply. Dataclasses and dict subclasses of mmrl, PIL images
+    and numpy arrays are marked and rebuilt by `from_plain`; anything else is a TypeError naming its type."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, (np.integer, np.floating, np.bool_)):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return {_ARRAY: torch.from_numpy(np.ascontiguousarray(obj))}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {_DATACLASS: _class_name(obj),
+                "fields": {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
+    if isinstance(obj, dict):
+        bad = [k for k in obj if not isinstance(k, (str, int))]
+        if bad:
+            raise TypeError(f"rollout payload: dict keys must be str or int, got {type(bad[0]).__name__}")
+        items = {k: to_plain(v) for k, v in obj.items()}
+        return items if type(obj) is dict else {_DICT: _class_name(obj), "items": items}
+    if isinstance(obj, list):
+        return [to_plain(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(to_plain(v) for v in obj)
+    try:
+        from PIL import Image
+    except ImportError:  # pragma: no cover - pillow is a dependency
+        Image = None
+    if Image is not None and isinstance(obj, Image.Image):
+        return {_IMAGE: torch.from_numpy(np.array(obj)), "mode": obj.mode}
+    raise TypeError(f"rollout payload: cannot send or checkpoint a {type(obj).__module__}.{type(obj).__qualname__} "
+                    f"(use tensors, numbers, strings, lists, dicts, PIL images or mmrl dataclasses)")
+
+
+def from_plain(obj: Any, device: torch.device | str | None = None) -> Any:
+    """Rebuild what `to_plain` wrote; tensors moved to `device` (None: left on the CPU)."""
+    if isinstance(obj, torch.Tensor):
+        return obj if device is None else obj.to(device)
+    if isinstance(obj, list):
+        return [from_plain(v, device) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(from_plain(v, device) for v in obj)
+    if not isinstance(obj, dict):
+        return obj
+    if _DATACLASS in obj:
+        cls = _resolve(obj[_DATACLASS])
+        if not dataclasses.is_dataclass(cls):
+            raise ValueError(f"rollout payload: {obj[_DATACLASS]!r} is not a dataclass")
+        inst = cls.__new__(cls)  # fields set as they were: no __init__ / __post_init__ side effects
+        for k, v in obj["fields"].items():
+            object.__setattr__(inst, k, from_plain(v, device))
+        return inst
+    if _DICT in obj:
+        cls = _resolve(obj[_DICT])
+        if not issubclass(cls, dict):
+            raise ValueError(f"rollout payload: {obj[_DICT]!r} is not a dict class")
+        return cls({k: from_plain(v, device) for k, v in obj["items"].items()})
+    if _IMAGE in obj:
+        from PIL import Image
+
+        return Image.fromarray(obj[_IMAGE].numpy(), mode=obj["mode"]) if obj["mode"] else \
+            Image.fromarray(obj[_IMAGE].numpy())
+    if _ARRAY in obj:
+        return obj[_ARRAY].numpy()
+    return {k: from_plain(v, device) for k, v in obj.items()}
