@@ -42,15 +42,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import torch
-
 from mmrl.config import RunConfig
 from mmrl.core.prompt_stats import PerPromptStatTracker
 from mmrl.diffusion import config as dc
-from mmrl.distributed import DistConfig, rank_seed
+from mmrl.distributed import DistConfig
 from mmrl.runtime import Timer, seed_everything
 from mmrl.training import KLConfig, RunningNormFields, UpdateConfig
-from mmrl.training.config import RolloutCorrectionConfig
+from mmrl.training.config import AsyncRolloutFields, RolloutCorrectionConfig
 
 __all__ = ["Config", "train", "RENAMED_KEYS"]
 
@@ -70,7 +68,7 @@ RENAMED_KEYS = {
 
 
 @dataclass
-class RolloutConfig(dc.RolloutConfig):
+class RolloutConfig(AsyncRolloutFields, dc.RolloutConfig):  # + worker, max_staleness, worker_threads
     noise_level: float = 0.7
     """SDE noise level a (std_t = a * sqrt(sigma / (1 - sigma))); for cps the angle fraction."""
     sde_type: Literal["sde", "cps"] = "sde"
@@ -184,21 +182,18 @@ class Config(RunConfig):
 # ------------------------------------------------------------------------------------------ training
 
 
-# the SDE-window position must be the same on every rank (same trained steps -> same micro-step count); it is
-# drawn from a generator seeded by (seed, step) and this rank id, which no real process has
-_WINDOW_RANK = 1_000_002
-
-
 def train(cfg: Config) -> dict:
     from mmrl.diffusion.common import NoSamples, end_step, evaluate_ode, setup_training
     from mmrl.diffusion.grpo_update import train_on_rollout
     from mmrl.diffusion.models import PromptEmbedCache, load_flow_model
-    from mmrl.diffusion.sampling import sample_groups
-    from mmrl.diffusion.scoring import AsyncRewardScorer, global_advantages, load_reward_fn, score_rollout
+    from mmrl.diffusion.rollout_worker import BUILDER, rollout_and_score, window_generator
+    from mmrl.diffusion.scoring import AsyncRewardScorer, global_advantages, load_reward_fn, reduce_reward_metrics
     from mmrl.pipelines.data import PromptSampler, load_prompts
     from mmrl.training import FullOptimizerState, restore_checkpoint, start_run
+    from mmrl.training.async_rollout import check_async_rollout, policy_weights, rollout_process
 
     dc.check_common(cfg)
+    check_async_rollout(cfg)
     s, a = cfg.rollout, cfg.algo
     cfg.update.updates_per_epoch(s.batch)  # update.mini_batch_size must divide the batch: fail before loading
     ctx, run = start_run(cfg, {"rollout.prompts_per_step": s.prompts_per_step})
@@ -218,38 +213,29 @@ def train(cfg: Config) -> dict:
     stateful = {"optimizer": FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,
                 "tracker": tracker, "data": sampler, "transformer_evals": evals}
     reward_norm = cfg.reward.build_running_norm(stateful)  # updated with the gathered rewards: same on every rank
+    pipe = rollout_process(cfg, ctx, run, BUILDER, stateful)  # rollout.worker=process: None inline
     start, _ = restore_checkpoint(ctx, run, states, stateful)
+    if pipe is not None:  # the rollout process starts from this version's weights and data position
+        pipe.start(start, policy_weights(states))
 
-    rollout_kw = dict(num_steps=s.num_steps, height=s.height, width=s.width, guidance_scale=s.guidance_scale,
-                      noise_level=s.noise_level, sde_type=s.sde_type, window_size=s.window_size,
-                      window_range=tuple(s.window_range) if s.window_range else None,
-                      timestep_fraction=s.timestep_fraction, same_noise=s.same_noise,
-                      batch_size=s.micro_batch_size or None,
-                      autocast_dtype=torch.bfloat16 if s.precision == "bf16" else None)
     timer = Timer(sync_cuda=run.device.type == "cuda")
     bar = run.progress(cfg.train.max_steps, initial=start)
     for step in range(start + 1, cfg.train.max_steps + 1):
         metrics: dict[str, Any] = {}
-        window_gen = None
         if ctx.enabled:  # rank-local noise, a pure function of (seed, rank, step): nothing per rank to checkpoint
             seed_everything(ctx.rank_seed(cfg.seed, step))
-            window_gen = torch.Generator().manual_seed(rank_seed(cfg.seed, _WINDOW_RANK, step))
         with timer("step"):
-            # ---- 1. rollout: G samples per prompt, prompts encoded once (this rank's share of the prompts)
-            with timer("rollout"):
-                items = ctx.shard(sampler.next(s.prompts_per_step))
-                embeds = encode([it.prompt for it in items])
-                rows = [i for i in range(len(items)) for _ in range(s.group_size)]  # sample -> prompt (traj order)
-                prompts, metadata = [items[i].prompt for i in rows], [items[i].metadata for i in rows]
-                on_images = (lambda lo, hi, im: scorer.submit(im, prompts[lo:hi], metadata[lo:hi])) if scorer else None
-                traj = sample_groups(model, embeds, s.group_size, window_generator=window_gen, on_images=on_images,
-                                     **rollout_kw)
-
-            # ---- 2. rewards (weighted sum; each component logged; several ranks: means over all samples)
-            with timer("reward"):
-                scores, reward_metrics = score_rollout(ctx, reward_fn, traj.images, prompts, metadata,
-                                                       cfg.reward.on_nonfinite, out=scorer.output() if scorer else None)
-            metrics.update(reward_metrics)
+            # ---- 1./2. rollout: G samples per prompt, prompts encoded once (this rank's share of the prompts), and
+            # rewards (weighted sum; each component logged; several ranks: means over all samples)
+            if pipe is None:
+                roll = rollout_and_score(cfg, model, encode, sampler, ctx, reward_fn, scorer, timer,
+                                         window_generator(cfg, ctx.world_size, step))
+            else:  # made by the rollout process with the weights after update step-1-max_staleness
+                roll, async_metrics = pipe.next(step)
+                metrics.update(async_metrics)
+                evals.count += roll.transformer_evals
+            traj, prompts, scores = roll.traj, roll.prompts, roll.scores
+            metrics.update(reduce_reward_metrics(ctx, roll.reward_metrics))
 
             # ---- 3. advantages: per-prompt normalisation over all ranks' rewards, clipping, drop zero advantages
             adv, keep, adv_metrics = global_advantages(ctx, tracker, prompts, scores, a.adv_clip_max,
@@ -261,6 +247,8 @@ def train(cfg: Config) -> dict:
                 metrics.update(train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, params,
                                                 timer, ctx, guard=guard, step=step))
                 metrics.update(guard.pop_metrics())
+            if pipe is not None:  # version `step`: the rollout process makes later batches with these weights
+                metrics.update(pipe.push(step, policy_weights(states, only=params)))
 
         # ---- logging, samples, evaluation, checkpoints (rank 0)
         metrics["policy/lr"] = optimizer.param_groups[0]["lr"]
@@ -281,6 +269,8 @@ def train(cfg: Config) -> dict:
     bar.close()
     if scorer is not None:
         scorer.close()
+    if pipe is not None:
+        pipe.close()
     summary = _summarise(run) if ctx.is_main else {}
     ctx.barrier()
     ctx.close()

@@ -16,7 +16,8 @@ from mmrl.training import NONFINITE_KEY, finite_stats, group_keep
 
 Tensor = torch.Tensor
 
-__all__ = ["load_reward_fn", "score_images", "score_rollout", "global_advantages", "AsyncRewardScorer"]
+__all__ = ["load_reward_fn", "score_images", "score_rollout", "reduce_reward_metrics", "global_advantages",
+           "AsyncRewardScorer"]
 
 
 def load_reward_fn(components: dict[str, Any], device: Any):
@@ -96,10 +97,16 @@ def score_rollout(ctx: Any, reward_fn: Any, images: Tensor, prompts: list[str], 
     `AsyncRewardScorer`); several ranks (equal sample counts): every metric is the mean of the ranks' means (the
     batch mean), `reward/nonfinite_samples` the sum."""
     scores, metrics = score_images(reward_fn, images, prompts, metadata, on_nonfinite=on_nonfinite, out=out)
-    if ctx.enabled:
-        metrics = {k: int(ctx.all_reduce_sum(v)) if k == NONFINITE_KEY else float(ctx.all_reduce_mean(v))
-                   for k, v in metrics.items()}
-    return scores, metrics
+    return scores, reduce_reward_metrics(ctx, metrics)
+
+
+def reduce_reward_metrics(ctx: Any, metrics: dict[str, float]) -> dict[str, float]:
+    """This rank's `score_images` metrics -> the batch's (equal sample counts per rank): every metric the mean of
+    the ranks' means, `reward/nonfinite_samples` the sum. One process: unchanged."""
+    if not ctx.enabled:
+        return metrics
+    return {k: int(ctx.all_reduce_sum(v)) if k == NONFINITE_KEY else float(ctx.all_reduce_mean(v))
+            for k, v in metrics.items()}
 
 
 def global_advantages(ctx: Any, tracker: Any, prompts: list[str], scores: Tensor, adv_clip_max: float,

@@ -144,8 +144,8 @@ def policy_weights(states: Any, only: Iterable[torch.Tensor] | None = None) -> d
     tensors = states.state_tensors("default")
     if only is None:
         return tensors
-    ids = {id(p) for p in only}
-    return {k: t for k, t in tensors.items() if id(t) in ids}
+    storage = {p.data_ptr() for p in only}  # (full fine-tuning hands out `p.data`: the same storage, another object)
+    return {k: t for k, t in tensors.items() if t.data_ptr() in storage}
 
 
 # ------------------------------------------------------------------------------------------ the rollout process
@@ -169,12 +169,30 @@ def _picklable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
+def _next_message(inbox: Any, parent: Any) -> tuple | None:
+    """The next message for the rollout process; None once the trainer process is gone."""
+    while True:
+        try:
+            return inbox.get(timeout=_POLL_S)
+        except queue_mod.Empty:
+            pass
+        except (OSError, EOFError):  # a message whose shared tensors died with the trainer
+            pass
+        if parent is not None and not parent.is_alive():
+            return None
+
+
 def _worker_main(builder: str, cfg: Any, rank: int, world: int, device: str, threads: int, inbox: Any,
                  outbox: Any) -> None:
-    """The rollout process: build the producer, then serve `inbox` in order until "stop" or the trainer is gone."""
+    """The rollout process: build the producer, then serve `inbox` in order until "stop" or the trainer is gone.
+
+    It never exits on its own while the trainer lives: the tensors of a batch it sent are shared through file
+    descriptors that the trainer fetches from this process when it unpickles the batch, so after an error it sends
+    the error and waits for "stop"."""
     import multiprocessing
 
     parent = multiprocessing.parent_process()
+    outbox.cancel_join_thread()  # exiting never blocks on batches nobody will read
     try:
         if threads > 0:
             torch.set_num_threads(threads)
@@ -183,18 +201,12 @@ def _worker_main(builder: str, cfg: Any, rank: int, world: int, device: str, thr
         version, idle, busy, load_s = -1, 0.0, 0.0, 0.0
         while True:
             t0 = time.perf_counter()
-            msg = None
-            while msg is None:
-                try:
-                    msg = inbox.get(timeout=_POLL_S)
-                except queue_mod.Empty:
-                    if parent is not None and not parent.is_alive():
-                        return  # the trainer is gone: nobody will read what we make
+            msg = _next_message(inbox, parent)
             t1 = time.perf_counter()
             idle += t1 - t0
-            kind = msg[0]
-            if kind == "stop":
+            if msg is None or msg[0] == "stop":
                 return
+            kind = msg[0]
             if kind == "weights":
                 version = int(msg[1])
                 producer.load_weights(unpack_tensors(msg[2]))
@@ -223,17 +235,18 @@ def _worker_main(builder: str, cfg: Any, rank: int, world: int, device: str, thr
         try:
             outbox.put(("error", _picklable(exc), traceback.format_exc()))
         except Exception:  # noqa: BLE001 - the queue is gone too
-            pass
-        raise SystemExit(1) from None
+            return
+        while (msg := _next_message(inbox, parent)) is not None and msg[0] != "stop":
+            pass  # until the trainer has taken what was sent
 
 
 def _shutdown(proc: Any, inbox: Any) -> None:
     """Stop the rollout process (finalizer: also when the trainer fails between steps)."""
     try:
-        if proc.is_alive():
+        if proc.pid is not None and proc.is_alive():
             inbox.put(("stop",))
             proc.join(timeout=10)
-        if proc.is_alive():
+        if proc.pid is not None and proc.is_alive():
             proc.terminate()
             proc.join(timeout=5)
     except Exception:  # noqa: BLE001 - interpreter shutdown
@@ -271,7 +284,6 @@ class AsyncRollout:
         self.proc = ctx.Process(target=_worker_main, args=(builder, cfg, self.rank, self.world, str(device or "cpu"),
                                                             int(threads), self.inbox, self.outbox),
                                 daemon=True, name=f"mmrl-rollout-{self.rank}")
-        self.proc.start()
         self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.inbox)
         self.ready: dict[int, tuple] = {}  # step -> (plain payload, state, info), finished and not yet consumed
         self.submitted = 0  # newest step whose ticket was sent (or whose batch was restored)
@@ -284,22 +296,26 @@ class AsyncRollout:
     def _send(self, *msg: Any) -> None:
         self.inbox.put(msg)
 
+    def _get(self, timeout: float, waiting_for: str) -> tuple | None:
+        """One message from the rollout process (None after `timeout`); a RolloutProcessError once it is dead."""
+        try:
+            return self.outbox.get(timeout=timeout)
+        except queue_mod.Empty:
+            if self.proc.is_alive():
+                return None
+        except (OSError, EOFError):  # a batch whose shared tensors died with the process
+            if self.proc.is_alive():
+                raise
+        self.close()
+        raise RolloutProcessError(f"rollout process {self.proc.pid} (rank {self.rank}) exited with code "
+                                  f"{self.proc.exitcode} while the trainer waited for {waiting_for}; its output is "
+                                  f"above") from None
+
     def _receive(self, waiting_for: str) -> None:
         """Block until one message arrives from the rollout process and file it; raise if the process failed."""
-        while True:
-            try:
-                msg = self.outbox.get(timeout=_POLL_S)
-                break
-            except queue_mod.Empty:
-                if not self.proc.is_alive():
-                    try:  # its last words may have arrived just now
-                        msg = self.outbox.get(timeout=_POLL_S)
-                        break
-                    except queue_mod.Empty:
-                        raise RolloutProcessError(
-                            f"rollout process {self.proc.pid} (rank {self.rank}) exited with code "
-                            f"{self.proc.exitcode} while the trainer waited for {waiting_for}; its output is above"
-                        ) from None
+        msg = None
+        while msg is None:
+            msg = self._get(_POLL_S, waiting_for)
         self._file(msg, waiting_for)
 
     def _file(self, msg: tuple, waiting_for: str) -> None:
@@ -317,11 +333,7 @@ class AsyncRollout:
         # "ready": the producer is built (nothing to do)
 
     def _drain_nowait(self) -> None:
-        while True:
-            try:
-                msg = self.outbox.get_nowait()
-            except queue_mod.Empty:
-                return
+        while (msg := self._get(0.0, "finished batches")) is not None:
             self._file(msg, "finished batches")
 
     def _submit(self, upto: int) -> None:
@@ -342,6 +354,7 @@ class AsyncRollout:
         state_dicts, plus `producer_state`), the weights of version `step`, then the tickets that are due."""
         state = {name: obj.state_dict() for name, obj in self.mirror.items()}
         state.update(producer_state or {})
+        self.proc.start()  # (torch.multiprocessing spawn: a script that trains needs `if __name__ == "__main__":`)
         self._send("state", state)
         self.version = self.consumed = int(step)
         self._send("weights", self.version, pack_tensors(weights))

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from typing import Any
 
@@ -55,14 +56,18 @@ def _class_name(obj: Any) -> str:
     return f"{type(obj).__module__}:{type(obj).__qualname__}"
 
 
+@functools.lru_cache(maxsize=None)
 def _resolve(name: str) -> type:
     """An mmrl class named by `_class_name` (only classes of mmrl modules: a checkpoint never imports others)."""
     module, _, qual = name.partition(":")
     if not (module == "mmrl" or module.startswith("mmrl.")):
         raise ValueError(f"rollout payload: refusing to rebuild {name!r} (only mmrl classes)")
-    obj: Any = importlib.import_module(module)
-    for part in qual.split("."):
-        obj = getattr(obj, part)
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in qual.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError):
+        raise ValueError(f"rollout payload: class {name!r} cannot be found by name") from None
     if not isinstance(obj, type):
         raise ValueError(f"rollout payload: {name!r} is not a class")
     return obj
@@ -81,6 +86,7 @@ def to_plain(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
         return {_ARRAY: torch.from_numpy(np.ascontiguousarray(obj))}
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        _resolve(_class_name(obj))  # only mmrl classes can be rebuilt: refuse the others before they travel
         return {_DATACLASS: _class_name(obj),
                 "fields": {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
     if isinstance(obj, dict):
@@ -88,7 +94,10 @@ def to_plain(obj: Any) -> Any:
         if bad:
             raise TypeError(f"rollout payload: dict keys must be str or int, got {type(bad[0]).__name__}")
         items = {k: to_plain(v) for k, v in obj.items()}
-        return items if type(obj) is dict else {_DICT: _class_name(obj), "items": items}
+        if type(obj) is dict:
+            return items
+        _resolve(_class_name(obj))
+        return {_DICT: _class_name(obj), "items": items}
     if isinstance(obj, list):
         return [to_plain(v) for v in obj]
     if isinstance(obj, tuple):

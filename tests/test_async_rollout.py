@@ -1,0 +1,265 @@
+"""Rollouts in their own process (`rollout.worker: process`, mmrl.training.async_rollout).
+
+Pure parts by hand: the payload codec (plain state that `weights_only=True` loads, every mmrl class rebuilt, nothing
+else imported), packed weights, the config checks. End to end on the tiny models (a real spawned rollout process
+each): `max_staleness: 0` gives the synchronous run's metrics exactly (vlm_grpo and flow_grpo); with
+`max_staleness: k > 0` every batch is generated with the weights of update step-1-k (staleness min(k, step-1)) and a
+run stopped at a checkpoint resumes exactly (in-flight batches saved); a failing rollout process stops the trainer
+with its error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mmrl.config import ConfigError, load_config
+from mmrl.testing import metrics_rows, without_time
+from mmrl.training.payloads import from_plain, pack_tensors, to_plain, unpack_tensors
+
+REPO = Path(__file__).resolve().parents[1]
+ASYNC_KEYS = ("rollout/staleness/", "rollout/policy_version")  # only a run with a rollout process logs them
+
+
+def _sync_part(row: dict) -> dict:
+    return {k: v for k, v in without_time(row).items() if not k.startswith(ASYNC_KEYS)}
+
+
+# ------------------------------------------------------------------ pure parts
+
+
+def test_plain_payload_roundtrip_through_a_weights_only_checkpoint(tmp_path):
+    from mmrl.diffusion.models.base import PromptEmbeds
+    from mmrl.pipelines.data import VQAItem
+    from mmrl.vlm.rollout import RolloutResult
+
+    img = Image.fromarray(np.arange(4 * 5 * 3, dtype=np.uint8).reshape(4, 5, 3), mode="RGB")
+    res = RolloutResult(request_index=1, sample_index=0, prompt_ids=[5, 6], response_ids=[7], response_logprobs=[-0.5],
+                        sampling_logprobs=None, finish_reason="stop", stop_reason=7, text="red",
+                        mm={"pixel_values": torch.randn(4, 6)}, metadata={"answer": "red", "choices": ["red", "blue"]})
+    payload = {"results": [res], "items": [VQAItem("q <image>", [img], "red", {"kind": "color"})],
+               "embeds": PromptEmbeds({"prompt_embeds": torch.ones(2, 3)}), "scores": torch.tensor([1.0, 0.0]),
+               "pair": (1, "a"), "array": np.array([1.5, 2.5]), "n": np.int64(3)}
+    plain = to_plain(payload)
+    path = tmp_path / "state.pt"
+    torch.save({"payload": plain}, path)
+    from mmrl.checkpoint_files import load_state_file
+
+    back = from_plain(load_state_file(path)["payload"])  # weights_only=True: plain state only
+    r = back["results"][0]
+    assert type(r) is RolloutResult and r.response_ids == [7] and r.stop_reason == 7 and r.sampling_logprobs is None
+    assert torch.equal(r.mm["pixel_values"], res.mm["pixel_values"]) and r.metadata == res.metadata
+    item = back["items"][0]
+    assert type(item) is VQAItem and item.images[0].mode == "RGB"
+    assert np.array_equal(np.array(item.images[0]), np.array(img))
+    assert type(back["embeds"]) is PromptEmbeds and len(back["embeds"]) == 2
+    assert back["pair"] == (1, "a") and back["n"] == 3 and back["array"].tolist() == [1.5, 2.5]
+
+
+def test_plain_payload_refuses_foreign_types_and_classes():
+    @dataclasses.dataclass
+    class Foreign:  # defined outside mmrl: may be sent nowhere
+        x: int = 1
+
+    with pytest.raises(TypeError, match="cannot send or checkpoint a .*BytesIO"):
+        to_plain({"f": io.BytesIO()})
+    with pytest.raises(ValueError, match="refusing to rebuild .*Foreign.*only mmrl classes"):
+        to_plain(Foreign())
+    with pytest.raises(ValueError, match="refusing to rebuild 'os:system'"):
+        from_plain({"__mmrl_dataclass__": "os:system", "fields": {}})
+
+
+def test_packed_weights_are_one_buffer_per_dtype_and_exact():
+    named = {"a": torch.randn(3, 4), "b": torch.arange(5, dtype=torch.int64), "c": torch.randn(2),
+             "d": torch.randn(()), "e": torch.randn(2, 2).to(torch.bfloat16)}
+    packed = pack_tensors(named)
+    assert sorted(packed["flat"]) == ["bfloat16", "float32", "int64"]
+    assert packed["flat"]["float32"].numel() == 12 + 2 + 1
+    back = unpack_tensors(packed)
+    assert list(back) == list(named)
+    for k in named:
+        assert back[k].dtype == named[k].dtype and torch.equal(back[k], named[k])
+    named["a"].add_(1.0)  # the packed copy does not follow later updates
+    assert not torch.equal(back["a"], named["a"])
+
+
+@pytest.mark.parametrize("override, match", [
+    ("rollout.max_staleness=-1", r"rollout.max_staleness: expected >= 0 \(0 = synchronous\), got -1"),
+    ("rollout.max_staleness=2", r"rollout.max_staleness=2 needs rollout.worker=process"),
+    ("rollout.worker=thread", r"rollout.worker"),
+    ("rollout.worker_threads=-1", r"rollout.worker_threads: expected >= 0"),
+])
+def test_bad_async_settings_fail_when_the_config_loads(override, match):
+    for cfg_file in ("configs/vlm/grpo_tiny_shapes.yaml", "configs/diffusion/flow_grpo_tiny.yaml"):
+        with pytest.raises((ValueError, ConfigError), match=match):
+            load_config(str(REPO / cfg_file), [override])
+
+
+def test_incompatible_combinations_are_refused_in_one_line(monkeypatch):
+    from mmrl.training.async_rollout import check_async_rollout
+
+    cfg = load_config(str(REPO / "configs/vlm/grpo_tiny_shapes.yaml"), ["rollout.worker=process", "dist.strategy=fsdp"])
+    with pytest.raises(ValueError, match="rollout.worker=process with dist.strategy=fsdp is not supported"):
+        check_async_rollout(cfg)
+    cfg = load_config(str(REPO / "configs/vlm/grpo_tiny_shapes.yaml"),
+                      ["rollout.worker=process", "dist.strategy=ddp", "algo.dynamic_sampling=true"])
+    check_async_rollout(cfg, multi_process=False)  # one process: fine
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="several processes and algo.dynamic_sampling=true is not supported"):
+        check_async_rollout(cfg)
+
+
+# ------------------------------------------------------------------ the schedule, with a model-free producer
+
+
+class CountingProducer:
+    """A producer without models (built in the spawned process by name): a batch records its step, the weight it
+    was made with, the data position and one random draw; `cfg` = {"fail_at": step, "exit_at": step}."""
+
+    def __init__(self, cfg, rank, world, device):
+        self.cfg, self.rank, self.w, self.position = dict(cfg), rank, None, 0
+
+    def load_weights(self, tensors):
+        self.w = float(tensors["w"])
+
+    def state_dict(self):
+        return {"data": {"position": self.position}}
+
+    def load_state_dict(self, state):
+        self.position = state["data"]["position"]
+
+    def produce(self, step):
+        if step == self.cfg.get("fail_at"):
+            raise ValueError(f"reward.components: broken at step {step}")
+        if step == self.cfg.get("exit_at"):
+            import os
+
+            os._exit(3)
+        self.position += 1
+        return {"step": step, "w": self.w, "position": self.position, "draw": torch.rand(())}, {"time/rollout_s": 0.0}
+
+
+class Position:
+    def __init__(self):
+        self.sd = {"position": 0}
+
+    def state_dict(self):
+        return dict(self.sd)
+
+    def load_state_dict(self, sd):
+        self.sd = dict(sd)
+
+
+def _pipe(k, cfg=None, last_step=10, mirror=None):
+    from mmrl.training.async_rollout import AsyncRollout
+
+    return AsyncRollout(f"{__name__}:CountingProducer", cfg or {}, max_staleness=k, last_step=last_step, seed=5,
+                        mirror={"data": mirror or Position()})
+
+
+def _run(pipe, start, stop, state=None):
+    """Steps start+1..stop: the weight of version v is 10 * v; returns each batch's (step, weight made with)."""
+    if state is not None:
+        pipe.load_state_dict(state)
+    pipe.start(start, {"w": torch.tensor(10.0 * start)})
+    seen = []
+    for step in range(start + 1, stop + 1):
+        payload, metrics = pipe.next(step)
+        assert payload["step"] == step and metrics["rollout/staleness/max"] == step - 1 - payload["w"] / 10
+        seen.append((step, payload["w"], metrics["rollout/policy_version"], float(payload["draw"]),
+                     payload["position"]))
+        pipe.push(step, {"w": torch.tensor(10.0 * step)})
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_each_batch_is_made_with_the_weights_of_update_step_minus_1_minus_k(k):
+    pipe = _pipe(k)
+    try:
+        seen = _run(pipe, 0, 6)
+    finally:
+        pipe.close()
+    assert [x[:3] for x in seen] == [(t, 10.0 * max(0, t - 1 - k), float(max(0, t - 1 - k))) for t in range(1, 7)]
+    assert [x[4] for x in seen] == list(range(1, 7))  # the data position advances once per batch
+    assert pipe.submitted == 6 + k  # the k batches after the last step are made too (an extended run uses them)
+
+
+def test_staleness_zero_continues_the_trainers_random_stream():
+    torch.manual_seed(11)
+    expected = []
+    for _ in range(3):  # the synchronous loop: a rollout draw, then a training draw, each step
+        expected += [float(torch.rand(())), float(torch.rand(()))]
+    torch.manual_seed(11)
+    pipe = _pipe(0)
+    got = []
+    try:
+        pipe.start(0, {"w": torch.tensor(0.0)})
+        for step in (1, 2, 3):
+            payload, _ = pipe.next(step)
+            got += [float(payload["draw"]), float(torch.rand(()))]
+            pipe.push(step, {"w": torch.tensor(1.0)})
+    finally:
+        pipe.close()
+    assert got == expected
+
+
+@pytest.mark.slow
+def test_saved_in_flight_batches_resume_exactly():
+    full = _pipe(2)
+    try:
+        a = _run(full, 0, 7)
+    finally:
+        full.close()
+    part_mirror = Position()
+    first = _pipe(2, mirror=part_mirror)
+    try:
+        b = _run(first, 0, 3)
+        state = first.state_dict()  # waits for the tickets of steps 4 and 5, saves their batches
+    finally:
+        first.close()
+    ranks = state["ranks"]
+    assert state["max_staleness"] == 2 and len(ranks) == 1 and sorted(ranks[0]["ready"]) == [4, 5]
+    assert part_mirror.sd == {"position": 5}  # the data position after the newest batch made
+    second = _pipe(2, mirror=part_mirror)
+    try:
+        b += _run(second, 3, 7, state=state)
+    finally:
+        second.close()
+    assert a == b
+
+
+@pytest.mark.slow
+def test_a_failing_or_dying_rollout_process_stops_the_trainer_with_its_cause():
+    from mmrl.training.async_rollout import RolloutProcessError
+
+    pipe = _pipe(1, cfg={"fail_at": 2})
+    pipe.start(0, {"w": torch.tensor(0.0)})
+    pipe.next(1)
+    pipe.push(1, {"w": torch.tensor(1.0)})
+    with pytest.raises(ValueError, match="reward.components: broken at step 2"):
+        pipe.next(2)
+    assert not pipe.proc.is_alive()
+    pipe = _pipe(0, cfg={"exit_at": 1})
+    pipe.start(0, {"w": torch.tensor(0.0)})
+    with pytest.raises(RolloutProcessError, match=r"exited with code 3 while the trainer waited for the batch of step 1"):
+        pipe.next(1)
+    pipe.close()
+
+
+def test_resume_with_in_flight_batches_on_another_number_of_processes_is_refused():
+    state = {"max_staleness": 1, "ranks": [{"submitted": 3, "ready": {3: ({}, {}, {})}},
+                                           {"submitted": 3, "ready": {3: ({}, {}, {})}}]}
+    pipe = _pipe(1)
+    try:
+        with pytest.raises(ValueError, match=r"in-flight rollout batches of 2 trainer process\(es\); resume with the "
+                                             r"same number of processes \(2\), not 1"):
+            pipe.load_state_dict(state)
+    finally:
+        pipe.close()
