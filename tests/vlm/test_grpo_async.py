@@ -6,6 +6,7 @@ the old log-probs are recomputed (decoupled PPO), and a run stopped at a checkpo
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -57,3 +58,36 @@ def test_stale_batches_resume_exactly_with_in_flight_batches_saved(tiny_path, tm
     assert "time/old_logprob_s" in metrics_rows(tmp_path / "full")[0]  # max_staleness > 0: decoupled PPO (auto)
     # the recomputed pi_old of a stale batch differs from the rollout's log-probs once the weights have moved
     assert full[0]["diag/logprob_drift"] < 1e-4 and max(r["diag/logprob_drift"] for r in full[3:]) > 1e-3
+
+
+@pytest.mark.slow
+def test_torchrun_ddp_each_rank_with_its_rollout_process(tmp_path):
+    """`torchrun --nproc_per_node 2 -m mmrl.cli train ... dist.strategy=ddp rollout.worker=process`: every trainer rank
+    starts its own rollout process, which generates that rank's share. max_staleness=0 equals the synchronous DDP run;
+    with max_staleness=1 the checkpoint holds both ranks' in-flight batches, and a resume on one process is refused
+    in one line."""
+    from mmrl.checkpoint_files import load_state_file
+    from mmrl.testing import child_env, run_torchrun
+
+    root = Path(__file__).resolve().parents[2]
+    args = ["-m", "mmrl.cli", "train", str(root / "configs/vlm/grpo_tiny_shapes.yaml"),
+            f"model.path={tmp_path / 'tiny'}", "rollout.prompts_per_step=4", "rollout.group_size=4",
+            "warm_start.steps=20", "warm_start.batch_size=8", "data.eval_size=4", "log.sample_every=0",
+            "log.eval_every=0", "train.max_steps=2", "train.save_every=2", "dist.strategy=ddp"]
+    env = child_env()
+    for name, extra in (("sync", []), ("async0", ["rollout.worker=process"]),
+                        ("async1", ["rollout.worker=process", "rollout.max_staleness=1"])):
+        proc = run_torchrun([*args, f"output_dir={tmp_path / name}", *extra], cwd=root, env=env, timeout=600)
+        assert proc.returncode == 0, f"{name}: torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    sync, rows = _rows(tmp_path / "sync", ("time/",)), _rows(tmp_path / "async0", ("time/",))
+    assert [{k: v for k, v in r.items() if not k.startswith(ASYNC_KEYS)} for r in rows] == sync
+    assert any(r.get("policy/grad_norm", 0) > 0 for r in sync)
+    assert [r["rollout/staleness/max"] for r in _rows(tmp_path / "async1")] == [0.0, 1.0]
+    state = load_state_file(tmp_path / "async1" / "checkpoints" / "step_2" / "state.pt")
+    ranks = state["stateful"]["async_rollout"]["ranks"]
+    assert len(ranks) == 2 and all(sorted(r["ready"]) == [3] for r in ranks)  # step 3's batch of each rank
+    proc = subprocess.run([sys.executable, *args, f"output_dir={tmp_path / 'async1'}", "train.max_steps=3",
+                           "rollout.worker=process", "rollout.max_staleness=1", "dist.strategy=none"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert "resume with the same number of processes (2), not 1" in proc.stderr.strip().splitlines()[-1]
