@@ -386,7 +386,8 @@ def default_config(algorithm: str) -> RunConfig:
 # noise). A key is frozen when it equals an entry or starts with an entry that ends in "."; other keys may change
 # on resume and every changed one is reported.
 FROZEN_ON_RESUME = ("algorithm", "seed", "model.", "data.train_prompts", "data.preference_file", "data.image_root",
-                    "data.kind", "data.path", "env.tasks", "env.modules")
+                    "data.kind", "data.path", "env.tasks", "env.modules",
+                    "rollout.worker", "rollout.max_staleness")  # a checkpoint holds the in-flight batches of these
 MUTABLE_ON_RESUME = ("model.gradient_checkpointing",)
 _NOT_COMPARED = ("output_dir", "train.resume", "train.overwrite")
 

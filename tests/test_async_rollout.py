@@ -263,3 +263,62 @@ def test_resume_with_in_flight_batches_on_another_number_of_processes_is_refused
             pipe.load_state_dict(state)
     finally:
         pipe.close()
+
+
+# ------------------------------------------------------------------ the benchmark and the commands in docs/async.md
+
+
+def _bench():
+    import importlib.util
+    import sys
+
+    bench = REPO / "benchmarks"
+    if str(bench) not in sys.path:
+        sys.path.append(str(bench))
+    spec = importlib.util.spec_from_file_location("bench_async_rollout", bench / "async_rollout.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_measure_by_hand():
+    rows = [{"step": s, "time/step_s": t, "reward/mean": r}
+            for s, t, r in [(1, 30.0, 0.0), (2, 1.0, 0.1), (3, 2.0, 0.3), (4, 1.0, 0.2), (5, 1.0, 0.6)]]
+    m = _bench().measure(rows, skip=1)  # steps 2..5: 4 steps in 5 s; first 2 mean 0.2, last 2 mean 0.4
+    assert m["steps_per_s"] == pytest.approx(0.8) and m["seconds"] == 5.0
+    assert m["reward_gain_per_s"] == pytest.approx((0.4 - 0.2) / 5.0) and m["reward_last"] == pytest.approx(0.4)
+    with pytest.raises(ValueError, match="1 step"):
+        _bench().measure(rows[:2], skip=1)
+
+
+@pytest.mark.slow
+def test_docs_async_commands_short_forms(tmp_path):
+    """docs/async.md: `python benchmarks/async_rollout.py ...` on vlm_grpo (short: 4 steps, 1 round, a smaller batch),
+    which runs `mmrl train configs/vlm/grpo_tiny_shapes.yaml rollout.worker=process rollout.max_staleness=1` (+ the
+    synchronous variants) through `python -m mmrl.cli`; the Flow-GRPO command for 3 steps. The `torchrun` command is
+    tests/vlm/test_grpo_async.py::test_torchrun_ddp_each_rank_with_its_rollout_process."""
+    import subprocess
+    import sys
+
+    from mmrl.testing import child_env
+
+    env = child_env()
+    small = ["--set", "warm_start.steps=2", "--set", "data.eval_size=2", "--set", "rollout.prompts_per_step=2",
+             "--set", "rollout.group_size=4"]
+    proc = subprocess.run([sys.executable, "benchmarks/async_rollout.py", "--recipes", "vlm_grpo", "--steps", "4",
+                           "--repeats", "1", "--skip", "1", "--out", str(tmp_path / "bench"), *small],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert [line.split("|")[1].strip() for line in table[1:]] == ["sync 2 threads", "sync 1 thread", "async"]
+    assert metrics_rows(tmp_path / "bench" / "vlm_grpo" / "async")[-1]["rollout/staleness/max"] == 1.0
+    out = tmp_path / "flow"
+    proc = subprocess.run([sys.executable, "-m", "mmrl.cli", "train", "configs/diffusion/flow_grpo_tiny.yaml",
+                           "rollout.worker=process", "rollout.max_staleness=1", "algo.old_logprobs=recompute",
+                           "algo.rollout_correction.is_level=token", f"output_dir={out}", "train.max_steps=3",
+                           "rollout.prompts_per_step=2", "rollout.group_size=4", "log.eval_every=0",
+                           "log.sample_every=0"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics_rows(out)
+    assert [r["rollout/policy_version"] for r in rows] == [0.0, 0.0, 1.0]
+    assert all("rollout/correction/rollout_is_mean" in r for r in rows)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from mmrl.config import ConfigError
 from mmrl.testing import metrics_rows
 from mmrl.vlm import grpo
 
@@ -58,6 +59,8 @@ def test_stale_batches_resume_exactly_with_in_flight_batches_saved(tiny_path, tm
     assert "time/old_logprob_s" in metrics_rows(tmp_path / "full")[0]  # max_staleness > 0: decoupled PPO (auto)
     # the recomputed pi_old of a stale batch differs from the rollout's log-probs once the weights have moved
     assert full[0]["diag/logprob_drift"] < 1e-4 and max(r["diag/logprob_drift"] for r in full[3:]) > 1e-3
+    with pytest.raises(ConfigError, match=r"rollout.max_staleness: 2 -> 1"):  # the checkpoint holds 2 batches
+        grpo.train(_cfg(tiny_path, tmp_path / "part", "train.max_steps=6", *opts, "rollout.max_staleness=1"))
 
 
 @pytest.mark.slow
