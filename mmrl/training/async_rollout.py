@@ -64,7 +64,7 @@ from typing import Any, Callable, Iterable, Protocol
 import torch
 
 from mmrl.distributed import rank_seed
-from mmrl.runtime import get_rng_state, seed_everything, set_rng_state
+from mmrl.runtime import get_rng_state, seed_everything, set_rng_state, tune_malloc
 from mmrl.training.payloads import from_plain, pack_tensors, to_plain, unpack_tensors
 
 __all__ = ["AsyncRollout", "RolloutProducer", "rollout_process", "policy_weights", "load_policy_weights",
@@ -194,6 +194,7 @@ def _worker_main(builder: str, cfg: Any, rank: int, world: int, device: str, thr
     parent = multiprocessing.parent_process()
     outbox.cancel_join_thread()  # exiting never blocks on batches nobody will read
     try:
+        tune_malloc()  # as the trainer (start_run): buffers stay in the heap between calls
         if threads > 0:
             torch.set_num_threads(threads)
         producer = _import(builder)(cfg, rank, world, device)
