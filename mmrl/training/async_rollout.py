@@ -128,7 +128,8 @@ def rollout_process(cfg: Any, ctx: Any, run: Any, builder: str, stateful: dict[s
         return None
     check_async_rollout(cfg, multi_process=ctx.enabled)
     pipe = AsyncRollout(builder, cfg, max_staleness=ro.max_staleness, last_step=cfg.train.max_steps, seed=cfg.seed,
-                        rank=ctx.rank, world=ctx.world_size, threads=ro.worker_threads or cfg.num_threads,
+                        rank=ctx.rank, world=ctx.world_size,
+                        threads=ro.worker_threads or cfg.num_threads or torch.get_num_threads(),
                         device=run.device, mirror={name: stateful[name] for name in mirror})
     stateful["async_rollout"] = pipe
     return pipe

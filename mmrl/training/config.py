@@ -240,7 +240,7 @@ class AsyncRolloutFields:
     of step s is generated with the weights after update s-1 (the synchronous run, equal metrics); k = with the
     weights after update s-1-k, generated while the trainer runs updates s-k..s-1."""
     worker_threads: int = 0
-    """torch intra-op threads of the rollout process (0 = the run's num_threads, or torch's default)."""
+    """torch intra-op threads of the rollout process (0 = the run's num_threads, else the trainer's thread count)."""
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0:
