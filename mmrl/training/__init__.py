@@ -17,7 +17,8 @@ A recipe's `train(cfg)` reads top to bottom and calls these in order::
 
 Modules: `guards` (non-finite rewards/updates/weights), `config` (the config sections every recipe shares),
 `optim` (AdamW + schedule, gradient clipping), `run` (process group + run directory), `checkpoint` (save/restore
-in the one layout, FSDP included), `summary` (first-5 vs last-5 steps).
+in the one layout, FSDP included), `summary` (first-5 vs last-5 steps), `async_rollout` (rollouts in a process of
+their own, at most `rollout.max_staleness` policy versions behind; `payloads`: its batches as plain state).
 """
 
 from mmrl.training.checkpoint import (FullOptimizerState, checkpoint_due, restore_checkpoint, save_checkpoint)

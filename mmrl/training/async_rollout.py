@@ -1,11 +1,10 @@
 """Rollouts in their own process, ahead of the trainer by at most `rollout.max_staleness` policy versions.
 
-    pipe = AsyncRollout("mmrl.vlm.rollout_worker:VLMRolloutProducer", cfg, max_staleness=k, last_step=N, seed=...)
-    stateful["async_rollout"] = pipe                         # in-flight batches travel with the checkpoint
-    start, _ = restore_checkpoint(ctx, run, states, stateful)
-    pipe.start(start, policy_weights(states), {"data": data}) # this version's weights + the data position
+    pipe = rollout_process(cfg, ctx, run, "mmrl.vlm.rollout_worker:VLMRolloutProducer", stateful)  # None: inline
+    start, _ = restore_checkpoint(ctx, run, states, stateful)   # stateful["async_rollout"]: in-flight batches
+    pipe.start(start, policy_weights(states))                    # this version's weights + the data position
     for step in range(start + 1, N + 1):
-        payload, metrics = pipe.next(step)                    # the batch of `step`, tagged with its policy version
+        payload, metrics = pipe.next(step)                       # the batch of `step`, tagged with its version
         ... advantages, update (decoupled PPO / rollout correction for the off-policy gap) ...
         metrics |= pipe.push(step, policy_weights(states, only=params))   # after every update
 
