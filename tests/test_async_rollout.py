@@ -316,3 +316,19 @@ def test_docs_async_commands_short_forms(tmp_path):
     rows = metrics_rows(out)
     assert [r["rollout/policy_version"] for r in rows] == [0.0, 0.0, 1.0]
     assert all("rollout/correction/rollout_is_mean" in r for r in rows)
+
+
+def test_encoded_batches_load_with_weights_only_and_refuse_code():
+    import pickle
+
+    from mmrl.runtime import get_rng_state
+    from mmrl.training.payloads import decode, encode
+
+    batch = {"payload": to_plain({"x": torch.arange(3)}), "state": {"rng": get_rng_state()}, "info": {"version": 2}}
+    back = decode(encode(batch))
+    assert torch.equal(back["payload"]["x"], torch.arange(3)) and back["info"] == {"version": 2}
+    assert torch.equal(back["state"]["rng"]["torch"], batch["state"]["rng"]["torch"])
+    buf = io.BytesIO()
+    torch.save({"f": io.BytesIO}, buf)  # a class: not plain state
+    with pytest.raises(pickle.UnpicklingError):
+        decode(buf.getvalue())

@@ -13,8 +13,8 @@ the policy (the HF model, a vLLM engine, or a diffusion pipeline), the reward an
 FIFO channel of three messages: ``weights`` (the trainer's "default" policy state after update v, copied into the
 producer's model: `load_weights`), ``state`` (the data position on start and resume) and ``produce`` (generate and
 score the batch of step t). Batches come back on a second channel, tagged with the version of the weights that
-produced them. Tensors cross processes through shared memory (torch.multiprocessing's queue reductions); the weights
-of one push are packed into one flat buffer per dtype.
+produced them, as the bytes of a torch.save archive (`payloads.encode`); the weights of one push cross through
+shared memory (torch.multiprocessing's queue reductions), packed into one flat buffer per dtype.
 
 Schedule (k = max_staleness). When the trainer asks for the batch of step t (`next(t)`) it first sends the ticket
 of step t+k; the weights of version t-1 were pushed before it (after update t-1) and the channel is FIFO, so the
@@ -34,8 +34,8 @@ restored version and continues the schedule: exactly the uninterrupted run (test
 the wait for up to k batches.
 
 Metrics of `next` / `push`: ``rollout/staleness/mean|max`` (trainer version - batch version, per sample),
-``rollout/policy_version``; timing-dependent (under ``time/``): ``time/async/wait_s`` (trainer blocked on the
-batch), ``time/async/trainer_idle_ratio`` (that wait / the trainer's step), ``time/async/rollout_idle_ratio`` (the
+``rollout/policy_version``; timing-dependent (under ``time/``): ``time/async/wait_s`` (trainer waiting for and
+receiving the batch), ``time/async/trainer_idle_ratio`` (that wait / the trainer's step), ``time/async/rollout_idle_ratio`` (the
 rollout process waiting for work / its wall time since its previous batch), ``time/async/queue_length`` (finished
 batches waiting when the trainer asks), ``time/async/weight_push_s``, ``time/async/weight_load_s``, and the
 producer's own ``time/*`` (rollout, reward).
@@ -64,7 +64,7 @@ import torch
 
 from mmrl.distributed import rank_seed
 from mmrl.runtime import get_rng_state, seed_everything, set_rng_state, tune_malloc
-from mmrl.training.payloads import from_plain, pack_tensors, to_plain, unpack_tensors
+from mmrl.training.payloads import decode, encode, from_plain, pack_tensors, to_plain, unpack_tensors
 
 __all__ = ["AsyncRollout", "RolloutProducer", "rollout_process", "policy_weights", "load_policy_weights",
            "check_async_rollout", "ASYNC_SEED_RANK", "RolloutProcessError"]
@@ -217,7 +217,7 @@ def _worker_main(builder: str, cfg: Any, rank: int, world: int, device: str, thr
             elif kind == "produce":
                 _, step, seed, rng = msg
                 if rng is not None:
-                    set_rng_state(rng)
+                    set_rng_state(decode(rng))
                 if seed is not None:
                     seed_everything(seed)
                 payload, metrics = producer.produce(step)
@@ -226,7 +226,7 @@ def _worker_main(builder: str, cfg: Any, rank: int, world: int, device: str, thr
                 state = {"producer": producer.state_dict(), "rng": get_rng_state() if rng is not None else None}
                 info = {"version": version, "idle_s": idle, "busy_s": busy, "weight_load_s": load_s,
                         "metrics": dict(metrics)}
-                outbox.put(("batch", int(step), plain, state, info))
+                outbox.put(("batch", int(step), encode({"payload": plain, "state": state, "info": info})))
                 idle = busy = load_s = 0.0
                 continue
             else:
@@ -327,8 +327,9 @@ class AsyncRollout:
             print(f"[rollout process, rank {self.rank}] {tb.rstrip()}", file=sys.stderr, flush=True)
             raise exc
         if kind == "batch":
-            _, step, plain, state, info = msg
-            self.ready[step] = (plain, state, info)
+            step, batch = msg[1], decode(msg[2])
+            state = batch["state"]
+            self.ready[step] = (batch["payload"], state, batch["info"])
             for name, obj in self.mirror.items():  # the data position after the newest batch made
                 obj.load_state_dict(state["producer"][name])
         # "ready": the producer is built (nothing to do)
@@ -343,7 +344,7 @@ class AsyncRollout:
         while self.submitted < upto:
             t = self.submitted + 1
             if self.k == 0:
-                self._send("produce", t, None, get_rng_state())
+                self._send("produce", t, None, encode(get_rng_state()))
             else:
                 self._send("produce", t, rank_seed(self.seed, ASYNC_SEED_RANK + self.rank, t), None)
             self.submitted = t
@@ -378,9 +379,9 @@ class AsyncRollout:
             raise RuntimeError(f"AsyncRollout.next({step}): the weights of version {step - 1} were not pushed (newest: "
                                f"{self.version})")
         self._submit(step + self.k)  # ticket t is sent when the trainer asks for batch t-k: version t-1-k is pushed
+        t0 = time.perf_counter()
         self._drain_nowait()
         queue_length = sum(1 for s in self.ready if s >= step)
-        t0 = time.perf_counter()
         while step not in self.ready:
             if self.submitted < step:
                 raise RuntimeError(f"AsyncRollout.next({step}): no batch was requested for this step (newest "
