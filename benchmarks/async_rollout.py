@@ -5,15 +5,18 @@ wall-second of the tiny CPU recipes.
                                                  [--skip 5] [--max-staleness 1] [--out runs/bench_async]
                                                  [--set KEY=VALUE ...]
 
-Three variants of each recipe's tiny config (configs/vlm/grpo_tiny_shapes.yaml, configs/diffusion/flow_grpo_tiny.yaml),
+Four variants of each recipe's tiny config (configs/vlm/grpo_tiny_shapes.yaml, configs/diffusion/flow_grpo_tiny.yaml),
 each a whole `mmrl train` run in its own process:
 
-* `async`: `rollout.worker=process rollout.max_staleness=K` (default 1), trainer and rollout process with one torch
-  thread each (2 processes on the 2 cores; old log-probs recomputed: decoupled PPO);
 * `sync 2 threads`: the synchronous loop given both cores (`num_threads=2`, OMP_NUM_THREADS=2);
-* `sync 1 thread`: the synchronous loop with one thread (the recipes' default on this machine).
+* `sync 1 thread`: the synchronous loop with one thread (the recipes' default on this machine);
+* `async, decoupled PPO`: `rollout.worker=process rollout.max_staleness=K` (default 1), trainer and rollout process
+  with one torch thread each (2 processes on the 2 cores), pi_old recomputed by the trainer
+  (`algo.old_logprobs=recompute`: one more no-grad forward per step);
+* `async, bypass`: the same with `algo.old_logprobs=rollout` (the PPO ratio taken against the stale rollout's
+  log-probs; no extra forward).
 
-The variants run in rounds (sync-2, sync-1, async, then rotated: a change of machine load lands on all of them) and
+The variants run in rounds (in this order, then rotated: a change of machine load lands on all of them) and
 `--repeats` rounds give min / median / max per variant. Measured from each run's metrics.jsonl, after the first
 `--skip` steps (the async run's first step waits for its rollout process to load the model; start-up is not part of
 a long run's throughput): steps/s = steps / sum of their `time/step_s`, and reward gain per wall-second = (mean
@@ -42,10 +45,12 @@ CONFIGS = {
     "vlm_grpo": ("configs/vlm/grpo_tiny_shapes.yaml", ["log.eval_every=0", "log.sample_every=0", "data.eval_size=8"]),
     "flow_grpo": ("configs/diffusion/flow_grpo_tiny.yaml", ["log.eval_every=0", "log.sample_every=0"]),
 }
+ASYNC = ["num_threads=1", "rollout.worker=process", "rollout.worker_threads=1"]
 VARIANTS = {  # name -> (threads per process, overrides)
     "sync 2 threads": (2, ["num_threads=2"]),
     "sync 1 thread": (1, ["num_threads=1"]),
-    "async": (1, ["num_threads=1", "rollout.worker=process", "rollout.worker_threads=1"]),
+    "async, decoupled PPO": (1, [*ASYNC, "algo.old_logprobs=recompute"]),
+    "async, bypass": (1, [*ASYNC, "algo.old_logprobs=rollout"]),
 }
 
 
@@ -66,7 +71,7 @@ def run_once(recipe: str, variant: str, steps: int, k: int, out: Path, extra_ove
              ) -> tuple[list[dict], float]:
     cfg, extra = CONFIGS[recipe]
     threads, overrides = VARIANTS[variant]
-    if variant == "async":
+    if variant.startswith("async"):
         overrides = [*overrides, f"rollout.max_staleness={k}"]
     if out.exists():
         shutil.rmtree(out)
@@ -87,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipes", default="vlm_grpo,flow_grpo", help=f"comma-separated subset of {list(CONFIGS)}")
     ap.add_argument("--steps", default="60,30", help="train.max_steps per recipe (one number for all, or one each)")
-    ap.add_argument("--repeats", type=int, default=3, help="rounds of the three variants")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of the variants")
     ap.add_argument("--skip", type=int, default=5, help="first steps left out of the measurement")
     ap.add_argument("--max-staleness", type=int, default=1, help="rollout.max_staleness of the async variant")
     ap.add_argument("--out", default="runs/bench_async", help="run directories go here")
@@ -110,11 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, list[dict]] = {v: [] for v in names}
         for r in range(args.repeats):
             for variant in names[r % len(names):] + names[:r % len(names)]:
-                out = REPO / args.out / recipe / variant.replace(" ", "_")
+                out = REPO / args.out / recipe / variant.replace(", ", "_").replace(" ", "_")
                 rows, wall = run_once(recipe, variant, n, args.max_staleness, out, args.set)
                 m = measure(rows, args.skip)
                 m["wall"] = wall
-                if variant == "async":
+                if variant.startswith("async"):
                     m["staleness"] = max(row.get("rollout/staleness/max", 0.0) for row in rows)
                     m["idle"] = [row.get("time/async/trainer_idle_ratio") for row in rows if row["step"] > args.skip]
                 results[variant].append(m)
@@ -132,11 +137,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"### {recipe}: {n} steps, {CONFIGS[recipe][0]}\n")
         print(markdown_table(["variant", "steps/s", "vs sync 1 thread (median)", "reward gain / wall-s",
                               "reward, last 5 steps", "process wall s"], table))
-        asyn = results["async"]
-        idle = [x for m in asyn for x in m["idle"] if x is not None]
-        if idle:
-            print(f"\nasync: max staleness {max(m['staleness'] for m in asyn):.0f}; trainer idle ratio "
-                  f"{spread_of(idle).fmt(digits=2)} (min / median / max over measured steps)\n")
+        for v in [v for v in names if v.startswith("async")]:
+            idle = [x for m in results[v] for x in m["idle"] if x is not None]
+            if idle:
+                print(f"\n{v}: max staleness {max(m['staleness'] for m in results[v]):.0f}; trainer idle ratio "
+                      f"{spread_of(idle).fmt(digits=2)} (min / median / max over measured steps)")
+        print()
     return 0
 
 

@@ -289,7 +289,7 @@ def test_bench_measure_by_hand():
 def test_docs_async_commands_short_forms(tmp_path):
     """docs/async.md: `python benchmarks/async_rollout.py ...` on vlm_grpo (short: 4 steps, 1 round, a smaller batch),
     which runs `mmrl train configs/vlm/grpo_tiny_shapes.yaml rollout.worker=process rollout.max_staleness=1` (+ the
-    synchronous variants) through `python -m mmrl.cli`; the Flow-GRPO command for 3 steps. The `torchrun` command is
+    bypass and the synchronous variants) through `python -m mmrl.cli`; the Flow-GRPO command for 3 steps. The `torchrun` command is
     tests/vlm/test_grpo_async.py::test_torchrun_ddp_each_rank_with_its_rollout_process."""
     import subprocess
     import sys
@@ -304,8 +304,10 @@ def test_docs_async_commands_short_forms(tmp_path):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
-    assert [line.split("|")[1].strip() for line in table[1:]] == ["sync 2 threads", "sync 1 thread", "async"]
-    assert metrics_rows(tmp_path / "bench" / "vlm_grpo" / "async")[-1]["rollout/staleness/max"] == 1.0
+    assert [line.split("|")[1].strip() for line in table[1:]] == ["sync 2 threads", "sync 1 thread",
+                                                                   "async, decoupled PPO", "async, bypass"]
+    for variant in ("async_decoupled_PPO", "async_bypass"):
+        assert metrics_rows(tmp_path / "bench" / "vlm_grpo" / variant)[-1]["rollout/staleness/max"] == 1.0
     out = tmp_path / "flow"
     proc = subprocess.run([sys.executable, "-m", "mmrl.cli", "train", "configs/diffusion/flow_grpo_tiny.yaml",
                            "rollout.worker=process", "rollout.max_staleness=1", "algo.old_logprobs=recompute",
