@@ -54,6 +54,9 @@ def test_plain_payload_roundtrip_through_a_weights_only_checkpoint(tmp_path):
     assert np.array_equal(np.array(item.images[0]), np.array(img))
     assert type(back["embeds"]) is PromptEmbeds and len(back["embeds"]) == 2
     assert back["pair"] == (1, "a") and back["n"] == 3 and back["array"].tolist() == [1.5, 2.5]
+    # what the samples of a prompt share (their pixel values) is sent once and stays shared
+    twins = from_plain(to_plain([res, dataclasses.replace(res, sample_index=1)]))
+    assert twins[0].mm is twins[1].mm and twins[1].sample_index == 1
 
 
 def test_plain_payload_refuses_foreign_types_and_classes():

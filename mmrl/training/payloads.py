@@ -5,11 +5,11 @@
   with ``weights_only=True`` (`mmrl.checkpoint_files.load_state_file`) and what crosses processes through
   torch.multiprocessing queues (tensors in shared memory). Only classes of mmrl modules are rebuilt: a foreign
   checkpoint cannot make this process import anything else.
-- `encode(plain)` / `decode(data)`: plain state as the bytes of a `torch.save` archive and back (`weights_only=True`):
-  how batches cross from the rollout process. One copy through the queue's pipe beats sharing every tensor of a
-  batch through shared memory, where the receiver fetches each tensor's file descriptor from the sender in a round
-  trip that waits for the sender's Python thread (measured on a loaded 2-core machine: ~1 s per VLM batch of ~30
-  tensors).
+- `encode(plain)` / `decode(data)`: plain state as pickle bytes (tensors by value) and back: how batches cross from
+  the rollout process. One copy through the queue's pipe beats sharing every tensor of a batch through shared
+  memory, where the receiver fetches each tensor's file descriptor from the sender in a round trip that waits for
+  the sender's Python thread (measured on a loaded 2-core machine: ~1 s per VLM batch of ~30 tensors); and C pickle
+  is several times faster than torch.load's weights_only unpickler, which checkpoints use.
 - `pack_tensors(named)` / `unpack_tensors(packed)`: named weights as one flat buffer per dtype (one shared-memory
   segment each), and back as views.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import io
+import pickle
 from typing import Any
 
 import numpy as np
@@ -79,13 +79,31 @@ def _resolve(name: str) -> type:
     return obj
 
 
+_ATOMS = (bool, int, float, str, type(None))
+
+
 def to_plain(obj: Any) -> Any:
     """`obj` as tensors (CPU), numbers, strings and containers only: what a checkpoint loads with
     ``weights_only=True`` and what crosses processes cheaply. Dataclasses and dict subclasses of mmrl, PIL images
-    and numpy arrays are marked and rebuilt by `from_plain`; anything else is a TypeError naming its type."""
+    and numpy arrays are marked and rebuilt by `from_plain`; anything else is a TypeError naming its type. An object
+    reached twice (e.g. the pixel values every sample of a prompt shares) is converted once and stays shared."""
+    memo: dict[int, Any] = {}
+
+    def conv(o: Any) -> Any:
+        if type(o) in _ATOMS:
+            return o
+        key = id(o)
+        if key not in memo:
+            memo[key] = _to_plain_one(o, conv)
+        return memo[key]
+
+    return conv(obj)
+
+
+def _to_plain_one(obj: Any, conv: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
-    if obj is None or isinstance(obj, (bool, int, float, str)):
+    if isinstance(obj, _ATOMS):  # subclasses of the atoms (e.g. IntEnum) as their plain value
         return obj
     if isinstance(obj, (np.integer, np.floating, np.bool_)):
         return obj.item()
@@ -94,20 +112,20 @@ def to_plain(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         _resolve(_class_name(obj))  # only mmrl classes can be rebuilt: refuse the others before they travel
         return {_DATACLASS: _class_name(obj),
-                "fields": {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
+                "fields": {f.name: conv(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
     if isinstance(obj, dict):
         bad = [k for k in obj if not isinstance(k, (str, int))]
         if bad:
             raise TypeError(f"rollout payload: dict keys must be str or int, got {type(bad[0]).__name__}")
-        items = {k: to_plain(v) for k, v in obj.items()}
+        items = {k: conv(v) for k, v in obj.items()}
         if type(obj) is dict:
             return items
         _resolve(_class_name(obj))
         return {_DICT: _class_name(obj), "items": items}
     if isinstance(obj, list):
-        return [to_plain(v) for v in obj]
+        return list(obj) if all(type(v) in _ATOMS for v in obj) else [conv(v) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(to_plain(v) for v in obj)
+        return tuple(conv(v) for v in obj)
     try:
         from PIL import Image
     except ImportError:  # pragma: no cover - pillow is a dependency
@@ -119,13 +137,28 @@ def to_plain(obj: Any) -> Any:
 
 
 def from_plain(obj: Any, device: torch.device | str | None = None) -> Any:
-    """Rebuild what `to_plain` wrote; tensors moved to `device` (None: left on the CPU)."""
+    """Rebuild what `to_plain` wrote; tensors moved to `device` (None: left on the CPU). What was shared stays
+    shared."""
+    memo: dict[int, Any] = {}
+
+    def conv(o: Any) -> Any:
+        if type(o) in _ATOMS:
+            return o
+        key = id(o)
+        if key not in memo:
+            memo[key] = _from_plain_one(o, conv, device)
+        return memo[key]
+
+    return conv(obj)
+
+
+def _from_plain_one(obj: Any, conv: Any, device: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj if device is None else obj.to(device)
     if isinstance(obj, list):
-        return [from_plain(v, device) for v in obj]
+        return obj if all(type(v) in _ATOMS for v in obj) else [conv(v) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(from_plain(v, device) for v in obj)
+        return tuple(conv(v) for v in obj)
     if not isinstance(obj, dict):
         return obj
     if _DATACLASS in obj:
@@ -134,33 +167,29 @@ def from_plain(obj: Any, device: torch.device | str | None = None) -> Any:
             raise ValueError(f"rollout payload: {obj[_DATACLASS]!r} is not a dataclass")
         inst = cls.__new__(cls)  # fields set as they were: no __init__ / __post_init__ side effects
         for k, v in obj["fields"].items():
-            object.__setattr__(inst, k, from_plain(v, device))
+            object.__setattr__(inst, k, conv(v))
         return inst
     if _DICT in obj:
         cls = _resolve(obj[_DICT])
         if not issubclass(cls, dict):
             raise ValueError(f"rollout payload: {obj[_DICT]!r} is not a dict class")
-        return cls({k: from_plain(v, device) for k, v in obj["items"].items()})
+        return cls({k: conv(v) for k, v in obj["items"].items()})
     if _IMAGE in obj:
         from PIL import Image
 
-        return Image.fromarray(obj[_IMAGE].numpy(), mode=obj["mode"]) if obj["mode"] else \
-            Image.fromarray(obj[_IMAGE].numpy())
+        return Image.fromarray(obj[_IMAGE].numpy(), mode=obj["mode"])
     if _ARRAY in obj:
         return obj[_ARRAY].numpy()
-    return {k: from_plain(v, device) for k, v in obj.items()}
+    return {k: conv(v) for k, v in obj.items()}
 
 
 def encode(plain: Any) -> bytes:
-    """Plain state (`to_plain` output, RNG states) as the bytes of a torch.save archive."""
-    buf = io.BytesIO()
-    torch.save(plain, buf)
-    return buf.getvalue()
+    """Plain state (`to_plain` output, RNG states) as bytes for the queue from the rollout process: pickle, tensors by
+    value (not torch.multiprocessing's shared-memory reductions)."""
+    return pickle.dumps(plain, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def decode(data: bytes) -> Any:
-    """`encode`'s input back, loaded with ``weights_only=True`` (numpy arrays of RNG states allowed, as checkpoints)."""
-    from mmrl.checkpoint_files import _numpy_safe_globals
-
-    with torch.serialization.safe_globals(_numpy_safe_globals()):
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    """`encode`'s input back. Only for bytes from this run's own rollout process (checkpoints, which may come from
+    elsewhere, are read with ``weights_only=True``: `mmrl.checkpoint_files.load_state_file`)."""
+    return pickle.loads(data)
