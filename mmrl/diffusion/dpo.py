@@ -187,9 +187,9 @@ def _check(cfg: Config) -> None:
 
 
 def train(cfg: Config) -> dict:
-    from mmrl.diffusion.common import LatentCache, NoSamples, end_step, evaluate_ode, setup_training
+    from mmrl.diffusion.common import (LatentCache, NoSamples, end_step, evaluate_ode, load_recipe_model,
+                                       setup_training)
     from mmrl.diffusion.dpo_update import dpo_update, offline_eval
-    from mmrl.diffusion.models import load_flow_model
     from mmrl.diffusion.sampling import sample_groups
     from mmrl.diffusion.scoring import load_reward_fn, score_rollout
     from mmrl.pipelines.data import PromptSampler, load_preference_pairs, load_prompts
@@ -201,9 +201,10 @@ def train(cfg: Config) -> dict:
     ctx, run = start_run(cfg, {"rollout.prompts_per_step": s.prompts_per_step} if online
                          else {"data.pairs_per_step": cfg.data.pairs_per_step})
     eval_items = load_prompts(cfg.data.eval_prompts)[: cfg.log.eval_max_prompts] if cfg.data.eval_prompts else []
-    reward_fn = load_reward_fn(cfg.reward.components, run.device) if (online or eval_items) else None
-    model = load_flow_model(cfg.model.path, run.device, run.dtype, cfg.model.max_sequence_length or None)
-    shift = d.sigma_shift or float(model.scheduler_config.get("shift", 1.0))
+    reward_fn = (load_reward_fn(cfg.reward.components, run.device, cfg.rollout.num_frames)
+                 if (online or eval_items) else None)
+    model = load_recipe_model(cfg, run.device, run.dtype)
+    shift = d.sigma_shift or model.sigma_shift
 
     if online:
         sampler = PromptSampler(load_prompts(cfg.data.train_prompts), seed=cfg.seed)
