@@ -1,10 +1,11 @@
-"""Images and curves written into a run directory: sample grids with captions and the reward curve PNG."""
+"""Images and curves written into a run directory: sample grids with captions (PNG; videos: MP4 grids through
+`mmrl.videos`) and the reward curve PNG."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -71,7 +72,7 @@ def write_samples(directory: Path, trackers: list, step: int, images: torch.Tens
     kind = "eval" if (name or "").startswith("eval") else "rollout"
     path = Path(directory) / (name or f"step_{step:06d}.png")
     if isinstance(images, torch.Tensor) and images.dim() == 5:
-        from mmrl.videos import DEFAULT_FPS, save_video_grid, to_uint8_frames
+        from mmrl.videos import DEFAULT_FPS, to_uint8_frames
 
         path = save_video_grid(images, captions, path.with_suffix(".mp4"))
         clips = [to_uint8_frames(v) for v in images]
@@ -123,3 +124,16 @@ def plot_reward_curve(rows: list[dict], path: str | Path, keys: tuple[str, ...] 
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def save_video_grid(videos: torch.Tensor, captions: Sequence[str] | None, path: str | Path,
+                    fps: int | None = None, cols: int | None = None) -> Path:
+    """Videos [N, F, 3, H, W] in [0, 1] -> one MP4 (or GIF) whose every frame is the grid of the N videos' frames,
+    with a caption under each (as `plots.save_image_grid` draws them)."""
+    from mmrl.videos import DEFAULT_FPS, write_video
+
+    if videos.dim() != 5 or videos.shape[2] != 3:
+        raise ValueError(f"save_video_grid: expected videos [N, F, 3, H, W], got {tuple(videos.shape)}")
+    frames = [np.asarray(image_grid(to_pil_images(videos[:, t]), list(captions) if captions else None, cols))
+              for t in range(videos.shape[1])]
+    return write_video(np.stack(frames), path, fps or DEFAULT_FPS)

@@ -96,16 +96,3 @@ def read_video(path: str | Path) -> np.ndarray:
     if not frames:
         raise ValueError(f"{path}: the video has no frames")
     return np.stack(frames)
-
-
-def save_video_grid(videos: torch.Tensor, captions: Sequence[str] | None, path: str | Path,
-                    fps: int = DEFAULT_FPS, cols: int | None = None) -> Path:
-    """Videos [N, F, 3, H, W] in [0, 1] -> one MP4 (or GIF) whose every frame is the grid of the N videos' frames,
-    with a caption under each (as `plots.save_image_grid` draws them)."""
-    from mmrl.plots import image_grid, to_pil_images
-
-    if videos.dim() != 5 or videos.shape[2] != 3:
-        raise ValueError(f"save_video_grid: expected videos [N, F, 3, H, W], got {tuple(videos.shape)}")
-    frames = [np.asarray(image_grid(to_pil_images(videos[:, t]), list(captions) if captions else None, cols))
-              for t in range(videos.shape[1])]
-    return write_video(np.stack(frames), path, fps)

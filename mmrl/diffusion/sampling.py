@@ -106,7 +106,7 @@ def guided_velocity(model: FlowModel, latents: Tensor, sigma: Tensor | float, em
     both = PromptEmbeds.cat([model.negative_embeds(b), embeds])
     v = model.velocity(torch.cat([latents, latents]), torch.cat([s, s]), both, guidance_scale=guidance_scale, cfg=False)
     v_uncond, v_cond = v.chunk(2)
-    return model.combine_cfg(v_uncond.detach(), v_cond, s, guidance_scale)
+    return model.combine_cfg(v_uncond.detach(), v_cond, guidance_scale, sigma=s)
 
 
 def step_log_prob(model: FlowModel, latents: Tensor, next_latents: Tensor | None, sigma: Tensor, sigma_next: Tensor,

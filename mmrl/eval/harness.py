@@ -167,7 +167,7 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
     from mmrl.diffusion.sampling import sample_groups
     from mmrl.pipelines.data import load_prompts
     from mmrl.runtime import resolve_device, resolve_dtype, save_image_grid
-    from mmrl.videos import save_video_grid
+    from mmrl.plots import save_video_grid
     from tqdm.auto import tqdm
 
     if not RECIPES.get(cfg.algorithm, "").startswith("mmrl.diffusion."):

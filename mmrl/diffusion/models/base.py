@@ -65,6 +65,7 @@ class FlowModel:
     has_guidance_embedding: bool = False  # FLUX-dev: guidance goes into the transformer, not CFG
     is_video: bool = False  # latents [B, C, F, h, w]; decode gives [B, F, 3, H, W] when num_frames > 1
     num_frames: int = 1  # frames per sample (> 1 only for video families; set_num_frames)
+    option_names: tuple[str, ...] = ()  # the keywords `configure` takes (model.family_options)
 
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, max_sequence_length: int):
         self.pipe = pipe
@@ -107,15 +108,17 @@ class FlowModel:
             both = self._with_negative(embeds)
             v = self._forward(torch.cat([latents, latents]), torch.cat([sigma, sigma]), both, guidance_scale)
             v_uncond, v_cond = v.float().chunk(2)
-            return self.combine_cfg(v_uncond, v_cond, sigma, guidance_scale)
+            return self.combine_cfg(v_uncond, v_cond, guidance_scale, sigma=sigma)
         return self._forward(latents, sigma, embeds, guidance_scale).float()
 
     def cfg_enabled(self, guidance_scale: float) -> bool:
         """Whether `guidance_scale` turns classifier-free guidance on (diffusers' rule for this family's pipeline)."""
         return guidance_scale > 1.0 and not self.has_guidance_embedding
 
-    def combine_cfg(self, v_uncond: Tensor, v_cond: Tensor, sigma: Tensor, guidance_scale: float) -> Tensor:
-        """The guided velocity from the two branches (sigma [B]): v_u + w (v_c - v_u) unless a family differs."""
+    def combine_cfg(self, v_uncond: Tensor, v_cond: Tensor, guidance_scale: float,
+                    sigma: Tensor | None = None) -> Tensor:
+        """The guided velocity from the two branches: v_u + w (v_c - v_u) unless a family's pipeline differs (Z-Image's
+        scale convention; Wan 2.2 A14B's second scale for the low-noise expert, chosen by sigma [B])."""
         return v_uncond + guidance_scale * (v_cond - v_uncond)
 
     def _with_negative(self, embeds: PromptEmbeds) -> PromptEmbeds:
@@ -148,10 +151,12 @@ class FlowModel:
         self.num_frames = 1
 
     def configure(self, **options: Any) -> None:
-        """Family-specific settings (`model.family_options`); this family has none."""
+        """Family-specific settings (`model.family_options`): a family overrides this taking its keywords (named in
+        `option_names`) and passes the rest here, where any left is an error."""
         if options:
+            valid = f"valid: {list(self.option_names)}" if self.option_names else "it takes none"
             raise ValueError(f"model.family_options: {sorted(options)} not known to {type(self.pipe).__name__} "
-                             f"(it takes none)")
+                             f"({valid})")
 
     @property
     def sigma_shift(self) -> float:
@@ -248,6 +253,12 @@ def register_family(class_name: str) -> Callable[[type[FlowModel]], type[FlowMod
 def available_families() -> list[str]:
     """Pipeline class names `load_flow_model` accepts (model_index.json `_class_name`), sorted."""
     return sorted(MODEL_FAMILIES)
+
+
+def _text_only(model: FlowModel, images: Any) -> None:
+    """Text-to-image / -video families take no source image: one given anyway is a mistake, not ignored."""
+    if images is not None:
+        raise ValueError(f"{type(model.pipe).__name__} generates from text only: it takes no source images")
 
 
 def _image_only_error(class_name: str, num_frames: int) -> ValueError:

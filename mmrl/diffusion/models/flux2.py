@@ -24,7 +24,7 @@ import warnings
 import numpy as np
 import torch
 
-from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, register_family
+from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, _text_only, register_family
 
 # source: Flow-Factory src/flow_factory/models/flux/flux2.py and flux2_klein.py (default LoRA targets). The
 # single-stream blocks' output projection (`single_transformer_blocks.N.attn.to_out`, a plain Linear) is not among
@@ -50,7 +50,8 @@ class Flux2Model(FlowModel):
         self.has_guidance_embedding = bool(getattr(self.transformer.config, "guidance_embeds", False))
         self._ids: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def encode_prompts(self, prompts):
+    def encode_prompts(self, prompts, images=None):
+        _text_only(self, images)
         with torch.no_grad():
             pe, _ = self.pipe.encode_prompt(prompt=list(prompts), device=self.device,
                                             max_sequence_length=self.max_sequence_length,

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, register_family
+from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, _text_only, register_family
 
 Tensor = torch.Tensor
 
@@ -76,6 +76,7 @@ class WanModel(FlowModel):
     is_video = True
     default_max_sequence_length = 512  # the pipeline's (Flow-Factory pads to it too)
     lora_target_modules = WAN_LORA_TARGETS
+    option_names = ("guidance_scale_2",)
 
     def __init__(self, pipe, device, dtype, max_sequence_length):
         super().__init__(pipe, device, dtype, max_sequence_length)
@@ -112,14 +113,15 @@ class WanModel(FlowModel):
         self.num_frames = int(num_frames)
 
     # ------------------------------------------------------------------ text
-    def encode_prompts(self, prompts):
+    def encode_prompts(self, prompts, images=None):
+        _text_only(self, images)
         with torch.no_grad():
             pe, _ = self.pipe.encode_prompt(prompt=list(prompts), do_classifier_free_guidance=False,
                                             max_sequence_length=self.max_sequence_length, device=self.device)
         return PromptEmbeds(prompt_embeds=pe.to(self.dtype))
 
     # ------------------------------------------------------------------ denoising
-    def combine_cfg(self, v_uncond, v_cond, sigma, guidance_scale):
+    def combine_cfg(self, v_uncond, v_cond, guidance_scale, sigma=None):
         if self.boundary is None or self.guidance_scale_2 is None:
             return v_uncond + guidance_scale * (v_cond - v_uncond)
         high = (sigma * self.scheduler_config.get("num_train_timesteps", 1000) >= self.boundary)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, register_family
+from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, _text_only, register_family
 
 # source: Flow-Factory src/flow_factory/models/z_image/z_image.py (default LoRA targets)
 Z_IMAGE_LORA_TARGETS = [
@@ -35,7 +35,8 @@ class ZImageModel(FlowModel):
     default_max_sequence_length = 512  # the pipeline's
     lora_target_modules = Z_IMAGE_LORA_TARGETS
 
-    def encode_prompts(self, prompts):
+    def encode_prompts(self, prompts, images=None):
+        _text_only(self, images)
         with torch.no_grad():
             texts = [self.pipe.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                              add_generation_prompt=True, enable_thinking=True)
@@ -51,7 +52,7 @@ class ZImageModel(FlowModel):
     def cfg_enabled(self, guidance_scale):
         return guidance_scale > 0.0
 
-    def combine_cfg(self, v_uncond, v_cond, sigma, guidance_scale):
+    def combine_cfg(self, v_uncond, v_cond, guidance_scale, sigma=None):
         # pos + s (pos - neg) on the negated outputs: bitwise the negation of the pipeline's combination
         return v_cond + guidance_scale * (v_cond - v_uncond)
 
