@@ -174,6 +174,9 @@ def _check(cfg: Config) -> None:
                          f"update.mini_batch_size 0, got {cfg.update.epochs} and {cfg.update.mini_batch_size}")
     if not online and not cfg.data.preference_file:
         raise ValueError("algo.mode=offline needs data.preference_file (a .jsonl/.json/.parquet of preference pairs)")
+    if not online and cfg.rollout.num_frames > 1:
+        raise ValueError(f"algo.mode=offline trains on image preference pairs; rollout.num_frames="
+                         f"{cfg.rollout.num_frames} (videos) works with algo.mode=online")
     if online and cfg.rollout.group_size < 2:
         raise ValueError(f"algo.mode=online needs rollout.group_size >= 2 to form pairs, got {cfg.rollout.group_size}")
     dc.check_common(cfg, online=online)

@@ -77,3 +77,15 @@ def test_recipe_trains_and_resumes_exactly(family, recipe, lora, tmp_path, reque
     assert (full / "samples" / f"step_000001.{'mp4' if video else 'png'}").is_file()
     ckpt = full / "checkpoints" / "step_2" / "adapters" / "default"
     assert (ckpt / ("adapter_model.safetensors" if lora else "model.safetensors")).is_file()
+
+
+def test_offline_dpo_refuses_video_in_one_line(tmp_path):
+    from mmrl.diffusion.dpo import train
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"prompt": "a", "chosen": "a.png", "rejected": "b.png"}\n')
+    cfg = load_config({"algorithm": "dpo", "output_dir": str(tmp_path / "run"), "model": {"path": str(tmp_path)},
+                       "data": {"preference_file": str(pairs)}, "rollout": {"num_frames": 5}})
+    with pytest.raises(ValueError, match=r"^algo.mode=offline trains on image preference pairs; rollout.num_frames=5"):
+        train(cfg)
+
