@@ -38,6 +38,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "vlm_step": ["--part", "all", "--threads", "1"],
     "reward_overlap": ["--threads", "1"],
     "compare_diffusion_algos": ["--out", "runs/compare_diffusion/{stamp}"],
+    "families": ["--threads", "1"],
     # a rollout process beside the trainer vs the synchronous loop with 2 and with 1 thread (sets its own threads)
     "async_rollout": ["--out", "runs/bench_async/{stamp}"],
 }

@@ -82,8 +82,8 @@ class FlowGRPOProducer:
     policy state (LoRA or full weights, replaced by every push), the prompt stream and the reward."""
 
     def __init__(self, cfg: Any, rank: int, world: int, device: str):
-        from mmrl.diffusion.common import TransformerEvalCounter, build_policy_states
-        from mmrl.diffusion.models import PromptEmbedCache, load_flow_model
+        from mmrl.diffusion.common import TransformerEvalCounter, build_policy_states, load_recipe_model
+        from mmrl.diffusion.models import PromptEmbedCache
         from mmrl.diffusion.scoring import AsyncRewardScorer, load_reward_fn
         from mmrl.distributed import DistContext
         from mmrl.pipelines.data import PromptSampler, load_prompts
@@ -92,8 +92,7 @@ class FlowGRPOProducer:
         s = cfg.rollout
         self.cfg, self.shards = cfg, DistContext(rank=rank, world_size=world)
         dev = torch.device(device)
-        self.model = load_flow_model(cfg.model.path, dev, resolve_dtype(cfg.dtype),
-                                     cfg.model.max_sequence_length or None)
+        self.model = load_recipe_model(cfg, dev, resolve_dtype(cfg.dtype))
         self.states = build_policy_states(self.model, cfg.model, old=False, ref=False)
         self.evals = TransformerEvalCounter(self.model.transformer)
         items = load_prompts(cfg.data.train_prompts)
@@ -101,7 +100,7 @@ class FlowGRPOProducer:
         self.encode = PromptEmbedCache(self.model, n_distinct) if 0 < n_distinct <= s.prompt_cache_size \
             else self.model.encode_prompts
         self.data = PromptSampler(items, seed=cfg.seed)
-        self.reward_fn = load_reward_fn(cfg.reward.components, dev)
+        self.reward_fn = load_reward_fn(cfg.reward.components, dev, s.num_frames)
         self.scorer = AsyncRewardScorer(self.reward_fn) if cfg.reward.async_scoring else None
 
     def load_weights(self, tensors: dict) -> None:
