@@ -12,7 +12,8 @@ each a whole `mmrl train` run in its own process:
 * `sync 1 thread`: the synchronous loop with one thread (the recipes' default on this machine);
 * `async, decoupled PPO`: `rollout.worker=process rollout.max_staleness=K` (default 1), trainer and rollout process
   with one torch thread each (2 processes on the 2 cores), pi_old recomputed by the trainer
-  (`algo.old_logprobs=recompute`: one more no-grad forward per step);
+  (`algo.old_logprobs=recompute`: one more no-grad forward per step) and TIS weights pi_old / pi_rollout
+  (`algo.rollout_correction.is_level=token`);
 * `async, bypass`: the same with `algo.old_logprobs=rollout` (the PPO ratio taken against the stale rollout's
   log-probs; no extra forward).
 
@@ -49,7 +50,7 @@ ASYNC = ["num_threads=1", "rollout.worker=process", "rollout.worker_threads=1"]
 VARIANTS = {  # name -> (threads per process, overrides)
     "sync 2 threads": (2, ["num_threads=2"]),
     "sync 1 thread": (1, ["num_threads=1"]),
-    "async, decoupled PPO": (1, [*ASYNC, "algo.old_logprobs=recompute"]),
+    "async, decoupled PPO": (1, [*ASYNC, "algo.old_logprobs=recompute", "algo.rollout_correction.is_level=token"]),
     "async, bypass": (1, [*ASYNC, "algo.old_logprobs=rollout"]),
 }
 

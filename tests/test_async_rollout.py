@@ -112,6 +112,35 @@ def test_incompatible_combinations_are_refused_in_one_line(monkeypatch):
         check_async_rollout(cfg)
 
 
+@pytest.mark.parametrize("cfg_file, override", [("configs/vlm/grpo_tiny_shapes.yaml", "update.epochs=2"),
+                                                ("configs/vlm/grpo_tiny_shapes.yaml", "algo.old_logprobs=recompute"),
+                                                ("configs/diffusion/flow_grpo_tiny.yaml", "algo.old_logprobs=recompute")])
+def test_stale_batches_with_recomputed_pi_old_need_the_correction_weights(cfg_file, override):
+    """Decoupled PPO trains stale samples with pi_old from the trainer, so it needs the weights pi_old / pi_rollout
+    (algo.rollout_correction); without them the tiny VLM recipe's policy went uniform within 15 steps. Bypass (the
+    rollout's log-probs as pi_old) and k = 0 need nothing."""
+    from mmrl.diffusion import flow_grpo  # noqa: F401  (the recipes' checks)
+    from mmrl.vlm.grpo_checks import check_config, recompute_old_logprobs
+
+    def check(*overrides):
+        cfg = load_config(str(REPO / cfg_file), ["rollout.worker=process", override, *overrides])
+        if cfg.algorithm == "vlm_grpo":
+            return check_config(cfg)
+        from mmrl.training.async_rollout import check_async_rollout
+
+        return check_async_rollout(cfg, recomputes_old=cfg.algo.old_logprobs == "recompute")
+
+    with pytest.raises(ValueError, match=r"rollout.max_staleness=1 with pi_old recomputed by the trainer \(algo."
+                                         r"old_logprobs=(auto|recompute)\) needs algo.rollout_correction"):
+        check("rollout.max_staleness=1")
+    check("rollout.max_staleness=1", "algo.rollout_correction.is_level=token")
+    check("rollout.max_staleness=0")
+    vlm = load_config(str(REPO / "configs/vlm/grpo_tiny_shapes.yaml"), ["rollout.worker=process",
+                                                                         "rollout.max_staleness=1"])
+    assert not recompute_old_logprobs(vlm)  # auto with one update per batch: bypass
+    check_config(vlm)
+
+
 # ------------------------------------------------------------------ the schedule, with a model-free producer
 
 

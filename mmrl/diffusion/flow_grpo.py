@@ -194,7 +194,7 @@ def train(cfg: Config) -> dict:
     from mmrl.training.async_rollout import check_async_rollout, policy_weights, rollout_process
 
     dc.check_common(cfg)
-    check_async_rollout(cfg)
+    check_async_rollout(cfg, recomputes_old=cfg.algo.old_logprobs == "recompute")
     s, a = cfg.rollout, cfg.algo
     cfg.update.updates_per_epoch(s.batch)  # update.mini_batch_size must divide the batch: fail before loading
     ctx, run = start_run(cfg, {"rollout.prompts_per_step": s.prompts_per_step})

@@ -35,10 +35,10 @@ the wait for up to k batches.
 
 Metrics of `next` / `push`: ``rollout/staleness/mean|max`` (trainer version - batch version, per sample),
 ``rollout/policy_version``; timing-dependent (under ``time/``): ``time/async/wait_s`` (trainer waiting for and
-receiving the batch), ``time/async/trainer_idle_ratio`` (that wait / the trainer's step), ``time/async/rollout_idle_ratio`` (the
-rollout process waiting for work / its wall time since its previous batch), ``time/async/queue_length`` (finished
-batches waiting when the trainer asks), ``time/async/weight_push_s``, ``time/async/weight_load_s``, and the
-producer's own ``time/*`` (rollout, reward).
+receiving the batch), ``time/async/trainer_idle_ratio`` (that wait / the trainer's step),
+``time/async/rollout_idle_ratio`` (the rollout process waiting for work / its wall time since its previous batch),
+``time/async/queue_length`` (finished batches waiting when the trainer asks), ``time/async/weight_push_s``,
+``time/async/weight_load_s``, and the producer's own ``time/*`` (rollout, reward).
 
 Several processes (DDP under torchrun, also across machines): every trainer rank starts its own rollout process on
 its node and pushes to it; each producer generates its rank's share. Checkpoints gather every rank's in-flight
@@ -97,11 +97,21 @@ class RolloutProducer(Protocol):
         ...
 
 
-def check_async_rollout(cfg: Any, multi_process: bool | None = None) -> None:
+def check_async_rollout(cfg: Any, multi_process: bool | None = None, recomputes_old: bool = False) -> None:
     """One-line errors for combinations the rollout process does not support (the section's own checks run when
     the config loads: max_staleness >= 0, max_staleness > 0 only with worker=process). `multi_process`: several
-    trainer processes (None: read WORLD_SIZE, as set by torchrun)."""
+    trainer processes (None: read WORLD_SIZE, as set by torchrun). `recomputes_old`: the recipe takes pi_old from a
+    trainer forward (decoupled PPO); with stale batches that needs the importance weights pi_old / pi_rollout."""
     ro = cfg.rollout
+    algo = getattr(cfg, "algo", None)
+    correction = getattr(algo, "rollout_correction", None)
+    if recomputes_old and ro.max_staleness > 0 and not (correction is not None and correction.enabled):
+        # measured on the tiny VLM recipe at k=1: without the weights its entropy went 1.0 -> 6.9 (uniform) in 15 steps
+        raise ValueError(f"rollout.max_staleness={ro.max_staleness} with pi_old recomputed by the trainer (algo."
+                         f"old_logprobs={algo.old_logprobs}) needs algo.rollout_correction (e.g. algo."
+                         f"rollout_correction.is_level=token: weights pi_old / pi_rollout, decoupled PPO), else the "
+                         f"stale samples count as drawn by pi_old; or use algo.old_logprobs=rollout (bypass: the ratio "
+                         f"against the policy that sampled)")
     if multi_process is None:
         multi_process = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
     if ro.worker != "process":
@@ -110,7 +120,6 @@ def check_async_rollout(cfg: Any, multi_process: bool | None = None) -> None:
     if strategy == "fsdp":
         raise ValueError("rollout.worker=process with dist.strategy=fsdp is not supported (the rollout process needs "
                          "whole weights, FSDP shards them); use dist.strategy=ddp or rollout.worker=inline")
-    algo = getattr(cfg, "algo", None)
     if multi_process and getattr(algo, "dynamic_sampling", False):
         raise ValueError("rollout.worker=process with several processes and algo.dynamic_sampling=true is not "
                          "supported (the generation rounds need a count over all ranks); use one process or "

@@ -21,7 +21,7 @@ def check_config(cfg: Any) -> None:
     get_advantage_estimator(al.advantage)
     get_policy_loss(al.policy_loss)
     nominal = ro.prompts_per_step * ro.group_size
-    check_async_rollout(cfg)
+    check_async_rollout(cfg, recomputes_old=recompute_old_logprobs(cfg))
     if cfg.dist.strategy == "fsdp" and ro.engine != "hf":
         raise ValueError("dist.strategy=fsdp: vlm_grpo supports FSDP with rollout.engine=hf only")
     if cfg.model.lora.init_path:
@@ -99,9 +99,8 @@ def needs_groups(advantage: str) -> bool:
 
 def recompute_old_logprobs(cfg: Any) -> bool:
     """`algo.old_logprobs`: recompute them with a forward before updating (`recompute`, or `auto` with more than one
-    update per rollout, the vLLM engine, whose numerics differ, or rollout.max_staleness > 0) instead of taking the
-    engine's."""
+    update per rollout or the vLLM engine, whose numerics differ) instead of taking the engine's. Stale batches
+    (rollout.max_staleness > 0) alone keep the rollout's (bypass: the PPO ratio against the policy that sampled)."""
     al, up, ro = cfg.algo, cfg.update, cfg.rollout
     return al.old_logprobs == "recompute" or (al.old_logprobs == "auto" and (
-        up.epochs > 1 or up.mini_batch_size not in (0, ro.prompts_per_step * ro.group_size) or ro.engine == "vllm"
-        or ro.max_staleness > 0))  # stale batches: decoupled PPO (pi_old = the trainer's weights before the update)
+        up.epochs > 1 or up.mini_batch_size not in (0, ro.prompts_per_step * ro.group_size) or ro.engine == "vllm"))

@@ -1,8 +1,9 @@
 """vlm_grpo with its rollouts in a rollout process (`rollout.worker: process`; mmrl.training.async_rollout): with
 `max_staleness: 0` the run's metrics equal the synchronous run's exactly (DAPO rounds and the format warm start
 included); with `max_staleness: 2` batch t is generated with the weights after update t-3 (staleness 0, 1, 2, 2, ...),
-the old log-probs are recomputed (decoupled PPO), and a run stopped at a checkpoint then extended resumes exactly
-(the two in-flight batches are saved in the checkpoint)."""
+pi_old is recomputed with TIS weights pi_old / pi_rollout (decoupled PPO), and a run stopped at a checkpoint then
+extended resumes exactly (the two in-flight batches are saved in the checkpoint); under torchrun each rank has its
+rollout process (bypass: the default with stale batches)."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def test_max_staleness_zero_equals_the_synchronous_run(tiny_path, tmp_path):  # 
 
 @pytest.mark.slow
 def test_stale_batches_resume_exactly_with_in_flight_batches_saved(tiny_path, tmp_path):  # noqa: F811
-    opts = ("train.save_every=2", "rollout.worker=process", "rollout.max_staleness=2", *LEARNS)
+    opts = ("train.save_every=2", "rollout.worker=process", "rollout.max_staleness=2", "algo.old_logprobs=recompute",
+            "algo.rollout_correction.is_level=token", *LEARNS)
     grpo.train(_cfg(tiny_path, tmp_path / "full", "train.max_steps=5", *opts))
     grpo.train(_cfg(tiny_path, tmp_path / "part", "train.max_steps=2", *opts))
     grpo.train(_cfg(tiny_path, tmp_path / "part", "train.max_steps=5", *opts))  # resume=auto from step_2
@@ -60,9 +62,11 @@ def test_stale_batches_resume_exactly_with_in_flight_batches_saved(tiny_path, tm
     assert_same_path(part, full, why=RESUMED_RUN + "; the in-flight batches come from the checkpoint")
     assert [r["rollout/staleness/max"] for r in full] == [0.0, 1.0, 2.0, 2.0, 2.0]
     assert [r["rollout/policy_version"] for r in full] == [0.0, 0.0, 0.0, 1.0, 2.0]
-    assert "time/old_logprob_s" in metrics_rows(tmp_path / "full")[0]  # max_staleness > 0: decoupled PPO (auto)
-    # the recomputed pi_old of a stale batch differs from the rollout's log-probs once the weights have moved
+    # the recomputed pi_old of a stale batch differs from the rollout's log-probs once the weights have moved: the
+    # TIS weights pi_old / pi_rollout move away from 1 (exactly 1 on the fresh first batch)
     assert full[0]["diag/logprob_drift"] < 1e-4 and max(r["diag/logprob_drift"] for r in full[3:]) > 1e-3
+    dev = [abs(r["rollout/correction/rollout_is_mean"] - 1.0) for r in full]
+    assert dev[0] < 1e-5 and max(dev[3:]) > 1e-3, dev
     with pytest.raises(ConfigError, match=r"rollout.max_staleness: 2 -> 1"):  # the checkpoint holds 2 batches
         grpo.train(_cfg(tiny_path, tmp_path / "part", "train.max_steps=6", *opts, "rollout.max_staleness=1"))
 
