@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mmrl.training import LoRAConfig, OnNonfinite, OptimConfig, TrackersConfig
+from mmrl.training.judges import JudgeFields
 
 # old key (before issue 12) -> new key, common to flow_grpo, dpo and nft (each recipe adds its own)
 RENAMED_KEYS: dict[str, str] = {
@@ -119,7 +120,18 @@ class RewardConfig:
 
 
 @dataclass
-class AdvantageRewardConfig(RewardConfig):
+class AggregationFields:
+    """`reward.aggregation` of every diffusion recipe that turns rewards into advantages or pairs."""
+
+    aggregation: Literal["sum_then_normalise", "normalise_then_sum"] = "sum_then_normalise"
+    """Several reward components: `sum_then_normalise` normalises their weighted sum per prompt (GRPO);
+    `normalise_then_sum` normalises each component per prompt, sums with the weights and whitens over the batch
+    (GDPO, arXiv 2601.05242; needs reward.history 0 and no running_norm). One component: the same up to the batch
+    whitening."""
+
+
+@dataclass
+class AdvantageRewardConfig(AggregationFields, RewardConfig):
     std_mode: Literal["group", "global"] = "group"
     """Advantage scale: `group` (per-prompt std) or `global` (std of the whole batch)."""
     history: int = 0
@@ -133,7 +145,7 @@ class AdvantageRewardConfig(RewardConfig):
 
 
 @dataclass
-class LogConfig(TrackersConfig):
+class LogConfig(JudgeFields, TrackersConfig):  # + judges, hacking (log.judges: the reward-hacking alarm)
     sample_every: int = 10
     """Save a grid of rollout images (with prompt and reward) every this many steps (0 = never)."""
     num_samples: int = 16
@@ -147,6 +159,7 @@ class LogConfig(TrackersConfig):
         for key in ("sample_every", "eval_every", "num_samples"):
             if getattr(self, key) < 0:
                 raise ValueError(f"log.{key}: expected >= 0, got {getattr(self, key)}")
+        super().__post_init__()  # log.judges / log.hacking
 
 
 def check_common(cfg: Any, online: bool = True) -> None:
@@ -160,3 +173,12 @@ def check_common(cfg: Any, online: bool = True) -> None:
         require_path("data.train_prompts", cfg.data.train_prompts, "prompt file")
     if cfg.data.eval_prompts:
         require_path("data.eval_prompts", cfg.data.eval_prompts, "prompt file")
+    reward = getattr(cfg, "reward", None)
+    if getattr(reward, "aggregation", "sum_then_normalise") == "normalise_then_sum" and (
+            getattr(reward, "history", 0) or getattr(reward, "running_norm", False)):
+        raise ValueError("reward.aggregation=normalise_then_sum normalises each reward within this step's groups: it "
+                         "needs reward.history=0 and reward.running_norm=false")
+    if log.judges and not (cfg.data.eval_prompts and log.eval_every):
+        raise ValueError("log.judges are scored at every evaluation: set data.eval_prompts (the held-out prompts) and "
+                         f"log.eval_every > 0 (got eval_prompts={cfg.data.eval_prompts!r}, "
+                         f"eval_every={log.eval_every})")

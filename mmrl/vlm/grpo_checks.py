@@ -20,6 +20,12 @@ def check_config(cfg: Any) -> None:
     get_advantage_estimator(al.advantage)
     get_policy_loss(al.policy_loss)
     nominal = ro.prompts_per_step * ro.group_size
+    if cfg.reward.aggregation == "normalise_then_sum" and (al.kl.in_reward or cfg.reward.running_norm):
+        raise ValueError("reward.aggregation=normalise_then_sum normalises each reward component in its groups: it "
+                         "cannot take algo.kl.in_reward or reward.running_norm (they change the summed reward only)")
+    if log.judges and (not d.eval_size or (d.kind == "geo3k" and not d.val_path)):
+        raise ValueError("log.judges are scored on the eval prompts: set data.eval_size > 0 (and data.val_path for "
+                         f"geo3k), got eval_size={d.eval_size}, val_path={d.val_path!r}")
     if cfg.dist.strategy == "fsdp" and ro.engine != "hf":
         raise ValueError("dist.strategy=fsdp: vlm_grpo supports FSDP with rollout.engine=hf only")
     if cfg.model.lora.init_path:

@@ -103,7 +103,11 @@ class AlgoConfig:
     omega: float = 1.0
     """GiGPO weight of the step-level (anchor-group) advantage."""
     scale_by_std: bool = True
-    """Divide group advantages by the group std (False = Dr.GRPO-style mean-centring only)."""
+    """Divide group advantages by the group std (False = Dr.GRPO-style mean-centring only; with gigpo that is
+    verl-agent's `mode: mean_norm`, its default)."""
+    gigpo_episode_stats: Literal["episode", "step"] = "episode"
+    """GiGPO's episode-level statistics: `episode` (the paper: each episode counts once in its group's mean/std) or
+    `step` (verl-agent's default: every turn row counts, so long episodes weigh more)."""
     policy_loss: Literal["ppo_clip", "gspo", "cpgd", "reinforce"] = "ppo_clip"
     """Policy loss (mmrl.core.POLICY_LOSSES), token-mean over the policy tokens of a mini-batch: ppo_clip (token
     ratios), gspo (sequence ratio; use its small clip ranges, e.g. clip_low 3e-4, clip_high 4e-4), cpgd or reinforce
@@ -322,7 +326,7 @@ def train(cfg: Config) -> dict:
             # ---- advantages (statistics and GiGPO anchor groups over the global batch), this rank's rows
             with timer("advantages"):
                 turn_adv = turn_advantages(glob_train, algo.advantage, algo.gamma, algo.omega, algo.scale_by_std,
-                                           reward_norm) if glob_train else torch.zeros(0, 1)
+                                           reward_norm, algo.gigpo_episode_stats) if glob_train else torch.zeros(0, 1)
                 metrics.update(reward_norm.metrics() if reward_norm is not None and glob_train else {})
                 adv = token_advantages(train_eps, turn_adv[lo:lo + len(train_eps)])
                 vcache = VisionCache(model) if reuse and train_eps else None  # this step's images, "default" state
