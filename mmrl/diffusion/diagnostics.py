@@ -81,13 +81,15 @@ def velocity_reference_terms(v: Tensor, v_ref: Tensor, kl_coef: float,
 @torch.no_grad()
 def sample_statistics(images: Tensor | None, latents: Tensor | None = None,
                       prefix: str = "diag/sample/") -> dict[str, Any]:
-    """Statistics of a batch of images [B, 3, H, W] in [0, 1] (and final latents [B, ...]); see the module doc."""
+    """Statistics of a batch of images [B, 3, H, W] in [0, 1] (videos [B, F, 3, H, W]: over all frames; and final
+    latents [B, ...]); see the module docstring."""
     out: dict[str, Any] = {}
     if latents is not None:
         out[f"{prefix}latent_rms"] = float(latents.float().pow(2).mean().sqrt())
     if images is None or images.numel() == 0:
         return out
     x = images.detach().float().clamp(0, 1)
+    x = x.flatten(0, 1) if x.dim() == 5 else x
     luma = 0.299 * x[:, 0] + 0.587 * x[:, 1] + 0.114 * x[:, 2]  # Rec. 601
     detail = 0.5 * ((x[..., :, 1:] - x[..., :, :-1]).abs().mean() + (x[..., 1:, :] - x[..., :-1, :]).abs().mean())
     out.update({

@@ -135,6 +135,8 @@ def test_sample_statistics_by_hand():
     assert s["diag/sample/contrast"] == pytest.approx(0.299 / 2)  # luma 0, .299: population std .1495
     assert s["diag/sample/saturation"] == pytest.approx(0.5)
     assert s["diag/sample/detail"] == pytest.approx(0.5 * (1 / 3 + 0.0))  # red channel steps once per row
+    video = sample_statistics(torch.stack([img[0], img[0]])[None], prefix="x/")  # [1, F=2, 3, 2, 2]: frames pooled
+    assert video == {k.replace("diag/sample/", "x/"): v for k, v in s.items() if "latent" not in k}
 
 
 # ---------------------------------------------------------------------------------------- aggregation
