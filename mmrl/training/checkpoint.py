@@ -86,12 +86,14 @@ def restore_checkpoint(ctx: Any, run: Any, states: Any, stateful: dict[str, Any]
     else:
         raise RunError(f"checkpoint {ckpt} has neither adapters/ + state.pt['stateful'] (this version's layout) nor "
                        f"policy/ (the earlier VLM layout): not a checkpoint of an mmrl recipe")
-    missing = [k for k in stateful if k not in saved]
+    # an object that may start fresh on resume (e.g. judges added to a run) says so with `optional_in_checkpoint`
+    missing = [k for k in stateful if k not in saved and not getattr(stateful[k], "optional_in_checkpoint", False)]
     if missing:
         raise RunError(f"checkpoint {ckpt}: state.pt lacks {missing} (has {sorted(saved)}): written by another recipe?")
     states.load(weights)
     for k, obj in stateful.items():
-        obj.load_state_dict(saved[k])
+        if k in saved:
+            obj.load_state_dict(saved[k])
     set_rng_state(state["rng"])
     if ctx.is_main:
         run.truncate_metrics(step)

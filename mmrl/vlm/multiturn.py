@@ -326,7 +326,8 @@ def train(cfg: Config) -> dict:
             # ---- advantages (statistics and GiGPO anchor groups over the global batch), this rank's rows
             with timer("advantages"):
                 turn_adv = turn_advantages(glob_train, algo.advantage, algo.gamma, algo.omega, algo.scale_by_std,
-                                           reward_norm, algo.gigpo_episode_stats) if glob_train else torch.zeros(0, 1)
+                                           reward_norm, episode_stats=algo.gigpo_episode_stats) \
+                    if glob_train else torch.zeros(0, 1)
                 metrics.update(reward_norm.metrics() if reward_norm is not None and glob_train else {})
                 adv = token_advantages(train_eps, turn_adv[lo:lo + len(train_eps)])
                 vcache = VisionCache(model) if reuse and train_eps else None  # this step's images, "default" state

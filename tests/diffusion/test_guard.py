@@ -212,6 +212,17 @@ def test_judges_in_every_recipe_baseline_and_resume(tmp_path, tiny_sd3_path, alg
         assert resumed[key] == pytest.approx(rows[-1][key], rel=1e-5, abs=1e-7), key
 
 
+def test_judges_added_when_resuming_start_fresh(tmp_path, tiny_sd3_path):
+    out = tmp_path / "run"
+    judged = ["log.eval_every=1", f"data.eval_prompts={EVAL}", "log.eval_max_prompts=3", "log.num_samples=3",
+              "log.judges={colour: {reward: prompt_color}}", "train.save_every=1"]
+    _train(_cfg("flow_grpo", out, tiny_sd3_path, ["train.max_steps=1", "train.save_every=1"]))  # no judges
+    _train(_cfg("flow_grpo", out, tiny_sd3_path, judged + ["train.max_steps=3"]))
+    rows = metrics_rows(out)
+    # step 2: the first evaluation with judges is their baseline (no rule yet); step 3 compares with it
+    assert "eval/judge/colour" in rows[1] and "eval/hacking" not in rows[1] and "eval/hacking" in rows[2]
+
+
 # ---------------------------------------------------------------------------------------- the hacking demo
 
 SHAPES = REPO / "assets" / "tiny_sd3_shapes"

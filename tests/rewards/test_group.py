@@ -2,9 +2,7 @@
 against a fake OpenAI-compatible server on 127.0.0.1, use inside a composite and in a rollout scorer."""
 
 import doctest
-import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -13,6 +11,7 @@ from mmrl import rewards
 from mmrl.rewards import group as group_mod
 from mmrl.rewards.group import is_group_reward, parse_winner, resolve_group_ids, win_rates
 from mmrl.rewards.remote import decode_image_base64
+from mmrl.testing import chat_completions_server
 
 P = ["a red circle on a blue background", "a yellow square on a black background"]
 
@@ -99,40 +98,24 @@ def _fake_pairwise_server(replies=None):
     state = {"calls": 0, "errors": []}
     lock = threading.Lock()
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
+    def handle(req, headers):
+        with lock:
+            state["calls"] += 1
+        try:
+            (msg,) = req["messages"]
+            a, b, text = msg["content"]
+            assert a["type"] == b["type"] == "image_url" and text["type"] == "text"
+            assert "Image 1" in text["text"] and "Image 2" in text["text"]
+            caption = text["text"].rsplit("Prompt: ", 1)[1]
+            la, lb = (decode_image_base64(x["image_url"]["url"]).float().mean().item() for x in (a, b))
+            reply = (replies or {}).get(caption) or ("Image 1 is better" if la > lb else "Image 2 is better")
+        except Exception as exc:  # noqa: BLE001
+            state["errors"].append(repr(exc))
+            return 400, repr(exc)
+        return 200, f"Reasoning...\n{reply}"
 
-        def _reply(self, status, obj):
-            body = json.dumps(obj).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_POST(self):  # noqa: N802
-            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            with lock:
-                state["calls"] += 1
-            try:
-                (msg,) = req["messages"]
-                a, b, text = msg["content"]
-                assert a["type"] == b["type"] == "image_url" and text["type"] == "text"
-                assert "Image 1" in text["text"] and "Image 2" in text["text"]
-                caption = text["text"].rsplit("Prompt: ", 1)[1]
-                la, lb = (decode_image_base64(x["image_url"]["url"]).float().mean().item() for x in (a, b))
-                reply = (replies or {}).get(caption) or ("Image 1 is better" if la > lb else "Image 2 is better")
-            except Exception as exc:  # noqa: BLE001
-                state["errors"].append(repr(exc))
-                return self._reply(400, {"error": {"message": repr(exc)}})
-            self._reply(200, {"choices": [{"index": 0, "message": {"role": "assistant",
-                                                                    "content": f"Reasoning...\n{reply}"}}]})
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    return httpd, state, f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    httpd, url = chat_completions_server(handle)
+    return httpd, state, url
 
 
 def test_vlm_pairwise_judge_win_rates():

@@ -55,7 +55,7 @@ def test_gdpo_on_the_estimator_by_hand():
     c = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]])
     g = torch.tensor([0, 0, 1, 1])
     out = multi_reward_advantages(c, [1.0, 0.5], lambda r: group_advantages(r, g), "normalise_then_sum")
-    a = 0.5 / ((0.5) ** 0.5 + 1e-6)  # group 0: +-0.5 / unbiased std sqrt(0.5); group 1 column 0 +-a, column 1 0
-    per = torch.tensor([[a, -a], [-a, a], [a, 0.0], [-a, 0.0]])
+    a = 0.5 / ((0.5) ** 0.5 + 1e-6)  # every column of both groups is (1, 0): +-0.5 / unbiased std sqrt(0.5)
+    per = torch.tensor([[a, -a], [-a, a], [a, a], [-a, -a]])
     s = per @ torch.tensor([1.0, 0.5])
     torch.testing.assert_close(out, (s - s.mean()) / (s.std() + 1e-4))
