@@ -32,6 +32,7 @@ from mmrl.runtime import Timer, seed_everything
 from mmrl.training import (FullOptimizerState, KLConfig, OnNonfinite, OptimConfig, UpdateGuard, build_optimizer,
                            checkpoint_due, restore_checkpoint, save_checkpoint, start_run)
 from mmrl.training.config import RolloutCorrectionConfig, RunningNormFields, TrackersConfig
+from mmrl.training.run import closes_runs
 from mmrl.vlm.batch import RolloutBatch
 from mmrl.vlm.common import (VisionCache, language_block_types, vision_has_adapters, vision_tower,
                              vision_tower_trainable)
@@ -107,7 +108,8 @@ class RewardConfig(RunningNormFields):  # + running_norm, running_norm_center, r
     name: str = "exact_match"
     """Reward from the zoo (mmrl.rewards.available()); scored on the response text with metadata['answer']."""
     kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments for mmrl.rewards.load(name, **kwargs)."""
+    """Keyword arguments for mmrl.rewards.load(name, **kwargs); each is reachable from the command line
+    (reward.kwargs.answer_key=solution)."""
     accuracy_key: str = ""
     """details key with 0/1 accuracy (e.g. `accuracy` for geo3k); empty: accuracy = score > 0.5."""
     overlong_buffer: int = 0
@@ -117,6 +119,16 @@ class RewardConfig(RunningNormFields):  # + running_norm, running_norm_center, r
     on_nonfinite: OnNonfinite = "error"
     """A NaN/inf reward: `error` (stop, naming the reward component and the response) or `drop_sample` (train
     without it; a group left with < 2 responses is not trained on; counted as reward/nonfinite_samples)."""
+
+    def __post_init__(self) -> None:
+        from mmrl.rewards.registry import check_reward_arguments, reward_arguments
+
+        super().__post_init__()
+        try:
+            reward_arguments(self.name)
+        except ValueError as exc:
+            raise ValueError(f"reward.name: {exc}") from None
+        check_reward_arguments(self.name, self.kwargs, "reward.kwargs")  # before any model loads
 
 
 @dataclass
@@ -193,6 +205,7 @@ class Config(RunConfig):
     find_unused_parameters)."""
 
 
+@closes_runs  # the run directory's lock released however train() ends; a failed start leaves nothing
 def train(cfg: Config) -> dict:
     check_config(cfg)
     ro, al, up = cfg.rollout, cfg.algo, cfg.update

@@ -26,6 +26,8 @@ from mmrl.training import (NONFINITE_KEY, SKIPPED_KEY, FullOptimizerState, KLCon
                            OptimConfig, RunningNormFields, TrackersConfig, UpdateConfig, UpdateGuard, build_optimizer,
                            checkpoint_due, finite_stats, peft_lora_config, restore_checkpoint, save_checkpoint,
                            start_run, summarise)
+from mmrl.training.run import closes_runs
+from mmrl.vlm.grpo_checks import check_clip_ranges
 from mmrl.vlm.common import VisionCache, vision_has_adapters, vision_tower
 from mmrl.vlm.credit import Advantage, collect_groups, episode_returns, token_advantages, turn_advantages
 from mmrl.vlm.envs import EnvManager, make_env
@@ -184,8 +186,12 @@ def check_config(cfg: Config) -> None:
         importlib.import_module(m)
     if not cfg.env.tasks:
         raise ValueError("env.tasks: expected at least one environment name, got none")
+    check_clip_ranges(cfg.algo.clip_low, cfg.algo.clip_high)
     for name in cfg.env.tasks:
-        make_env(name, **cfg.env.tasks[name])  # unknown names / bad kwargs fail here, with the valid names
+        try:
+            make_env(name, **(cfg.env.tasks[name] or {}))  # unknown names / bad kwargs fail here, with the valid names
+        except TypeError as exc:  # an argument the environment does not take (YAML or env.tasks.<name>.<arg>=...)
+            raise ValueError(f"env.tasks.{name}: {exc}") from None
     if cfg.rollout.group_size < 2 and cfg.algo.advantage != "turn_grpo":
         raise ValueError(f"rollout.group_size: group advantages need >= 2 episodes per task, "
                          f"got {cfg.rollout.group_size}")
@@ -218,6 +224,7 @@ def evaluate(cfg: Config, engine: Any, fmt: ChatFormat, manager: EnvManager,
     return episode_metrics(eps, episode_returns(eps, cfg.algo.gamma), prefix="eval/")
 
 
+@closes_runs  # the run directory's lock released however train() ends; a failed start leaves nothing
 def train(cfg: Config) -> dict:
     from mmrl.adapters import PolicyStates
     from mmrl.vlm.rollout import HFRolloutEngine

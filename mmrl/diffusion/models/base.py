@@ -223,6 +223,8 @@ def load_flow_model(path: str | Path, device: str | torch.device = "cpu", dtype:
     """
     import diffusers
 
+    from mmrl.checkpoint_files import refusing_pickled_weights
+
     path = Path(path)
     index = path / "model_index.json"
     if not path.is_dir() or not index.is_file():
@@ -236,7 +238,8 @@ def load_flow_model(path: str | Path, device: str | torch.device = "cpu", dtype:
         raise ValueError(f"model.path '{path}': pipeline class '{cls_name}' is not supported; "
                          f"supported: {available_families()}")
     model_cls = MODEL_FAMILIES[cls_name]
-    pipe = getattr(diffusers, cls_name).from_pretrained(str(path), dtype=dtype)
+    with refusing_pickled_weights("model.path", path):  # a pickled .bin: one line naming it, not 40
+        pipe = getattr(diffusers, cls_name).from_pretrained(str(path), dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     for name, module in pipe.components.items():
         if isinstance(module, torch.nn.Module):
