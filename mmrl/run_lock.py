@@ -26,6 +26,7 @@ import shutil
 import socket
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,22 @@ class RunLock:
 
     def __init__(self, directory: Path, fd: int, owner: object, flocked: bool, note: str | None):
         self.directory, self.path, self.fd = directory, directory / LOCK_NAME, fd
-        self.owner, self.flocked, self.note = owner, flocked, note
+        self.flocked, self.note = flocked, note
+        self._take(owner)
+
+    def _take(self, owner: object) -> None:
+        """`owner` holds the lock now; when it is garbage-collected without releasing it (a Run dropped without
+        `close()`), the lock goes with it, as a file object's descriptor does."""
+        self._owner = weakref.ref(owner)
+        weakref.finalize(owner, self._release_if_orphaned)
+
+    @property
+    def owner(self) -> object | None:
+        return self._owner()
+
+    def _release_if_orphaned(self) -> None:
+        if self._owner() is None:
+            self._drop()
 
     @classmethod
     def acquire(cls, directory: str | Path, owner: object) -> "RunLock":
@@ -77,7 +93,8 @@ class RunLock:
         key = str(directory.resolve())
         held = _HELD.get(key)
         if held is not None and held.fd >= 0:  # this process already holds it: the newer run takes it over
-            held.owner, held.note = owner, None
+            held._take(owner)
+            held.note = None
             return held
         path = directory / LOCK_NAME
         for _ in range(20):  # the holder may be removing the file as we open it: open again
@@ -132,7 +149,11 @@ class RunLock:
 
     def release(self, owner: object) -> None:
         """Remove the lock file and drop the lock, if `owner` (the Run that took it) still holds it."""
-        if self.fd < 0 or owner is not self.owner:
+        if owner is self.owner:
+            self._drop()
+
+    def _drop(self) -> None:
+        if self.fd < 0:
             return
         try:
             if os.fstat(self.fd).st_ino == os.stat(self.path).st_ino:

@@ -11,6 +11,7 @@ import shutil
 import sys
 import time
 import warnings
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -31,14 +32,16 @@ _DTYPES = {
 }
 
 _STARTED_RUN_DIR: Path | None = None  # run directory of the newest Run this process opened (past its checks)
-_OPEN_RUNS: list["Run"] = []  # Runs of this process not closed yet (`close_runs`)
+_OPEN_RUNS: list[weakref.ref] = []  # Runs of this process not closed yet (`close_runs`), oldest first
 
 
 def close_runs(since: int = 0, failed: bool = False) -> None:
     """Close the open Runs of this process opened after the first `since` (`Run.close`): what a recipe's train()
     opened, once it has returned or raised (`mmrl.training.closes_runs`)."""
-    for run in list(_OPEN_RUNS[since:]):
-        run.close(failed=failed)
+    for ref in list(_OPEN_RUNS[since:]):
+        run = ref()
+        if run is not None:
+            run.close(failed=failed)
 
 
 def open_runs() -> int:
@@ -206,7 +209,7 @@ class Run:
         except BaseException:
             self.close(failed=True)
             raise
-        _OPEN_RUNS.append(self)
+        _OPEN_RUNS.append(weakref.ref(self))
         _STARTED_RUN_DIR = self.dir.resolve()
 
     def _open(self, cfg: Any, config_text: str) -> None:
@@ -248,8 +251,7 @@ class Run:
         if self.lock is not None:
             self.lock.release(owner=self)
             self.lock = None
-        if self in _OPEN_RUNS:
-            _OPEN_RUNS.remove(self)
+        _OPEN_RUNS[:] = [r for r in _OPEN_RUNS if r() is not None and r() is not self]
 
     def _make_trackers(self) -> list:
         """`log.trackers` (tensorboard, wandb) of the config; jsonl is always on (mmrl.trackers)."""

@@ -2,6 +2,7 @@
 dead process, the lock released however a run ends, several processes of one run, and file systems without locks."""
 
 import errno
+import gc
 import json
 import os
 import signal
@@ -93,7 +94,7 @@ _HOLD = """
 import sys, time
 from mmrl.config import RunConfig, TrainConfig
 from mmrl.runtime import Run
-Run(RunConfig(algorithm="toy", output_dir=sys.argv[1], train=TrainConfig()))
+run = Run(RunConfig(algorithm="toy", output_dir=sys.argv[1], train=TrainConfig()))
 print("holding", flush=True)
 time.sleep(120)
 """
@@ -130,15 +131,15 @@ def test_a_run_of_another_process_is_refused_and_a_dead_ones_lock_taken_over(tmp
     assert not (run.dir / LOCK_NAME).exists()
 
 
-def _lock_fds() -> list[str]:
-    """Open file descriptors of this process on a run lock file."""
+def _lock_fds(under: Path) -> list[str]:
+    """Open file descriptors of this process on a run lock file under `under`."""
     fds = []
     for fd in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
-        if LOCK_NAME in target:
+        if LOCK_NAME in target and target.startswith(str(under)):
             fds.append(target)
     return fds
 
@@ -150,7 +151,7 @@ def test_the_lock_is_released_however_train_ends(tmp_path):
     @closes_runs
     def train(cfg):
         run = Run(cfg)
-        assert (run.dir / LOCK_NAME).is_file() and _lock_fds()
+        assert (run.dir / LOCK_NAME).is_file() and _lock_fds(run.dir)
         run.log(1, {"reward/mean": 1.0})
         raise cfg.failure
 
@@ -159,7 +160,7 @@ def test_the_lock_is_released_however_train_ends(tmp_path):
         cfg.failure = failure
         with pytest.raises(type(failure)):
             train(cfg)
-        assert not (tmp_path / "run" / LOCK_NAME).exists() and _lock_fds() == []
+        assert not (tmp_path / "run" / LOCK_NAME).exists() and _lock_fds(tmp_path) == []
         assert [r["step"] for r in Run(_cfg(tmp_path)).read_metrics()] == [1]  # kept: the run had written a step
 
 
@@ -171,6 +172,16 @@ def test_a_newer_run_of_the_same_process_takes_the_lock_over(tmp_path):
     assert (second.dir / LOCK_NAME).is_file()
     second.close()
     assert not (second.dir / LOCK_NAME).exists()
+    # a Run dropped without close() releases its lock when it is garbage-collected, like a file object
+    third = Run(_cfg(tmp_path))
+    assert (third.dir / LOCK_NAME).is_file() and _lock_fds(tmp_path)
+    del third
+    gc.collect()
+    assert not (tmp_path / "run" / LOCK_NAME).exists() and _lock_fds(tmp_path) == []
+
+
+class _Owner:
+    """Something that holds a lock (a Run, in the library)."""
 
 
 def test_file_systems_without_locks_fall_back_to_the_pid(tmp_path, monkeypatch):
@@ -187,11 +198,11 @@ def test_file_systems_without_locks_fall_back_to_the_pid(tmp_path, monkeypatch):
         info = {"pid": sleeper.pid, "host": socket.gethostname(), "started": time.time(), "argv": ["mmrl"]}
         (run_dir / LOCK_NAME).write_text(json.dumps(info))
         with pytest.raises(RunError, match=rf"PID {sleeper.pid} .*no file locks on this file system: checked by PID"):
-            RunLock.acquire(run_dir, owner=object())
+            RunLock.acquire(run_dir, owner=_Owner())
     finally:
         sleeper.kill()
         sleeper.wait()
-    owner = object()
+    owner = _Owner()
     lock = RunLock.acquire(run_dir, owner=owner)  # that PID is gone now: a stale lock
     assert not lock.flocked and f"left by PID {sleeper.pid}" in lock.note
     lock.release(owner)
