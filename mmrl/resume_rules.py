@@ -167,13 +167,13 @@ def preflight(run: Any) -> Path | None:
         raise RunError(f"output_dir {run.dir} already holds a run and train.resume={mode} would discard "
                        f"{' and '.join(lost)}; resume it with train.resume=auto, choose another output_dir, or "
                        f"pass train.overwrite=true to discard them")
+    resume = run.find_resume()  # an unusable PATH or refused config change stops the start before anything goes
+    if resume is not None:
+        check_resume_config(cfg, resume, run.dir, report=run.is_main)
     if lost and run.is_main:
         for p in doomed:
             shutil.rmtree(p, ignore_errors=True)
         if mode == "never":
             run.truncate_metrics(0)
         print(f"[mmrl] train.overwrite=true: discarded {' and '.join(lost)} in {run.dir}", file=sys.stderr)
-    resume = run.find_resume()
-    if resume is not None:
-        check_resume_config(cfg, resume, run.dir, report=run.is_main)
     return resume

@@ -328,19 +328,17 @@ class Run:
                 raise RunError(f"train.resume={mode}: {problem}")
             return Path(mode)
         ckpts = list_checkpoints(self.ckpt_dir)
-        for _, path in reversed(ckpts):
-            problem = self._check(path)
-            if problem is None:
-                return path
-            if path not in self._warned:
-                self._warned.add(path)
-                warnings.warn(f"{problem}; resuming from the previous complete checkpoint instead", RuntimeWarning,
-                              stacklevel=2)
-        if ckpts and not getattr(self.cfg.train, "overwrite", False):  # never a silent restart over a run
+        sound_step, sound = next(((s, p) for s, p in reversed(ckpts) if self._check(p) is None), (-1, None))
+        if ckpts and sound is None and not getattr(self.cfg.train, "overwrite", False):  # never a silent restart
             raise RunError(f"every checkpoint of {self.dir} is unusable ({'; '.join(self._check(p) for _, p in ckpts)})"
                            f": starting again from step 0 would overwrite the run's metrics.jsonl; restore a sound "
                            f"checkpoint, or pass train.overwrite=true to start again from step 0")
-        return None
+        for step, path in ckpts:  # the newer ones skipped (older unusable ones do not matter)
+            if step > sound_step and path not in self._warned:
+                self._warned.add(path)
+                instead = "the previous complete checkpoint" if sound is not None else "step 0 (train.overwrite=true)"
+                warnings.warn(f"{self._check(path)}; resuming from {instead} instead", RuntimeWarning, stacklevel=2)
+        return sound
 
     def _check(self, path: Path) -> str | None:
         path = Path(path)

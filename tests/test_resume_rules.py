@@ -4,6 +4,7 @@ checkpoints are all unusable is never silently restarted."""
 
 import io
 import json
+import warnings
 import shutil
 from pathlib import Path
 
@@ -103,13 +104,14 @@ def test_a_run_whose_checkpoints_are_all_unusable_is_not_restarted_silently(tmp_
     for step in (1, 2):
         state = run.ckpt_dir / f"step_{step}" / "state.pt"
         state.write_bytes(state.read_bytes()[:50])
-    with pytest.warns(RuntimeWarning), pytest.raises(
-            RunError, match=r"every checkpoint of .* is unusable \(.*step_1/state.pt has 50 bytes.*step_2/state.pt has "
-                            r"50 bytes.*\): starting again from step 0 would overwrite the run's metrics.jsonl; .*"
-                            r"train.overwrite=true"):
-        Run(_toy(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "resuming from the previous checkpoint" warning: there is none
+        with pytest.raises(RunError, match=r"every checkpoint of .* is unusable \(.*step_1/state.pt has 50 bytes"
+                                           r".*step_2/state.pt has 50 bytes.*\): starting again from step 0 would "
+                                           r"overwrite the run's metrics.jsonl; .*train.overwrite=true"):
+            Run(_toy(tmp_path))
     assert len(run.read_metrics()) == 2  # nothing rewritten
-    with pytest.warns(RuntimeWarning):
+    with pytest.warns(RuntimeWarning, match=r"step_2/state.pt has 50 bytes.*resuming from step 0 \(train.overwrite"):
         again = Run(_toy(tmp_path, overwrite=True))
     assert again.find_resume() is None  # an explicit choice: starts from step 0
 
@@ -135,6 +137,12 @@ def test_a_state_file_that_would_run_code_is_refused_and_auto_resume_falls_back(
     with pytest.raises(RunError, match=rf"train.resume=.*step_2: checkpoint .* is unusable: {bad} was refused for "
                                        r"safety"):
         Run(_toy(tmp_path, resume=str(run.ckpt_dir / "step_2")))
+    # an older PATH with train.overwrite=true that turns out unusable: refused before the later checkpoints go
+    with run.checkpoint(3) as d:
+        run.save_state(d, step=3, x=torch.tensor([3.0]))
+    with pytest.raises(RunError, match=r"is unusable: .*was refused for safety"):
+        Run(_toy(tmp_path, resume=str(run.ckpt_dir / "step_2"), overwrite=True))
+    assert (run.ckpt_dir / "step_3" / "state.pt").is_file()
 
 
 # ------------------------------------------------------------------ through `mmrl train`, each class of key

@@ -55,7 +55,8 @@ def test_two_trainings_in_one_directory(tmp_path):
     out = tmp_path / "run"
     first = subprocess.Popen(_mmrl("train", str(FLOW), f"output_dir={out}", *TINY, "train.max_steps=1000",
                                    "train.save_every=1", "train.keep_last=0"),
-                             cwd=tmp_path, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             cwd=tmp_path, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)
     try:
         _wait_for(lambda: len(list_checkpoints(out / "checkpoints")) >= 2, what="the first run's checkpoints")
         seconds = [subprocess.Popen(_mmrl("train", str(FLOW), f"output_dir={out}", *TINY, *extra), cwd=tmp_path,
