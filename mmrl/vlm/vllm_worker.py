@@ -67,8 +67,12 @@ def load_into_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> in
 
 
 class WeightSyncExtension:
-    """Methods vLLM adds to its worker class; the trainer calls them by name with ``llm.collective_rpc``, so
-    only the (name, tensor) list crosses into a worker process (vLLM serialises tensors itself)."""
+    """Methods vLLM adds to its worker class; the trainer calls them by name with ``llm.collective_rpc`` (no
+    function is pickled). A chunk travels as a safetensors file on the local disk: vLLM's RPC encoding hands
+    tensors in the arguments to the worker as plain lists (vllm 0.32: ``'list' object has no attribute
+    'shard_id'`` inside load_weights), so only the file's path goes through it."""
 
-    def mmrl_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
-        return load_into_worker(self, weights)
+    def mmrl_load_weights_file(self, path: str) -> int:
+        from safetensors.torch import load_file
+
+        return load_into_worker(self, list(load_file(path).items()))

@@ -27,7 +27,7 @@ def _grpo_cfg(path, out, *overrides):
                  "shape_size": [0.5, 0.7], "eval_size": 4},
         "rollout": {"engine": "vllm", "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 4,
                     "vllm_kwargs": VLLM_KW},
-        "update": {"micro_batch_size": 4},
+        "update": {"micro_batch_size": 4}, "algo": {"kl": {"coef": 0.05}},  # KL: a gradient even if rewards tie
         "warm_start": {"steps": 2, "batch_size": 4, "lr": 1e-2},
         "log": {"sample_every": 0, "eval_every": 1},
         "train": {"max_steps": 2, "save_every": 1}, "optim": {"lr": 1e-3},
@@ -59,8 +59,10 @@ def test_vlm_grpo_with_vllm_trains_and_resumes(tiny32, tmp_path, capsys):
     print("[vllm recipes] vlm_grpo drift per step: " + ", ".join(f"{r['diag/logprob_drift']:.1e}" for r in rows))
     assert any(r["policy/grad_norm"] > 0 for r in rows)  # it trained
     # every tensor: full fine-tuning of the language model and the vision tower
-    assert rows[-1]["rollout/weight_sync/tensors"] == len(__import__("safetensors.torch").torch.load_file(
-        str(tiny32 / "model.safetensors")))
+    from safetensors import safe_open
+
+    with safe_open(str(tiny32 / "model.safetensors"), "pt") as f:
+        assert rows[-1]["rollout/weight_sync/tensors"] == len(list(f.keys()))
     assert "eval_accuracy_last" in summary
 
 
@@ -72,7 +74,8 @@ def _mt_cfg(path, out, **train):
          "env": {"tasks": {"grid_puzzle": {"width": 5, "max_turns": 2}}, "eval_episodes": 2, "max_workers": 2},
          "rollout": {"engine": "vllm", "prompts_per_step": 2, "group_size": 2, "max_turns": 2, "max_new_tokens": 3,
                      "max_seq_len": 256, "vllm_kwargs": {"enforce_eager": True}},
-         "algo": {"advantage": "turn_grpo", "dynamic_sampling": False}, "optim": {"lr": 0.01},
+         # entropy bonus: a gradient even when the tiny policy's returns tie
+         "algo": {"advantage": "turn_grpo", "dynamic_sampling": False, "entropy_coef": 0.01}, "optim": {"lr": 0.01},
          "warm_start": {"steps": 1, "batch_size": 4}, "update": {"micro_batch_size": 2, "mini_batch_size": 2},
          "train": {"max_steps": 2, "save_every": 1, **train}}
     return load_config(d)
@@ -95,7 +98,10 @@ def test_vlm_multiturn_with_vllm_trains_and_resumes_exactly(tiny32, tmp_path):
     print("[vllm recipes] vlm_multiturn drift per step: " + ", ".join(f"{r['diag/logprob_drift']:.1e}" for r in b[1:]))
     assert b[1]["rollout/tokens/env_mean"] > 0 and b[1]["rollout/episode/turns_mean"] >= 1
     assert b[1]["rollout/weight_sync/tensors"] == 2 * 6  # q/k/v weights + biases of the 2 layers (LoRA on q, v)
-    assert [without_time(r) for r in a] == [without_time(r) for r in b]
+    # (the interrupted run evaluated at its last step 2: eval/ keys differ there)
+    strip = lambda r: {k: v for k, v in without_time(r).items() if not k.startswith("eval/")}  # noqa: E731
+    assert [strip(r) for r in a] == [strip(r) for r in b]
     wa = load_file(tmp_path / "a/checkpoints/step_3/adapters/default/adapter_model.safetensors")
     wb = load_file(tmp_path / "b/checkpoints/step_3/adapters/default/adapter_model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert max(float(v.abs().max()) for k, v in wa.items() if "lora_B" in k) > 1e-3  # the adapters trained
