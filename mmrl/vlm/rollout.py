@@ -15,8 +15,8 @@ one token per step with a ``DynamicCache``), not ``model.generate``: owning the 
 Greedy decoding (``temperature=0``) is token-for-token ``model.generate(do_sample=False)`` with the same
 banned tokens (tested).
 
-``VLLMRolloutEngine`` (``mmrl.vlm.vllm_engine``, re-exported here) sends the same requests to ``vllm.LLM``; vLLM is
-imported only when such an engine starts.
+``VLLMRolloutEngine`` (``mmrl.vlm.vllm_engine``) has the same interface on ``vllm.LLM``; vLLM is imported only when
+such an engine starts.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch
 
 from mmrl.vlm.common import EncodedPrompt, collate, encode_prompt, render_prompt, vision_token_ids
 
-__all__ = ["SamplingParams", "GenRequest", "RolloutResult", "RolloutEngine", "HFRolloutEngine",
-           "VLLMRolloutEngine", "make_engine", "apply_top_k_top_p", "ENGINES"]
+__all__ = ["SamplingParams", "GenRequest", "RolloutResult", "RolloutEngine", "HFRolloutEngine", "make_engine",
+           "apply_top_k_top_p", "ENGINES"]
 
 
 @dataclass
@@ -284,20 +284,12 @@ class HFRolloutEngine:
 ENGINES = ("hf", "vllm")
 
 
-def make_engine(name: str, model: Any, processor: Any, model_path: str | None = None, **kwargs: Any) -> RolloutEngine:
-    """``"hf"`` -> HFRolloutEngine(model, processor, **kwargs); ``"vllm"`` -> VLLMRolloutEngine(model_path, ...)."""
+def make_engine(name: str, model: Any, processor: Any, **kwargs: Any) -> RolloutEngine:
+    """``"hf"`` -> HFRolloutEngine(model, processor, **kwargs). vLLM engines start from a checkpoint directory with
+    their own weight syncer: ``mmrl.vlm.vllm_engine.make_vllm_rollout``."""
     if name == "hf":
         return HFRolloutEngine(model, processor, **kwargs)
     if name == "vllm":
-        from mmrl.vlm.vllm_engine import VLLMRolloutEngine
-
-        return VLLMRolloutEngine(model_path, processor, **kwargs)
+        raise ValueError("make_engine('vllm'): start it with mmrl.vlm.vllm_engine.make_vllm_rollout(model_path, states, "
+                         "processor, vllm_kwargs, seed), which also returns its weight syncer")
     raise ValueError(f"unknown rollout engine {name!r}; valid: {list(ENGINES)}")
-
-
-def __getattr__(name: str) -> Any:  # VLLMRolloutEngine lives in vllm_engine.py (which imports this module)
-    if name == "VLLMRolloutEngine":
-        from mmrl.vlm.vllm_engine import VLLMRolloutEngine
-
-        return VLLMRolloutEngine
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
