@@ -84,10 +84,9 @@ def _mt_cfg(path, out, **train):
 def test_vlm_multiturn_with_vllm_trains_and_resumes_exactly(tiny32, tmp_path):
     """Per-request seeds make vLLM's sampling a function of (seed, step, request): the interrupted and resumed run
     equals the uninterrupted one (same episodes, same rewards, same adapters)."""
-    import torch
     from safetensors.torch import load_file
 
-    from mmrl.testing import metrics_rows, without_time
+    from mmrl.testing import assert_same_path, metrics_rows, without_time
     from mmrl.vlm.multiturn import train
 
     train(_mt_cfg(tiny32, tmp_path / "a", max_steps=3))
@@ -100,8 +99,9 @@ def test_vlm_multiturn_with_vllm_trains_and_resumes_exactly(tiny32, tmp_path):
     assert b[1]["rollout/weight_sync/tensors"] == 2 * 6  # q/k/v weights + biases of the 2 layers (LoRA on q, v)
     # (the interrupted run evaluated at its last step 2: eval/ keys differ there)
     strip = lambda r: {k: v for k, v in without_time(r).items() if not k.startswith("eval/")}  # noqa: E731
-    assert [strip(r) for r in a] == [strip(r) for r in b]
+    assert_same_path([strip(r) for r in a], [strip(r) for r in b],
+                     why="the resumed run replays the same seeded requests and updates on the same kernels")
     wa = load_file(tmp_path / "a/checkpoints/step_3/adapters/default/adapter_model.safetensors")
     wb = load_file(tmp_path / "b/checkpoints/step_3/adapters/default/adapter_model.safetensors")
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert_same_path(wa, wb, why="same updates on the same kernels")
     assert max(float(v.abs().max()) for k, v in wa.items() if "lora_B" in k) > 1e-3  # the adapters trained
