@@ -74,6 +74,21 @@ def test_console_script_help():
     assert out.returncode == 0 and "train" in out.stdout and "config" in out.stdout
 
 
+@pytest.mark.slow
+def test_tiny_head_dim_option(tmp_path, capsys):
+    """`mmrl tiny DIR --head-dim 64` (docs/scaling.md): the Qwen2-VL / Qwen2.5-VL text decoders get 64-wide heads,
+    the other models are built as usual."""
+    import json
+
+    assert cli.main(["tiny", str(tmp_path), "--head-dim", "64"]) == 0
+    paths = json.loads(capsys.readouterr().out)
+    for name in ("qwen2_vl", "qwen25_vl"):
+        text = json.loads((Path(paths[name]) / "config.json").read_text())["text_config"]
+        assert text["hidden_size"] // text["num_attention_heads"] == 64, name
+    qwen3 = json.loads((Path(paths["qwen3_vl"]) / "config.json").read_text())["text_config"]
+    assert qwen3["head_dim"] == 16 and (Path(paths["sd3"]) / "model_index.json").is_file()
+
+
 def test_tiny_into_a_file_is_a_clean_error(tmp_path, capsys):
     f = tmp_path / "not_a_dir.txt"
     f.write_text("x")

@@ -81,7 +81,7 @@ class ModelConfig:
 @dataclass
 class RolloutConfig:
     engine: Literal["hf", "vllm"] = "hf"
-    """`hf` (transformers sampling loop) or `vllm` (needs the [vllm] extra and a GPU)."""
+    """`hf` (transformers sampling loop) or `vllm` (needs vLLM: the [vllm] extra on a GPU, or vLLM's CPU build)."""
     prompts_per_step: int = 8
     """Prompts (groups) per RL step, over all processes."""
     group_size: int = 8
@@ -100,7 +100,7 @@ class RolloutConfig:
     micro_batch_size: int = 64
     """Max sequences decoded together by the HF engine."""
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra vllm.LLM(...) arguments (gpu_memory_utilization, tensor_parallel_size, ...)."""
+    """Extra vllm.LLM(...) arguments (gpu_memory_utilization, max_model_len, ...; dtype defaults to the policy's)."""
 
 
 @dataclass
@@ -246,6 +246,8 @@ def train(cfg: Config) -> dict:
                 "data": data}
     reward_norm = cfg.reward.build_running_norm(stateful)  # identical on every rank: updated with global rewards
     start, _ = restore_checkpoint(ctx, run, states, stateful)
+    if syncer is not None:  # the engine loaded model.path: send what the warm start or a resumed checkpoint changed
+        syncer.sync(full=True)
     # vision features: shared by the policy and reference passes only when no state can change the tower
     reuse = up.reuse_vision_features and not fsdp
     state_ids = {id(p) for p in states.trainable_parameters()}
@@ -376,5 +378,7 @@ def train(cfg: Config) -> dict:
         if checkpoint_due(cfg, step):  # FSDP: a collective; rank 0 writes
             save_checkpoint(ctx, run, step, states, stateful, fsdp=fsdp)
     bar.close()
+    if syncer is not None:
+        engine.close()  # vLLM's process-global state freed: another engine can start in this process
     ctx.close()
     return finish(run, summary) if ctx.is_main else {}

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import torch
@@ -61,9 +60,10 @@ def check_config(cfg: Any) -> None:
     if nominal < 2:
         raise ValueError(f"rollout.prompts_per_step * rollout.group_size = {nominal}: one response per step has "
                          f"advantage 0 under every estimator; use at least 2")
-    if ro.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ValueError("rollout.engine=vllm: vLLM is not installed (pip install 'mmrl[vllm]', CUDA GPU only); "
-                         "use rollout.engine=hf")
+    if ro.engine == "vllm":
+        from mmrl.vlm.vllm_engine import check_vllm_rollout
+
+        check_vllm_rollout(ro)  # installed, importable, built for a device this machine has; temperature <= 2
     if w.steps and d.kind != "shapes":
         raise ValueError("warm_start.steps > 0 needs data.kind=shapes (answer vocabularies are known there only)")
     try:
