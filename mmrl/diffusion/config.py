@@ -5,7 +5,7 @@ optimizer/update/KL sections come from `mmrl.training`. Also the renamed keys al
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from mmrl.training import LoRAConfig, OnNonfinite, OptimConfig, TrackersConfig
 from mmrl.training.judges import JudgeFields
@@ -117,12 +117,20 @@ class RolloutConfig:
 
 @dataclass
 class RewardConfig:
+    MAPPING_SHORTHAND: ClassVar[dict[str, str]] = {"components": "weight"}  # `pickscore: 1.0` = {weight: 1.0}
+
     components: dict[str, Any] = field(default_factory=lambda: {"jpeg_compressibility": 1.0})
-    """Zoo rewards: name -> weight, or name -> {weight: w, <load kwargs>} (mmrl.rewards.load mapping)."""
+    """Zoo rewards: name -> weight, or name -> {weight: w, <load kwargs>} (mmrl.rewards.load mapping). Each entry is
+    reachable from the command line: reward.components.pickscore.weights=/ckpt/PickScore_v1."""
     on_nonfinite: OnNonfinite = "error"
     """A NaN/inf reward: `error` (stop, naming the reward component and the sample) or `drop_sample` (train without
     it: it leaves its prompt's group statistics, a group left with < 2 samples is not trained on; the count is
     logged as reward/nonfinite_samples)."""
+
+    def __post_init__(self) -> None:
+        from mmrl.rewards.registry import check_reward_mapping
+
+        check_reward_mapping(self.components, "reward.components")  # unknown rewards / arguments: before any load
 
 
 @dataclass
@@ -148,6 +156,7 @@ class AdvantageRewardConfig(AggregationFields, RewardConfig):
     def __post_init__(self) -> None:
         if self.history < 0:
             raise ValueError(f"reward.history: expected >= 0, got {self.history}")
+        super().__post_init__()
 
 
 @dataclass
@@ -172,7 +181,11 @@ def check_common(cfg: Any, online: bool = True) -> None:
     """Cross-section checks of a diffusion recipe config (single sections check themselves on construction)."""
     from mmrl.pipelines.data import require_path
 
-    log = cfg.log
+    log, algo = cfg.log, cfg.algo
+    if getattr(algo, "adv_clip_max", 1.0) <= 0:  # mmrl.core range checks, named here before any model loads
+        raise ValueError(f"algo.adv_clip_max: expected > 0, got {algo.adv_clip_max}")
+    if getattr(algo, "clip_range", 0.0) < 0:
+        raise ValueError(f"algo.clip_range: expected >= 0, got {algo.clip_range}")
     if log.num_samples < 1 and ((online and log.sample_every) or (log.eval_every and cfg.data.eval_prompts)):
         raise ValueError(f"log.num_samples: expected >= 1, got {log.num_samples}")
     if online:

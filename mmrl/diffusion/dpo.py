@@ -59,6 +59,7 @@ from mmrl.diffusion.diagnostics import VelocityNormConfig
 from mmrl.distributed import DistConfig
 from mmrl.runtime import Timer, seed_everything
 from mmrl.training import OptimConfig, UpdateConfig, finite_stats, group_keep
+from mmrl.training.run import closes_runs
 
 __all__ = ["Config", "train", "make_shapes_preference_file", "RENAMED_KEYS"]
 
@@ -200,6 +201,7 @@ def _check(cfg: Config) -> None:
 # ------------------------------------------------------------------------------------------ training
 
 
+@closes_runs  # the run directory's lock released however train() ends; a failed start leaves nothing
 def train(cfg: Config) -> dict:
     from mmrl.diffusion.common import LatentCache, NoSamples, end_step, evaluator, load_recipe_model, setup_training
     from mmrl.diffusion.dpo_update import dpo_update, offline_eval

@@ -56,6 +56,7 @@ from mmrl.distributed import DistConfig, rank_seed
 from mmrl.runtime import Timer, seed_everything
 from mmrl.training import KLConfig, RunningNormFields, UpdateConfig
 from mmrl.training.config import RolloutCorrectionConfig
+from mmrl.training.run import closes_runs
 
 __all__ = ["Config", "train", "RENAMED_KEYS"]
 
@@ -203,6 +204,7 @@ class Config(RunConfig):
 _WINDOW_RANK = 1_000_002
 
 
+@closes_runs  # the run directory's lock released however train() ends; a failed start leaves nothing
 def train(cfg: Config) -> dict:
     from mmrl.diffusion.common import NoSamples, end_step, evaluator, load_recipe_model, setup_training
     from mmrl.diffusion.grpo_update import train_on_rollout

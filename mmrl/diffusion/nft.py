@@ -55,6 +55,7 @@ from mmrl.diffusion.common import noise_latents
 from mmrl.distributed import DistConfig, DistContext
 from mmrl.runtime import Timer, seed_everything
 from mmrl.training import SKIPPED_KEY, KLConfig, UpdateConfig, UpdateGuard, clip_grads, merge_rank_lists
+from mmrl.training.run import closes_runs
 
 __all__ = ["Config", "train", "ema_decay", "EMA_SCHEDULES", "RENAMED_KEYS"]
 
@@ -168,6 +169,7 @@ class Config(RunConfig):
 # ------------------------------------------------------------------------------------------ training
 
 
+@closes_runs  # the run directory's lock released however train() ends; a failed start leaves nothing
 def train(cfg: Config) -> dict:
     from mmrl.diffusion.common import NoSamples, end_step, evaluator, load_recipe_model, setup_training
     from mmrl.diffusion.sampling import sample_groups

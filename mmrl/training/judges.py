@@ -97,9 +97,8 @@ def build_judges(log_cfg: Any, device: Any, stateful: dict | None = None) -> "Ju
 
 class JudgePanel:
     """The judges of a run and the alarm state (module docstring). Judges added when a run resumes from a checkpoint
-    written without them start fresh: their baseline is the first evaluation after the resumed step."""
-
-    optional_in_checkpoint = True  # (mmrl.training.restore_checkpoint: no error when a checkpoint has no judges)
+    written without them start fresh (stateful name "judges" is in `mmrl.training.checkpoint.FRESH_ON_RESUME`):
+    their baseline is the first evaluation after the resumed step."""
 
     def __init__(self, judges: dict[str, Any], cfg: HackingConfig | None = None):
         if not judges:

@@ -34,6 +34,7 @@ from mmrl.training import (FullOptimizerState, KLConfig, OnNonfinite, OptimConfi
                            checkpoint_due, restore_checkpoint, save_checkpoint, start_run)
 from mmrl.training.config import RolloutCorrectionConfig, RunningNormFields, TrackersConfig
 from mmrl.training.judges import JudgeFields, build_judges, stop_for_hacking
+from mmrl.training.run import closes_runs
 from mmrl.vlm.batch import RolloutBatch
 from mmrl.vlm.common import (VisionCache, language_block_types, vision_has_adapters, vision_tower,
                              vision_tower_trainable)
@@ -82,7 +83,7 @@ class ModelConfig:
 @dataclass
 class RolloutConfig:
     engine: Literal["hf", "vllm"] = "hf"
-    """`hf` (transformers sampling loop) or `vllm` (needs the [vllm] extra and a GPU)."""
+    """`hf` (transformers sampling loop) or `vllm` (needs vLLM: the [vllm] extra on a GPU, or vLLM's CPU build)."""
     prompts_per_step: int = 8
     """Prompts (groups) per RL step, over all processes."""
     group_size: int = 8
@@ -101,7 +102,7 @@ class RolloutConfig:
     micro_batch_size: int = 64
     """Max sequences decoded together by the HF engine."""
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra vllm.LLM(...) arguments (gpu_memory_utilization, tensor_parallel_size, ...)."""
+    """Extra vllm.LLM(...) arguments (gpu_memory_utilization, max_model_len, ...; dtype defaults to the policy's)."""
 
 
 @dataclass
@@ -109,7 +110,8 @@ class RewardConfig(RunningNormFields):  # + running_norm, running_norm_center, r
     name: str = "exact_match"
     """Reward from the zoo (mmrl.rewards.available()); scored on the response text with metadata['answer']."""
     kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments for mmrl.rewards.load(name, **kwargs)."""
+    """Keyword arguments for mmrl.rewards.load(name, **kwargs); each is reachable from the command line
+    (reward.kwargs.answer_key=solution)."""
     accuracy_key: str = ""
     """details key with 0/1 accuracy (e.g. `accuracy` for geo3k); empty: accuracy = score > 0.5."""
     overlong_buffer: int = 0
@@ -123,6 +125,16 @@ class RewardConfig(RunningNormFields):  # + running_norm, running_norm_center, r
     """Several reward components (a `composite` reward; the overlong penalty counts as one): `sum_then_normalise`
     runs algo.advantage on their weighted sum; `normalise_then_sum` runs it on each component, sums with the weights
     and whitens over the batch (GDPO, arXiv 2601.05242; not with algo.kl.in_reward or running_norm)."""
+
+    def __post_init__(self) -> None:
+        from mmrl.rewards.registry import check_reward_arguments, reward_arguments
+
+        super().__post_init__()
+        try:
+            reward_arguments(self.name)
+        except ValueError as exc:
+            raise ValueError(f"reward.name: {exc}") from None
+        check_reward_arguments(self.name, self.kwargs, "reward.kwargs")  # before any model loads
 
 
 @dataclass
@@ -199,6 +211,7 @@ class Config(RunConfig):
     find_unused_parameters)."""
 
 
+@closes_runs  # the run directory's lock released however train() ends; a failed start leaves nothing
 def train(cfg: Config) -> dict:
     check_config(cfg)
     ro, al, up = cfg.rollout, cfg.algo, cfg.update
@@ -240,6 +253,8 @@ def train(cfg: Config) -> dict:
     reward_norm = cfg.reward.build_running_norm(stateful)  # identical on every rank: updated with global rewards
     judges = build_judges(cfg.log, run.device, stateful)  # log.judges: scored with the eval accuracy
     start, _ = restore_checkpoint(ctx, run, states, stateful)
+    if syncer is not None:  # the engine loaded model.path: send what the warm start or a resumed checkpoint changed
+        syncer.sync(full=True)
     # vision features: shared by the policy and reference passes only when no state can change the tower
     reuse = up.reuse_vision_features and not fsdp
     state_ids = {id(p) for p in states.trainable_parameters()}
@@ -379,5 +394,7 @@ def train(cfg: Config) -> dict:
         if stop_for_hacking(ctx, run, step, judges, states, stateful, fsdp):  # log.hacking.stop
             break
     bar.close()
+    if syncer is not None:
+        engine.close()  # vLLM's process-global state freed: another engine can start in this process
     ctx.close()
     return finish(run, summary) if ctx.is_main else {}

@@ -295,13 +295,12 @@ def finish(run: Any, summary: dict) -> dict:
 def make_rollout_engine(cfg: Any, states: Any, processor: Any, fsdp_ctx: Any = None) -> tuple[Any, Any]:
     """(engine, vLLM weight syncer or None) for the `rollout:` section. `fsdp_ctx`: under FSDP every rank runs the
     same number of decode forwards (finished ranks run masked ones until all are done)."""
-    ro, model = cfg.rollout, states.model
-    kw = {"batch_size": ro.micro_batch_size} if ro.engine == "hf" else dict(ro.vllm_kwargs)
+    ro = cfg.rollout
+    if ro.engine == "vllm":
+        from mmrl.vlm.vllm_engine import make_vllm_rollout
+
+        return make_vllm_rollout(cfg.model.path, states, processor, ro.vllm_kwargs, cfg.seed)
+    kw = {"batch_size": ro.micro_batch_size}
     if fsdp_ctx is not None:
         kw["step_sync"] = fsdp_ctx.any_rank
-    engine = make_engine(ro.engine, model, processor, model_path=cfg.model.path, **kw)
-    if ro.engine != "vllm":
-        return engine, None
-    from mmrl.vlm.vllm_sync import VLLMWeightSyncer
-
-    return engine, VLLMWeightSyncer(engine.llm, states, family=model.config.model_type)
+    return make_engine(ro.engine, states.model, processor, **kw), None
