@@ -2,8 +2,9 @@
 `mmrl.training.async_rollout`).
 
 `rollout_and_score(...)` is one step's rollout: this rank's share of the prompts, their embeddings (encoded once per
-prompt), G SDE samples per prompt (`sample_groups`) and their rewards (`score_images`; with reward.async_scoring the
-micro-batches are scored while the next is sampled). The synchronous recipe calls it in its loop; the rollout
+prompt), G SDE samples per prompt (`sample_groups`), their rewards (`score_images`, and each reward component's raw
+scores for `reward.aggregation`; with reward.async_scoring the micro-batches are scored while the next is sampled)
+and the samples' statistics (`diag/sample/*`). The synchronous recipe calls it in its loop; the rollout
 process's `FlowGRPOProducer` builds its own copy of the pipeline and policy from the run's config and calls the same
 function, so both make the same batch from the same weights and random stream.
 """
@@ -34,18 +35,23 @@ class FlowRollout:
     metadata: list[dict]
     scores: torch.Tensor
     reward_metrics: dict[str, float]
+    components: torch.Tensor
+    """Raw scores [b, K] of the reward's components (`component_scores`)."""
+    sample_metrics: dict[str, float]
+    """`diag/sample/*` of this rank's samples (`sample_statistics`)."""
     transformer_evals: int = 0
     """Transformer evaluations made by a rollout process (added to the trainer's `cost/transformer_evals`)."""
 
 
-def rollout_kwargs(s: Any) -> dict[str, Any]:
-    """`sample_groups` keyword arguments of a Flow-GRPO `rollout:` section."""
+def rollout_kwargs(s: Any, a: Any) -> dict[str, Any]:
+    """`sample_groups` keyword arguments of a Flow-GRPO `rollout:` and `algo:` section."""
     return dict(num_steps=s.num_steps, height=s.height, width=s.width, guidance_scale=s.guidance_scale,
                 noise_level=s.noise_level, sde_type=s.sde_type, window_size=s.window_size,
                 window_range=tuple(s.window_range) if s.window_range else None,
                 timestep_fraction=s.timestep_fraction, same_noise=s.same_noise,
                 batch_size=s.micro_batch_size or None,
-                autocast_dtype=torch.bfloat16 if s.precision == "bf16" else None)
+                autocast_dtype=torch.bfloat16 if s.precision == "bf16" else None,
+                record_means=a.ratio_norm == "grpo_guard" and a.old_logprobs == "rollout")
 
 
 def window_generator(cfg: Any, world: int, step: int) -> torch.Generator | None:
@@ -59,7 +65,8 @@ def rollout_and_score(cfg: Any, model: Any, encode: Any, sampler: Any, shards: A
                       timer: Any, window_gen: torch.Generator | None = None) -> FlowRollout:
     """Rollout and rewards of one step (module docstring). `shards`: a `DistContext` (its `shard` picks this rank's
     prompts); `scorer`: an `AsyncRewardScorer` or None."""
-    from mmrl.diffusion.scoring import score_images
+    from mmrl.diffusion.diagnostics import sample_statistics
+    from mmrl.diffusion.scoring import component_scores, score_images
 
     s = cfg.rollout
     with timer("rollout"):
@@ -69,12 +76,13 @@ def rollout_and_score(cfg: Any, model: Any, encode: Any, sampler: Any, shards: A
         prompts, metadata = [items[i].prompt for i in rows], [items[i].metadata for i in rows]
         on_images = (lambda lo, hi, im: scorer.submit(im, prompts[lo:hi], metadata[lo:hi])) if scorer else None
         traj = sample_groups(model, embeds, s.group_size, window_generator=window_gen, on_images=on_images,
-                             **rollout_kwargs(s))
+                             **rollout_kwargs(s, cfg.algo))
     with timer("reward"):
+        out = scorer.output() if scorer else reward_fn(images=traj.images, prompts=prompts, metadata=metadata)
         scores, reward_metrics = score_images(reward_fn, traj.images, prompts, metadata,
-                                              on_nonfinite=cfg.reward.on_nonfinite,
-                                              out=scorer.output() if scorer else None)
-    return FlowRollout(traj, prompts, metadata, scores, reward_metrics)
+                                              on_nonfinite=cfg.reward.on_nonfinite, out=out)
+    return FlowRollout(traj, prompts, metadata, scores, reward_metrics, component_scores(reward_fn, out),
+                       sample_statistics(traj.images, traj.latents[:, -1]))
 
 
 class FlowGRPOProducer:

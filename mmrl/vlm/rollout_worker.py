@@ -38,11 +38,14 @@ class VLMRolloutProducer:
         self.reward_model = load_reward(cfg.reward.name, **cfg.reward.kwargs)
         self.data, _ = build_data(cfg)
         self.sampling = sampling_params(cfg.rollout)
+        self.synced = False
 
     def load_weights(self, tensors: dict) -> None:
         load_policy_weights(self.states, tensors)
         if self.syncer is not None:  # vLLM: its own weight-update path, from this process's HF copy
-            self.syncer.sync()
+            # the first push (start or resume) may change layers training never touches (a warm start): send all
+            self.syncer.sync(full=True if not self.synced else None)
+            self.synced = True
 
     def state_dict(self) -> dict:
         return {"data": self.data.state_dict()}
