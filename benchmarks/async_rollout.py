@@ -3,7 +3,9 @@ wall-second of the tiny CPU recipes.
 
     .venv/bin/python benchmarks/async_rollout.py [--recipes vlm_grpo,flow_grpo] [--steps 60,30] [--repeats 3]
                                                  [--skip 5] [--max-staleness 1] [--out runs/bench_async]
-                                                 [--set KEY=VALUE ...]
+                                                 [--set KEY=VALUE ...] [--quick]
+
+`--quick` checks that the script runs (4 steps, 1 round, smaller batches: QUICK; the numbers mean nothing).
 
 Four variants of each recipe's tiny config (configs/vlm/grpo_tiny_shapes.yaml, configs/diffusion/flow_grpo_tiny.yaml),
 each a whole `mmrl train` run in its own process:
@@ -46,6 +48,9 @@ CONFIGS = {
     "vlm_grpo": ("configs/vlm/grpo_tiny_shapes.yaml", ["log.eval_every=0", "log.sample_every=0", "data.eval_size=8"]),
     "flow_grpo": ("configs/diffusion/flow_grpo_tiny.yaml", ["log.eval_every=0", "log.sample_every=0"]),
 }
+# --quick: 4 steps, 1 round, the first step skipped, and each recipe's batch made small
+QUICK = {"vlm_grpo": ["warm_start.steps=2", "data.eval_size=2", "rollout.prompts_per_step=2", "rollout.group_size=4"],
+         "flow_grpo": ["rollout.prompts_per_step=2", "rollout.group_size=4"]}
 ASYNC = ["num_threads=1", "rollout.worker=process", "rollout.worker_threads=1"]
 VARIANTS = {  # name -> (threads per process, overrides)
     "sync 2 threads": (2, ["num_threads=2"]),
@@ -99,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="runs/bench_async", help="run directories go here")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="another config override for every run (e.g. a smaller batch for a quick check)")
+    ap.add_argument("--quick", action="store_true", help="does it run: 4 steps, 1 round, --skip 1, small batches")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.steps, args.repeats, args.skip = "4", 1, 1
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     bad = [r for r in recipes if r not in CONFIGS]
     if bad:
@@ -117,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.repeats):
             for variant in names[r % len(names):] + names[:r % len(names)]:
                 out = REPO / args.out / recipe / variant.replace(", ", "_").replace(" ", "_")
-                rows, wall = run_once(recipe, variant, n, args.max_staleness, out, args.set)
+                extra = [*(QUICK[recipe] if args.quick else []), *args.set]
+                rows, wall = run_once(recipe, variant, n, args.max_staleness, out, extra)
                 m = measure(rows, args.skip)
                 m["wall"] = wall
                 if variant.startswith("async"):

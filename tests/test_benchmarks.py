@@ -144,3 +144,25 @@ def test_families_benchmark_refuses_unknown_families_and_too_few_steps():
     with pytest.raises(SystemExit, match="--steps must be >= 2"):
         families.main(["--steps", "1"])
     assert "families" in load_script("run_all").BENCHMARKS
+
+
+@pytest.mark.slow
+def test_async_rollout_quick_mode_runs_every_variant(tmp_path):
+    """`benchmarks/async_rollout.py --quick` on vlm_grpo (the command of docs/async.md, short form): every variant
+    runs, the table lists them, and both async variants trained on batches one policy version stale."""
+    import json
+    import subprocess
+
+    from mmrl.testing import child_env
+
+    proc = subprocess.run([sys.executable, str(BENCH / "async_rollout.py"), "--quick", "--recipes", "vlm_grpo",
+                           "--out", str(tmp_path / "bench")], cwd=BENCH.parent, env=child_env(),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert [line.split("|")[1].strip() for line in table[1:]] == ["sync 2 threads", "sync 1 thread",
+                                                                   "async, decoupled PPO", "async, bypass"]
+    for variant in ("async_decoupled_PPO", "async_bypass"):
+        rows = [json.loads(x) for x in (tmp_path / "bench" / "vlm_grpo" / variant / "metrics.jsonl").read_text()
+                .splitlines() if x.strip()]
+        assert [r["rollout/staleness/max"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
