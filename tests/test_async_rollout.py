@@ -293,6 +293,20 @@ def test_a_failing_or_dying_rollout_process_stops_the_trainer_with_its_cause():
         pipe.next(1)
     pipe.close()
 
+    from mmrl.training import closes_runs
+
+    @closes_runs
+    def train(cfg):  # the trainer fails (a NaN loss, Ctrl-C) while its rollout process works on the next batch
+        pipes.append(_pipe(1))
+        pipes[-1].start(0, {"w": torch.tensor(0.0)})
+        pipes[-1].next(1)
+        raise KeyboardInterrupt
+
+    pipes: list = []
+    with pytest.raises(KeyboardInterrupt):
+        train(None)
+    assert not pipes[0].proc.is_alive()  # stopped when train() raised, not when its traceback is dropped
+
 
 def test_resume_with_in_flight_batches_on_another_number_of_processes_is_refused():
     state = {"max_staleness": 1, "ranks": [{"submitted": 3, "ready": {3: ({}, {}, {})}},

@@ -74,6 +74,20 @@ ASYNC_SEED_RANK = 500_000
 step)` never equals a trainer rank's seed."""
 
 _POLL_S = 0.5  # how often a blocked side checks that the other one is still alive
+_OPEN: "weakref.WeakSet[AsyncRollout]" = weakref.WeakSet()  # rollout processes of this process not yet closed
+
+
+def open_rollouts() -> set[int]:
+    """Ids of this process's open `AsyncRollout`s (for `close_rollouts`)."""
+    return {id(p) for p in _OPEN}
+
+
+def close_rollouts(since: set[int]) -> None:
+    """Stop every rollout process opened after `open_rollouts()` returned `since`: a recipe that raised stops its
+    rollout process at once (`mmrl.training.closes_runs`), not when its traceback is dropped."""
+    for pipe in list(_OPEN):
+        if id(pipe) not in since:
+            pipe.close()
 
 
 class RolloutProcessError(RuntimeError):
@@ -295,6 +309,7 @@ class AsyncRollout:
                                                             int(threads), self.inbox, self.outbox),
                                 daemon=True, name=f"mmrl-rollout-{self.rank}")
         self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.inbox)
+        _OPEN.add(self)
         self.ready: dict[int, tuple] = {}  # step -> (plain payload, state, info), finished and not yet consumed
         self.submitted = 0  # newest step whose ticket was sent (or whose batch was restored)
         self.consumed = 0  # newest step whose batch the trainer took
@@ -453,6 +468,7 @@ class AsyncRollout:
 
     def close(self) -> None:
         """Stop the rollout process (idempotent)."""
+        _OPEN.discard(self)
         self._finalizer()
 
 

@@ -71,15 +71,17 @@ def closes_runs(train: Callable[[Any], dict]) -> Callable[[Any], dict]:
     """Decorator for a recipe's `train(cfg)`: however it ends, the runs it opened are closed (`mmrl.runtime.Run.close`):
     the directory lock released (on a return, an exception or Ctrl-C), and a run that failed before it wrote a
     metrics row, checkpoint or sample leaves nothing of its start behind (a bad path, a bad size, a model that
-    does not load)."""
+    does not load). The rollout processes it started (`rollout.worker: process`) are stopped when it raises."""
     from mmrl.runtime import close_runs, open_runs
+    from mmrl.training.async_rollout import close_rollouts, open_rollouts
 
     @functools.wraps(train)
     def wrapper(cfg: Any) -> dict:
-        since = open_runs()
+        since, rollouts = open_runs(), open_rollouts()
         try:
             out = train(cfg)
         except BaseException:
+            close_rollouts(rollouts)
             close_runs(since, failed=True)
             raise
         close_runs(since)
