@@ -200,6 +200,7 @@ def evaluate_ode(model: Any, states: Any, state: str, reward_fn: Any, items: Seq
                  seed: int = 0, num_images: int = 16) -> dict[str, float]:
     """Deterministic (ODE) sampling of one image per held-out prompt with the same initial noise at
     every evaluation, computed with policy state `state`; saves samples/eval_step_<N>.png."""
+    from mmrl.diffusion.conditioning import encode_items, sample_panels
     from mmrl.diffusion.sampling import sample_groups
 
     gen = torch.Generator(device=model.device).manual_seed(seed + 12345)
@@ -207,7 +208,7 @@ def evaluate_ode(model: Any, states: Any, state: str, reward_fn: Any, items: Seq
     with states.use(state):
         for lo in range(0, len(items), max(1, batch_size)):
             chunk = items[lo:lo + batch_size]
-            emb = model.encode_prompts([it.prompt for it in chunk])
+            emb = encode_items(model, chunk, height, width)  # + source images (edit models)
             traj = sample_groups(model, emb, 1, num_steps=num_steps, height=height, width=width,
                                  guidance_scale=guidance_scale, noise_level=0.0, generator=gen)
             out = reward_fn(images=traj.images, prompts=[it.prompt for it in chunk],
@@ -218,7 +219,8 @@ def evaluate_ode(model: Any, states: Any, state: str, reward_fn: Any, items: Seq
                 details[name].append(torch.as_tensor(out.details[name]).float().cpu())
     s = torch.cat(scores)
     n = min(num_images, len(items))
-    run.save_samples(step, torch.cat(images)[:n], [f"{items[i].prompt[:48]} | r={s[i]:.3g}" for i in range(n)],
+    run.save_samples(step, *sample_panels(torch.cat(images)[:n], [f"{items[i].prompt[:48]} | r={s[i]:.3g}"
+                                                                 for i in range(n)], [it.metadata for it in items[:n]]),
                      name=f"eval_step_{step:06d}.png")
     metrics = {"eval/reward/mean": s.mean().item(), "eval/reward/std": s.std().item() if len(s) > 1 else 0.0}
     metrics.update({f"eval/reward/{k}": torch.cat(v).mean().item() for k, v in details.items()})

@@ -191,6 +191,7 @@ _WINDOW_RANK = 1_000_002
 
 def train(cfg: Config) -> dict:
     from mmrl.diffusion.common import NoSamples, end_step, evaluate_ode, setup_training
+    from mmrl.diffusion.conditioning import check_data, encode_items, sample_panels
     from mmrl.diffusion.grpo_update import train_on_rollout
     from mmrl.diffusion.models import PromptEmbedCache, load_flow_model
     from mmrl.diffusion.sampling import sample_groups
@@ -204,6 +205,7 @@ def train(cfg: Config) -> dict:
     ctx, run = start_run(cfg, {"rollout.prompts_per_step": s.prompts_per_step})
     train_items = load_prompts(cfg.data.train_prompts)
     eval_items = load_prompts(cfg.data.eval_prompts)[: cfg.log.eval_max_prompts] if cfg.data.eval_prompts else []
+    check_data(cfg.model.path, train_prompts=train_items, eval_prompts=eval_items)  # edit models need source images
     reward_fn = load_reward_fn(cfg.reward.components, run.device)
     scorer = AsyncRewardScorer(reward_fn) if cfg.reward.async_scoring else None  # rewards overlap the next rollout
     model = load_flow_model(cfg.model.path, run.device, run.dtype, cfg.model.max_sequence_length or None)
@@ -238,7 +240,7 @@ def train(cfg: Config) -> dict:
             # ---- 1. rollout: G samples per prompt, prompts encoded once (this rank's share of the prompts)
             with timer("rollout"):
                 items = ctx.shard(sampler.next(s.prompts_per_step))
-                embeds = encode([it.prompt for it in items])
+                embeds = encode_items(model, items, s.height, s.width, encode)  # + source images (edit models)
                 rows = [i for i in range(len(items)) for _ in range(s.group_size)]  # sample -> prompt (traj order)
                 prompts, metadata = [items[i].prompt for i in rows], [items[i].metadata for i in rows]
                 on_images = (lambda lo, hi, im: scorer.submit(im, prompts[lo:hi], metadata[lo:hi])) if scorer else None
@@ -267,7 +269,8 @@ def train(cfg: Config) -> dict:
         metrics["cost/transformer_evals"] = evals.sync(ctx)
         if ctx.is_main and cfg.log.sample_every and (step % cfg.log.sample_every == 0 or step == 1):
             n = min(cfg.log.num_samples, len(prompts))
-            run.save_samples(step, traj.images[:n], [f"r={scores[i]:.3g} {prompts[i]}" for i in range(n)])
+            run.save_samples(step, *sample_panels(traj.images[:n], [f"r={scores[i]:.3g} {prompts[i]}" for i in range(n)],
+                                                  metadata[:n]))
         eval_now = eval_items and cfg.log.eval_every and (step % cfg.log.eval_every == 0 or step == cfg.train.max_steps)
         if (ctx.is_main or fsdp) and eval_now:  # FSDP: every rank runs the forwards, rank 0 writes
             with timer("eval"):

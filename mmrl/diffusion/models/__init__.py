@@ -12,12 +12,16 @@
 and assign the wrapped module back to `model.transformer`.
 
 Families (one file each, registered by the pipeline class in model_index.json): `sd3.py`
-(StableDiffusion3Pipeline), `flux.py` (FluxPipeline). Adding one (Qwen-Image, Wan, ...) = a new file here
-with a `@register_family("<PipelineClass>")` FlowModel subclass implementing `encode_prompts`, `_forward`,
-`initial_noise`, `sigmas`, `decode` (see base.py); this package imports every module in it.
+(StableDiffusion3Pipeline), `flux.py` (FluxPipeline), `qwen_image.py` (QwenImagePipeline), `qwen_image_edit.py`
+(QwenImageEditPipeline, QwenImageEditPlusPipeline), `flux_kontext.py` (FluxKontextPipeline). Edit families
+(`needs_source_image`) take `encode_prompts(prompts, images=...)` and carry the source image's latents in the
+returned PromptEmbeds. Adding one = a new file here with a `@register_family("<PipelineClass>")` FlowModel
+subclass implementing `encode_prompts`, `_forward`, `initial_noise`, `sigmas`, `decode` (see base.py and
+docs/adding-a-family.md); this package imports every module in it.
 
-What is simplified away: no negative prompts other than "" (the empty prompt is the unconditional
-branch of classifier-free guidance), no IP-adapters / ControlNets, no skip-layer guidance.
+What is simplified away: no negative prompts other than "" (the empty prompt, or the empty instruction with the
+same source image, is the unconditional branch of classifier-free guidance), no IP-adapters / ControlNets, no
+skip-layer guidance, one source image per edit.
 """
 
 import importlib
@@ -25,7 +29,7 @@ import pkgutil
 
 from mmrl.diffusion.models.base import (  # noqa: F401
     ATTENTION_LORA_TARGETS, MODEL_FAMILIES, FlowModel, PromptEmbedCache, PromptEmbeds, available_families,
-    load_flow_model, register_family,
+    flow_model_class, load_flow_model, register_family,
 )
 from mmrl.diffusion.models.flux import FluxModel  # noqa: F401
 from mmrl.diffusion.models.sd3 import SD3Model  # noqa: F401

@@ -34,8 +34,12 @@ ATTENTION_LORA_TARGETS = [
 
 
 class PromptEmbeds(dict):
-    """Text conditioning of a batch: name -> tensor with the batch on dim 0 (e.g. `prompt_embeds`
-    [N, L, D], `pooled_prompt_embeds` [N, D]). `select(idx)` picks / repeats rows."""
+    """Conditioning of a batch: name -> tensor with the batch on dim 0 (e.g. `prompt_embeds` [N, L, D],
+    `pooled_prompt_embeds` [N, D], an edit model's source-image latents `image_latents` [N, C, h, w]).
+    `select(idx)` picks / repeats rows; `cat` stacks batches.
+
+    Variable-length text: a tensor `<key>` [N, L, ...] with a mask `<key>_mask` [N, L] (1 = token, 0 = padding)
+    may differ in L between the batches `cat` stacks; the shorter ones are zero-padded (mask 0) to the longest."""
 
     def select(self, index: Sequence[int] | Tensor) -> "PromptEmbeds":
         idx = torch.as_tensor(index, dtype=torch.long)
@@ -46,17 +50,36 @@ class PromptEmbeds(dict):
 
     @staticmethod
     def cat(parts: Sequence["PromptEmbeds"]) -> "PromptEmbeds":
-        return PromptEmbeds({k: torch.cat([p[k] for p in parts]) for k in parts[0].keys()})
+        out = {}
+        for k in parts[0].keys():
+            tensors = [p[k] for p in parts]
+            shapes = {tuple(t.shape[1:]) for t in tensors}
+            if len(shapes) > 1:
+                masked = (k.endswith("_mask") and k[: -len("_mask")] in parts[0]) or f"{k}_mask" in parts[0]
+                if not masked or len({s[1:] for s in shapes}) > 1:
+                    raise ValueError(f"PromptEmbeds.cat: '{k}' has different shapes {sorted(shapes)} across the "
+                                     f"batches (only a text tensor with a '<key>_mask' may differ in length; an edit "
+                                     f"model's source images of one batch must share one size)")
+                n = max(s[0] for s in shapes)  # zero padding (mask 0) up to the longest row
+                tensors = [torch.nn.functional.pad(t, [0, 0] * (t.dim() - 2) + [0, n - t.shape[1]]) for t in tensors]
+            out[k] = torch.cat(tensors)
+        return PromptEmbeds(out)
 
 
 class FlowModel:
     """A diffusers flow-matching pipeline seen as encode / velocity / decode. Subclasses set
-    `lora_target_modules` and implement the abstract methods below."""
+    `lora_target_modules` and implement the abstract methods below.
+
+    Conditioning beyond text (edit models) travels inside `PromptEmbeds`: `encode_prompts(prompts, images=...)`
+    returns rows that also hold the source image's latents (and whatever else the family's transformer needs),
+    so every sampler and recipe passes it along untouched; `negative_rows(embeds)` builds the unconditional CFG
+    branch of the same rows (an edit model keeps the source image there)."""
 
     lora_target_modules: list[str] = ATTENTION_LORA_TARGETS
     family: str = "flow"
     default_max_sequence_length: int = 512  # text tokens when load_flow_model is not given one
     has_guidance_embedding: bool = False  # FLUX-dev: guidance goes into the transformer, not CFG
+    needs_source_image: bool = False  # edit models: encode_prompts(prompts, images) needs one source image per prompt
 
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, max_sequence_length: int):
         self.pipe = pipe
@@ -66,13 +89,23 @@ class FlowModel:
         self.transformer = pipe.transformer
         self.vae = pipe.vae
         self.scheduler_config = dict(pipe.scheduler.config)
-        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        # every diffusers image pipeline computes its own (AutoencoderKL: 2^(blocks-1), Qwen-Image's: 2^downsamples)
+        self.vae_scale_factor = int(getattr(pipe, "vae_scale_factor", 0) or
+                                    2 ** (len(self.vae.config.block_out_channels) - 1))
         self._negative: PromptEmbeds | None = None
         self._cfg_memo: tuple[PromptEmbeds, PromptEmbeds] | None = None  # (embeds, [negative; embeds])
 
     # ------------------------------------------------------------------ text
-    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
+    def encode_prompts(self, prompts: list[str], images: Tensor | None = None) -> PromptEmbeds:
+        """Conditioning rows of `prompts`. Edit models (`needs_source_image`) take `images` float [N, 3, H, W] in
+        [0, 1], one source image per prompt, already at the size to condition on; text-to-image models take none."""
         raise NotImplementedError
+
+    def _no_images(self, images: Tensor | None) -> None:
+        """Text-to-image families: a source image given anyway is a mistake, not something to ignore."""
+        if images is not None:
+            raise ValueError(f"{type(self).__name__} ({self.family}) generates from text only: it takes no source "
+                             f"images (edit families: {[n for n, c in MODEL_FAMILIES.items() if c.needs_source_image]})")
 
     def negative_embeds(self, n: int) -> PromptEmbeds:
         """Embeddings of the empty prompt (the unconditional CFG branch), encoded once, repeated n times."""
@@ -97,8 +130,18 @@ class FlowModel:
             both = self._with_negative(embeds)
             v = self._forward(torch.cat([latents, latents]), torch.cat([sigma, sigma]), both, guidance_scale)
             v_uncond, v_cond = v.float().chunk(2)
-            return v_uncond + guidance_scale * (v_cond - v_uncond)
+            return self.combine_cfg(v_uncond, v_cond, guidance_scale)
         return self._forward(latents, sigma, embeds, guidance_scale).float()
+
+    def combine_cfg(self, v_uncond: Tensor, v_cond: Tensor, guidance_scale: float) -> Tensor:
+        """The guided velocity from the two branches: v_u + w (v_c - v_u). Families whose pipeline does more (Qwen-
+        Image rescales the result to the conditional branch's norm) override this, so rollouts match them."""
+        return v_uncond + guidance_scale * (v_cond - v_uncond)
+
+    def negative_rows(self, embeds: PromptEmbeds) -> PromptEmbeds:
+        """The unconditional CFG branch for each row of `embeds`: the empty prompt (encoded once) for text-to-image
+        families; edit families override it to keep each row's source image."""
+        return self.negative_embeds(len(embeds))
 
     def _with_negative(self, embeds: PromptEmbeds) -> PromptEmbeds:
         """[empty-prompt rows; embeds] for the CFG batch. Samplers and trainers call `velocity` many times in
@@ -107,7 +150,7 @@ class FlowModel:
         memo = self._cfg_memo
         if memo is not None and memo[0] is embeds:
             return memo[1]
-        both = PromptEmbeds.cat([self.negative_embeds(len(embeds)), embeds])
+        both = PromptEmbeds.cat([self.negative_rows(embeds), embeds])
         self._cfg_memo = (embeds, both)
         return both
 
@@ -127,6 +170,49 @@ class FlowModel:
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         return FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
+
+    # --- families whose transformer sees 2x2 latent patches as tokens (FLUX.1, Kontext, Qwen-Image): latents stay
+    # [B, C, h, w] outside, so samplers and log-probs see one layout for every family
+    def _pack_tokens(self, *latents: Tensor) -> Tensor:
+        """[B, C, h, w] latents (the noisy ones, then any condition latents) -> [B, sum of (h/2)(w/2), 4C] tokens in
+        the model dtype, concatenated on the sequence dim (the pipelines' `_pack_latents`)."""
+        out = []
+        for x in latents:
+            b, c, h, w = x.shape
+            out.append(self.pipe._pack_latents(x.to(self.dtype), b, c, h, w))
+        return torch.cat(out, dim=1) if len(out) > 1 else out[0]
+
+    @staticmethod
+    def _unpack_tokens(out: Tensor, c: int, h: int, w: int) -> Tensor:
+        """The first (h/2)(w/2) tokens of a prediction [B, N, 4C] back to [B, C, h, w] (inverse of `_pack_tokens`; any
+        condition tokens after them are dropped, as the edit pipelines slice)."""
+        b = out.shape[0]
+        return out[:, : (h // 2) * (w // 2)].reshape(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(
+            b, c, h, w)
+
+    def _packed_noise(self, n: int, height: int, width: int, generator: torch.Generator | None) -> Tensor:
+        h, w = self._latent_hw(height, width, 2)
+        c = self.transformer.config.in_channels // 4
+        return torch.randn((n, c, h, w), generator=generator, device=self.device, dtype=torch.float32)
+
+    def _packed_sigmas(self, num_steps: int, height: int, width: int) -> Tensor:
+        """`_shifted_sigmas` with the shift computed from the target's tokens (the pipelines use the noisy latents'
+        sequence length, condition tokens excluded)."""
+        h, w = self._latent_hw(height, width, 2)
+        return self._shifted_sigmas(num_steps, (h // 2) * (w // 2))
+
+    def _shifted_sigmas(self, num_steps: int, image_seq_len: int) -> Tensor:
+        """The FLUX / Qwen-Image pipelines' schedule: sigmas linspace(1, 1/N, N) through the scheduler with the
+        resolution-dependent shift mu = calculate_shift(image tokens) (`use_dynamic_shifting` configs)."""
+        import numpy as np
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        c = self.scheduler_config
+        mu = calculate_shift(image_seq_len, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                             c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+        sched = self._new_scheduler()
+        sched.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), device="cpu", mu=mu)
+        return sched.sigmas.float()
 
     def _latent_hw(self, height: int, width: int, multiple: int = 1) -> tuple[int, int]:
         f = self.vae_scale_factor * multiple
@@ -214,15 +300,9 @@ def available_families() -> list[str]:
     return sorted(MODEL_FAMILIES)
 
 
-def load_flow_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                    max_sequence_length: int | None = None) -> FlowModel:
-    """Load a local diffusers pipeline directory as a FlowModel (family chosen by model_index.json).
-
-    Text encoders and VAE are frozen (requires_grad False, eval mode); the transformer is left frozen
-    too - adapters (or full fine-tuning) decide what trains. The VAE stays fp32 (as Flow-GRPO).
-    """
-    import diffusers
-
+def flow_model_class(path: str | Path) -> type[FlowModel]:
+    """The FlowModel subclass of a local pipeline directory (its model_index.json `_class_name`), without loading
+    any weights; clear errors for a missing directory or an unknown pipeline class (naming the supported ones)."""
     path = Path(path)
     index = path / "model_index.json"
     if not path.is_dir() or not index.is_file():
@@ -235,7 +315,20 @@ def load_flow_model(path: str | Path, device: str | torch.device = "cpu", dtype:
     if cls_name not in MODEL_FAMILIES:
         raise ValueError(f"model.path '{path}': pipeline class '{cls_name}' is not supported; "
                          f"supported: {available_families()}")
-    model_cls = MODEL_FAMILIES[cls_name]
+    return MODEL_FAMILIES[cls_name]
+
+
+def load_flow_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                    max_sequence_length: int | None = None) -> FlowModel:
+    """Load a local diffusers pipeline directory as a FlowModel (family chosen by model_index.json).
+
+    Text encoders and VAE are frozen (requires_grad False, eval mode); the transformer is left frozen
+    too - adapters (or full fine-tuning) decide what trains. The VAE stays fp32 (as Flow-GRPO).
+    """
+    import diffusers
+
+    model_cls = flow_model_class(path)
+    cls_name = next(name for name, cls in MODEL_FAMILIES.items() if cls is model_cls)
     pipe = getattr(diffusers, cls_name).from_pretrained(str(path), dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     for name, module in pipe.components.items():

@@ -1,0 +1,62 @@
+"""The real-model recipes of the new families: they load and validate with the anchors' published settings, and their
+model / LoRA / guidance settings load a tiny pipeline directory of the same layout (the real weights never ran here)."""
+
+from pathlib import Path
+
+import torch
+
+from mmrl.config import load_config
+from mmrl.diffusion.common import build_policy_states
+from mmrl.diffusion.conditioning import encode_items
+from mmrl.diffusion.models import load_flow_model
+from mmrl.pipelines.data import PromptItem
+from mmrl.rewards import available
+from mmrl.runtime import resolve_dtype
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "configs" / "diffusion"
+
+
+def _loads_on_a_tiny_directory(cfg, tiny_path, items):
+    """The recipe's model section on a tiny directory of the same pipeline class: load in the recipe's dtype, wrap
+    with its LoRA (the family's default targets: every one must match), one guided velocity."""
+    model = load_flow_model(tiny_path, "cpu", resolve_dtype(cfg.dtype), cfg.model.max_sequence_length or None)
+    states = build_policy_states(model, cfg.model, old=False, ref=False)
+    trainable = [n for n, p in model.transformer.named_parameters() if p.requires_grad]
+    for target in model.lora_target_modules:
+        assert any(f".{target}.lora_A" in n for n in trainable), target
+    emb = encode_items(model, items, 64, 64)
+    x = model.initial_noise(len(items), 64, 64, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        v = model.velocity(x, 0.5, emb, guidance_scale=cfg.rollout.guidance_scale)
+    assert v.shape == x.shape and torch.isfinite(v).all()
+    return model, states
+
+
+def test_qwen_image_ocr_recipe(tiny_family):
+    cfg = load_config(CONFIGS / "flow_grpo_qwen_image_ocr.yaml")
+    s, lora = cfg.rollout, cfg.model.lora
+    # source: verl-omni run_qwen_image_ocr_lora.sh + its rollout / actor config defaults
+    assert (s.prompts_per_step, s.group_size, s.height, s.num_steps, s.guidance_scale) == (32, 16, 512, 10, 4.0)
+    assert (s.noise_level, s.window_size, list(s.window_range)) == (1.2, 2, [0, 5])
+    assert (lora.rank, lora.alpha, cfg.optim.lr, cfg.optim.weight_decay) == (64, 128, 3e-4, 1e-4)
+    assert (cfg.algo.clip_range, cfg.algo.kl.coef, cfg.update.updates_per_epoch(s.batch)) == (1e-4, 0.0, 2)
+    assert cfg.model.max_sequence_length == 256 and list(cfg.reward.components) == ["ocr"]
+    model, _ = _loads_on_a_tiny_directory(cfg, tiny_family("QwenImagePipeline"),
+                                          [PromptItem('a sign that says "HELLO"')])
+    assert model.dtype == torch.bfloat16 and model.max_sequence_length == 256
+
+
+def test_qwen_image_edit_recipe(tiny_family, tmp_path):
+    from mmrl.pipelines.data import load_prompts
+    from mmrl.pipelines.edits import make_shapes_edit_file
+
+    cfg = load_config(CONFIGS / "flow_grpo_qwen_image_edit_pickscore.yaml")
+    s = cfg.rollout
+    # source: verl-omni run_qwen_image_edit_lora.sh
+    assert (s.prompts_per_step, s.group_size, s.height, s.num_steps, s.guidance_scale) == (32, 16, 512, 12, 4.0)
+    assert (s.noise_level, s.window_size, list(s.window_range), s.eval_num_steps) == (0.7, 3, [0, 6], 40)
+    assert (cfg.model.lora.rank, cfg.optim.lr, cfg.algo.clip_range, cfg.reward.std_mode) == (64, 3e-4, 1e-4, "group")
+    assert set(cfg.reward.components) <= set(available())
+    items = load_prompts(make_shapes_edit_file(tmp_path, n=2))
+    _loads_on_a_tiny_directory(cfg, tiny_family("QwenImageEditPlusPipeline"), items)
