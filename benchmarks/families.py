@@ -1,21 +1,21 @@
-"""Every model family's tiny model: our rollout against diffusers' own pipeline, and the Flow-GRPO step split.
+"""Model families on CPU: each family's tiny model, the Flow-GRPO step split and the rollout against diffusers.
 
-    .venv/bin/python benchmarks/families.py [--families QwenImagePipeline,...] [--repeats 5] [--steps 3] [--threads 1]
+    .venv/bin/python benchmarks/families.py [--families wan21,qwen_image,...] [--steps 4] [--repeats 5] [--threads 1]
 
-Driven by the registry: every family `mmrl.diffusion.models` registers, built from `mmrl.tiny.FAMILY_BUILDERS`
-(a registered family without a tiny builder or a `PIPELINE_CALLS` entry below fails naming it). Per family:
+For every family's tiny checkpoint (`mmrl.tiny`, the real diffusers / transformers classes); every family the
+registry holds (`mmrl.diffusion.models.available_families()`) must have an entry in FAMILIES:
 
-1. Rollout vs pipeline, the same work: one prompt (edit families: and one source image), 4 images, 8 ODE steps,
-   64x64, the family's guidance (`SETTINGS`), initial noise from the same seeded generator (both draw the same
-   numbers; checked), decoded to images. Ours =
-   `encode_items` (text encoders, the source's VAE encode) + `sample_groups(noise_level=0)` (transformer, Euler
-   steps, VAE decode); diffusers = the pipeline's `__call__(..., output_type="pt")`, which does the same. Timed
-   interleaved (`_timing.interleaved`, A B / B A ...), seconds min / median / max; the last column is the max |latent
-   difference| of the two final latents (`output_type="latent"`), the parity the family tests assert. Qwen-Image-Edit's
-   pipelines always condition on a ~1024^2 copy of the source, so both sides get a 1024x1024 source there.
-2. Flow-GRPO step split (`flow_grpo_step.bench`: LoRA r=8, KL 0.04, EMA, 4 prompts x 4 images, 8 steps, 2
-   updates): per measured step, the transformer's forward and backward time and the rest (text encoders, VAE,
-   SDE math, reward, optimizer, framework), as fractions of the step, min / median / max over steps 2..N.
+1. Flow-GRPO step split: `mmrl.diffusion.flow_grpo.train` for `--steps` steps (the first, with one-off warm-up,
+   left out), measured as in `flow_grpo_step.py` (whose `bench` this reuses): transformer forward time (hooks on the
+   transformer), backward time (`Tensor.backward`), and the rest of the step (SDE math, text encoders, VAE decode,
+   reward, optimizer, logging) as a share of the step; min / median / max over the measured steps.
+2. Rollout against diffusers' own pipeline, same work: encode the prompts, then a deterministic 8-step rollout of 4
+   samples from the same initial noise, with the family's guidance (CFG where it has one), no decode (the pipeline
+   with `output_type="latent"`); interleaved (`_timing.interleaved`), min / median / max; and the max |difference|
+   of the final latents (0 = bitwise equal). The pipeline encodes its negative prompt on every call, the family
+   once per model: the one text-encoder pass this saves is part of what is measured. Edit families: one instruction
+   with one source image (shapes edit task) and 4 samples; both sides encode the instruction with the image and VAE-
+   encode the image (the Qwen-Image-Edit pipelines always condition on a ~1024^2 copy, so both get a 1024x1024 source).
 
 Prints Markdown tables and the command line.
 """
@@ -23,23 +23,55 @@ Prints Markdown tables and the command line.
 from __future__ import annotations
 
 import argparse
-import shlex
+import os
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
-from _timing import interleaved, machine, markdown_table
+from _timing import interleaved, machine, speedup
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("MMRL_NO_PROGRESS", "1")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-# guidance per family (CFG above 1 for the CFG families; the guidance-embedding value for FLUX.1-dev / Kontext);
-# families not listed: 1.0. Edit families are those whose FlowModel has `needs_source_image`.
-SETTINGS = {"StableDiffusion3Pipeline": 4.5, "FluxPipeline": 3.5, "QwenImagePipeline": 4.0,
-            "QwenImageEditPipeline": 4.0, "QwenImageEditPlusPipeline": 4.0, "FluxKontextPipeline": 2.5}
-PROMPT, INSTRUCTION = "a red circle on a blue background", "make the circle red"
-STEPS, IMAGES, SIZE = 8, 4, 64
+PROMPTS = ["a red circle on a blue background", "a green square on a white background"]
+INSTRUCTION = "make the circle red"
+VIDEO_REWARD = "reward.components={motion_amount: 1.0, f: {reward: video_frames, image_reward: jpeg_compressibility}}"
+
+
+def _wan(root, variant):
+    from mmrl.tiny import build_tiny_wan
+
+    return build_tiny_wan(root / variant, variant=variant)
+
+
+def _builder(name):
+    from mmrl import tiny
+
+    return lambda root: getattr(tiny, f"build_tiny_{name}")(root / name)
+
+
+# family -> (build(root) -> path, size, frames, guidance scale, pipeline class); what the rollout comparison and the
+# step run use
+FAMILIES = {
+    "wan21": (lambda root: _wan(root, "2.1"), 32, 5, 5.0, "WanPipeline"),
+    "wan22_a14b": (lambda root: _wan(root, "2.2_a14b"), 32, 5, 5.0, "WanPipeline"),
+    "z_image": (_builder("z_image"), 64, 1, 4.0, "ZImagePipeline"),
+    "flux2": (_builder("flux2"), 64, 1, 4.0, "Flux2Pipeline"),
+    "flux2_klein": (_builder("flux2_klein"), 64, 1, 4.0, "Flux2KleinPipeline"),
+    "sd3": (_builder("sd3"), 64, 1, 4.5, "StableDiffusion3Pipeline"),
+    "flux": (_builder("flux"), 64, 1, 3.5, "FluxPipeline"),
+    "qwen_image": (_builder("qwen_image"), 64, 1, 4.0, "QwenImagePipeline"),  # true CFG, norm rescale
+    "qwen_image_edit": (_builder("qwen_image_edit"), 64, 1, 4.0, "QwenImageEditPipeline"),
+    "qwen_image_edit_plus": (_builder("qwen_image_edit_plus"), 64, 1, 4.0, "QwenImageEditPlusPipeline"),
+    "flux_kontext": (_builder("flux_kontext"), 64, 1, 2.5, "FluxKontextPipeline"),  # guidance embedding
+}
+# edit pipelines that condition on a fixed-area copy of the source whatever the target size: that side, for both
+SOURCE_SIDE = {"QwenImageEditPipeline": 1024, "QwenImageEditPlusPipeline": 1024}
+PACKED = ("FluxPipeline", "FluxKontextPipeline", "QwenImagePipeline", "QwenImageEditPipeline",
+          "QwenImageEditPlusPipeline")  # 2x2-packed latents in and out of the pipeline
 
 
 def _packed(model, x):
@@ -47,47 +79,46 @@ def _packed(model, x):
     return model.pipe._pack_latents(x.clone(), b, c, h, w)
 
 
-def _cfg_kw(g, key="guidance_scale", neg=True):
-    return {key: g, **({"negative_prompt": [""] * IMAGES} if neg and g > 1 else {})}
+def pipeline_call(model, x0, size, frames, gs, steps, source=None):
+    """Diffusers' own pipeline of the family on the same initial noise (its latent layout), latents out."""
+    prompts = [p for p in PROMPTS for _ in range(2)]  # a fresh list per call (Z-Image writes into it)
+    kw = dict(prompt=prompts, num_inference_steps=steps, guidance_scale=gs, height=size, width=size,
+              output_type="latent", max_sequence_length=model.max_sequence_length)
+    name = type(model.pipe).__name__
+    if name in ("QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline"):  # "true CFG"
+        kw["true_cfg_scale"] = kw.pop("guidance_scale")
+        if name == "QwenImagePipeline":
+            return model.pipe(latents=_packed(model, x0), negative_prompt=[""] * 4, **kw).images
+        kw.update(prompt=INSTRUCTION, image=source, negative_prompt="", num_images_per_prompt=4)
+        return model.pipe(latents=_packed(model, x0), **kw).images
+    if name == "FluxKontextPipeline":  # its defaults resize target and source to ~1024^2: keep both as given
+        kw.update(prompt=INSTRUCTION, image=source, num_images_per_prompt=4, max_area=size * size, _auto_resize=False)
+        return model.pipe(latents=_packed(model, x0), **kw).images
+    if name == "FluxPipeline":
+        return model.pipe(latents=_packed(model, x0), **kw).images
+    if name == "StableDiffusion3Pipeline":
+        return model.pipe(latents=x0.clone(), negative_prompt=[""] * 4, **kw).images
+    if name == "WanPipeline":
+        return model.pipe(latents=x0.clone(), num_frames=frames, negative_prompt=[""] * 4, **kw).frames
+    if name == "Flux2Pipeline":
+        return model.pipe(latents=x0.clone(), **kw).images  # packed tokens out
+    return model.pipe(latents=x0.clone(), **kw).images
 
 
-# pipeline class -> the diffusers call doing the rollout's work: f(model, guidance, source PIL or None) -> kwargs
-PIPELINE_CALLS = {
-    "StableDiffusion3Pipeline": lambda m, g, src: dict(
-        prompt=[PROMPT] * IMAGES, max_sequence_length=m.max_sequence_length, **_cfg_kw(g)),
-    "FluxPipeline": lambda m, g, src: dict(
-        prompt=[PROMPT] * IMAGES, guidance_scale=g, max_sequence_length=m.max_sequence_length),
-    "QwenImagePipeline": lambda m, g, src: dict(
-        prompt=[PROMPT] * IMAGES, max_sequence_length=m.max_sequence_length, **_cfg_kw(g, "true_cfg_scale")),
-    "QwenImageEditPipeline": lambda m, g, src: dict(
-        image=src, prompt=INSTRUCTION, negative_prompt="", true_cfg_scale=g, num_images_per_prompt=IMAGES),
-    "QwenImageEditPlusPipeline": lambda m, g, src: dict(
-        image=src, prompt=INSTRUCTION, negative_prompt="", true_cfg_scale=g, num_images_per_prompt=IMAGES),
-    "FluxKontextPipeline": lambda m, g, src: dict(
-        image=src, prompt=INSTRUCTION, num_images_per_prompt=IMAGES, guidance_scale=g, max_area=SIZE * SIZE,
-        _auto_resize=False, max_sequence_length=m.max_sequence_length),
-}
-# the source image side each edit pipeline conditions on (the Qwen-Image-Edit pipelines resize to ~1024^2)
-SOURCE_SIDE = {"QwenImageEditPipeline": 1024, "QwenImageEditPlusPipeline": 1024}
+def our_latents_like_pipeline(model, latents):
+    """Our final latents in the layout the pipeline's latent output has."""
+    name = type(model.pipe).__name__
+    if name in PACKED:
+        return _packed(model, latents)
+    if name == "Flux2Pipeline":
+        return model.pipe._pack_latents(latents)
+    if name == "Flux2KleinPipeline":
+        mean, std = model._bn_stats(latents)
+        return model.pipe._unpatchify_latents(latents * std + mean)
+    return latents
 
 
-def families(wanted: list[str]) -> list[str]:
-    from mmrl.diffusion.models import available_families
-    from mmrl.tiny import FAMILY_BUILDERS
-
-    names = wanted or available_families()
-    unknown = [n for n in names if n not in available_families()]
-    if unknown:
-        raise SystemExit(f"--families: unknown {unknown}; registered: {available_families()}")
-    missing = [n for n in names if n not in FAMILY_BUILDERS or n not in PIPELINE_CALLS]
-    if missing:
-        raise SystemExit(f"families without a tiny builder (mmrl.tiny.FAMILY_BUILDERS) or a PIPELINE_CALLS entry in "
-                         f"benchmarks/families.py: {missing}")
-    return names
-
-
-def rollout_vs_pipeline(name: str, path: Path, repeats: int):
-    """(Spread ours, Spread diffusers, max |final latent difference|)."""
+def rollout_vs_pipeline(path, size, frames, gs, repeats, steps=8):
     import random
 
     from mmrl.diffusion.conditioning import encode_items
@@ -96,82 +127,97 @@ def rollout_vs_pipeline(name: str, path: Path, repeats: int):
     from mmrl.pipelines.data import PromptItem
     from mmrl.pipelines.edits import shapes_edit_example
 
-    model = load_flow_model(path)
-    g = SETTINGS.get(name, 1.0)
-    src, item = None, PromptItem(PROMPT)
-    if model.needs_source_image:
-        side = SOURCE_SIDE.get(name, SIZE)
-        src = shapes_edit_example(random.Random(0), side)["source"]
-        item = PromptItem(INSTRUCTION, {"source_image": src})
+    from mmrl.diffusion.models import flow_model_class
 
-    def ours(decode=True):  # initial noise from a seeded generator: the same numbers the pipeline draws
+    edit = flow_model_class(path).needs_source_image  # an edit pipeline keeps every token: no cut on either side
+    model = load_flow_model(path, num_frames=frames, max_sequence_length=None if edit else 32)
+    gen = torch.Generator().manual_seed(0)
+    x0 = model.initial_noise(4, size, size, gen)
+    result = {}
+    items, group, source, side = [PromptItem(p) for p in PROMPTS], 2, None, size
+    if edit:  # one instruction, one source image, 4 samples (the pipelines take one image)
+        side = SOURCE_SIDE.get(type(model.pipe).__name__, size)
+        source = shapes_edit_example(random.Random(0), side)["source"]
+        items, group = [PromptItem(INSTRUCTION, {"source_image": source})], 4
+
+    def ours():
+        g = torch.Generator().manual_seed(0)
         with torch.no_grad():
-            emb = encode_items(model, [item], SOURCE_SIDE.get(name, SIZE), SOURCE_SIDE.get(name, SIZE))
-            return sample_groups(model, emb, IMAGES, num_steps=STEPS, height=SIZE, width=SIZE, guidance_scale=g,
-                                 noise_level=0.0, generator=torch.Generator().manual_seed(0), decode=decode)
+            result["ours"] = sample_groups(model, encode_items(model, items, side, side), group, num_steps=steps,
+                                           height=size, width=size, guidance_scale=gs, noise_level=0.0, generator=g,
+                                           decode=False)
 
-    def pipe(output_type="pt"):
-        return model.pipe(num_inference_steps=STEPS, height=SIZE, width=SIZE, output_type=output_type,
-                          generator=torch.Generator().manual_seed(0), **PIPELINE_CALLS[name](model, g, src)).images
+    def theirs():
+        result["pipe"] = pipeline_call(model, x0, size, frames, gs, steps, source)
 
-    ref = pipe("latent")
-    traj = ours(decode=False)
-    final, start = traj.latents[:, -1], traj.latents[:, 0]
-    assert torch.equal(start, model.initial_noise(IMAGES, SIZE, SIZE, torch.Generator().manual_seed(0)))
-    diff = float(((_packed(model, final) if ref.dim() == 3 else final) - ref).abs().max())
-    t = interleaved({"ours": ours, "diffusers": pipe}, repeats=repeats, warmup=1)
-    return t["ours"], t["diffusers"], diff
+    times = interleaved({"mmrl": ours, "diffusers": theirs}, repeats=repeats, warmup=1)
+    assert torch.equal(result["ours"].latents[:, 0], x0)  # the same noise went into both
+    diff = (our_latents_like_pipeline(model, result["ours"].latents[:, -1]) - result["pipe"]).abs().max().item()
+    params = sum(p.numel() for p in model.transformer.parameters())
+    return times, diff, params
 
 
-def step_split(name: str, path: Path, steps: int, tmp: Path):
+def step_split(name, path, size, frames, steps, out):
     from flow_grpo_step import bench
 
-    from mmrl.diffusion.models import MODEL_FAMILIES
+    from mmrl.diffusion.models import flow_model_class
     from mmrl.pipelines.edits import make_shapes_edit_file
 
-    overrides = [f"rollout.guidance_scale={SETTINGS.get(name, 1.0)}"]
-    if MODEL_FAMILIES[name].needs_source_image:
-        overrides.append(f"data.train_prompts={make_shapes_edit_file(tmp / 'edits', n=32)}")
-    return bench(name, path, SIZE, steps, tmp / "run", 0, overrides)
+    overrides = ["model.max_sequence_length=32", "rollout.num_steps=4"]
+    if frames > 1:
+        overrides += [f"rollout.num_frames={frames}", VIDEO_REWARD]
+    if flow_model_class(path).needs_source_image:  # edit rows (source image, instruction), shapes edit task
+        overrides.append(f"data.train_prompts={make_shapes_edit_file(out.parent / f'edits_{name}', n=32)}")
+    return bench(name, path, size, steps, out, overrides=overrides)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--families", default="", help="comma-separated pipeline classes (default: every registered one)")
-    ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds of rollout vs pipeline")
-    ap.add_argument("--steps", type=int, default=3, help="Flow-GRPO steps per family (the first is not measured)")
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--families", default=",".join(FAMILIES), help=f"subset of: {', '.join(FAMILIES)}")
+    ap.add_argument("--steps", type=int, default=4, help="Flow-GRPO steps per family (the first is left out)")
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved rollout repeats")
     ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
-    if args.steps < 2 or args.repeats < 1:
-        raise SystemExit(f"--steps must be >= 2 and --repeats >= 1, got {args.steps}, {args.repeats}")
-    torch.set_num_threads(args.threads)
-    from mmrl.tiny import FAMILY_BUILDERS
+    args = ap.parse_args(argv)
+    names = [n.strip() for n in args.families.split(",") if n.strip()]
+    unknown = [n for n in names if n not in FAMILIES]
+    if unknown:
+        raise SystemExit(f"--families: unknown {unknown}; valid: {list(FAMILIES)}")
+    if args.steps < 2:
+        raise SystemExit("--steps must be >= 2 (the first step is left out)")
+    from mmrl.diffusion.models import available_families
 
-    names = families([n.strip() for n in args.families.split(",") if n.strip()])
-    rollout_rows, split_rows = [], []
+    missing = sorted(set(available_families()) - {f[4] for f in FAMILIES.values()})
+    if missing:
+        raise SystemExit(f"registered model families without an entry in benchmarks/families.py FAMILIES: {missing}")
+    torch.set_num_threads(args.threads)
+    print(f"`python benchmarks/families.py {' '.join(argv if argv is not None else sys.argv[1:])}` - "
+          f"{machine(args.threads)}\n", flush=True)
+    roll_rows, step_rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        for i, name in enumerate(names):
-            path = FAMILY_BUILDERS[name](Path(tmp) / f"model{i}")
-            ours, theirs, diff = rollout_vs_pipeline(name, path, args.repeats)
-            rollout_rows.append((name, ours.fmt(), theirs.fmt(), f"{theirs.median / ours.median:.2f}x",
-                                 f"{diff:.1e}"))
-            r = step_split(name, path, args.steps, Path(tmp) / f"step{i}")
-            fwd = [f / s for f, s in zip(r["fwd_s"].values, r["step_s"].values)]
-            bwd = [b / s for b, s in zip(r["bwd_s"].values, r["step_s"].values)]
-            pct = lambda v: " / ".join(f"{100 * x:.0f}" for x in (min(v), sorted(v)[len(v) // 2], max(v)))  # noqa: E731
-            split_rows.append((name, r["step_s"].fmt(), pct(fwd), pct(bwd), r["overhead"].fmt(100, 0),
-                               f"{r['drift']:.1e}"))
-    print(f"\n`{shlex.join(['python', 'benchmarks/families.py', *sys.argv[1:]])}` - {machine()}\n")
-    print(f"Rollout vs diffusers' pipeline, the same work: 1 prompt x {IMAGES} images, {STEPS} ODE steps, "
-          f"{SIZE}x{SIZE}, prompt encoding + denoising + VAE decode; {args.repeats} interleaved rounds after 1 "
-          f"warm-up, seconds min / median / max\n")
-    print(markdown_table(["family", "ours s", "diffusers s", "diffusers / ours (medians)", "max abs latent diff"],
-                         rollout_rows))
-    print(f"\nFlow-GRPO step split (tiny models, 4 prompts x 4 images, {STEPS} steps, LoRA r=8, KL 0.04, EMA, 2 "
-          f"updates; steps 2..{args.steps}): % of the step, min / median / max\n")
-    print(markdown_table(["family", "step s", "transformer fwd %", "transformer bwd %", "everything else %",
-                          "max logprob drift"], split_rows))
+        root = Path(tmp)
+        for name in names:
+            build, size, frames, gs, _ = FAMILIES[name]
+            path = build(root)
+            times, diff, params = rollout_vs_pipeline(path, size, frames, gs, args.repeats)
+            what = f"{size}px" + (f" x {frames} frames" if frames > 1 else "")
+            roll_rows.append((name, f"{params / 1e3:.0f}k", what, times["mmrl"].fmt(1e3, 0),
+                              times["diffusers"].fmt(1e3, 0), speedup(times["diffusers"], times["mmrl"]),
+                              f"{diff:.1e}"))
+            res = step_split(name, path, size, frames, args.steps, root / f"run_{name}")
+            step_rows.append((name, res["step_s"].fmt(1e3, 0), res["fwd_s"].fmt(1e3, 0), res["bwd_s"].fmt(1e3, 0),
+                              res["overhead"].fmt(100, 0), f"{res['drift']:.1e}"))
+            print(f"{name} done", file=sys.stderr, flush=True)
+    from _timing import markdown_table
+
+    print("Rollout: prompt encoding + 8 ODE steps, 4 samples, guidance on; ms min / median / max, interleaved\n")
+    print(markdown_table(["family", "transformer params", "size", "mmrl", "diffusers pipeline", "diffusers / mmrl",
+                          "max abs latents difference"], roll_rows))
+    print(f"\nFlow-GRPO step ({args.steps - 1} measured steps, 4 prompts x 4 samples, 4 sampling steps, LoRA rank 8, "
+          f"2 updates, KL 0.04): ms and % of the step, min / median / max\n")
+    print(markdown_table(["family", "step ms", "transformer forward ms", "transformer backward ms",
+                          "rest of the step %", "max logprob drift"], step_rows))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -187,10 +187,11 @@ def _check(cfg: Config) -> None:
 
 
 def train(cfg: Config) -> dict:
-    from mmrl.diffusion.common import LatentCache, NoSamples, end_step, evaluate_ode, setup_training
+    from mmrl.diffusion.common import (LatentCache, NoSamples, end_step, evaluate_ode, load_recipe_model,
+                                       setup_training)
     from mmrl.diffusion.conditioning import check_data, encode_items, sample_panels
     from mmrl.diffusion.dpo_update import dpo_update, offline_eval
-    from mmrl.diffusion.models import flow_model_class, load_flow_model
+    from mmrl.diffusion.models import flow_model_class
     from mmrl.diffusion.sampling import sample_groups
     from mmrl.diffusion.scoring import load_reward_fn, score_rollout
     from mmrl.pipelines.data import PromptSampler, load_preference_pairs, load_prompts
@@ -207,9 +208,10 @@ def train(cfg: Config) -> dict:
     if not online and flow_model_class(cfg.model.path).needs_source_image:
         raise ValueError(f"algo.mode=offline: preference pairs carry no source images, so the edit model at "
                          f"model.path={cfg.model.path} cannot be trained offline; use algo.mode=online with edit rows")
-    reward_fn = load_reward_fn(cfg.reward.components, run.device) if (online or eval_items) else None
-    model = load_flow_model(cfg.model.path, run.device, run.dtype, cfg.model.max_sequence_length or None)
-    shift = d.sigma_shift or float(model.scheduler_config.get("shift", 1.0))
+    reward_fn = (load_reward_fn(cfg.reward.components, run.device, cfg.rollout.num_frames)
+                 if (online or eval_items) else None)
+    model = load_recipe_model(cfg, run.device, run.dtype)
+    shift = d.sigma_shift or model.sigma_shift
 
     if online:
         sampler = PromptSampler(train_items, seed=cfg.seed)

@@ -190,10 +190,10 @@ _WINDOW_RANK = 1_000_002
 
 
 def train(cfg: Config) -> dict:
-    from mmrl.diffusion.common import NoSamples, end_step, evaluate_ode, setup_training
+    from mmrl.diffusion.common import NoSamples, end_step, evaluate_ode, load_recipe_model, setup_training
     from mmrl.diffusion.conditioning import check_data, encode_items, sample_panels
     from mmrl.diffusion.grpo_update import train_on_rollout
-    from mmrl.diffusion.models import PromptEmbedCache, load_flow_model
+    from mmrl.diffusion.models import PromptEmbedCache
     from mmrl.diffusion.sampling import sample_groups
     from mmrl.diffusion.scoring import AsyncRewardScorer, global_advantages, load_reward_fn, score_rollout
     from mmrl.pipelines.data import PromptSampler, load_prompts
@@ -206,9 +206,9 @@ def train(cfg: Config) -> dict:
     train_items = load_prompts(cfg.data.train_prompts)
     eval_items = load_prompts(cfg.data.eval_prompts)[: cfg.log.eval_max_prompts] if cfg.data.eval_prompts else []
     check_data(cfg.model.path, train_prompts=train_items, eval_prompts=eval_items)  # edit models need source images
-    reward_fn = load_reward_fn(cfg.reward.components, run.device)
+    reward_fn = load_reward_fn(cfg.reward.components, run.device, cfg.rollout.num_frames)
     scorer = AsyncRewardScorer(reward_fn) if cfg.reward.async_scoring else None  # rewards overlap the next rollout
-    model = load_flow_model(cfg.model.path, run.device, run.dtype, cfg.model.max_sequence_length or None)
+    model = load_recipe_model(cfg, run.device, run.dtype)
     n_distinct = len({it.prompt for it in train_items})
     encode = PromptEmbedCache(model, n_distinct) if 0 < n_distinct <= s.prompt_cache_size else model.encode_prompts
 

@@ -44,11 +44,13 @@ Tensor = torch.Tensor
 class Trajectory:
     """A batch of B = P * G rollouts (P prompts, G per prompt, samples of a prompt are adjacent).
 
-    latents [B, T+1, C, h, w] fp32: x at sigmas[0..T] (latents[:, 0] = initial noise, [:, T] = final);
+    latents [B, T+1, C, h, w] fp32 (video families: [B, T+1, C, F, h, w]): x at sigmas[0..T] (latents[:, 0] =
+    initial noise, [:, T] = final);
     log_probs [B, T]: rollout log-prob of each transition (0 on ODE steps);
     sigmas [T+1]: the schedule (sigmas[T] = 0); sde_mask [T] bool: stochastic steps;
     train_steps [K] long: step indices the trainer uses; prompt_index [B] long: row in `embeds`
-    (also the group id); embeds: one row per prompt; images [B, 3, H, W] in [0, 1] (None when not decoded).
+    (also the group id); embeds: one row per prompt; images [B, 3, H, W] in [0, 1] (videos: [B, F, 3, H, W]; None
+    when not decoded).
     """
 
     latents: Tensor
@@ -96,7 +98,7 @@ def guided_velocity(model: FlowModel, latents: Tensor, sigma: Tensor | float, em
     if cfg_grad not in CFG_GRAD_MODES:
         raise ValueError(f"cfg_grad: expected one of {list(CFG_GRAD_MODES)}, got {cfg_grad!r}")
     if cfg is None:
-        cfg = guidance_scale > 1.0 and not model.has_guidance_embedding
+        cfg = model.cfg_enabled(guidance_scale)
     if cfg_grad == "both" or not cfg:
         return model.velocity(latents, sigma, embeds, guidance_scale=guidance_scale, cfg=cfg)
     b = latents.shape[0]
@@ -104,7 +106,7 @@ def guided_velocity(model: FlowModel, latents: Tensor, sigma: Tensor | float, em
     both = PromptEmbeds.cat([model.negative_rows(embeds), embeds])  # an edit model's negative keeps its source image
     v = model.velocity(torch.cat([latents, latents]), torch.cat([s, s]), both, guidance_scale=guidance_scale, cfg=False)
     v_uncond, v_cond = v.chunk(2)
-    return model.combine_cfg(v_uncond.detach(), v_cond, guidance_scale)
+    return model.combine_cfg(v_uncond.detach(), v_cond, guidance_scale, sigma=s)
 
 
 def step_log_prob(model: FlowModel, latents: Tensor, next_latents: Tensor | None, sigma: Tensor, sigma_next: Tensor,

@@ -15,6 +15,7 @@ few hundred to a thousand tokens instead of 49k-152k.
 
 Modules: ``vocab.py`` (corpus, BPE, tokenizers), ``components.py`` (shared encoders and helpers),
 ``diffusion_models.py`` (SD3, FLUX, FLUX Kontext), ``qwen_image_models.py`` (Qwen-Image, -Edit, -Edit Plus),
+``family_models.py`` (Wan, Z-Image, FLUX.2 [dev] / [klein]),
 ``vlm_models.py`` (Qwen2/2.5/3-VL), ``clip_models.py`` (CLIP, open_clip);
 every name is importable from ``mmrl.tiny``.
 """
@@ -33,6 +34,12 @@ from mmrl.tiny.clip_models import (  # noqa: F401
 )
 from mmrl.tiny.components import count_parameters  # noqa: F401
 from mmrl.tiny.diffusion_models import build_tiny_flux, build_tiny_flux_kontext, build_tiny_sd3
+from mmrl.tiny.family_models import (  # noqa: F401
+    build_tiny_flux2,
+    build_tiny_flux2_klein,
+    build_tiny_wan,
+    build_tiny_z_image,
+)
 from mmrl.tiny.qwen_image_models import (  # noqa: F401
     build_tiny_qwen_image,
     build_tiny_qwen_image_edit,
@@ -73,6 +80,10 @@ BUILDERS = {
     "qwen_image": build_tiny_qwen_image,
     "qwen_image_edit": build_tiny_qwen_image_edit,
     "qwen_image_edit_plus": build_tiny_qwen_image_edit_plus,
+    "wan": build_tiny_wan,
+    "z_image": build_tiny_z_image,
+    "flux2": build_tiny_flux2,
+    "flux2_klein": build_tiny_flux2_klein,
     "qwen2_vl": build_tiny_qwen2_vl,
     "qwen25_vl": build_tiny_qwen25_vl,
     "qwen3_vl": build_tiny_qwen3_vl,
@@ -86,6 +97,7 @@ def build_all(root, seed: int = 0) -> dict[str, Path]:
     root = Path(root)
     return {name: build(root / name, seed=seed) for name, build in BUILDERS.items()}
 
+
 # The tiny pipeline of every diffusion model family, by the pipeline class `load_flow_model` registers it under
 # (mmrl.diffusion.models.MODEL_FAMILIES): what the family tests and `benchmarks/families.py` build.
 FAMILY_BUILDERS = {
@@ -95,4 +107,8 @@ FAMILY_BUILDERS = {
     "QwenImagePipeline": build_tiny_qwen_image,
     "QwenImageEditPipeline": build_tiny_qwen_image_edit,
     "QwenImageEditPlusPipeline": build_tiny_qwen_image_edit_plus,
+    "WanPipeline": build_tiny_wan,
+    "ZImagePipeline": build_tiny_z_image,
+    "Flux2Pipeline": build_tiny_flux2,
+    "Flux2KleinPipeline": build_tiny_flux2_klein,
 }

@@ -1,13 +1,12 @@
-"""Every diffusion recipe (flow_grpo, nft, awm, online dpo) trains 2 steps on every model family, LoRA and full
-fine-tuning, and a run interrupted after step 1 resumes to exactly the same metrics and weights; 2-rank DDP
-(torchrun) for Qwen-Image.
+"""Every diffusion recipe (Flow-GRPO, DiffusionNFT, AWM, online DPO) on every model family: 2 steps of training,
+then a run interrupted after step 1 and resumed gives the same metrics and weights as the uninterrupted one, with
+LoRA and with full fine-tuning; 2-rank DDP (torchrun) for Qwen-Image. Video families train on [B, C, F, h, w]
+latents with video rewards, edit families on shapes edit rows with edit rewards, through the same code.
 
-FAMILIES below is the one list of families the recipes are tested on (a family registered in
-`mmrl.diffusion.models` and missing here fails `test_every_registered_family_is_tested`): add a family with its
-tiny builder in `mmrl.tiny.FAMILY_BUILDERS` and its rollout settings here."""
+FAMILIES below is the one list of families the recipes are tested on: a family registered in
+`mmrl.diffusion.models` and missing here fails `test_every_registered_family_is_tested`."""
 
-from __future__ import annotations
-
+import importlib
 from pathlib import Path
 
 import pytest
@@ -20,28 +19,47 @@ from mmrl.diffusion.models import available_families
 from mmrl.testing import child_env, metrics_rows, run_torchrun, without_time
 
 REPO = Path(__file__).resolve().parents[2]
-TEXT_PROMPTS = str(REPO / "assets" / "prompts" / "shapes_train.txt")
+PROMPTS = str(REPO / "assets" / "prompts" / "shapes_train.txt")
 
-# pipeline class -> rollout settings for its tiny model: the guidance the family uses (CFG above 1, or its guidance
-# embedding), whether it edits a source image (then the data are shapes edit rows and the rewards edit rewards)
-FAMILIES: dict[str, dict] = {
-    "StableDiffusion3Pipeline": {"guidance_scale": 1.0},
-    "FluxPipeline": {"guidance_scale": 3.5},
-    "QwenImagePipeline": {"guidance_scale": 4.0},                      # true CFG with the norm rescale
-    "QwenImageEditPipeline": {"guidance_scale": 4.0, "edit": True},
-    "QwenImageEditPlusPipeline": {"guidance_scale": 4.0, "edit": True},
-    "FluxKontextPipeline": {"guidance_scale": 2.5, "edit": True},      # guidance embedding
+IMAGE_REWARD = {"jpeg_compressibility": 1.0}
+VIDEO_REWARD = {"motion_amount": 1.0,
+                "frames": {"reward": "video_frames", "image_reward": "jpeg_compressibility", "weight": 0.1}}
+EDIT_REWARD = {"edit_region_color": 1.0, "edit_preservation": 0.5}  # read the source image and mask of each row
+
+# family -> (pipeline class, tiny checkpoint fixture (a path, or `tiny_family` called with the class), rollout
+# settings, reward). Sizes are the smallest each latent grid takes; edit families (EDIT_REWARD) train on edit rows.
+FAMILIES = {
+    "sd3": ("StableDiffusion3Pipeline", "tiny_sd3_path", {"height": 64, "width": 64, "guidance_scale": 1.0},
+            IMAGE_REWARD),
+    "flux": ("FluxPipeline", "tiny_flux_path", {"height": 64, "width": 64, "guidance_scale": 3.5}, IMAGE_REWARD),
+    "wan21": ("WanPipeline", "tiny_wan_path", {"height": 32, "width": 32, "num_frames": 5, "guidance_scale": 3.0},
+              VIDEO_REWARD),
+    "wan22_a14b": ("WanPipeline", "tiny_wan22_path",
+                   {"height": 32, "width": 32, "num_frames": 5, "guidance_scale": 3.0}, VIDEO_REWARD),
+    "z_image": ("ZImagePipeline", "tiny_z_image_path", {"height": 32, "width": 32, "guidance_scale": 2.0},
+                IMAGE_REWARD),
+    "flux2": ("Flux2Pipeline", "tiny_flux2_path", {"height": 32, "width": 32, "guidance_scale": 3.5}, IMAGE_REWARD),
+    "flux2_klein": ("Flux2KleinPipeline", "tiny_flux2_klein_path", {"height": 32, "width": 32, "guidance_scale": 3.0},
+                    IMAGE_REWARD),
+    # true CFG with the norm rescale
+    "qwen_image": ("QwenImagePipeline", "tiny_family", {"height": 32, "width": 32, "guidance_scale": 4.0},
+                   IMAGE_REWARD),
+    "qwen_image_edit": ("QwenImageEditPipeline", "tiny_family", {"height": 32, "width": 32, "guidance_scale": 4.0},
+                        EDIT_REWARD),
+    "qwen_image_edit_plus": ("QwenImageEditPlusPipeline", "tiny_family",
+                             {"height": 32, "width": 32, "guidance_scale": 4.0}, EDIT_REWARD),
+    # guidance embedding
+    "flux_kontext": ("FluxKontextPipeline", "tiny_family", {"height": 32, "width": 32, "guidance_scale": 2.5},
+                     EDIT_REWARD),
 }
+
 RECIPES = {
-    "flow_grpo": {"update": {"micro_batch_size": 2, "mini_batch_size": 0}, "algo": {"kl": {"coef": 0.01}}},
-    "nft": {"update": {"micro_batch_size": 2, "mini_batch_size": 0}, "algo": {"timestep_fraction": 0.5}},
-    "awm": {"update": {"micro_batch_size": 2, "mini_batch_size": 0},
-            "algo": {"num_train_timesteps": 1, "timestep_fraction": 1.0}},
-    "dpo": {"update": {"micro_batch_size": 2}, "algo": {"mode": "online", "beta": 100.0},
-            "rollout": {"noise_level": 0.7}},
+    "flow_grpo": {"update": {"micro_batch_size": 4, "mini_batch_size": 2}, "algo": {"kl": {"coef": 0.01}, "ema": True},
+                  "rollout": {"window_size": 2}},
+    "nft": {"update": {"micro_batch_size": 4, "mini_batch_size": 2}, "algo": {"kl": {"coef": 0.1}}},
+    "awm": {"update": {"micro_batch_size": 4}, "algo": {"num_train_timesteps": 2, "kl": {"coef": 0.1}}},
+    "dpo": {"update": {"micro_batch_size": 2}, "algo": {"mode": "online", "beta": 100.0, "pairing": "all_pairs"}},
 }
-TEXT_REWARD = {"jpeg_compressibility": 1.0}
-EDIT_REWARD = {"edit_region_color": 1.0, "edit_preservation": 0.5}
 
 
 @pytest.fixture(scope="module")
@@ -51,87 +69,88 @@ def edit_file(tmp_path_factory):
     return make_shapes_edit_file(tmp_path_factory.mktemp("edits"), n=8, seed=1)
 
 
-def family_config(recipe: str, family: str, model_path, out, edit_file, *, lora: bool, max_steps: int) -> dict:
-    f = FAMILIES[family]
+def _path(family, request):
+    cls, fixture, _, _ = FAMILIES[family]
+    value = request.getfixturevalue(fixture)
+    return value(cls) if fixture == "tiny_family" else value
+
+
+def _config_dict(recipe, family, path, out, lora: bool, max_steps: int, edit_file=None) -> dict:
+    _, _, rollout, reward = FAMILIES[family]
     d = {
-        "algorithm": recipe, "output_dir": str(out), "seed": 3, "device": "cpu",
-        "model": {"path": str(model_path), "lora": {"rank": 4 if lora else 0, "alpha": 8}},
-        "data": {"train_prompts": str(edit_file) if f.get("edit") else TEXT_PROMPTS},
-        "rollout": {"prompts_per_step": 2, "group_size": 2, "height": 64, "width": 64, "num_steps": 2,
-                    "guidance_scale": f["guidance_scale"], "eval_num_steps": 2,
-                    "eval_guidance_scale": f["guidance_scale"]},
-        "optim": {"lr": 1e-3},
+        "algorithm": recipe, "output_dir": str(out), "seed": 11, "device": "cpu",
+        "model": {"path": str(path), "max_sequence_length": 16, "lora": {"rank": 4 if lora else 0, "alpha": 8}},
+        "data": {"train_prompts": str(edit_file) if reward is EDIT_REWARD else PROMPTS},
+        "rollout": {"prompts_per_step": 2, "num_steps": 2, "group_size": 2, "eval_num_steps": 2, **rollout},
         "train": {"max_steps": max_steps, "save_every": 1},
-        "reward": {"components": EDIT_REWARD if f.get("edit") else TEXT_REWARD},
-        "log": {"sample_every": 1, "num_samples": 4},
+        "optim": {"lr": 1e-3 if lora else 1e-5},
+        "reward": {"components": reward},
+        "log": {"sample_every": 1 if max_steps == 2 else 0},
     }
-    for section, keys in RECIPES[recipe].items():
-        d[section] = {**d.get(section, {}), **keys}
+    for key, section in RECIPES[recipe].items():
+        d[key] = {**d.get(key, {}), **section}
     return d
 
 
-def _train(d: dict):
-    from mmrl.config import RECIPES as RECIPE_MODULES
-    import importlib
-
-    cfg = load_config(d)
-    return importlib.import_module(RECIPE_MODULES[cfg.algorithm]).train(cfg)
-
-
-def _weights(out: Path, step: int) -> dict[str, torch.Tensor]:
+def _weights(out: Path, step: int) -> dict:
     files = sorted((out / "checkpoints" / f"step_{step}" / "adapters").rglob("*.safetensors"))
-    assert files, f"no adapter weights in {out}"
+    assert files, f"no weights in {out}"
     return {f"{f.parent.name}/{k}": v for f in files for k, v in load_file(str(f)).items()}
 
 
-def assert_resume_is_exact(full: Path, half: Path) -> None:
-    a, b = metrics_rows(full), metrics_rows(half)
+def assert_resume_is_exact(full: Path, split: Path) -> list[dict]:
+    a, b = metrics_rows(full), metrics_rows(split)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
     assert [without_time(r) for r in a] == [without_time(r) for r in b]
-    wa, wb = _weights(full, 2), _weights(half, 2)
+    wa, wb = _weights(full, 2), _weights(split, 2)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    return a
 
 
 def test_every_registered_family_is_tested():
-    assert sorted(FAMILIES) == available_families()
+    assert sorted({cls for cls, *_ in FAMILIES.values()}) == available_families()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.parametrize("recipe", sorted(RECIPES))
-def test_recipe_trains_and_resumes_exactly(recipe, family, lora, tiny_family, edit_file, tmp_path):
-    path = tiny_family(family)
-    _train(family_config(recipe, family, path, tmp_path / "full", edit_file, lora=lora, max_steps=2))
-    _train(family_config(recipe, family, path, tmp_path / "half", edit_file, lora=lora, max_steps=1))
-    _train(family_config(recipe, family, path, tmp_path / "half", edit_file, lora=lora, max_steps=2))  # resumes
-    assert_resume_is_exact(tmp_path / "full", tmp_path / "half")
-    rows = metrics_rows(tmp_path / "full")
-    assert all(torch.isfinite(torch.tensor(r["reward/mean"])) for r in rows)
-    trained = rows[-1].get("train/updates", rows[-1].get("train/pairs"))
-    assert trained is not None
-    grid = tmp_path / "full" / "samples" / "step_000001.png"
-    assert grid.is_file()
-    if FAMILIES[family].get("edit"):  # the edit rewards read the source image and mask from the data rows
-        assert any(k.startswith("reward/edit_region_color") for k in rows[0])
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_recipe_trains_and_resumes_exactly(family, recipe, lora, tmp_path, request, edit_file):
+    path = _path(family, request)
+    train = importlib.import_module(f"mmrl.diffusion.{recipe}").train
+    torch.manual_seed(0)
+    full, split = tmp_path / "full", tmp_path / "split"
+    train(load_config(_config_dict(recipe, family, path, full, lora, 2, edit_file)))
+    train(load_config(_config_dict(recipe, family, path, split, lora, 1, edit_file)))
+    train(load_config(_config_dict(recipe, family, path, split, lora, 2, edit_file)))  # resume=auto picks step_1
+    a = assert_resume_is_exact(full, split)
+    assert all(r["policy/grad_norm"] > 0 for r in a)  # it trained (a LoRA's first step: B = 0, A moves)
+    if recipe == "flow_grpo":
+        assert max(r["diag/logprob_drift"] for r in a) < 1e-4
+    video = FAMILIES[family][2].get("num_frames", 1) > 1
+    assert (full / "samples" / f"step_000001.{'mp4' if video else 'png'}").is_file()
+    ckpt = full / "checkpoints" / "step_2" / "adapters" / "default"
+    assert (ckpt / ("adapter_model.safetensors" if lora else "model.safetensors")).is_file()
+    if FAMILIES[family][3] is EDIT_REWARD:  # the edit rewards read each row's source image and mask
+        assert all(0 <= r["reward/edit_region_color"] <= 1 and 0 <= r["reward/edit_preservation"] <= 1 for r in a)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe, lora", [("flow_grpo", True), ("flow_grpo", False), ("nft", True), ("awm", True),
                                           ("dpo", True)])
-def test_qwen_image_two_rank_ddp_resumes_exactly(recipe, lora, tiny_family, edit_file, tmp_path):
-    """torchrun, 2 CPU processes (gloo): 2 steps in one go equal 1 step then a resumed second step."""
+def test_qwen_image_two_rank_ddp_resumes_exactly(recipe, lora, tiny_family, tmp_path):
+    """torchrun, 2 CPU processes (gloo), one prompt group per rank: 2 steps in one run equal 1 step then a resumed
+    second step (metrics of both ranks' samples and the weights rank 0 saved)."""
     path = tiny_family("QwenImagePipeline")
     env = child_env()
-    for name, steps in (("full", [2]), ("half", [1, 2])):
+    for name, steps in (("full", [2]), ("split", [1, 2])):
         for max_steps in steps:
-            d = family_config(recipe, "QwenImagePipeline", path, tmp_path / name, edit_file, lora=lora,
-                              max_steps=max_steps)
+            d = _config_dict(recipe, "qwen_image", path, tmp_path / name, lora, max_steps)
             d["dist"] = {"strategy": "ddp", "backend": "gloo"}
-            d["rollout"]["prompts_per_step"] = 2  # one prompt (one group) per rank
             cfg_file = tmp_path / f"{name}_{max_steps}.yaml"
             cfg_file.write_text(yaml.safe_dump(d))
             proc = run_torchrun(["-m", "mmrl.cli", "train", str(cfg_file)], cwd=REPO, env=env)
             assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     assert "resumed from" in proc.stdout
-    assert_resume_is_exact(tmp_path / "full", tmp_path / "half")
+    rows = assert_resume_is_exact(tmp_path / "full", tmp_path / "split")
+    assert all(r["policy/grad_norm"] > 0 for r in rows)

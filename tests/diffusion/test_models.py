@@ -28,14 +28,15 @@ def test_bad_model_path_errors(tmp_path):
 
 
 def test_unknown_pipeline_class_names_the_valid_families(tmp_path):
-    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "HunyuanVideoPipeline"}))
     with pytest.raises(ValueError) as err:
         load_flow_model(tmp_path)
-    assert "'StableDiffusionXLPipeline' is not supported" in str(err.value)
+    assert "'HunyuanVideoPipeline' is not supported" in str(err.value)
     assert f"supported: {available_families()}" in str(err.value)
     assert available_families() == sorted(MODEL_FAMILIES)
-    assert {"FluxPipeline", "StableDiffusion3Pipeline", "QwenImagePipeline", "QwenImageEditPipeline",
-            "QwenImageEditPlusPipeline", "FluxKontextPipeline"} <= set(available_families())
+    assert {"FluxPipeline", "StableDiffusion3Pipeline", "WanPipeline", "ZImagePipeline", "Flux2Pipeline",
+            "Flux2KleinPipeline", "QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline",
+            "FluxKontextPipeline"} <= set(available_families())
 
 
 @pytest.mark.parametrize("class_name, fixture, family", [("StableDiffusion3Pipeline", "tiny_sd3_path", SD3Model),

@@ -13,6 +13,12 @@ class that `model_index.json` names (`_class_name`):
         def decode(self, latents, height, width): ...
 
 `mmrl.diffusion.models` imports every module of the package, so the new file is the only change needed.
+
+Video families (`is_video = True`, e.g. Wan) keep latents [B, C, F, h, w] and decode to videos [B, F, 3, H, W] in
+[0, 1] when `num_frames > 1` (`load_flow_model(..., num_frames=N)` / `set_num_frames`); every sampler, log-prob and
+loss reduces over all non-batch dimensions, so the same code serves both ranks. A family whose classifier-free
+guidance differs from `v_u + w (v_c - v_u)` for `w > 1` overrides `cfg_enabled` / `combine_cfg`; family-specific
+settings (`model.family_options` in a recipe) are the keyword arguments of `configure`.
 """
 
 from __future__ import annotations
@@ -80,6 +86,9 @@ class FlowModel:
     default_max_sequence_length: int = 512  # text tokens when load_flow_model is not given one
     has_guidance_embedding: bool = False  # FLUX-dev: guidance goes into the transformer, not CFG
     needs_source_image: bool = False  # edit models: encode_prompts(prompts, images) needs one source image per prompt
+    is_video: bool = False  # latents [B, C, F, h, w]; decode gives [B, F, 3, H, W] when num_frames > 1
+    num_frames: int = 1  # frames per sample (> 1 only for video families; set_num_frames)
+    option_names: tuple[str, ...] = ()  # the keywords `configure` takes (model.family_options)
 
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, max_sequence_length: int):
         self.pipe = pipe
@@ -89,9 +98,9 @@ class FlowModel:
         self.transformer = pipe.transformer
         self.vae = pipe.vae
         self.scheduler_config = dict(pipe.scheduler.config)
-        # every diffusers image pipeline computes its own (AutoencoderKL: 2^(blocks-1), Qwen-Image's: 2^downsamples)
-        self.vae_scale_factor = int(getattr(pipe, "vae_scale_factor", 0) or
-                                    2 ** (len(self.vae.config.block_out_channels) - 1))
+        blocks = self.vae.config.get("block_out_channels")  # 2-D VAEs; video VAEs state their spatial factor
+        self.vae_scale_factor = (2 ** (len(blocks) - 1) if blocks
+                                 else int(self.vae.config.get("scale_factor_spatial", 8)))
         self._negative: PromptEmbeds | None = None
         self._cfg_memo: tuple[PromptEmbeds, PromptEmbeds] | None = None  # (embeds, [negative; embeds])
 
@@ -100,12 +109,6 @@ class FlowModel:
         """Conditioning rows of `prompts`. Edit models (`needs_source_image`) take `images` float [N, 3, H, W] in
         [0, 1], one source image per prompt, already at the size to condition on; text-to-image models take none."""
         raise NotImplementedError
-
-    def _no_images(self, images: Tensor | None) -> None:
-        """Text-to-image families: a source image given anyway is a mistake, not something to ignore."""
-        if images is not None:
-            raise ValueError(f"{type(self).__name__} ({self.family}) generates from text only: it takes no source "
-                             f"images (edit families: {[n for n, c in MODEL_FAMILIES.items() if c.needs_source_image]})")
 
     def negative_embeds(self, n: int) -> PromptEmbeds:
         """Embeddings of the empty prompt (the unconditional CFG branch), encoded once, repeated n times."""
@@ -125,17 +128,22 @@ class FlowModel:
         b = latents.shape[0]
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).expand(b)
         if cfg is None:
-            cfg = guidance_scale > 1.0 and not self.has_guidance_embedding
+            cfg = self.cfg_enabled(guidance_scale)
         if cfg:
             both = self._with_negative(embeds)
             v = self._forward(torch.cat([latents, latents]), torch.cat([sigma, sigma]), both, guidance_scale)
             v_uncond, v_cond = v.float().chunk(2)
-            return self.combine_cfg(v_uncond, v_cond, guidance_scale)
+            return self.combine_cfg(v_uncond, v_cond, guidance_scale, sigma=sigma)
         return self._forward(latents, sigma, embeds, guidance_scale).float()
 
-    def combine_cfg(self, v_uncond: Tensor, v_cond: Tensor, guidance_scale: float) -> Tensor:
-        """The guided velocity from the two branches: v_u + w (v_c - v_u). Families whose pipeline does more (Qwen-
-        Image rescales the result to the conditional branch's norm) override this, so rollouts match them."""
+    def cfg_enabled(self, guidance_scale: float) -> bool:
+        """Whether `guidance_scale` turns classifier-free guidance on (diffusers' rule for this family's pipeline)."""
+        return guidance_scale > 1.0 and not self.has_guidance_embedding
+
+    def combine_cfg(self, v_uncond: Tensor, v_cond: Tensor, guidance_scale: float,
+                    sigma: Tensor | None = None) -> Tensor:
+        """The guided velocity from the two branches: v_u + w (v_c - v_u) unless a family's pipeline differs (Z-Image's
+        scale convention; Wan 2.2 A14B's second scale for the low-noise expert, chosen by sigma [B])."""
         return v_uncond + guidance_scale * (v_cond - v_uncond)
 
     def negative_rows(self, embeds: PromptEmbeds) -> PromptEmbeds:
@@ -165,6 +173,26 @@ class FlowModel:
 
     def decode(self, latents: Tensor, height: int, width: int) -> Tensor:
         raise NotImplementedError
+
+    def set_num_frames(self, num_frames: int) -> None:
+        """Frames per sample; an image family takes only 1 (video families check what their VAE can take)."""
+        if num_frames != 1:
+            raise _image_only_error(type(self.pipe).__name__, num_frames)
+        self.num_frames = 1
+
+    def configure(self, **options: Any) -> None:
+        """Family-specific settings (`model.family_options`): a family overrides this taking its keywords (named in
+        `option_names`) and passes the rest here, where any left is an error."""
+        if options:
+            valid = f"valid: {list(self.option_names)}" if self.option_names else "it takes none"
+            raise ValueError(f"model.family_options: {sorted(options)} not known to {type(self.pipe).__name__} "
+                             f"({valid})")
+
+    @property
+    def sigma_shift(self) -> float:
+        """The scheduler's static time shift (sigma -> shift s / (1 + (shift - 1) s)), for training-time noise
+        levels drawn outside a rollout schedule (DPO)."""
+        return float(self.scheduler_config.get("shift", 1.0))
 
     def _new_scheduler(self):
         from diffusers import FlowMatchEulerDiscreteScheduler
@@ -300,6 +328,20 @@ def available_families() -> list[str]:
     return sorted(MODEL_FAMILIES)
 
 
+def _text_only(model: FlowModel, images: Any) -> None:
+    """Text-to-image / -video families take no source image: one given anyway is a mistake, not ignored."""
+    if images is not None:
+        edit = sorted(k for k, v in MODEL_FAMILIES.items() if v.needs_source_image)
+        raise ValueError(f"{type(model.pipe).__name__} generates from text only: it takes no source images (edit "
+                         f"pipelines: {edit})")
+
+
+def _image_only_error(class_name: str, num_frames: int) -> ValueError:
+    video = sorted(k for k, v in MODEL_FAMILIES.items() if v.is_video)
+    return ValueError(f"rollout.num_frames={num_frames}: {class_name} generates images, so num_frames must be 1 "
+                      f"(video pipelines: {video})")
+
+
 def flow_model_class(path: str | Path) -> type[FlowModel]:
     """The FlowModel subclass of a local pipeline directory (its model_index.json `_class_name`), without loading
     any weights; clear errors for a missing directory or an unknown pipeline class (naming the supported ones)."""
@@ -319,16 +361,21 @@ def flow_model_class(path: str | Path) -> type[FlowModel]:
 
 
 def load_flow_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                    max_sequence_length: int | None = None) -> FlowModel:
+                    max_sequence_length: int | None = None, num_frames: int = 1,
+                    family_options: dict[str, Any] | None = None) -> FlowModel:
     """Load a local diffusers pipeline directory as a FlowModel (family chosen by model_index.json).
 
     Text encoders and VAE are frozen (requires_grad False, eval mode); the transformer is left frozen
     too - adapters (or full fine-tuning) decide what trains. The VAE stays fp32 (as Flow-GRPO).
+    `num_frames`: frames per sample (video families; images: 1). `family_options`: the family's `configure`
+    keywords (e.g. Wan 2.2 A14B's guidance_scale_2).
     """
     import diffusers
 
     model_cls = flow_model_class(path)
     cls_name = next(name for name, cls in MODEL_FAMILIES.items() if cls is model_cls)
+    if int(num_frames) != 1 and not model_cls.is_video:  # fail before loading the weights
+        raise _image_only_error(cls_name, int(num_frames))
     pipe = getattr(diffusers, cls_name).from_pretrained(str(path), dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     for name, module in pipe.components.items():
@@ -340,4 +387,7 @@ def load_flow_model(path: str | Path, device: str | torch.device = "cpu", dtype:
         pipe.vae.to(dtype=torch.float32)
     if max_sequence_length is None:
         max_sequence_length = model_cls.default_max_sequence_length
-    return model_cls(pipe, torch.device(device), dtype, max_sequence_length)
+    model = model_cls(pipe, torch.device(device), dtype, max_sequence_length)
+    model.set_num_frames(int(num_frames))
+    model.configure(**(family_options or {}))
+    return model

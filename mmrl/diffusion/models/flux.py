@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, register_family
+from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, _text_only, register_family
 
 
 @register_family("FluxPipeline")
@@ -22,7 +22,7 @@ class FluxModel(FlowModel):
         self.has_guidance_embedding = bool(getattr(self.transformer.config, "guidance_embeds", False))
 
     def encode_prompts(self, prompts, images=None):
-        self._no_images(images)
+        _text_only(self, images)
         with torch.no_grad():
             pe, pooled, _ = self.pipe.encode_prompt(prompt=list(prompts), prompt_2=None, device=self.device,
                                                     max_sequence_length=self.max_sequence_length)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, register_family
+from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, _text_only, register_family
 
 # source: verl-project/verl-omni examples/flowgrpo_trainer/qwen_image/run_qwen_image_ocr_lora.sh (target_modules);
 # every name exists in diffusers 0.42's QwenImageTransformerBlock (`img_mlp.net.2` is the plain Linear of the MLP:
@@ -37,7 +37,7 @@ class QwenImageModel(FlowModel):
 
     # ------------------------------------------------------------------ text
     def encode_prompts(self, prompts, images=None):
-        self._no_images(images)
+        _text_only(self, images)
         pe, mask = self._encode_text(list(prompts))
         return PromptEmbeds(prompt_embeds=pe, prompt_embeds_mask=mask)
 
@@ -75,7 +75,7 @@ class QwenImageModel(FlowModel):
         out = self._run(self._pack_tokens(latents), [[(1, h // 2, w // 2)]] * b, sigma, embeds, guidance_scale)
         return self._unpack_tokens(out, c, h, w)
 
-    def combine_cfg(self, v_uncond, v_cond, guidance_scale):
+    def combine_cfg(self, v_uncond, v_cond, guidance_scale, sigma=None):
         """True CFG, then each token (2x2 latent patch, all channels) rescaled to the conditional branch's norm:
         comb * ||v_c|| / ||comb||."""
         # source: diffusers 0.42 pipelines/qwenimage/pipeline_qwenimage.py __call__ (comb_pred, cond_norm, noise_norm)
