@@ -3,6 +3,7 @@ model / LoRA / guidance settings load a tiny pipeline directory of the same layo
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from mmrl.config import load_config
@@ -60,3 +61,42 @@ def test_qwen_image_edit_recipe(tiny_family, tmp_path):
     assert set(cfg.reward.components) <= set(available())
     items = load_prompts(make_shapes_edit_file(tmp_path, n=2))
     _loads_on_a_tiny_directory(cfg, tiny_family("QwenImageEditPlusPipeline"), items)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, family", [("flow_grpo_qwen_image_ocr.yaml", "QwenImagePipeline"),
+                                          ("flow_grpo_qwen_image_edit_pickscore.yaml", "QwenImageEditPlusPipeline")])
+def test_real_recipe_runs_a_step_on_a_tiny_model_of_the_same_layout(name, family, tiny_family, tmp_path):
+    """The recipe file as written, only paths and sizes changed (tiny CLIP for PickScore, the real PP-OCRv4 for the
+    OCR reward): one Flow-GRPO step with its CFG, SDE window and LoRA on a tiny directory of the same pipeline class."""
+    import yaml
+
+    from mmrl.diffusion.flow_grpo import train
+    from mmrl.pipelines.edits import make_shapes_edit_file
+    from mmrl.testing import metrics_rows
+    from mmrl.tiny import build_tiny_clip
+
+    d = yaml.safe_load((CONFIGS / name).read_text())
+    clip = str(build_tiny_clip(tmp_path / "clip"))
+    for comp in d["reward"]["components"].values():
+        if isinstance(comp, dict):
+            comp.update({k: clip for k in ("weights", "processor") if k in comp})
+    if "edit" in name:
+        prompts = make_shapes_edit_file(tmp_path / "edits", n=4)
+    else:
+        prompts = tmp_path / "ocr.jsonl"
+        prompts.write_text('{"prompt": "a sign that says \\"OPEN\\""}\n{"prompt": "a mug with \\"MMRL\\" on it"}\n')
+    d.update(output_dir=str(tmp_path / "run"), device="cpu", dtype="float32")
+    d["model"].update(path=str(tiny_family(family)))
+    d["data"] = {"train_prompts": str(prompts)}
+    d["rollout"].update(prompts_per_step=2, group_size=2, height=32, width=32, eval_num_steps=2)
+    d["update"].update(mini_batch_size=0, micro_batch_size=2)
+    d["train"].update(max_steps=1, save_every=1)
+    d["log"].update(eval_every=0, sample_every=1, num_samples=4)
+    d["dist"] = {"strategy": "none"}
+    cfg = load_config(d)
+    train(cfg)
+    row = metrics_rows(cfg.output_dir)[0]
+    assert row["diag/logprob_drift"] < 1e-4 and row["train/updates"] == 1
+    assert {k.split("/")[1] for k in row if k.startswith("reward/") and k.count("/") == 1} >= set(d["reward"]["components"])
+    assert (Path(cfg.output_dir) / "samples" / "step_000001.png").is_file()
