@@ -95,7 +95,8 @@ class RolloutConfig(dc.RolloutConfig):
     prompt_cache_size: int = 1024
     """Keep the text embeddings of every training prompt (CPU, LRU by prompt text) when the prompt file has at
     most this many distinct prompts: the text encoders then run once per prompt instead of every step. Larger
-    prompt sets (shuffled epochs never revisit a prompt soon) and 0 encode each step's prompts."""
+    prompt sets (shuffled epochs never revisit a prompt soon) and 0 encode each step's prompts. Edit models encode
+    each step's rows with their source images (the cache is keyed by text only)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

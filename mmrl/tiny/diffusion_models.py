@@ -65,6 +65,7 @@ def build_tiny_flux(path, seed: int = 0) -> Path:
     return path
 
 
+@side_effect_free
 def build_tiny_flux_kontext(path, seed: int = 0) -> Path:
     """Tiny ``FluxKontextPipeline`` (FLUX.1 Kontext-dev layout: the FLUX.1-dev parts, the source image's latents
     appended to the sequence) at ``path``; the same sizes as :func:`build_tiny_flux`, no image encoder."""

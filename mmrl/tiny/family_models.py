@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from mmrl.tiny.components import _prepare_dir
+from mmrl.tiny.components import _prepare_dir, seed_weights, side_effect_free
 from mmrl.tiny.vocab import CORPUS_WORDS, _bytes_to_unicode, _load_tokenizer, _vocab_from_merges, train_bpe
 
 # Qwen3's text chat template layout: no default system turn; `enable_thinking=False` appends an empty think block
@@ -76,7 +76,7 @@ def make_mistral_processor():
 def _flux2_vae(seed: int):
     from diffusers import AutoencoderKLFlux2
 
-    torch.manual_seed(seed)
+    seed_weights(seed)
     vae = AutoencoderKLFlux2(block_out_channels=(8, 8, 8, 8), latent_channels=32, norm_num_groups=4,
                              layers_per_block=1, sample_size=64)
     with torch.no_grad():  # non-trivial batch-norm statistics, so the (de)normalisation is exercised
@@ -88,7 +88,7 @@ def _flux2_vae(seed: int):
 def _flux2_transformer(seed: int, guidance_embeds: bool, text_hidden: int):
     from diffusers import Flux2Transformer2DModel
 
-    torch.manual_seed(seed)
+    seed_weights(seed)
     return Flux2Transformer2DModel(patch_size=1, in_channels=128, num_layers=1, num_single_layers=1,
                                    attention_head_dim=16, num_attention_heads=2, joint_attention_dim=3 * text_hidden,
                                    axes_dims_rope=(4, 4, 4, 4), guidance_embeds=guidance_embeds)
@@ -102,6 +102,7 @@ def _flux2_scheduler():
                                            time_shift_type="exponential")
 
 
+@side_effect_free
 def build_tiny_flux2(path, seed: int = 0) -> Path:
     """Tiny ``Flux2Pipeline`` (FLUX.2 [dev] layout): Flux2Transformer2DModel with a guidance embedding (1 double + 1
     single block), AutoencoderKLFlux2 (32 latent channels, 4 blocks: 64 px <-> 128 x 4 x 4 patchified latents),
@@ -121,7 +122,7 @@ def build_tiny_flux2(path, seed: int = 0) -> Path:
                                           num_attention_heads=2, head_dim=8, image_size=64, patch_size=8),
         image_token_index=tok.convert_tokens_to_ids("[IMG]"), spatial_merge_size=1, multimodal_projector_bias=False,
         vision_feature_layer=-1)
-    torch.manual_seed(seed + 2)
+    seed_weights(seed + 2)
     text_encoder = Mistral3ForConditionalGeneration(cfg).eval()
     pipe = Flux2Pipeline(scheduler=_flux2_scheduler(), vae=_flux2_vae(seed + 1), text_encoder=text_encoder,
                          tokenizer=proc, transformer=_flux2_transformer(seed, True, 16))
@@ -129,6 +130,7 @@ def build_tiny_flux2(path, seed: int = 0) -> Path:
     return path
 
 
+@side_effect_free
 def build_tiny_flux2_klein(path, seed: int = 0, distilled: bool = False) -> Path:
     """Tiny ``Flux2KleinPipeline``: as ``build_tiny_flux2`` without the guidance embedding, with a Qwen3ForCausalLM
     text encoder (27 layers of hidden 16) and the Qwen tokenizer; ``distilled`` sets model_index ``is_distilled``."""
@@ -137,7 +139,7 @@ def build_tiny_flux2_klein(path, seed: int = 0, distilled: bool = False) -> Path
 
     path = _prepare_dir(path)
     tok = _qwen3_tokenizer()
-    torch.manual_seed(seed + 2)
+    seed_weights(seed + 2)
     text_encoder = Qwen3ForCausalLM(Qwen3Config(
         vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=27, num_attention_heads=2,
         num_key_value_heads=1, head_dim=8, max_position_embeddings=1024, pad_token_id=tok.pad_token_id,
@@ -148,6 +150,7 @@ def build_tiny_flux2_klein(path, seed: int = 0, distilled: bool = False) -> Path
     return path
 
 
+@side_effect_free
 def build_tiny_z_image(path, seed: int = 0) -> Path:
     """Tiny ``ZImagePipeline``: ZImageTransformer2DModel (dim 32, 2 layers + 1 refiner layer each, 2 heads,
     16 latent channels as the real one), Qwen3Model text encoder (hidden 32, 3 layers: the pipeline reads the
@@ -158,19 +161,19 @@ def build_tiny_z_image(path, seed: int = 0) -> Path:
 
     path = _prepare_dir(path)
     tok = _qwen3_tokenizer()
-    torch.manual_seed(seed)
+    seed_weights(seed)
     transformer = ZImageTransformer2DModel(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32,
                                            n_layers=2, n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=32,
                                            axes_dims=[4, 6, 6], axes_lens=[512, 64, 64])
     with torch.no_grad():  # padding tokens are learned parameters; give them values a trained model would have
         transformer.x_pad_token.normal_(0, 0.02)
         transformer.cap_pad_token.normal_(0, 0.02)
-    torch.manual_seed(seed + 1)
+    seed_weights(seed + 1)
     vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, down_block_types=("DownEncoderBlock2D",) * 3,
                         up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(8, 16, 16), layers_per_block=1,
                         norm_num_groups=8, sample_size=64, scaling_factor=0.3611, shift_factor=0.1159,
                         use_quant_conv=False, use_post_quant_conv=False)
-    torch.manual_seed(seed + 2)
+    seed_weights(seed + 2)
     text_encoder = Qwen3Model(Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
                                           num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
                                           head_dim=16, max_position_embeddings=1024,
@@ -185,6 +188,7 @@ def build_tiny_z_image(path, seed: int = 0) -> Path:
 WAN_VARIANTS = ("2.1", "2.2_a14b", "2.2_ti2v")
 
 
+@side_effect_free
 def build_tiny_wan(path, seed: int = 0, variant: str = "2.1", scheduler: str = "euler") -> Path:
     """Tiny ``WanPipeline`` (text-to-video) at ``path``.
 
@@ -209,12 +213,12 @@ def build_tiny_wan(path, seed: int = 0, variant: str = "2.1", scheduler: str = "
     channels = 48 if ti2v else 16
 
     def transformer(s: int):
-        torch.manual_seed(s)
+        seed_weights(s)
         return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
                                      in_channels=channels, out_channels=channels, text_dim=32, freq_dim=256,
                                      ffn_dim=64, num_layers=2, rope_max_seq_len=64)
 
-    torch.manual_seed(seed + 1)
+    seed_weights(seed + 1)
     if ti2v:  # random per-channel statistics of the right length (the real ones are 48 published numbers)
         stats = dict(latents_mean=(0.2 * torch.randn(48)).tolist(), latents_std=(0.5 + torch.rand(48)).tolist())
         vae = AutoencoderKLWan(base_dim=8, z_dim=48, dim_mult=[1, 1, 1, 1], num_res_blocks=1, is_residual=True,
@@ -223,7 +227,7 @@ def build_tiny_wan(path, seed: int = 0, variant: str = "2.1", scheduler: str = "
     else:
         vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                                temperal_downsample=[False, True, True])
-    torch.manual_seed(seed + 2)
+    seed_weights(seed + 2)
     text_encoder = UMT5EncoderModel(UMT5Config(
         vocab_size=len(tok), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, relative_attention_num_buckets=8,
         relative_attention_max_distance=32, feed_forward_proj="gated-gelu", dropout_rate=0.0,

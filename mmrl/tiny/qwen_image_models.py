@@ -13,9 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from mmrl.tiny.components import _prepare_dir
+from mmrl.tiny.components import _prepare_dir, seed_weights, side_effect_free
 from mmrl.tiny.vlm_models import _qwen_processor, _qwen_text_config, _qwen_token_ids
 from mmrl.tiny.vocab import _load_tokenizer
 
@@ -38,11 +36,11 @@ def _qwen_image_parts(seed: int, zero_cond_t: bool = False):
 
     tok = _load_tokenizer("qwen_image")
     ids = _qwen_token_ids(tok)
-    torch.manual_seed(seed)
+    seed_weights(seed)
     transformer = QwenImageTransformer2DModel(
         patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16, num_attention_heads=2,
         joint_attention_dim=TEXT_HIDDEN, axes_dims_rope=(4, 6, 6), zero_cond_t=zero_cond_t)
-    torch.manual_seed(seed + 1)
+    seed_weights(seed + 1)
     vae = AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                                  temperal_downsample=[False, True, True])
     cfg = Qwen2_5_VLConfig(
@@ -53,11 +51,12 @@ def _qwen_image_parts(seed: int, zero_cond_t: bool = False):
         image_token_id=ids["image_token_id"], video_token_id=ids["video_token_id"],
         vision_start_token_id=ids["vision_start_token_id"], vision_end_token_id=ids["vision_end_token_id"],
         tie_word_embeddings=False)
-    torch.manual_seed(seed + 2)
+    seed_weights(seed + 2)
     text_encoder = Qwen2_5_VLForConditionalGeneration(cfg).eval()
     return transformer, vae, text_encoder, tok
 
 
+@side_effect_free
 def build_tiny_qwen_image(path, seed: int = 0) -> Path:
     """Tiny ``QwenImagePipeline`` at ``path`` (text-to-image; see the module docstring for sizes)."""
     from diffusers import QwenImagePipeline
@@ -69,6 +68,7 @@ def build_tiny_qwen_image(path, seed: int = 0) -> Path:
     return path
 
 
+@side_effect_free
 def build_tiny_qwen_image_edit(path, seed: int = 0, plus: bool = False) -> Path:
     """Tiny ``QwenImageEditPipeline`` (or ``QwenImageEditPlusPipeline`` with ``plus=True``, whose transformer uses
     ``zero_cond_t`` as Qwen-Image-Edit-2511's) at ``path``: the Qwen-Image parts plus a ``Qwen2VLProcessor`` (the
@@ -84,6 +84,7 @@ def build_tiny_qwen_image_edit(path, seed: int = 0, plus: bool = False) -> Path:
     return path
 
 
+@side_effect_free
 def build_tiny_qwen_image_edit_plus(path, seed: int = 0) -> Path:
     """Tiny ``QwenImageEditPlusPipeline`` (Qwen-Image-Edit-2509 / 2511 layout) at ``path``."""
     return build_tiny_qwen_image_edit(path, seed, plus=True)
