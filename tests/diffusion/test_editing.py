@@ -87,6 +87,8 @@ def test_edit_training_and_eval_end_to_end(tiny_family, tmp_path):
     grid = Image.open(out / "samples" / "step_000001.png")
     assert grid.size[0] == 8 * 128  # 4 results + their 4 sources in one row (cells scaled to 128 px)
     assert (out / "samples" / "eval_step_000002.png").is_file()
+    assert cli.main(["eval", *args[:1], *args[1:3], *SMALL, "--max-prompts", "2"]) == 0  # the base editor
+    assert json.loads((out / "eval" / "base" / "eval_report.json").read_text())["policy"]["mode"] == "base"
     assert cli.main(["eval", *args[:1], *args[1:3], *SMALL, "--checkpoint", str(out), "--max-prompts", "2"]) == 0
     report = json.loads((out / "eval" / "step_2" / "eval_report.json").read_text())
     assert report["num_prompts"] == 2 and set(report["components"]) == {"edit_region_color", "edit_preservation"}
