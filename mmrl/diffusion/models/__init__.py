@@ -1,6 +1,6 @@
-"""Flow-matching text-to-image models behind one small interface, loaded from a local diffusers directory.
+"""Flow-matching image / video / editing models behind one small interface, loaded from a local diffusers directory.
 
-    model = load_flow_model("path/to/sd3.5-medium")          # StableDiffusion3Pipeline or FluxPipeline dir
+    model = load_flow_model("path/to/sd3.5-medium")          # any registered pipeline directory
     emb = model.encode_prompts(["a red circle"])              # once per prompt; `emb.select(idx)` repeats it
     x = model.initial_noise(4, height, width, generator)       # [B, C, h, w] for every family
     sigmas = model.sigmas(num_steps, height, width)           # [num_steps + 1] in fp32, last one 0
@@ -12,7 +12,8 @@
 and assign the wrapped module back to `model.transformer`.
 
 Families (one file each, registered by the pipeline class in model_index.json): `sd3.py`
-(StableDiffusion3Pipeline), `flux.py` (FluxPipeline), `qwen_image.py` (QwenImagePipeline), `qwen_image_edit.py`
+(StableDiffusion3Pipeline), `flux.py` (FluxPipeline), `flux2.py` (Flux2Pipeline, Flux2KleinPipeline), `z_image.py`
+(ZImagePipeline), `wan.py` (WanPipeline), `qwen_image.py` (QwenImagePipeline), `qwen_image_edit.py`
 (QwenImageEditPipeline, QwenImageEditPlusPipeline), `flux_kontext.py` (FluxKontextPipeline). Edit families
 (`needs_source_image`) take `encode_prompts(prompts, images=...)` and carry the source image's latents in the
 returned PromptEmbeds. Adding one = a new file here with a `@register_family("<PipelineClass>")` FlowModel
