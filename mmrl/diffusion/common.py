@@ -87,8 +87,10 @@ def setup_training(ctx: Any, run: Run, cfg: Any, model: Any, *, old: bool, ref: 
     states = build_policy_states(model, cfg.model, old=old, ref=ref)
     evals = TransformerEvalCounter(model.transformer)
     # DDP keeps PolicyStates' parameter objects ("old"/"ref" switching and the EMA work); one process: unchanged
-    model.transformer = ctx.wrap_model(states.model, cfg.dist.strategy,
-                                       find_unused_parameters=cfg.dist.find_unused_parameters)
+    # a family whose transformer has parameters no output depends on (Qwen-Image: its last block's text stream) needs
+    # DDP to look for them, or the second backward fails
+    unused = cfg.dist.find_unused_parameters or getattr(model, "has_unused_parameters", False)
+    model.transformer = ctx.wrap_model(states.model, cfg.dist.strategy, find_unused_parameters=unused)
     fsdp = ctx.enabled and cfg.dist.strategy == "fsdp"
     if fsdp:  # fully_shard replaced every parameter by a DTensor shard: follow them before building the optimizer
         states.refresh()

@@ -97,6 +97,8 @@ def test_real_recipe_runs_a_step_on_a_tiny_model_of_the_same_layout(name, family
     cfg = load_config(d)
     train(cfg)
     row = metrics_rows(cfg.output_dir)[0]
-    assert row["diag/logprob_drift"] < 1e-4 and row["train/updates"] == 1
+    assert row["diag/logprob_drift"] < 1e-4
+    # random tiny images: the real OCR reads nothing in any of them (all rewards 0, every advantage 0) -> no update
+    assert row["train/updates"] == (1 if row["train/kept_fraction"] > 0 else 0)
     assert {k.split("/")[1] for k in row if k.startswith("reward/") and k.count("/") == 1} >= set(d["reward"]["components"])
     assert (Path(cfg.output_dir) / "samples" / "step_000001.png").is_file()

@@ -136,11 +136,12 @@ def test_recipe_trains_and_resumes_exactly(family, recipe, lora, tmp_path, reque
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe, lora", [("flow_grpo", True), ("flow_grpo", False), ("nft", True), ("awm", True),
-                                          ("dpo", True)])
+@pytest.mark.parametrize("recipe, lora", [("flow_grpo", True), ("flow_grpo", False)])
 def test_qwen_image_two_rank_ddp_resumes_exactly(recipe, lora, tiny_family, tmp_path):
     """torchrun, 2 CPU processes (gloo), one prompt group per rank: 2 steps in one run equal 1 step then a resumed
-    second step (metrics of both ranks' samples and the weights rank 0 saved)."""
+    second step (metrics of both ranks' samples and the weights rank 0 saved). Qwen-Image's last block has parameters
+    no output uses (the family's `has_unused_parameters`): without DDP looking for them the second backward fails.
+    Flow-GRPO only (3 torchrun starts each): the other recipes' DDP paths are the shared ones the SD3 tests run."""
     path = tiny_family("QwenImagePipeline")
     env = child_env()
     for name, steps in (("full", [2]), ("split", [1, 2])):

@@ -87,3 +87,17 @@ def test_template_tokens_are_dropped_exactly(tiny_family):
     m = _model(tiny_family)
     prefix = m.pipe.prompt_template_encode.split("{}")[0]
     assert len(m.pipe.tokenizer(prefix).input_ids) == m.pipe.prompt_template_encode_start_idx == 34
+
+
+def test_unused_parameters_are_the_last_blocks_text_stream(tiny_family):
+    """One backward through the velocity: the parameters without a gradient are exactly parameters of the last
+    block's text stream (its output is discarded), so the family must set `has_unused_parameters` (DDP then looks for
+    them); every other parameter gets a gradient."""
+    m = _model(tiny_family)
+    assert m.has_unused_parameters
+    m.transformer.requires_grad_(True)  # loaded frozen (the recipes' LoRA / full fine-tuning set what trains)
+    x = m.initial_noise(2, 64, 64, torch.Generator().manual_seed(0))
+    m.velocity(x, 0.6, m.encode_prompts(PROMPTS)).square().sum().backward()
+    unused = [n for n, p in m.transformer.named_parameters() if p.grad is None]
+    last = f"transformer_blocks.{len(m.transformer.transformer_blocks) - 1}."
+    assert unused and all(n.startswith(last) and ("txt_" in n or "add_" in n) for n in unused), unused

@@ -86,6 +86,7 @@ class FlowModel:
     default_max_sequence_length: int = 512  # text tokens when load_flow_model is not given one
     has_guidance_embedding: bool = False  # FLUX-dev: guidance goes into the transformer, not CFG
     needs_source_image: bool = False  # edit models: encode_prompts(prompts, images) needs one source image per prompt
+    has_unused_parameters: bool = False  # parameters no output depends on: DDP must find unused parameters
     is_video: bool = False  # latents [B, C, F, h, w]; decode gives [B, F, 3, H, W] when num_frames > 1
     num_frames: int = 1  # frames per sample (> 1 only for video families; set_num_frames)
     option_names: tuple[str, ...] = ()  # the keywords `configure` takes (model.family_options)

@@ -30,6 +30,8 @@ class QwenImageModel(FlowModel):
     family = "qwen_image"
     default_max_sequence_length = 512  # the pipeline's default (its tokenizer limit is 1024)
     lora_target_modules = QWEN_IMAGE_LORA_TARGETS
+    # the last block's text-stream output (txt_mlp, to_add_out, ...) feeds nothing: only the image tokens are predicted
+    has_unused_parameters = True
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
