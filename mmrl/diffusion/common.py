@@ -129,8 +129,7 @@ class LatentCache:
         self.enabled = enabled
         self.latents: dict[str, Tensor] = {}
         self._shards = 0
-        if enabled:
-            self.dir.mkdir(parents=True, exist_ok=True)
+        if enabled and self.dir.is_dir():  # made with the first shard: a start that fails before leaves nothing
             for shard in sorted(self.dir.glob("shard_*.pt")):
                 self.latents.update(torch.load(shard, map_location="cpu", weights_only=True))
                 self._shards += 1
@@ -166,6 +165,7 @@ class LatentCache:
             self.encoded += len(fresh)
             if self.enabled:
                 self.latents.update(fresh)
+                self.dir.mkdir(parents=True, exist_ok=True)
                 path = self.dir / f"shard_{self._shards:06d}{self.shard_suffix}.pt"
                 tmp = path.with_suffix(".pt.tmp")
                 torch.save(fresh, tmp)
