@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from mmrl.config import load_config
 from mmrl.diffusion.models import available_families
-from mmrl.testing import child_env, metrics_rows, run_torchrun, without_time
+from mmrl.testing import RESUMED_RUN, assert_same_path, child_env, metrics_rows, run_torchrun, without_time
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = str(REPO / "assets" / "prompts" / "shapes_train.txt")
@@ -101,9 +101,8 @@ def _weights(out: Path, step: int) -> dict:
 def assert_resume_is_exact(full: Path, split: Path) -> list[dict]:
     a, b = metrics_rows(full), metrics_rows(split)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
-    assert [without_time(r) for r in a] == [without_time(r) for r in b]
-    wa, wb = _weights(full, 2), _weights(split, 2)
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert_same_path([without_time(r) for r in a], [without_time(r) for r in b], why=RESUMED_RUN)
+    assert_same_path(_weights(full, 2), _weights(split, 2), why=RESUMED_RUN)
     return a
 
 
@@ -155,3 +154,15 @@ def test_qwen_image_two_rank_ddp_resumes_exactly(recipe, lora, tiny_family, tmp_
     assert "resumed from" in proc.stdout
     rows = assert_resume_is_exact(tmp_path / "full", tmp_path / "split")
     assert all(r["policy/grad_norm"] > 0 for r in rows)
+
+
+def test_offline_dpo_refuses_video_in_one_line(tmp_path):
+    from mmrl.diffusion.dpo import train
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"prompt": "a", "chosen": "a.png", "rejected": "b.png"}\n')
+    cfg = load_config({"algorithm": "dpo", "output_dir": str(tmp_path / "run"), "model": {"path": str(tmp_path)},
+                       "data": {"preference_file": str(pairs)}, "rollout": {"num_frames": 5}})
+    with pytest.raises(ValueError, match=r"^algo.mode=offline trains on image preference pairs; rollout.num_frames=5"):
+        train(cfg)
+
