@@ -204,7 +204,9 @@ def _check(cfg: Config) -> None:
 @closes_runs  # the run directory's lock released however train() ends; a failed start leaves nothing
 def train(cfg: Config) -> dict:
     from mmrl.diffusion.common import LatentCache, NoSamples, end_step, evaluator, load_recipe_model, setup_training
+    from mmrl.diffusion.conditioning import check_data, encode_items, sample_panels
     from mmrl.diffusion.dpo_update import dpo_update, offline_eval
+    from mmrl.diffusion.models import flow_model_class
     from mmrl.diffusion.sampling import sample_groups
     from mmrl.core.multi_reward import multi_reward_advantages
     from mmrl.core.prompt_stats import group_normalize
@@ -220,13 +222,18 @@ def train(cfg: Config) -> dict:
     ctx, run = start_run(cfg, {"rollout.prompts_per_step": s.prompts_per_step} if online
                          else {"data.pairs_per_step": cfg.data.pairs_per_step})
     eval_items = load_prompts(cfg.data.eval_prompts)[: cfg.log.eval_max_prompts] if cfg.data.eval_prompts else []
+    train_items = load_prompts(cfg.data.train_prompts) if online else []
+    check_data(cfg.model.path, train_prompts=train_items, eval_prompts=eval_items)  # edit models need source images
+    if not online and flow_model_class(cfg.model.path).needs_source_image:
+        raise ValueError(f"algo.mode=offline: preference pairs carry no source images, so the edit model at "
+                         f"model.path={cfg.model.path} cannot be trained offline; use algo.mode=online with edit rows")
     reward_fn = (load_reward_fn(cfg.reward.components, run.device, cfg.rollout.num_frames)
                  if (online or eval_items) else None)
     model = load_recipe_model(cfg, run.device, run.dtype)
     shift = d.sigma_shift or model.sigma_shift
 
     if online:
-        sampler = PromptSampler(load_prompts(cfg.data.train_prompts), seed=cfg.seed)
+        sampler = PromptSampler(train_items, seed=cfg.seed)
     else:
         pairs = load_preference_pairs(cfg.data.preference_file, cfg.data.image_root or None, cfg.data.min_score_gap)
         cache = LatentCache(run.dir / "latent_cache", s.height, s.width, enabled=cfg.data.cache_latents,
@@ -258,7 +265,7 @@ def train(cfg: Config) -> dict:
             if online:
                 with timer("rollout"):
                     items = ctx.shard(sampler.next(s.prompts_per_step))  # whole groups per rank
-                    embeds = model.encode_prompts([it.prompt for it in items])
+                    embeds = encode_items(model, items, s.height, s.width)  # + source images (edit models)
                     with torch.no_grad():
                         traj = sample_groups(model, embeds, s.group_size, num_steps=s.num_steps, height=s.height,
                                              width=s.width, guidance_scale=s.guidance_scale,
@@ -297,6 +304,7 @@ def train(cfg: Config) -> dict:
                 if ctx.enabled:  # the whole batch's reward statistics (score_images gave this rank's)
                     metrics.update(finite_stats(all_scores))
                 images, captions = traj.images, [f"{p[:48]} | r={v:.3g}" for p, v in zip(prompts, scores.tolist())]
+                sample_meta = [items[i].metadata for i in traj.prompt_index.tolist()]
             else:
                 idx = ctx.shard(sampler.next(cfg.data.pairs_per_step))  # this rank's share of the global pairs
                 batch = [pairs[i] for i in idx]
@@ -321,7 +329,7 @@ def train(cfg: Config) -> dict:
         if ctx.is_main and cfg.log.sample_every and images is not None and (
                 step % cfg.log.sample_every == 0 or step == 1):
             n = min(cfg.log.num_samples, len(images))
-            run.save_samples(step, images[:n], captions[:n])
+            run.save_samples(step, *sample_panels(images[:n], captions[:n], sample_meta[:n]))
         eval_step = cfg.log.eval_every and (step % cfg.log.eval_every == 0 or step in (1, cfg.train.max_steps))
         if (ctx.is_main or fsdp) and not online and eval_step:  # FSDP: every rank runs the forwards
             with timer("eval"):

@@ -99,7 +99,8 @@ class RolloutConfig(AsyncRolloutFields, dc.RolloutConfig):  # + worker, max_stal
     prompt_cache_size: int = 1024
     """Keep the text embeddings of every training prompt (CPU, LRU by prompt text) when the prompt file has at
     most this many distinct prompts: the text encoders then run once per prompt instead of every step. Larger
-    prompt sets (shuffled epochs never revisit a prompt soon) and 0 encode each step's prompts."""
+    prompt sets (shuffled epochs never revisit a prompt soon) and 0 encode each step's prompts. Edit models encode
+    each step's rows with their source images (the cache is keyed by text only)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -200,6 +201,7 @@ class Config(RunConfig):
 @closes_runs  # the run directory's lock released however train() ends; a failed start leaves nothing
 def train(cfg: Config) -> dict:
     from mmrl.diffusion.common import NoSamples, end_step, evaluator, load_recipe_model, setup_training
+    from mmrl.diffusion.conditioning import check_data, encode_items, sample_panels
     from mmrl.diffusion.grpo_update import train_on_rollout
     from mmrl.diffusion.models import PromptEmbedCache
     from mmrl.diffusion.rollout_worker import BUILDER, rollout_and_score, window_generator
@@ -220,6 +222,7 @@ def train(cfg: Config) -> dict:
     ctx, run = start_run(cfg, {"rollout.prompts_per_step": s.prompts_per_step})
     train_items = load_prompts(cfg.data.train_prompts)
     eval_items = load_prompts(cfg.data.eval_prompts)[: cfg.log.eval_max_prompts] if cfg.data.eval_prompts else []
+    check_data(cfg.model.path, train_prompts=train_items, eval_prompts=eval_items)  # edit models need source images
     reward_fn = load_reward_fn(cfg.reward.components, run.device, cfg.rollout.num_frames)
     scorer = AsyncRewardScorer(reward_fn) if cfg.reward.async_scoring else None  # rewards overlap the next rollout
     model = load_recipe_model(cfg, run.device, run.dtype)
@@ -283,7 +286,8 @@ def train(cfg: Config) -> dict:
         metrics["cost/transformer_evals"] = evals.sync(ctx)
         if ctx.is_main and cfg.log.sample_every and (step % cfg.log.sample_every == 0 or step == 1):
             n = min(cfg.log.num_samples, len(prompts))
-            run.save_samples(step, traj.images[:n], [f"r={scores[i]:.3g} {prompts[i]}" for i in range(n)])
+            run.save_samples(step, *sample_panels(traj.images[:n], [f"r={scores[i]:.3g} {prompts[i]}" for i in range(n)],
+                                                  metadata[:n]))
         eval_now = eval_items and cfg.log.eval_every and (step % cfg.log.eval_every == 0 or step == cfg.train.max_steps)
         if (ctx.is_main or fsdp) and eval_now:  # FSDP: every rank runs the forwards, rank 0 writes
             with timer("eval"):

@@ -65,13 +65,14 @@ def rollout_and_score(cfg: Any, model: Any, encode: Any, sampler: Any, shards: A
                       timer: Any, window_gen: torch.Generator | None = None) -> FlowRollout:
     """Rollout and rewards of one step (module docstring). `shards`: a `DistContext` (its `shard` picks this rank's
     prompts); `scorer`: an `AsyncRewardScorer` or None."""
+    from mmrl.diffusion.conditioning import encode_items
     from mmrl.diffusion.diagnostics import sample_statistics
     from mmrl.diffusion.scoring import component_scores, score_images
 
     s = cfg.rollout
     with timer("rollout"):
         items = shards.shard(sampler.next(s.prompts_per_step))
-        embeds = encode([it.prompt for it in items])
+        embeds = encode_items(model, items, s.height, s.width, encode)  # + source images (edit models)
         rows = [i for i in range(len(items)) for _ in range(s.group_size)]  # sample -> prompt (traj order)
         prompts, metadata = [items[i].prompt for i in rows], [items[i].metadata for i in rows]
         on_images = (lambda lo, hi, im: scorer.submit(im, prompts[lo:hi], metadata[lo:hi])) if scorer else None
