@@ -201,7 +201,7 @@ class Config(RunConfig):
 @closes_runs  # the run directory's lock released however train() ends; a failed start leaves nothing
 def train(cfg: Config) -> dict:
     from mmrl.diffusion.common import NoSamples, end_step, evaluator, load_recipe_model, setup_training
-    from mmrl.diffusion.conditioning import check_data, encode_items, sample_panels
+    from mmrl.diffusion.conditioning import check_data, sample_panels
     from mmrl.diffusion.grpo_update import train_on_rollout
     from mmrl.diffusion.models import PromptEmbedCache
     from mmrl.diffusion.rollout_worker import BUILDER, rollout_and_score, window_generator
