@@ -222,6 +222,7 @@ def test_a_changed_key_takes_effect_from_the_resumed_step(flow_run, tmp_path, ca
 @pytest.mark.parametrize("overrides, message", [
     (["algo.ema=true"], "algo.ema: False -> True (the checkpoint holds no EMA ('old') policy state"),
     (["model.lora.rank=0", "algo.kl.coef=0.0"], "model.lora.rank: 16 -> 0"),
+    (["rollout.worker=process", "rollout.max_staleness=1"], "rollout.max_staleness: 0 -> 1"),  # in-flight batches
 ])
 def test_a_change_that_cannot_take_effect_is_refused_before_the_model_loads(flow_run, tmp_path, capsys, monkeypatch,
                                                                            overrides, message):
