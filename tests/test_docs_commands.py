@@ -1,0 +1,551 @@
+"""Every shell command shown in README.md and docs/*.md is executed by a test, so the docs cannot drift.
+
+What counts as a shell command: every line of a ```bash / ```sh / ```shell / ```console block (continuation lines
+joined, comments dropped) and every `$ ` line of any fenced block. Each one must be named in ``COMMANDS`` below
+with how it is run:
+
+- ``RUN``: executed exactly as written, by bash, in a scratch copy of the checkout (a temp dir holding symlinks to
+  the repo's files; what the command writes stays there), offline (`HF_HUB_OFFLINE=1`, `pip --no-index`), with
+  this venv's bin/ first on PATH and `.venv` pointing at this venv. A `$ ` line followed by output lines is an
+  example of output: those lines must appear in what the command prints (`...` matches anything), and the exit
+  code is free; any other command must exit 0.
+- ``Short("...", why)``: the real command is too long or needs what this machine lacks (a GPU, real weights, the
+  network); the short form is run instead. It must keep every config file and override key (`key=value`, the value
+  may differ) of the documented command, so the documented keys are still checked.
+- ``ByTest("tests/x.py::test_y", why)``: another test runs it (its name is checked to exist).
+
+Commands of one page run in page order in one scratch dir (a later command may use what an earlier one wrote).
+A new command in the docs that is not in ``COMMANDS`` fails with the line to add; an entry that no page shows any
+more fails too. Besides running them, every command (also the ones in `code spans` and synopsis blocks such as
+`mmrl eval CONFIG [--checkpoint DIR]`) is checked for cheap, static validity: an `mmrl` subcommand, option or
+`key=value` override that does not exist, a missing script or `--flag`, a Makefile target or a pip extra that does
+not exist fails `test_every_documented_command_names_real_things`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from mmrl.testing import child_env
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SHELL_LANGS = {"bash", "sh", "shell", "console", "zsh"}
+FENCE = re.compile(r"^```([\w+-]*)[^\n]*\n(.*?)^```", re.S | re.M)
+CODE_SPAN = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
+
+
+class _Run:
+    def __repr__(self):
+        return "RUN"
+
+
+RUN = _Run()
+
+
+@dataclasses.dataclass(frozen=True)
+class Short:
+    command: str
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ByTest:
+    test: str
+    why: str
+
+
+# where a short form needs a few images: 4 PNGs of two sizes under samples/ (the reward CLI accepts mixed sizes)
+_MAKE_IMAGES = ("python -c \"from PIL import Image; import pathlib; p = pathlib.Path('samples'); p.mkdir(exist_ok=True); "
+                "[Image.new('RGB', (32 + 16 * (i % 2), 32), (60 * i, 90, 200)).save(p / f'{i}.png') for i in range(4)]\"")
+_TINY_VLM = "rollout.prompts_per_step=2 rollout.group_size=2 warm_start.steps=1 data.eval_size=4 log.eval_every=0"
+_TINY_DIFF = "train.save_every=0 rollout.num_steps=2 rollout.prompts_per_step=1 rollout.group_size=2"
+_NO_GPU = "no GPU and no real weights here: the real config with the documented overrides is validated instead"
+
+# The one table: documented command (as extracted: continuation lines joined, comment dropped) -> how it is run.
+COMMANDS: dict[str, object] = {
+    # README.md, docs/index.md
+    "make demo": ByTest("tests/test_docs_commands.py::test_make_demo_target_runs_mmrl_demo",
+                        "the full demo takes minutes; `make -n demo` is checked to run `mmrl demo`, and each demo's "
+                        "result has its own slow test"),
+    "make test": Short("make -n test", "the whole suite is what CI runs; here a dry run checks the target exists"),
+    # docs/config-keys.md
+    "mmrl train configs/diffusion/flow_grpo_tiny.yaml sample.group_size=8": RUN,
+    # docs/development.md
+    "make test-fast": Short("make -n test-fast", "runs the suite; a dry run checks the target exists"),
+    "make bench": Short("make -n bench", "every benchmark takes many minutes; a dry run checks the target; "
+                                         "tests/test_benchmarks.py tests the scripts' parts"),
+    "mmrl tiny /tmp/tiny": Short("mmrl tiny tiny", "into the scratch dir instead of /tmp"),
+    ".venv/bin/mkdocs build --strict": RUN,
+    ".venv/bin/mkdocs serve": ByTest("tests/test_docs_commands.py::test_mkdocs_serve_serves_the_site",
+                                     "a server: started on a free port, fetched, stopped"),
+    # docs/dpo-nft.md
+    "mmrl train configs/diffusion/nft_tiny.yaml": Short(
+        f"mmrl train configs/diffusion/nft_tiny.yaml train.max_steps=1 {_TINY_DIFF}", "minutes: 1 small step"),
+    "mmrl train configs/diffusion/dpo_tiny_online.yaml": Short(
+        f"mmrl train configs/diffusion/dpo_tiny_online.yaml train.max_steps=1 {_TINY_DIFF}", "minutes: 1 small step"),
+    "python -m mmrl.diffusion.dpo make-shapes-pairs data/shapes_pairs 32": Short(
+        "python -m mmrl.diffusion.dpo make-shapes-pairs data/shapes_pairs 4", "4 pairs instead of 32"),
+    "mmrl train configs/diffusion/dpo_tiny_offline.yaml": Short(
+        "mmrl train configs/diffusion/dpo_tiny_offline.yaml train.max_steps=1 train.save_every=0 "
+        "rollout.prompts_per_step=2", "minutes: 1 small step on the pairs written above"),
+    "python benchmarks/compare_diffusion_algos.py": Short(
+        "python benchmarks/compare_diffusion_algos.py --steps 2 --only flow_grpo --out runs/compare",
+        "four 60-step trainings: 2 steps of one"),
+    "mmrl train configs/diffusion/awm_tiny.yaml": Short(
+        f"mmrl train configs/diffusion/awm_tiny.yaml train.max_steps=1 {_TINY_DIFF}", "1 small step"),
+    # docs/flow-grpo.md
+    "mmrl train configs/diffusion/flow_grpo_tiny.yaml": Short(
+        f"mmrl train configs/diffusion/flow_grpo_tiny.yaml train.max_steps=1 {_TINY_DIFF}", "minutes: 1 small step"),
+    "mmrl train configs/diffusion/flow_grpo_sd35_pickscore.yaml model.path=/models/sd3.5-medium": Short(
+        "mmrl config check configs/diffusion/flow_grpo_sd35_pickscore.yaml model.path=/models/sd3.5-medium", _NO_GPU),
+    "mmrl train configs/diffusion/flow_grpo_sd35_ocr.yaml model.path=/models/sd3.5-medium": Short(
+        "mmrl config check configs/diffusion/flow_grpo_sd35_ocr.yaml model.path=/models/sd3.5-medium", _NO_GPU),
+    "mmrl train configs/diffusion/flow_grpo_flux_pickscore.yaml model.path=/models/FLUX.1-dev": Short(
+        "mmrl config check configs/diffusion/flow_grpo_flux_pickscore.yaml model.path=/models/FLUX.1-dev", _NO_GPU),
+    "python benchmarks/flow_grpo_step.py": Short(
+        "python benchmarks/flow_grpo_step.py --models tiny --steps 2 --prompts 2 --decode-repeats 0",
+        "the medium model takes minutes: the tiny one, 2 steps"),
+    "torchrun --standalone --nproc_per_node 4 -m mmrl.cli train configs/diffusion/flow_grpo_sd35_pickscore.yaml "
+    "model.path=/models/sd3.5-medium dist.strategy=ddp": Short(
+        "mmrl config check configs/diffusion/flow_grpo_sd35_pickscore.yaml model.path=/models/sd3.5-medium "
+        "dist.strategy=ddp", _NO_GPU + "; tests/diffusion/test_flow_grpo.py::test_torchrun_cli_two_processes_then_resume_with_one "
+                                       "runs the same torchrun launch on the tiny config"),
+    "accelerate launch --multi_gpu --num_processes 4 -m mmrl.cli train configs/diffusion/flow_grpo_sd35_pickscore.yaml "
+    "model.path=/models/sd3.5-medium dist.strategy=ddp": Short(
+        "mmrl config check configs/diffusion/flow_grpo_sd35_pickscore.yaml model.path=/models/sd3.5-medium "
+        "dist.strategy=ddp", _NO_GPU + " (accelerate launch with --multi_gpu needs GPUs)"),
+    "mmrl train configs/diffusion/flow_grpo_sd35_pickscore.yaml model.path=/models/sd3.5-medium": Short(
+        "mmrl config check configs/diffusion/flow_grpo_sd35_pickscore.yaml model.path=/models/sd3.5-medium", _NO_GPU),
+    # docs/install-and-cli.md
+    "pip install -e .": Short("pip install --dry-run --no-index --no-build-isolation -e .",
+                              "offline: a dry run resolves every dependency against this venv"),
+    'pip install -e ".[ocr]"': Short('pip install --dry-run --no-index --no-build-isolation -e ".[ocr]"',
+                                     "offline dry run"),
+    'pip install -e ".[vllm]"': Short('pip install --dry-run --no-index --no-deps --no-build-isolation -e ".[vllm]"',
+                                      "vLLM is not in this venv (its own venv: CPU vLLM pins another torch); the extra "
+                                      "is checked to exist by test_every_documented_command_names_real_things"),
+    'pip install -e ".[dev]"': Short('pip install --dry-run --no-index --no-build-isolation -e ".[dev]"',
+                                     "offline dry run"),
+    "mmrl train configs/diffusion/flow_grpo_tiny.yaml train.max_steps=20 optim.lr=3e-4": Short(
+        f"mmrl train configs/diffusion/flow_grpo_tiny.yaml train.max_steps=1 optim.lr=3e-4 {_TINY_DIFF}",
+        "1 small step"),
+    "mmrl config dump flow_grpo > my.yaml": RUN,
+    "mmrl config check my.yaml model.path=/models/sd35m": RUN,
+    "mmrl train configs/diffusion/flow_grpo_tiny.yaml train.lrr=1": RUN,
+    # docs/multiturn.md
+    "mmrl train configs/vlm/multiturn_grid_tiny.yaml": Short(
+        "mmrl train configs/vlm/multiturn_grid_tiny.yaml train.max_steps=1 train.save_every=0 "
+        "rollout.prompts_per_step=2 rollout.group_size=2 warm_start.steps=1 env.eval_episodes=4 log.eval_every=0",
+        "1 small step"),
+    "mmrl train configs/vlm/multiturn_math_tiny.yaml": Short(
+        "mmrl train configs/vlm/multiturn_math_tiny.yaml train.max_steps=1 train.save_every=0 "
+        "rollout.prompts_per_step=2 rollout.group_size=2", "1 small step"),
+    "mmrl train configs/vlm/multiturn_grid_qwen25vl_3b.yaml": Short(
+        "mmrl config check configs/vlm/multiturn_grid_qwen25vl_3b.yaml", _NO_GPU),
+    # docs/rewards.md
+    "mmrl reward list": RUN,
+    "mmrl reward score --reward jpeg_compressibility --images samples/ --out scores.csv": Short(
+        f"{_MAKE_IMAGES} && mmrl reward score --reward jpeg_compressibility --images samples/ --out scores.csv",
+        "needs images in samples/: four are drawn first"),
+    "mmrl reward score --reward pickscore --weights /models/PickScore_v1 --kw processor=/models/CLIP-ViT-H-14 "
+    "--images imgs/ --prompts prompts.txt --out scores.csv": ByTest(
+        "tests/rewards/test_reward_cli.py::test_score_directory_with_prompts_matches_local",
+        "no PickScore weights here: the test scores a directory with a prompt file through the same options"),
+    "mmrl reward serve pickscore --weights /models/PickScore_v1 --port 8008": ByTest(
+        "tests/rewards/test_reward_cli.py::test_python_m_mmrl_cli_reward_serve",
+        "a server, and no PickScore weights here: the test serves a reward from the CLI and scores through it"),
+    # docs/scaling.md
+    "torchrun --standalone --nproc_per_node 4 -m mmrl.cli train configs/diffusion/flow_grpo_sd35_pickscore.yaml "
+    "dist.strategy=ddp": Short(
+        "mmrl config check configs/diffusion/flow_grpo_sd35_pickscore.yaml dist.strategy=ddp", _NO_GPU),
+    "accelerate launch --multi_gpu --num_processes 4 -m mmrl.cli train configs/diffusion/flow_grpo_sd35_pickscore.yaml "
+    "dist.strategy=ddp": Short(
+        "mmrl config check configs/diffusion/flow_grpo_sd35_pickscore.yaml dist.strategy=ddp", _NO_GPU),
+    "torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 -m mmrl.cli train CONFIG "
+    "dist.strategy=ddp": ByTest("tests/test_distributed.py::test_torchrun_two_processes",
+                                "two nodes are not available; the launch path is tested with 2 local processes"),
+    "torchrun --standalone --nproc_per_node 2 -m mmrl.distributed": RUN,
+    # docs/vlm-grpo.md
+    ".venv/bin/mmrl train configs/vlm/grpo_tiny_shapes.yaml": Short(
+        f".venv/bin/mmrl train configs/vlm/grpo_tiny_shapes.yaml train.max_steps=1 train.save_every=0 {_TINY_VLM}",
+        "2 minutes: builds the tiny VLM, then 1 small step"),
+    ".venv/bin/mmrl train configs/vlm/grpo_tiny_shapes.yaml train.max_steps=300 algo.advantage=rloo": Short(
+        f".venv/bin/mmrl train configs/vlm/grpo_tiny_shapes.yaml algo.advantage=rloo train.max_steps=2 "
+        f"train.save_every=0 {_TINY_VLM}", "resumes the run above for 1 more step with rloo"),
+    "torchrun --standalone --nproc_per_node 4 -m mmrl.cli train configs/vlm/grpo_qwen25vl_3b_geo3k.yaml "
+    "dist.strategy=ddp": Short("mmrl config check configs/vlm/grpo_qwen25vl_3b_geo3k.yaml dist.strategy=ddp", _NO_GPU),
+    "torchrun --standalone --nproc_per_node 2 -m mmrl.cli train configs/vlm/grpo_tiny_shapes.yaml dist.strategy=ddp "
+    "output_dir=runs/ddp train.max_steps=2 rollout.prompts_per_step=4 rollout.group_size=4 "
+    "algo.dynamic_sampling=true": ByTest("tests/vlm/test_grpo.py::test_torchrun_ddp_train_then_resume_on_one_process",
+                                         "the test runs this launch and the resume below"),
+    "mmrl train configs/vlm/grpo_tiny_shapes.yaml output_dir=runs/ddp train.max_steps=3 ...": ByTest(
+        "tests/vlm/test_grpo.py::test_torchrun_ddp_train_then_resume_on_one_process", "the resume of the launch above"),
+}
+
+# a page whose commands train something: its test is marked slow
+SLOW_PAGES = {"dpo-nft.md", "flow-grpo.md", "install-and-cli.md", "multiturn.md", "vlm-grpo.md", "development.md"}
+
+
+# ---------------------------------------------------------------------------------------------------- extraction
+@dataclasses.dataclass(frozen=True)
+class DocCommand:
+    file: str            # relative to the repo root
+    line: int            # 1-based line of the command's first line
+    command: str
+    expected: tuple[str, ...] = ()   # output lines shown after a `$ ` line
+
+
+def strip_comment(line: str) -> str:
+    """`cmd args   # comment` -> `cmd args` (a `#` inside quotes stays)."""
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i].rstrip()
+    return line.rstrip()
+
+
+def shell_commands(text: str, file: str = "") -> list[DocCommand]:
+    """The shell commands of a Markdown text: every line of bash/sh/shell/console blocks, `$ ` lines anywhere."""
+    out = []
+    for m in FENCE.finditer(text):
+        lang, body = m.group(1).lower(), m.group(2)
+        first_line = text[:m.start()].count("\n") + 2
+        lines = body.splitlines()
+        dollar = any(ln.startswith("$ ") for ln in lines)
+        if lang not in SHELL_LANGS and not dollar:
+            continue
+        i = 0
+        while i < len(lines):
+            start, raw = i, lines[i]
+            i += 1
+            if dollar and not raw.startswith("$ "):
+                continue  # output of the previous `$ ` line (read below) or prose in a console block
+            raw = raw[2:] if raw.startswith("$ ") else raw
+            parts = [strip_comment(raw)]
+            while parts[-1].endswith("\\") and i < len(lines):
+                parts[-1] = parts[-1][:-1].rstrip()
+                parts.append(strip_comment(lines[i]).strip())
+                i += 1
+            command = " ".join(p for p in parts if p).strip()
+            expected = []
+            if dollar:
+                while i < len(lines) and not lines[i].startswith("$ ") and lines[i].strip():
+                    expected.append(lines[i])
+                    i += 1
+            if command:
+                out.append(DocCommand(file, first_line + start, command, tuple(expected)))
+    return out
+
+
+def documented_commands() -> list[DocCommand]:
+    return [c for f in DOC_FILES for c in shell_commands(f.read_text(), str(f.relative_to(ROOT)))]
+
+
+def output_matches(expected: tuple[str, ...], output: str) -> list[str]:
+    """Expected output lines (`...` = anything) that appear in no line of `output`."""
+    lines = output.splitlines()
+    missing = []
+    for exp in expected:
+        pattern = ".*".join(re.escape(part.strip()) for part in re.split(r"\[?\.\.\.\]?", exp))
+        if not any(re.search(pattern, ln) for ln in lines):
+            missing.append(exp)
+    return missing
+
+
+def test_extraction_joins_continuations_drops_comments_and_reads_console_output():
+    text = ("x\n```bash\n# only a comment\nmmrl train a.yaml \\\n    k=v   # why\nmake demo\n```\n"
+            "```\n$ mmrl bad\nmmrl: error: unknown [...] here\n\n```\n```python\nprint('$ no')\n```\n"
+            "```\nmmrl eval CONFIG [--x]\n```\n")
+    got = shell_commands(text, "p.md")
+    assert got == [DocCommand("p.md", 4, "mmrl train a.yaml k=v"), DocCommand("p.md", 6, "make demo"),
+                   DocCommand("p.md", 9, "mmrl bad", ("mmrl: error: unknown [...] here",))]
+    assert strip_comment("echo 'a # b' # c") == "echo 'a # b'"
+    assert output_matches(("mmrl: error: unknown [...] here",), "x\nmmrl: error: unknown key 'a' here\n") == []
+    assert output_matches(("mmrl: error: unknown [...] here",), "mmrl: error: other") == [
+        "mmrl: error: unknown [...] here"]
+
+
+# ---------------------------------------------------------------------------------------------------- the table
+def _test_exists(nodeid: str) -> bool:
+    path, _, name = nodeid.partition("::")
+    file = ROOT / path
+    if not file.is_file():
+        return False
+    tree = ast.parse(file.read_text())
+    return any(isinstance(n, ast.FunctionDef) and n.name == name for n in ast.walk(tree))
+
+
+def _configs_and_keys(command: str) -> set[str]:
+    """The config files and the overridden keys (`train.max_steps`, not its value) of a command."""
+    return {t.split("=")[0] for t in shlex.split(command)
+            if t.endswith(".yaml") or re.match(r"^[a-z_]+(\.[a-z_0-9]+)+=", t)}
+
+
+def test_every_documented_command_is_in_the_table_and_every_entry_is_documented():
+    docs = documented_commands()
+    shown = {c.command for c in docs}
+    unmapped = [c for c in docs if c.command not in COMMANDS]
+    assert not unmapped, "\n".join(
+        [f"{c.file}:{c.line}: shell command not in COMMANDS of tests/test_docs_commands.py: {c.command!r}"
+         for c in unmapped] +
+        ["Add one line per command to COMMANDS: `'<command>': RUN` (run as written, must be quick and offline), "
+         "`'<command>': Short('<quick form>', '<why>')`, or `'<command>': ByTest('tests/x.py::test_y', '<why>')`."])
+    stale = sorted(set(COMMANDS) - shown)
+    assert not stale, f"entries in COMMANDS that no page shows any more (remove or update them): {stale}"
+    for command, how in COMMANDS.items():
+        if isinstance(how, ByTest):
+            assert _test_exists(how.test), f"{command!r}: {how.test} does not exist"
+        elif isinstance(how, Short):
+            kept = _configs_and_keys(command) - _configs_and_keys(how.command)
+            assert not kept or command.endswith("..."), \
+                f"{command!r}: the short form drops the documented {sorted(kept)}"
+            assert how.why
+            for part in re.split(r"\s&&\s", how.command):
+                problems = lint_command(part)
+                assert not problems, f"short form of {command!r}: {problems}"
+        else:
+            assert how is RUN, f"{command!r}: {how!r} is not RUN, Short(...) or ByTest(...)"
+
+
+# ---------------------------------------------------------------------------------------------------- running
+def scratch_checkout(tmp: Path) -> Path:
+    """A temp dir that looks like the checkout (symlinks to its top-level files) with `.venv` = this venv."""
+    work = tmp / "checkout"
+    work.mkdir()
+    for p in ROOT.iterdir():
+        if p.name not in {".venv", "runs", "data", "site", ".git"} and not p.name.endswith(".egg-info"):
+            (work / p.name).symlink_to(p)
+    (work / ".venv").symlink_to(Path(sys.prefix))
+    return work
+
+
+def run_shell(command: str, cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess:
+    env = child_env()
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.update(PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    return subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _pages_with_commands():
+    pages = sorted({c.file for c in documented_commands()})
+    return [pytest.param(p, marks=[pytest.mark.slow] if Path(p).name in SLOW_PAGES else [], id=p) for p in pages]
+
+
+@pytest.mark.parametrize("page", _pages_with_commands())
+def test_page_commands_run(page, tmp_path):
+    work = scratch_checkout(tmp_path)
+    for c in (c for c in documented_commands() if c.file == page):
+        how = COMMANDS.get(c.command)
+        if how is None or isinstance(how, ByTest):
+            continue  # unmapped: reported by the table test; ByTest: run there
+        command = c.command if how is RUN else how.command
+        t0 = time.perf_counter()
+        proc = run_shell(command, work)
+        print(f"[docs] {time.perf_counter() - t0:6.1f} s  {c.file}:{c.line}  {command[:100]}")
+        output = proc.stdout + proc.stderr
+        where = f"{c.file}:{c.line}: `{command}`"
+        if c.expected:
+            missing = output_matches(c.expected, output)
+            assert not missing, f"{where} no longer prints {missing}; it printed:\n{output[-3000:]}"
+        else:
+            assert proc.returncode == 0, f"{where} exited {proc.returncode}:\n{output[-3000:]}"
+
+
+def test_make_demo_target_runs_mmrl_demo(tmp_path):
+    """`make demo` = install, then `mmrl demo` (dry run: the demo itself is run by the slow demo tests)."""
+    proc = run_shell("make -n demo", scratch_checkout(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^\S*bin/mmrl demo$", proc.stdout, re.M), proc.stdout
+
+
+def test_mkdocs_serve_serves_the_site(tmp_path):
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    work = scratch_checkout(tmp_path)
+    env = child_env()
+    server = subprocess.Popen([str(Path(sys.executable).parent / "mkdocs"), "serve", "-a", f"127.0.0.1:{port}"],
+                              cwd=work, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline, page = time.time() + 120, ""
+        while time.time() < deadline and "<html" not in page.lower():
+            try:
+                page = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5).read().decode()
+            except OSError:
+                time.sleep(0.5)
+        assert "mmrl" in page and "<html" in page.lower()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+# ---------------------------------------------------------------------------------------------------- static check
+PLACEHOLDER = re.compile(r"^(\.\.\.|\[.*|.*\]|[A-Z][A-Z0-9_:.|/-]*|.*<.*>.*|.*\|.*)$")
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def lint_mmrl(args: list[str]) -> list[str]:
+    """Problems of an `mmrl ...` argument list: unknown subcommands, options, choices and config keys."""
+    from mmrl.cli import DEMO_CONFIGS, build_parser
+    from mmrl.config import RECIPES, ConfigError, apply_overrides, default_config, load_config
+
+    problems, parser, path, config, overrides = [], build_parser(), ["mmrl"], None, []
+    i = 0
+    while i < len(args):
+        tok = args[i].strip("[]")
+        i += 1
+        if not tok or PLACEHOLDER.match(args[i - 1]) and not tok.startswith("-"):
+            continue
+        if tok.startswith("-"):
+            name = tok.split("=", 1)[0]
+            action = parser._option_string_actions.get(name)
+            if action is None:
+                problems.append(f"`{' '.join(path)}` has no option {name}")
+            elif action.nargs != 0 and "=" not in tok and i < len(args):
+                value = args[i].strip("[]")
+                i += 1
+                if action.choices and not PLACEHOLDER.match(value) and value not in action.choices:
+                    problems.append(f"`{' '.join(path)} {name}`: {value!r} is not one of {sorted(action.choices)}")
+            continue
+        subs = _subparsers(parser)
+        if subs:
+            if tok not in subs:
+                problems.append(f"`{' '.join(path)}` has no subcommand {tok!r} (valid: {sorted(subs)})")
+                return problems
+            parser = subs[tok]
+            path.append(tok)
+        elif "=" in tok and re.match(r"^[a-z_]+(\.[a-z_0-9]+)*=", tok):
+            overrides.append(tok)
+        elif tok.endswith((".yaml", ".yml")):
+            config = tok
+        elif path[-1] == "demo" and tok in DEMO_CONFIGS:
+            config = str(ROOT / DEMO_CONFIGS[tok])
+    if overrides:
+        if config and (ROOT / config).is_file():
+            try:
+                load_config(ROOT / config, overrides)
+            except (ConfigError, ValueError) as exc:
+                problems.append(f"{config} {' '.join(overrides)}: {exc}")
+        else:  # no real config named: each key must exist in some recipe
+            for ov in overrides:
+                errors = []
+                for algo in sorted(RECIPES):
+                    try:
+                        apply_overrides(default_config(algo), [ov])
+                        break
+                    except (ConfigError, ValueError) as exc:
+                        errors.append(str(exc))
+                else:
+                    problems.append(f"{ov}: no recipe has this key ({errors[0]})")
+    return problems
+
+
+def lint_command(command: str) -> list[str]:
+    """Static problems of one documented command (see the module docstring)."""
+    command = re.split(r"\s(?:>|\||&&|;)\s", command)[0]
+    try:
+        tokens = shlex.split(command)
+    except ValueError:
+        return []
+    while tokens and re.match(r"^[A-Z_]+=", tokens[0]):  # VAR=value prefixes
+        tokens.pop(0)
+    if not tokens:
+        return []
+    tool = tokens[0].removeprefix(".venv/bin/")
+    rest = tokens[1:]
+    if tool in ("torchrun", "accelerate", "python", "python3"):
+        if tool == "accelerate":
+            rest = rest[1:] if rest[:1] == ["launch"] else rest
+        if "-m" in rest:
+            module, rest = rest[rest.index("-m") + 1], rest[rest.index("-m") + 2:]
+            if module == "mmrl.cli":
+                return lint_mmrl(rest)
+            import importlib.util
+            return [] if importlib.util.find_spec(module) else [f"no module {module}"]
+        if tool.startswith("python") and rest and rest[0].endswith(".py"):
+            script = ROOT / rest[0]
+            if not script.is_file():
+                return [f"no script {rest[0]}"]
+            source = script.read_text()
+            return [f"{rest[0]} has no option {f}" for f in rest[1:]
+                    if f.startswith("--") and f"\"{f.split('=')[0]}\"" not in source]
+        return []
+    if tool == "mmrl":
+        return lint_mmrl(rest)
+    if tool == "make":
+        makefile = (ROOT / "Makefile").read_text()
+        return [f"Makefile has no target {t}" for t in rest if not t.startswith("-") and "=" not in t
+                and not re.search(rf"^{re.escape(t)}:", makefile, re.M)]
+    if tool == "pip":
+        extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+        named = {e.strip() for t in rest for group in re.findall(r"(?:^\.|^mmrl)\[([^\]]+)\]", t)
+                 for e in group.split(",")}
+        return [f"pyproject.toml has no extra [{e}]" for e in sorted(named - extras)]
+    return []
+
+
+def inline_commands(text: str) -> list[str]:
+    """Commands in `code spans` and synopsis lines of unlabelled blocks that start with a tool mmrl documents."""
+    starts = r"^(\.venv/bin/)?(mmrl|python|torchrun|accelerate launch|make|pip install)\b"
+    out = []
+    for m in FENCE.finditer(text):
+        if not m.group(1):
+            out += [ln.strip() for ln in m.group(2).splitlines() if re.match(starts, ln.strip())]
+    prose = FENCE.sub("", text)
+    out += [s for s in CODE_SPAN.findall(prose) if re.match(starts, s)]
+    return out
+
+
+def test_lint_catches_renamed_keys_options_targets_and_extras():
+    assert lint_command("mmrl train configs/diffusion/flow_grpo_tiny.yaml train.max_steps=2") == []
+    assert "no recipe has" not in " ".join(lint_command("mmrl train configs/diffusion/flow_grpo_tiny.yaml train.lr=1"))
+    assert lint_command("mmrl train configs/diffusion/flow_grpo_tiny.yaml train.lr=1")  # the renamed key
+    assert lint_command("mmrl eval CONFIG [--checkpoint DIR] [--state default|old]") == []
+    assert lint_command("mmrl eval CONFIG --chekpoint DIR") == ["`mmrl eval` has no option --chekpoint"]
+    assert lint_command("mmrl config dump ALGO") == []
+    assert lint_command("mmrl rewards list")[0].startswith("`mmrl` has no subcommand 'rewards'")
+    assert lint_command("torchrun --nproc_per_node N -m mmrl.cli train CONFIG dist.strategy=ddp") == []
+    assert lint_command("torchrun --nproc_per_node N -m mmrl.cli train CONFIG dist.stratgy=ddp")
+    assert lint_command("make tset") == ["Makefile has no target tset"]
+    assert lint_command('pip install -e ".[ocr,nosuch]"') == ["pyproject.toml has no extra [nosuch]"]
+    assert lint_command("python benchmarks/flow_grpo_step.py --threads 1") == []
+    assert lint_command("python benchmarks/flow_grpo_step.py --thread 1") == [
+        "benchmarks/flow_grpo_step.py has no option --thread"]
+    assert lint_command("python -m mmrl.no_such_module") == ["no module mmrl.no_such_module"]
+
+
+def test_every_documented_command_names_real_things():
+    problems = []
+    for f in DOC_FILES:
+        text = f.read_text()
+        # a `$ ` line shown with its output is an example of an error on purpose: its run checks that output
+        commands = [c.command for c in shell_commands(text) if not c.expected] + inline_commands(text)
+        problems += [f"{f.relative_to(ROOT)}: `{c}`: {p}" for c in commands for p in lint_command(c)]
+    assert not problems, "\n".join(problems)
