@@ -223,11 +223,10 @@ class Run:
         _STARTED_RUN_DIR = self.dir.resolve()
 
     def _make_trackers(self) -> list:
-        """`log.trackers` (tensorboard, wandb) of the config; jsonl is always on (mmrl.trackers)."""
+        """`log.trackers` (tensorboard, wandb) of the config and the active callbacks; jsonl is always on
+        (mmrl.trackers)."""
         log = getattr(self.cfg, "log", None)
         names = [n for n in (getattr(log, "trackers", None) or []) if n != "jsonl"]
-        if not names:
-            return []
         from mmrl.config import to_dict
         from mmrl.trackers import make_trackers
 
@@ -459,7 +458,9 @@ class Run:
         rows = self.read_metrics()
         summary: dict[str, Any] = {"output_dir": str(self.dir), "steps_logged": len(rows)}
         if rows:
-            plot_reward_curve(rows, self.plots_dir / "reward_curve.png")
+            from mmrl.plots import reward_axis
+
+            plot_reward_curve(rows, self.plots_dir / "reward_curve.png", **reward_axis(self.cfg))
             rewards = [r["reward/mean"] for r in rows if r.get("reward/mean") is not None]
             if rewards:
                 k = min(5, len(rewards))

@@ -5,8 +5,8 @@ resolved config once, every metrics row (`Run.log`) and every sample grid's imag
 reward: `Run.save_samples`). Only the main process reports. The PNG reward curve of `plots/` stays the offline
 default; a tracker draws its own curves.
 
-- tensorboard: event files in `<run>/tensorboard/` (torch.utils.tensorboard): scalars, images
-  (`samples/<name>`, captions as text), the config as text. Extra `[trackers]`.
+- tensorboard: event files in `<run>/tensorboard/` (torch.utils.tensorboard): scalars, one sample grid per step
+  (`samples/<name>`, captions also as text), the config as text. Extra `[trackers]`.
 - wandb: `wandb.init(project=log.wandb_project, mode=log.wandb_mode, dir=<run>, id=<stable id>, resume="allow")`;
   the id is kept in `<run>/wandb_id.txt` so a resumed run continues the same W&B run. `wandb_mode: offline` (the
   default) writes `<run>/wandb/offline-run-*` for a later `wandb sync`; `online` needs network and a login.
@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import math
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 TRACKERS = ("jsonl", "tensorboard", "wandb")
 
@@ -52,11 +53,14 @@ class TensorBoardTracker:
         self.writer.flush()
 
     def images(self, step: int, name: str, images: Sequence[Any], captions: Sequence[str] | None) -> None:
+        """One grid image per step under `samples/<name>` (TensorBoard's step slider pages through them), the
+        captions also as text."""
         import numpy as np
 
-        for i, im in enumerate(images):
-            arr = np.asarray(im.convert("RGB"))
-            self.writer.add_image(f"samples/{name}/{i}", arr, step, dataformats="HWC")
+        from mmrl.plots import make_image_grid
+
+        grid = make_image_grid(list(images), list(captions) if captions else None)
+        self.writer.add_image(f"samples/{name}", np.asarray(grid.convert("RGB")), step, dataformats="HWC")
         if captions:
             self.writer.add_text(f"samples/{name}", "\n\n".join(f"{i}: {c}" for i, c in enumerate(captions)), step)
         self.writer.flush()
@@ -90,10 +94,52 @@ class WandbTracker:
         self.run.finish()
 
 
+# In-process listeners (the Python trainer API's `callbacks`): each gets every metrics row and sample grid like a
+# tracker does, on the main process. Set for the duration of a run by `callbacks_active`.
+_CALLBACKS: list = []
+
+
+class CallbackTracker:
+    """A callback as a tracker: a function `f(step, metrics)`, or an object with any of `on_log(step, metrics)`,
+    `on_samples(step, name, images, captions)` (PIL images)."""
+
+    def __init__(self, callback: Any):
+        self.callback = callback
+
+    def log(self, step: int, row: dict) -> None:
+        fn = getattr(self.callback, "on_log", None if hasattr(self.callback, "on_samples") else self.callback)
+        if fn is not None:
+            fn(step, dict(row))
+
+    def images(self, step: int, name: str, images: Sequence[Any], captions: Sequence[str] | None) -> None:
+        fn = getattr(self.callback, "on_samples", None)
+        if fn is not None:
+            fn(step, name, list(images), list(captions or []))
+
+    def close(self) -> None:
+        pass
+
+
+@contextmanager
+def callbacks_active(callbacks: Sequence[Any]) -> Iterator[None]:
+    """Every run started inside the block reports to `callbacks` too (see CallbackTracker)."""
+    for cb in callbacks:
+        if not (callable(cb) or hasattr(cb, "on_log") or hasattr(cb, "on_samples")):
+            raise TypeError(f"callback {cb!r}: expected a function f(step, metrics) or an object with on_log / "
+                            f"on_samples")
+    before = list(_CALLBACKS)
+    _CALLBACKS[:] = before + list(callbacks)
+    try:
+        yield
+    finally:
+        _CALLBACKS[:] = before
+
+
 def make_trackers(names: Sequence[str], run_dir: Path, config: dict, project: str = "mmrl",
                   wandb_mode: str = "offline") -> list:
-    """Trackers for `log.trackers` (unknown names -> ValueError with the valid list; jsonl is always on)."""
-    out = []
+    """Trackers for `log.trackers` (unknown names -> ValueError with the valid list; jsonl is always on), plus the
+    active callbacks."""
+    out: list = [CallbackTracker(cb) for cb in _CALLBACKS]
     for name in names:
         if name not in TRACKERS:
             raise ValueError(f"log.trackers: unknown tracker {name!r}; valid: {list(TRACKERS)}")

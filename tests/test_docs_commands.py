@@ -24,27 +24,29 @@ not exist fails `test_every_documented_command_names_real_things`.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import dataclasses
+import importlib.util
 import os
 import re
 import shlex
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 import pytest
 
 from mmrl.testing import child_env
 
-ROOT = Path(__file__).resolve().parents[1]
-DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-SHELL_LANGS = {"bash", "sh", "shell", "console", "zsh"}
-FENCE = re.compile(r"^```([\w+-]*)[^\n]*\n(.*?)^```", re.S | re.M)
-CODE_SPAN = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
+# the extraction and static-check helpers live in tests/_docs_commands.py (tests/ is not a package: loaded by path)
+_spec = importlib.util.spec_from_file_location("_docs_commands", Path(__file__).with_name("_docs_commands.py"))
+_lib = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = _lib  # dataclasses look their module up there
+_spec.loader.exec_module(_lib)
+ROOT, DOC_FILES, DocCommand = _lib.ROOT, _lib.DOC_FILES, _lib.DocCommand
+shell_commands, documented_commands, output_matches = _lib.shell_commands, _lib.documented_commands, _lib.output_matches
+strip_comment, lint_command, inline_commands = _lib.strip_comment, _lib.lint_command, _lib.inline_commands
 
 
 class _Run:
@@ -81,6 +83,8 @@ COMMANDS: dict[str, object] = {
                         "the full demo takes minutes; `make -n demo` is checked to run `mmrl demo`, and each demo's "
                         "result has its own slow test"),
     "make test": Short("make -n test", "the whole suite is what CI runs; here a dry run checks the target exists"),
+    "make demo TORCH=cpu": ByTest("tests/test_newcomer.py::test_make_with_torch_cpu_installs_the_cpu_build_first",
+                                  "a fresh .venv downloads torch: the test checks the commands make would run"),
     # docs/config-keys.md
     "mmrl train configs/diffusion/flow_grpo_tiny.yaml sample.group_size=8": RUN,
     # docs/development.md
@@ -106,6 +110,18 @@ COMMANDS: dict[str, object] = {
         "four 60-step trainings: 2 steps of one"),
     "mmrl train configs/diffusion/awm_tiny.yaml": Short(
         f"mmrl train configs/diffusion/awm_tiny.yaml train.max_steps=1 {_TINY_DIFF}", "1 small step"),
+    # docs/export.md
+    "mmrl export runs/flow_grpo_tiny --format diffusers-lora --out exports/lora": Short(
+        "mmrl train configs/diffusion/flow_grpo_tiny.yaml train.max_steps=1 train.save_every=1 rollout.num_steps=2 "
+        "rollout.prompts_per_step=1 rollout.group_size=2 && "
+        "mmrl export runs/flow_grpo_tiny --format diffusers-lora --out exports/lora",
+        "needs a run: 1 small step of the tiny config first"),
+    "mmrl export runs/flow_grpo_tiny --format diffusers --out exports/pipeline": RUN,
+    "mmrl export runs/flow_grpo_tiny --format kohya --out exports/comfyui": RUN,
+    "mmrl export runs/vlm_grpo_tiny_shapes --format transformers --out exports/vlm": Short(
+        f"mmrl train configs/vlm/grpo_tiny_shapes.yaml train.max_steps=1 train.save_every=1 {_TINY_VLM} && "
+        "mmrl export runs/vlm_grpo_tiny_shapes --format transformers --out exports/vlm",
+        "needs a run: the tiny VLM is built and trained 1 small step first"),
     # docs/flow-grpo.md
     "mmrl train configs/diffusion/flow_grpo_tiny.yaml": Short(
         f"mmrl train configs/diffusion/flow_grpo_tiny.yaml train.max_steps=1 {_TINY_DIFF}", "minutes: 1 small step"),
@@ -157,17 +173,25 @@ COMMANDS: dict[str, object] = {
         "mmrl config check configs/vlm/multiturn_grid_qwen25vl_3b.yaml", _NO_GPU),
     # docs/rewards.md
     "mmrl reward list": RUN,
-    "mmrl reward score --reward jpeg_compressibility --images samples/ --out scores.csv": Short(
-        f"{_MAKE_IMAGES} && mmrl reward score --reward jpeg_compressibility --images samples/ --out scores.csv",
+    "mmrl reward score jpeg_compressibility --images samples/ --out scores.csv": Short(
+        f"{_MAKE_IMAGES} && mmrl reward score jpeg_compressibility --images samples/ --out scores.csv",
         "needs images in samples/: four are drawn first"),
-    "mmrl reward score --reward pickscore --weights /models/PickScore_v1 --kw processor=/models/CLIP-ViT-H-14 "
+    "mmrl reward score pickscore --weights /models/PickScore_v1 --kw processor=/models/CLIP-ViT-H-14 "
     "--images imgs/ --prompts prompts.txt --out scores.csv": ByTest(
         "tests/rewards/test_reward_cli.py::test_score_directory_with_prompts_matches_local",
         "no PickScore weights here: the test scores a directory with a prompt file through the same options"),
     "mmrl reward serve pickscore --weights /models/PickScore_v1 --port 8008": ByTest(
         "tests/rewards/test_reward_cli.py::test_python_m_mmrl_cli_reward_serve",
         "a server, and no PickScore weights here: the test serves a reward from the CLI and scores through it"),
+    "mmrl tiny tiny_models": RUN,
+    "mmrl reward score clip_score --weights tiny_models/clip --images samples/ --prompts prompts.txt": Short(
+        "printf 'a red circle\\na blue square\\na green circle\\na red square\\n' > prompts.txt && "
+        "mmrl reward score clip_score --weights tiny_models/clip --images samples/ --prompts prompts.txt",
+        "needs one prompt per image of samples/ (drawn above): a prompt file is written first"),
     # docs/scaling.md
+    "torchrun --standalone --nproc_per_node 2 -m mmrl.cli train configs/diffusion/flow_grpo_tiny.yaml": ByTest(
+        "tests/test_newcomer.py::test_torchrun_without_a_strategy_trains_data_parallel",
+        "the test runs this launch (2 CPU processes, gloo, 2 short steps) and checks the start-up line"),
     "torchrun --standalone --nproc_per_node 4 -m mmrl.cli train configs/diffusion/flow_grpo_sd35_pickscore.yaml "
     "dist.strategy=ddp": Short(
         "mmrl config check configs/diffusion/flow_grpo_sd35_pickscore.yaml dist.strategy=ddp", _NO_GPU),
@@ -196,77 +220,9 @@ COMMANDS: dict[str, object] = {
 }
 
 # a page whose commands train something: its test is marked slow
-SLOW_PAGES = {"dpo-nft.md", "flow-grpo.md", "install-and-cli.md", "multiturn.md", "vlm-grpo.md", "development.md"}
+SLOW_PAGES = {"dpo-nft.md", "flow-grpo.md", "install-and-cli.md", "multiturn.md", "vlm-grpo.md", "development.md",
+              "export.md", "rewards.md"}
 
-
-# ---------------------------------------------------------------------------------------------------- extraction
-@dataclasses.dataclass(frozen=True)
-class DocCommand:
-    file: str            # relative to the repo root
-    line: int            # 1-based line of the command's first line
-    command: str
-    expected: tuple[str, ...] = ()   # output lines shown after a `$ ` line
-
-
-def strip_comment(line: str) -> str:
-    """`cmd args   # comment` -> `cmd args` (a `#` inside quotes stays)."""
-    quote = None
-    for i, ch in enumerate(line):
-        if quote:
-            quote = None if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
-            return line[:i].rstrip()
-    return line.rstrip()
-
-
-def shell_commands(text: str, file: str = "") -> list[DocCommand]:
-    """The shell commands of a Markdown text: every line of bash/sh/shell/console blocks, `$ ` lines anywhere."""
-    out = []
-    for m in FENCE.finditer(text):
-        lang, body = m.group(1).lower(), m.group(2)
-        first_line = text[:m.start()].count("\n") + 2
-        lines = body.splitlines()
-        dollar = any(ln.startswith("$ ") for ln in lines)
-        if lang not in SHELL_LANGS and not dollar:
-            continue
-        i = 0
-        while i < len(lines):
-            start, raw = i, lines[i]
-            i += 1
-            if dollar and not raw.startswith("$ "):
-                continue  # output of the previous `$ ` line (read below) or prose in a console block
-            raw = raw[2:] if raw.startswith("$ ") else raw
-            parts = [strip_comment(raw)]
-            while parts[-1].endswith("\\") and i < len(lines):
-                parts[-1] = parts[-1][:-1].rstrip()
-                parts.append(strip_comment(lines[i]).strip())
-                i += 1
-            command = " ".join(p for p in parts if p).strip()
-            expected = []
-            if dollar:
-                while i < len(lines) and not lines[i].startswith("$ ") and lines[i].strip():
-                    expected.append(lines[i])
-                    i += 1
-            if command:
-                out.append(DocCommand(file, first_line + start, command, tuple(expected)))
-    return out
-
-
-def documented_commands() -> list[DocCommand]:
-    return [c for f in DOC_FILES for c in shell_commands(f.read_text(), str(f.relative_to(ROOT)))]
-
-
-def output_matches(expected: tuple[str, ...], output: str) -> list[str]:
-    """Expected output lines (`...` = anything) that appear in no line of `output`."""
-    lines = output.splitlines()
-    missing = []
-    for exp in expected:
-        pattern = ".*".join(re.escape(part.strip()) for part in re.split(r"\[?\.\.\.\]?", exp))
-        if not any(re.search(pattern, ln) for ln in lines):
-            missing.append(exp)
-    return missing
 
 
 def test_extraction_joins_continuations_drops_comments_and_reads_console_output():
@@ -401,127 +357,6 @@ def test_mkdocs_serve_serves_the_site(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------- static check
-PLACEHOLDER = re.compile(r"^(\.\.\.|\[.*|.*\]|[A-Z][A-Z0-9_:.|/-]*|.*<.*>.*|.*\|.*)$")
-
-
-def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return dict(action.choices)
-    return {}
-
-
-def lint_mmrl(args: list[str]) -> list[str]:
-    """Problems of an `mmrl ...` argument list: unknown subcommands, options, choices and config keys."""
-    from mmrl.cli import DEMO_CONFIGS, build_parser
-    from mmrl.config import RECIPES, ConfigError, apply_overrides, default_config, load_config
-
-    problems, parser, path, config, overrides = [], build_parser(), ["mmrl"], None, []
-    i = 0
-    while i < len(args):
-        tok = args[i].strip("[]")
-        i += 1
-        if not tok or PLACEHOLDER.match(args[i - 1]) and not tok.startswith("-"):
-            continue
-        if tok.startswith("-"):
-            name = tok.split("=", 1)[0]
-            action = parser._option_string_actions.get(name)
-            if action is None:
-                problems.append(f"`{' '.join(path)}` has no option {name}")
-            elif action.nargs != 0 and "=" not in tok and i < len(args):
-                value = args[i].strip("[]")
-                i += 1
-                if action.choices and not PLACEHOLDER.match(value) and value not in action.choices:
-                    problems.append(f"`{' '.join(path)} {name}`: {value!r} is not one of {sorted(action.choices)}")
-            continue
-        subs = _subparsers(parser)
-        if subs:
-            if tok not in subs:
-                problems.append(f"`{' '.join(path)}` has no subcommand {tok!r} (valid: {sorted(subs)})")
-                return problems
-            parser = subs[tok]
-            path.append(tok)
-        elif "=" in tok and re.match(r"^[a-z_]+(\.[a-z_0-9]+)*=", tok):
-            overrides.append(tok)
-        elif tok.endswith((".yaml", ".yml")):
-            config = tok
-        elif path[-1] == "demo" and tok in DEMO_CONFIGS:
-            config = str(ROOT / DEMO_CONFIGS[tok])
-    if overrides:
-        if config and (ROOT / config).is_file():
-            try:
-                load_config(ROOT / config, overrides)
-            except (ConfigError, ValueError) as exc:
-                problems.append(f"{config} {' '.join(overrides)}: {exc}")
-        else:  # no real config named: each key must exist in some recipe
-            for ov in overrides:
-                errors = []
-                for algo in sorted(RECIPES):
-                    try:
-                        apply_overrides(default_config(algo), [ov])
-                        break
-                    except (ConfigError, ValueError) as exc:
-                        errors.append(str(exc))
-                else:
-                    problems.append(f"{ov}: no recipe has this key ({errors[0]})")
-    return problems
-
-
-def lint_command(command: str) -> list[str]:
-    """Static problems of one documented command (see the module docstring)."""
-    command = re.split(r"\s(?:>|\||&&|;)\s", command)[0]
-    try:
-        tokens = shlex.split(command)
-    except ValueError:
-        return []
-    while tokens and re.match(r"^[A-Z_]+=", tokens[0]):  # VAR=value prefixes
-        tokens.pop(0)
-    if not tokens:
-        return []
-    tool = tokens[0].removeprefix(".venv/bin/")
-    rest = tokens[1:]
-    if tool in ("torchrun", "accelerate", "python", "python3"):
-        if tool == "accelerate":
-            rest = rest[1:] if rest[:1] == ["launch"] else rest
-        if "-m" in rest:
-            module, rest = rest[rest.index("-m") + 1], rest[rest.index("-m") + 2:]
-            if module == "mmrl.cli":
-                return lint_mmrl(rest)
-            import importlib.util
-            return [] if importlib.util.find_spec(module) else [f"no module {module}"]
-        if tool.startswith("python") and rest and rest[0].endswith(".py"):
-            script = ROOT / rest[0]
-            if not script.is_file():
-                return [f"no script {rest[0]}"]
-            source = script.read_text()
-            return [f"{rest[0]} has no option {f}" for f in rest[1:]
-                    if f.startswith("--") and f"\"{f.split('=')[0]}\"" not in source]
-        return []
-    if tool == "mmrl":
-        return lint_mmrl(rest)
-    if tool == "make":
-        makefile = (ROOT / "Makefile").read_text()
-        return [f"Makefile has no target {t}" for t in rest if not t.startswith("-") and "=" not in t
-                and not re.search(rf"^{re.escape(t)}:", makefile, re.M)]
-    if tool == "pip":
-        extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
-        named = {e.strip() for t in rest for group in re.findall(r"(?:^\.|^mmrl)\[([^\]]+)\]", t)
-                 for e in group.split(",")}
-        return [f"pyproject.toml has no extra [{e}]" for e in sorted(named - extras)]
-    return []
-
-
-def inline_commands(text: str) -> list[str]:
-    """Commands in `code spans` and synopsis lines of unlabelled blocks that start with a tool mmrl documents."""
-    starts = r"^(\.venv/bin/)?(mmrl|python|torchrun|accelerate launch|make|pip install)\b"
-    out = []
-    for m in FENCE.finditer(text):
-        if not m.group(1):
-            out += [ln.strip() for ln in m.group(2).splitlines() if re.match(starts, ln.strip())]
-    prose = FENCE.sub("", text)
-    out += [s for s in CODE_SPAN.findall(prose) if re.match(starts, s)]
-    return out
-
 
 def test_lint_catches_renamed_keys_options_targets_and_extras():
     assert lint_command("mmrl train configs/diffusion/flow_grpo_tiny.yaml train.max_steps=2") == []

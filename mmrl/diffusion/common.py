@@ -54,8 +54,10 @@ def build_policy_states(model: Any, model_cfg: Any, *, old: bool, ref: bool):
 
     lora = model_cfg.lora
     if lora.enabled:
-        states = PolicyStates(model.transformer, peft_lora_config(lora, model.lora_target_modules), old=old,
-                              ref_adapter_path=lora.init_path or None)
+        # the saved adapter_config.json names the pipeline it applies to (peft's base_model_name_or_path)
+        lora_cfg = peft_lora_config(lora, model.lora_target_modules,
+                                    base_model_name_or_path=str(Path(model_cfg.path).resolve()))
+        states = PolicyStates(model.transformer, lora_cfg, old=old, ref_adapter_path=lora.init_path or None)
     else:
         model.transformer.requires_grad_(True)
         states = PolicyStates(model.transformer, None, old=old, keep_ref_copy=ref)
@@ -195,11 +197,10 @@ def flow_matching_mse(v_pred: Tensor, x0: Tensor, noise: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def evaluate_ode(model: Any, states: Any, state: str, reward_fn: Any, items: Sequence[Any], run: Run, step: int, *,
-                 num_steps: int, guidance_scale: float, height: int, width: int, batch_size: int = 8,
-                 seed: int = 0, num_images: int = 16) -> dict[str, float]:
-    """Deterministic (ODE) sampling of one image per held-out prompt with the same initial noise at
-    every evaluation, computed with policy state `state`; saves samples/eval_step_<N>.png."""
+def ode_images(model: Any, states: Any, state: str, reward_fn: Any, items: Sequence[Any], *, num_steps: int,
+               guidance_scale: float, height: int, width: int, batch_size: int = 8, seed: int = 0):
+    """(images [N, 3, H, W], scores [N] or None without a reward, component scores {name: [N]}): one deterministic
+    (ODE) image per item with policy state `state`, from the same initial noise every time it is called."""
     from mmrl.diffusion.sampling import sample_groups
 
     gen = torch.Generator(device=model.device).manual_seed(seed + 12345)
@@ -210,19 +211,62 @@ def evaluate_ode(model: Any, states: Any, state: str, reward_fn: Any, items: Seq
             emb = model.encode_prompts([it.prompt for it in chunk])
             traj = sample_groups(model, emb, 1, num_steps=num_steps, height=height, width=width,
                                  guidance_scale=guidance_scale, noise_level=0.0, generator=gen)
+            images.append(traj.images)
+            if reward_fn is None:
+                continue
             out = reward_fn(images=traj.images, prompts=[it.prompt for it in chunk],
                             metadata=[it.metadata for it in chunk])
-            images.append(traj.images)
             scores.append(out.scores.detach().float().cpu())
             for name in getattr(reward_fn, "components", {}):
                 details[name].append(torch.as_tensor(out.details[name]).float().cpu())
-    s = torch.cat(scores)
+    return (torch.cat(images), torch.cat(scores) if scores else None,
+            {k: torch.cat(v) for k, v in details.items()})
+
+
+def _captions(items: Sequence[Any], scores: torch.Tensor | None) -> list[str]:
+    """Reward first (a wrapped caption never hides it), then the whole prompt."""
+    return [(f"r={scores[i]:.3g} | " if scores is not None else "") + items[i].prompt for i in range(len(items))]
+
+
+def evaluate_ode(model: Any, states: Any, state: str, reward_fn: Any, items: Sequence[Any], run: Run, step: int, *,
+                 num_steps: int, guidance_scale: float, height: int, width: int, batch_size: int = 8,
+                 seed: int = 0, num_images: int = 16) -> dict[str, float]:
+    """Deterministic (ODE) sampling of one image per held-out prompt with the same initial noise at
+    every evaluation, computed with policy state `state`; saves samples/eval_step_<N>.png."""
+    images, s, details = ode_images(model, states, state, reward_fn, items, num_steps=num_steps,
+                                    guidance_scale=guidance_scale, height=height, width=width,
+                                    batch_size=batch_size, seed=seed)
     n = min(num_images, len(items))
-    run.save_samples(step, torch.cat(images)[:n], [f"{items[i].prompt[:48]} | r={s[i]:.3g}" for i in range(n)],
-                     name=f"eval_step_{step:06d}.png")
+    run.save_samples(step, images[:n], _captions(items[:n], s), name=f"eval_step_{step:06d}.png")
     metrics = {"eval/reward/mean": s.mean().item(), "eval/reward/std": s.std().item() if len(s) > 1 else 0.0}
-    metrics.update({f"eval/reward/{k}": torch.cat(v).mean().item() for k, v in details.items()})
+    metrics.update({f"eval/reward/{k}": v.mean().item() for k, v in details.items()})
     return metrics
+
+
+def grid_prompts(cfg: Any, eval_items: Sequence[Any], train_items: Sequence[Any]) -> list:
+    """The prompts of every sample grid of a run: the first `log.num_samples` eval prompts (else training prompts)."""
+    return list(eval_items or train_items)[: cfg.log.num_samples]
+
+
+def grid_due(cfg: Any, step: int) -> bool:
+    """A sample grid at step 0 (the starting policy, before any update), every `log.sample_every` steps and at
+    the last step."""
+    every = cfg.log.sample_every
+    return bool(every) and (step % every == 0 or step == cfg.train.max_steps)
+
+
+def sample_grid(model: Any, states: Any, state: str, reward_fn: Any, items: Sequence[Any], run: Any, step: int,
+                cfg: Any) -> None:
+    """samples/step_<N>.png: one image per grid prompt (`grid_prompts`), ODE with the eval settings
+    (`rollout.eval_num_steps`, `rollout.eval_guidance_scale`) and the same initial noise in every grid, so the grids
+    of a run show one policy changing; captions "r=<reward> | <prompt>", word-wrapped."""
+    if not items:
+        return
+    s = cfg.rollout
+    images, scores, _ = ode_images(model, states, state, reward_fn, items, num_steps=s.eval_num_steps,
+                                   guidance_scale=s.eval_guidance_scale, height=s.height, width=s.width,
+                                   batch_size=cfg.update.micro_batch_size or 8, seed=cfg.seed)
+    run.save_samples(step, images, _captions(items, scores))
 
 
 # ------------------------------------------------------------------------------------------ cost accounting

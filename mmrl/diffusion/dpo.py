@@ -61,7 +61,7 @@ from mmrl.training import OptimConfig, UpdateConfig, finite_stats, group_keep
 
 __all__ = ["Config", "train", "make_shapes_preference_file", "RENAMED_KEYS"]
 
-# keys before issue 12 -> their names now (an old key in a YAML or override fails naming the new one)
+# keys of earlier mmrl versions -> their names now (an old key in a YAML or override fails naming the new one)
 RENAMED_KEYS = {**dc.RENAMED_KEYS, "dpo": "algo"}
 
 # ------------------------------------------------------------------------------------------ config
@@ -187,12 +187,13 @@ def _check(cfg: Config) -> None:
 
 
 def train(cfg: Config) -> dict:
-    from mmrl.diffusion.common import LatentCache, NoSamples, end_step, evaluate_ode, setup_training
+    from mmrl.diffusion.common import (LatentCache, NoSamples, end_step, evaluate_ode, grid_due, grid_prompts,
+                                       sample_grid, setup_training)
     from mmrl.diffusion.dpo_update import dpo_update, offline_eval
     from mmrl.diffusion.models import load_flow_model
     from mmrl.diffusion.sampling import sample_groups
     from mmrl.diffusion.scoring import load_reward_fn, score_rollout
-    from mmrl.pipelines.data import PromptSampler, load_preference_pairs, load_prompts
+    from mmrl.pipelines.data import PromptItem, PromptSampler, load_preference_pairs, load_prompts
     from mmrl.training import FullOptimizerState, restore_checkpoint, start_run, summarise
 
     _check(cfg)
@@ -206,7 +207,8 @@ def train(cfg: Config) -> dict:
     shift = d.sigma_shift or float(model.scheduler_config.get("shift", 1.0))
 
     if online:
-        sampler = PromptSampler(load_prompts(cfg.data.train_prompts), seed=cfg.seed)
+        train_items = load_prompts(cfg.data.train_prompts)
+        sampler = PromptSampler(train_items, seed=cfg.seed)
     else:
         pairs = load_preference_pairs(cfg.data.preference_file, cfg.data.image_root or None, cfg.data.min_score_gap)
         cache = LatentCache(run.dir / "latent_cache", s.height, s.width, enabled=cfg.data.cache_latents,
@@ -214,6 +216,7 @@ def train(cfg: Config) -> dict:
         if ctx.is_main:
             print(f"[dpo] {len(pairs)} preference pairs; {cache.loaded_from_disk} image latents already cached")
         sampler = PromptSampler(list(range(len(pairs))), seed=cfg.seed)  # the stream of pair indices
+        train_items = [PromptItem(p) for p in dict.fromkeys(pair.prompt for pair in pairs)]
 
     # "default" trains, "ref" = adapters off (or a snapshot in full fine-tuning); DDP/FSDP; optimizer
     states, evals, params, optimizer, lr_sched, guard, fsdp = setup_training(ctx, run, cfg, model, old=False,
@@ -223,10 +226,13 @@ def train(cfg: Config) -> dict:
     start, _ = restore_checkpoint(ctx, run, states, stateful)
 
     timer = Timer(sync_cuda=run.device.type == "cuda")
+    grid = grid_prompts(cfg, eval_items, train_items)  # every sample grid: these prompts, the same noise
+    if start == 0 and grid_due(cfg, 0) and (ctx.is_main or fsdp):  # FSDP: every rank runs the forwards
+        sample_grid(model, states, "default", reward_fn, grid, run if ctx.is_main else NoSamples(), 0, cfg)
     bar = run.progress(cfg.train.max_steps, initial=start)
     for step in range(start + 1, cfg.train.max_steps + 1):
         metrics: dict[str, Any] = {}
-        images = captions = pad = None
+        pad = None
         if ctx.enabled:  # rank-local noise, a pure function of (seed, rank, step): nothing per rank to checkpoint
             seed_everything(ctx.rank_seed(cfg.seed, step))
         with timer("step"):
@@ -266,7 +272,6 @@ def train(cfg: Config) -> dict:
                                                if len(w_all) else 0.0)
                 if ctx.enabled:  # the whole batch's reward statistics (score_images gave this rank's)
                     metrics.update(finite_stats(all_scores))
-                images, captions = traj.images, [f"{p[:48]} | r={v:.3g}" for p, v in zip(prompts, scores.tolist())]
             else:
                 idx = ctx.shard(sampler.next(cfg.data.pairs_per_step))  # this rank's share of the global pairs
                 batch = [pairs[i] for i in idx]
@@ -288,10 +293,8 @@ def train(cfg: Config) -> dict:
                 metrics["reward/std"] = m["policy/reward_margin_std"]
 
         metrics["policy/lr"] = optimizer.param_groups[0]["lr"]
-        if ctx.is_main and cfg.log.sample_every and images is not None and (
-                step % cfg.log.sample_every == 0 or step == 1):
-            n = min(cfg.log.num_samples, len(images))
-            run.save_samples(step, images[:n], captions[:n])
+        if grid_due(cfg, step) and (ctx.is_main or fsdp):
+            sample_grid(model, states, "default", reward_fn, grid, run if ctx.is_main else NoSamples(), step, cfg)
         eval_step = cfg.log.eval_every and (step % cfg.log.eval_every == 0 or step in (1, cfg.train.max_steps))
         if (ctx.is_main or fsdp) and not online and eval_step:  # FSDP: every rank runs the forwards
             with timer("eval"):
