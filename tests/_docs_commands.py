@@ -88,7 +88,7 @@ def output_matches(expected: tuple[str, ...], output: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------------- static check
-PLACEHOLDER = re.compile(r"^(\.\.\.|\[.*|.*\]|[A-Z][A-Z0-9_:.|/-]*|.*<.*>.*|.*\|.*)$")
+PLACEHOLDER = re.compile(r"^(\.\.\.|\[.*|.*\]|[A-Z][A-Z0-9_:.|/-]*|.*<.*>.*|.*\|.*|(dotted\.)?(key|k)=(value|v))$")
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

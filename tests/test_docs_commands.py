@@ -171,6 +171,43 @@ COMMANDS: dict[str, object] = {
         "rollout.prompts_per_step=2 rollout.group_size=2", "1 small step"),
     "mmrl train configs/vlm/multiturn_grid_qwen25vl_3b.yaml": Short(
         "mmrl config check configs/vlm/multiturn_grid_qwen25vl_3b.yaml", _NO_GPU),
+    # docs/real-recipes.md: real models and data are not here; each config with the page's overrides is validated
+    "mmrl train configs/diffusion/flow_grpo_sd35_pickscore.yaml "
+    "model.path=/models/stable-diffusion-3.5-medium data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt": Short(
+        "mmrl config check configs/diffusion/flow_grpo_sd35_pickscore.yaml "
+        "model.path=/models/stable-diffusion-3.5-medium data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt", _NO_GPU),
+    "mmrl train configs/diffusion/flow_grpo_sd35_ocr.yaml "
+    "model.path=/models/stable-diffusion-3.5-medium data.train_prompts=data/ocr/train.txt data.eval_prompts=data/ocr/test.txt": Short(
+        "mmrl config check configs/diffusion/flow_grpo_sd35_ocr.yaml "
+        "model.path=/models/stable-diffusion-3.5-medium data.train_prompts=data/ocr/train.txt data.eval_prompts=data/ocr/test.txt", _NO_GPU),
+    "mmrl train configs/diffusion/flow_grpo_flux_pickscore.yaml "
+    "model.path=/models/FLUX.1-dev data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt": Short(
+        "mmrl config check configs/diffusion/flow_grpo_flux_pickscore.yaml "
+        "model.path=/models/FLUX.1-dev data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt", _NO_GPU),
+    "mmrl train configs/diffusion/nft_sd35_ocr.yaml "
+    "model.path=/models/stable-diffusion-3.5-medium data.train_prompts=data/ocr/train.txt data.eval_prompts=data/ocr/test.txt": Short(
+        "mmrl config check configs/diffusion/nft_sd35_ocr.yaml "
+        "model.path=/models/stable-diffusion-3.5-medium data.train_prompts=data/ocr/train.txt data.eval_prompts=data/ocr/test.txt", _NO_GPU),
+    "mmrl train configs/diffusion/nft_sd35_pickscore.yaml "
+    "model.path=/models/stable-diffusion-3.5-medium data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt": Short(
+        "mmrl config check configs/diffusion/nft_sd35_pickscore.yaml "
+        "model.path=/models/stable-diffusion-3.5-medium data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt", _NO_GPU),
+    "mmrl train configs/diffusion/dpo_sd35_pickapic.yaml "
+    "model.path=/models/stable-diffusion-3.5-medium data.preference_file=data/pickapic_v2/train.parquet data.eval_prompts=data/pickscore/test.txt": Short(
+        "mmrl config check configs/diffusion/dpo_sd35_pickapic.yaml "
+        "model.path=/models/stable-diffusion-3.5-medium data.preference_file=data/pickapic_v2/train.parquet data.eval_prompts=data/pickscore/test.txt", _NO_GPU),
+    "mmrl train configs/vlm/grpo_qwen25vl_3b_geo3k.yaml "
+    "model.path=/models/Qwen2.5-VL-3B-Instruct data.path=/data/geometry3k/data/train-00000-of-00001.parquet data.val_path=/data/geometry3k/data/test-00000-of-00001.parquet": Short(
+        "mmrl config check configs/vlm/grpo_qwen25vl_3b_geo3k.yaml "
+        "model.path=/models/Qwen2.5-VL-3B-Instruct data.path=/data/geometry3k/data/train-00000-of-00001.parquet data.val_path=/data/geometry3k/data/test-00000-of-00001.parquet", _NO_GPU),
+    "mmrl train configs/vlm/grpo_qwen25vl_7b_geo3k.yaml "
+    "model.path=/models/Qwen2.5-VL-7B-Instruct data.path=/data/geometry3k/data/train-00000-of-00001.parquet data.val_path=/data/geometry3k/data/test-00000-of-00001.parquet": Short(
+        "mmrl config check configs/vlm/grpo_qwen25vl_7b_geo3k.yaml "
+        "model.path=/models/Qwen2.5-VL-7B-Instruct data.path=/data/geometry3k/data/train-00000-of-00001.parquet data.val_path=/data/geometry3k/data/test-00000-of-00001.parquet", _NO_GPU),
+    "mmrl train configs/vlm/multiturn_grid_qwen25vl_3b.yaml "
+    "model.path=/models/Qwen2.5-VL-3B-Instruct": Short(
+        "mmrl config check configs/vlm/multiturn_grid_qwen25vl_3b.yaml "
+        "model.path=/models/Qwen2.5-VL-3B-Instruct", _NO_GPU),
     # docs/rewards.md
     "mmrl reward list": RUN,
     "mmrl reward score jpeg_compressibility --images samples/ --out scores.csv": Short(
@@ -183,6 +220,10 @@ COMMANDS: dict[str, object] = {
     "mmrl reward serve pickscore --weights /models/PickScore_v1 --port 8008": ByTest(
         "tests/rewards/test_reward_cli.py::test_python_m_mmrl_cli_reward_serve",
         "a server, and no PickScore weights here: the test serves a reward from the CLI and scores through it"),
+    "MMRL_REWARD_TOKEN=change-me mmrl reward serve pickscore --weights /models/PickScore_v1 --host 0.0.0.0 "
+    "--port 8008": ByTest("tests/rewards/test_reward_cli.py::test_python_m_mmrl_cli_reward_serve_with_a_token_from_the_"
+                          "environment", "a server, and no PickScore weights here: the test serves from the CLI with "
+                          "the token in MMRL_REWARD_TOKEN"),
     "mmrl tiny tiny_models": RUN,
     "mmrl reward score clip_score --weights tiny_models/clip --images samples/ --prompts prompts.txt": Short(
         "printf 'a red circle\\na blue square\\na green circle\\na red square\\n' > prompts.txt && "

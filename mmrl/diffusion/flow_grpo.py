@@ -83,10 +83,11 @@ class RolloutConfig(dc.RolloutConfig):
     """Without a window: train on the first int(num_steps * fraction) steps."""
     same_noise: bool = False
     """Same initial noise for all images of a prompt."""
-    cfg_grad: Literal["both", "cond_only"] = "both"
+    cfg_grad: Literal["both", "cond_only"] = "cond_only"
     """With CFG (guidance_scale > 1, SD3): which branches of v_u + w (v_c - v_u) the training gradient flows
-    through. `both` = flow_grpo's training (one forward on [empty; prompt], no detach); `cond_only` detaches the
-    unconditional branch (gradient w * dv_c). Log-probs, rollouts and logprob drift are identical in both."""
+    through. `cond_only` = flow_grpo's training today (scripts/train_sd3.py `compute_log_prob` detaches
+    `noise_pred_uncond` since commit 2d76907, 2025-07-15; still so at ac4c86e): gradient w dv_c. `both` = its
+    earlier code (no detach): w dv_c + (1 - w) dv_u. Log-probs, rollouts and logprob drift are identical in both."""
     precision: Literal["run", "bf16"] = "run"
     """`bf16`: the rollout's transformer forwards run under torch.autocast(bfloat16), a faster lower-precision
     sampler; the trainer recomputes in the run's dtype, so its log-probs differ from the rollout's (use

@@ -17,13 +17,14 @@ order (initial noise, window position, per-step noise), so the result does not d
 rollout micro-batch size.
 
 Gradient through classifier-free guidance (`cfg_grad`, training only): with CFG the velocity is
-v = v_u + w (v_c - v_u), both branches from one doubled-batch forward. "both" (default) lets the gradient
-flow through v_c and v_u, as flow_grpo's training does (scripts/train_sd3.py `compute_log_prob` with
-`train.cfg=True`: one forward on [negative; prompt] embeddings, no detach); "cond_only" detaches v_u, so
-the update is w * dv_c only (what several flow_grpo derivatives do). The forward value, hence every
-log-prob and `diag/logprob_drift`, is bit-identical in both modes; the backward still runs over the
-doubled batch (no memory or time saved). Without CFG (guidance_scale <= 1, FLUX's guidance embedding)
-the two modes are the same.
+v = v_u + w (v_c - v_u), both branches from one doubled-batch forward. "cond_only" detaches v_u, so the
+update is w * dv_c only: flow_grpo's training today (scripts/train_sd3.py `compute_log_prob`,
+`noise_pred_uncond = noise_pred_uncond.detach()` since commit 2d76907 of 2025-07-15, still at ac4c86e) and
+the Flow-GRPO recipe's default (`rollout.cfg_grad`). "both" lets the gradient flow through v_c and v_u,
+w dv_c + (1 - w) dv_u, as flow_grpo's code before that commit did; it is these functions' default because it
+is exactly `model.velocity` (what the no-grad rollout calls). The forward value, hence every log-prob and
+`diag/logprob_drift`, is the same in both modes; the backward still runs over the doubled batch (no memory or
+time saved). Without CFG (guidance_scale <= 1, FLUX's guidance embedding) the two modes are the same.
 """
 
 from __future__ import annotations

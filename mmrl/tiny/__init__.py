@@ -1,7 +1,8 @@
 """Tiny, randomly initialised models of the real architectures, saved in the standard formats.
 
-Every builder seeds torch, builds the genuine diffusers / transformers / open_clip class with
-very small sizes, saves it with ``save_pretrained`` (or open_clip's files) and returns the path.
+Every builder seeds a private random state (the caller's is restored: building has no side effect on a run
+that seeded before it), builds the genuine diffusers / transformers / open_clip class with very small sizes,
+saves it with ``save_pretrained`` (or open_clip's files) and returns the path.
 Loading back is exactly what a real checkpoint uses (``StableDiffusion3Pipeline.from_pretrained``,
 ``AutoProcessor.from_pretrained``, ...), so tests and the CPU demo exercise the real code paths.
 
