@@ -85,6 +85,8 @@ def reward_axis(cfg: Any) -> dict:
     rewards come from environments (no reward names) gets `"episode return"`, unbounded."""
     from mmrl.rewards.registry import lookup
 
+    if getattr(cfg, "algorithm", "") == "dpo" and getattr(getattr(cfg, "algo", None), "mode", "") == "offline":
+        return {"unit": "implicit reward margin of the preference pairs", "value_range": (None, None)}  # no reward
     reward = getattr(cfg, "reward", None)
     components = getattr(reward, "components", None)
     if components is None and getattr(reward, "name", None):

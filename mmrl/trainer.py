@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -197,7 +199,9 @@ def _vqa_row(image_dir: Path) -> Callable[[Any, int], dict]:
 
                 image_dir.mkdir(parents=True, exist_ok=True)
                 path = image_dir / f"{i:06d}_{j}.png"
-                load_image(im).save(path)
+                tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
+                load_image(im).save(tmp)
+                os.replace(tmp, path)  # each process of a launch writes the same file: never half of one
                 refs.append(str(path.resolve()))
         out["images"] = refs
         return out
@@ -213,27 +217,40 @@ def _write_dataset(data: Any, stem: Path, convert: Callable[[Any, int], dict]) -
     has_checkpoint = any((stem.parent.parent / "checkpoints").glob("step_*"))
     if _is_hf_dataset(data):
         target = stem
-        fingerprint = getattr(data, "_fingerprint", None)
+        fingerprint = str(getattr(data, "_fingerprint", None))
         marker = stem.parent / f"{stem.name}.fingerprint"
+        if marker.is_file() and target.is_dir() and marker.read_text().strip() == fingerprint:
+            return str(target)  # written before (an earlier call, or another process of the same launch)
         if has_checkpoint and marker.is_file():
-            if fingerprint is None or marker.read_text().strip() != fingerprint:
-                raise ConfigError(_changed(target))
-            return str(target)
-        data.save_to_disk(str(target))
-        marker.write_text(f"{fingerprint}\n")
+            raise ConfigError(_changed(target))
+        # written beside and renamed: processes of one launch (each runs this) never see half a dataset
+        tmp = stem.with_name(f".{stem.name}.tmp-{os.getpid()}")
+        data.save_to_disk(str(tmp))
+        shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process renamed its identical copy first
+            shutil.rmtree(tmp, ignore_errors=True)
+        _atomic_write(marker, f"{fingerprint}\n")
         return str(target)
     if isinstance(data, (str, bytes)) or not isinstance(data, Sequence):
         raise ConfigError(f"dataset: expected a list or a datasets.Dataset, got {type(data).__name__}")
     target = stem.with_suffix(".jsonl")
-    text = "".join(json.dumps(convert(row, i), ensure_ascii=False) + "\n" for i, row in enumerate(data))
+    text = "".join(json.dumps(convert(row, i), ensure_ascii=False, default=str) + "\n" for i, row in enumerate(data))
     if not text:
         raise ConfigError(f"dataset for {target.name}: empty")
-    if has_checkpoint and target.is_file():
-        if target.read_text() != text:
-            raise ConfigError(_changed(target))
+    if target.is_file() and target.read_text() == text:
         return str(target)
-    target.write_text(text)
+    if has_checkpoint and target.is_file():
+        raise ConfigError(_changed(target))
+    _atomic_write(target, text)
     return str(target)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _changed(target: Path) -> str:

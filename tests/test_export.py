@@ -115,6 +115,8 @@ def test_every_diffusion_export_reproduces_mmrl_images(run_fixture, request, tmp
     assert json.loads(header["mmrl.sampling"]) == s
     assert json.loads((tmp_path / "lora" / "adapter_config.json").read_text())["base_model_name_or_path"] == \
         lora["base_model"]
+    own = next((run / "checkpoints").glob("step_*/adapters/default/adapter_config.json"))
+    assert json.loads(own.read_text())["base_model_name_or_path"] == lora["base_model"]  # the run's own, too
     assert "base_model: " + lora["base_model"] in (tmp_path / "lora" / "README.md").read_text()
     pipe = Pipe.from_pretrained(lora["base_model"])
     pipe.load_lora_weights(str(tmp_path / "lora"))

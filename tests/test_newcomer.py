@@ -52,6 +52,9 @@ def test_reward_axis_comes_from_the_rewards_units_and_ranges():
                       ["reward.name=composite", "reward.kwargs={components: {exact_match: 0.9, format: 0.1}}"])
     assert reward_axis(vlm)["value_range"] == pytest.approx((0.0, 1.0))
     assert reward_axis(load_config(ROOT / "configs/vlm/multiturn_grid_tiny.yaml"))["unit"] == "episode return"
+    # offline DPO logs the implicit reward margin as reward/mean (it has no reward model)
+    assert reward_axis(load_config(ROOT / "configs/diffusion/dpo_tiny_offline.yaml"))["unit"] == \
+        "implicit reward margin of the preference pairs"
 
 
 def test_reward_curve_clips_the_band_names_the_unit_and_draws_eval_accuracy(tmp_path, monkeypatch):
@@ -87,6 +90,20 @@ def test_captions_wrap_at_words_and_keep_the_reward_first():
 
     grid = make_image_grid(torch.rand(2, 3, 8, 8), ["r=0.1 | a long prompt " * 4, "r=0.2 | short"])
     assert grid.size[1] > 128  # cells 128 px high plus the wrapped caption lines
+
+
+def test_sample_grid_forwards_are_not_training_cost():
+    import torch
+
+    from mmrl.diffusion.common import TransformerEvalCounter, not_counted
+
+    layer = torch.nn.Linear(3, 3)
+    counter = TransformerEvalCounter(layer)
+    layer(torch.zeros(4, 3))
+    with not_counted():
+        layer(torch.zeros(5, 3))
+    layer(torch.zeros(2, 3))
+    assert counter.count == 6
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -263,18 +264,34 @@ def sample_grid(model: Any, states: Any, state: str, reward_fn: Any, items: Sequ
     if not items:
         return
     s = cfg.rollout
-    images, scores, _ = ode_images(model, states, state, reward_fn, items, num_steps=s.eval_num_steps,
-                                   guidance_scale=s.eval_guidance_scale, height=s.height, width=s.width,
-                                   batch_size=cfg.update.micro_batch_size or 8, seed=cfg.seed)
+    with not_counted():  # cost/transformer_evals counts training work only
+        images, scores, _ = ode_images(model, states, state, reward_fn, items, num_steps=s.eval_num_steps,
+                                       guidance_scale=s.eval_guidance_scale, height=s.height, width=s.width,
+                                       batch_size=cfg.update.micro_batch_size or 8, seed=cfg.seed)
     run.save_samples(step, images, _captions(items, scores))
 
 
 # ------------------------------------------------------------------------------------------ cost accounting
 
 
+_UNCOUNTED = [0]  # > 0 inside `not_counted()`: transformer forwards that are not training cost
+
+
+@contextmanager
+def not_counted():
+    """Transformer forwards inside the block are left out of every TransformerEvalCounter (the sample grids: what
+    a run shows, not what it trains with)."""
+    _UNCOUNTED[0] += 1
+    try:
+        yield
+    finally:
+        _UNCOUNTED[0] -= 1
+
+
 class TransformerEvalCounter:
     """Counts transformer evaluations, one per sample row of every forward call (a CFG forward on a
-    doubled batch counts twice), through a forward pre-hook. Resumable (`state_dict`)."""
+    doubled batch counts twice), through a forward pre-hook; forwards inside `not_counted()` are left out.
+    Resumable (`state_dict`)."""
 
     def __init__(self, module: torch.nn.Module):
         self.count = 0
@@ -283,7 +300,7 @@ class TransformerEvalCounter:
 
     def _hook(self, module, args, kwargs):
         x = kwargs.get("hidden_states", args[0] if args else None)
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, torch.Tensor) and not _UNCOUNTED[0]:
             self.count += int(x.shape[0])
 
     def state_dict(self) -> dict:
