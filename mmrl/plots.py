@@ -1,10 +1,11 @@
-"""Images and curves written into a run directory: sample grids with captions and the reward curve PNG."""
+"""Images and curves written into a run directory: sample grids with captions (PNG; videos: MP4 grids through
+`mmrl.videos`) and the reward curve PNG."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -28,8 +29,6 @@ def make_image_grid(images: Any, captions: list[str] | None = None, cols: int | 
     """A grid of images (float NCHW [0,1] or PIL) as one PIL image, each with its caption under it, word-wrapped to
     the cell width (whole words; a word longer than a line is split), at most `max_caption_lines` lines (the last
     one ends in "..." when cut). Put what must stay visible (the reward) at the start of a caption."""
-    import textwrap
-
     from PIL import Image, ImageDraw, ImageFont
 
     pils = to_pil_images(images)
@@ -76,6 +75,30 @@ def save_image_grid(images: Any, captions: list[str] | None, path: str | Path, c
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     grid.save(path)
+    return path
+
+
+def write_samples(directory: Path, trackers: list, step: int, images: torch.Tensor, captions: list[str] | None = None,
+                  name: str | None = None) -> Path:
+    """`Run.save_samples`: images [N, 3, H, W] -> a PNG grid (`directory/<name or step_N.png>`); videos
+    [N, F, 3, H, W] -> an MP4 grid (same name, `.mp4`; `mmrl.videos`). Each tracker gets the samples with their
+    captions (reward, prompt): images (TensorBoard draws them as one grid per step), or videos where the tracker
+    takes them."""
+    kind = "eval" if (name or "").startswith("eval") else "rollout"
+    path = Path(directory) / (name or f"step_{step:06d}.png")
+    if isinstance(images, torch.Tensor) and images.dim() == 5:
+        from mmrl.videos import DEFAULT_FPS, to_uint8_frames
+
+        path = save_video_grid(images, captions, path.with_suffix(".mp4"))
+        clips = [to_uint8_frames(v) for v in images]
+        for tracker in trackers:
+            tracker.videos(int(step), kind, clips, captions, DEFAULT_FPS)
+        return path
+    save_image_grid(images, captions, path)
+    if trackers:
+        pils = to_pil_images(images)
+        for tracker in trackers:
+            tracker.images(int(step), kind, pils, captions)
     return path
 
 
@@ -178,3 +201,16 @@ def plot_reward_curve(rows: list[dict], path: str | Path, keys: tuple[str, ...] 
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def save_video_grid(videos: torch.Tensor, captions: Sequence[str] | None, path: str | Path,
+                    fps: int | None = None, cols: int | None = None) -> Path:
+    """Videos [N, F, 3, H, W] in [0, 1] -> one MP4 (or GIF) whose every frame is the grid of the N videos' frames,
+    with a caption under each (as `make_image_grid` draws them)."""
+    from mmrl.videos import DEFAULT_FPS, write_video
+
+    if videos.dim() != 5 or videos.shape[2] != 3:
+        raise ValueError(f"save_video_grid: expected videos [N, F, 3, H, W], got {tuple(videos.shape)}")
+    frames = [np.asarray(make_image_grid(videos[:, t], list(captions) if captions else None, cols))
+              for t in range(videos.shape[1])]
+    return write_video(np.stack(frames), path, fps or DEFAULT_FPS)

@@ -6,15 +6,18 @@ reward: `Run.save_samples`). Only the main process reports. The PNG reward curve
 default; a tracker draws its own curves.
 
 - tensorboard: event files in `<run>/tensorboard/` (torch.utils.tensorboard): scalars, one sample grid per step
-  (`samples/<name>`, captions also as text), the config as text. Extra `[trackers]`.
+  (`samples/<name>`; video samples: one animated GIF of the grid), captions also as text, the config as text.
+  Extra `[trackers]`.
 - wandb: `wandb.init(project=log.wandb_project, mode=log.wandb_mode, dir=<run>, id=<stable id>, resume="allow")`;
-  the id is kept in `<run>/wandb_id.txt` so a resumed run continues the same W&B run. `wandb_mode: offline` (the
-  default) writes `<run>/wandb/offline-run-*` for a later `wandb sync`; `online` needs network and a login.
+  the id is kept in `<run>/wandb_id.txt` so a resumed run continues the same W&B run (video samples: MP4s).
+  `wandb_mode: offline` (the default) writes `<run>/wandb/offline-run-*` for a later `wandb sync`; `online` needs
+  network and a login.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -65,8 +68,34 @@ class TensorBoardTracker:
             self.writer.add_text(f"samples/{name}", "\n\n".join(f"{i}: {c}" for i, c in enumerate(captions)), step)
         self.writer.flush()
 
+    def videos(self, step: int, name: str, videos: Sequence[Any], captions: Sequence[str] | None, fps: int) -> None:
+        """uint8 [F, H, W, 3] clips as one animated GIF of their grid per step under `samples/<name>` (frame t: the
+        grid of every clip's frame t, as the run's MP4 grid; what torch's add_video writes, without needing
+        moviepy), the captions also as text."""
+        import numpy as np
+        from torch.utils.tensorboard.summary import Summary
+
+        from mmrl.plots import make_image_grid
+        from mmrl.videos import gif_bytes
+
+        frames = np.stack([np.asarray(make_image_grid(_frames_at(videos, t))) for t in range(len(videos[0]))])
+        image = Summary.Image(height=frames.shape[1], width=frames.shape[2], colorspace=3,
+                              encoded_image_string=gif_bytes(frames, fps))
+        self.writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=f"samples/{name}", image=image)]),
+                                                   step)
+        if captions:
+            self.writer.add_text(f"samples/{name}", "\n\n".join(f"{i}: {c}" for i, c in enumerate(captions)), step)
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
+
+
+def _frames_at(videos: Sequence[Any], t: int) -> list:
+    """Frame `t` of every uint8 [F, H, W, 3] clip, as PIL images."""
+    from PIL import Image
+
+    return [Image.fromarray(clip[t]) for clip in videos]
 
 
 class WandbTracker:
@@ -90,6 +119,16 @@ class WandbTracker:
         self.run.log({f"samples/{name}": [self.wandb.Image(im.convert("RGB"), caption=c) for im, c in zip(images, caps)]},
                      step=step)
 
+    def videos(self, step: int, name: str, videos: Sequence[Any], captions: Sequence[str] | None, fps: int) -> None:
+        """uint8 [F, H, W, 3] clips as MP4 `wandb.Video`s (encoded here, so wandb needs no moviepy)."""
+        import io
+
+        from mmrl.videos import encode_mp4
+
+        caps = list(captions) if captions else [None] * len(videos)
+        self.run.log({f"samples/{name}": [self.wandb.Video(io.BytesIO(encode_mp4(v, fps)), caption=c, format="mp4")
+                                          for v, c in zip(videos, caps)]}, step=step)
+
     def close(self) -> None:
         self.run.finish()
 
@@ -101,13 +140,15 @@ _CALLBACKS: list = []
 
 class CallbackTracker:
     """A callback as a tracker: a function `f(step, metrics)`, or an object with any of `on_log(step, metrics)`,
-    `on_samples(step, name, images, captions)` (PIL images)."""
+    `on_samples(step, name, images, captions)` (PIL images), `on_videos(step, name, videos, captions, fps)` (uint8
+    [F, H, W, 3] clips)."""
 
     def __init__(self, callback: Any):
         self.callback = callback
 
     def log(self, step: int, row: dict) -> None:
-        fn = getattr(self.callback, "on_log", None if hasattr(self.callback, "on_samples") else self.callback)
+        only_media = hasattr(self.callback, "on_samples") or hasattr(self.callback, "on_videos")
+        fn = getattr(self.callback, "on_log", None if only_media else self.callback)
         if fn is not None:
             fn(step, dict(row))
 
@@ -115,6 +156,11 @@ class CallbackTracker:
         fn = getattr(self.callback, "on_samples", None)
         if fn is not None:
             fn(step, name, list(images), list(captions or []))
+
+    def videos(self, step: int, name: str, videos: Sequence[Any], captions: Sequence[str] | None, fps: int) -> None:
+        fn = getattr(self.callback, "on_videos", None)
+        if fn is not None:
+            fn(step, name, list(videos), list(captions or []), fps)
 
     def close(self) -> None:
         pass
@@ -124,9 +170,9 @@ class CallbackTracker:
 def callbacks_active(callbacks: Sequence[Any]) -> Iterator[None]:
     """Every run started inside the block reports to `callbacks` too (see CallbackTracker)."""
     for cb in callbacks:
-        if not (callable(cb) or hasattr(cb, "on_log") or hasattr(cb, "on_samples")):
+        if not (callable(cb) or any(hasattr(cb, k) for k in ("on_log", "on_samples", "on_videos"))):
             raise TypeError(f"callback {cb!r}: expected a function f(step, metrics) or an object with on_log / "
-                            f"on_samples")
+                            f"on_samples / on_videos")
     before = list(_CALLBACKS)
     _CALLBACKS[:] = before + list(callbacks)
     try:
@@ -135,16 +181,40 @@ def callbacks_active(callbacks: Sequence[Any]) -> Iterator[None]:
         _CALLBACKS[:] = before
 
 
+def _check_writable(name: str, directory: Path) -> None:
+    """ValueError naming the tracker and the folder when the tracker could not write there (read-only, a file in
+    the way, no permission): found before the tracker starts, whose own writer threads would print tracebacks."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".mmrl-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"log.trackers: {name} cannot write into {directory} ({exc.strerror or exc}); make it "
+                         f"writable, or leave {name} out of log.trackers") from None
+
+
 def make_trackers(names: Sequence[str], run_dir: Path, config: dict, project: str = "mmrl",
                   wandb_mode: str = "offline") -> list:
     """Trackers for `log.trackers` (unknown names -> ValueError with the valid list; jsonl is always on), plus the
-    active callbacks."""
+    active callbacks. A folder a tracker cannot write into is a ValueError naming it, before anything trains;
+    trackers already started are closed."""
     out: list = [CallbackTracker(cb) for cb in _CALLBACKS]
-    for name in names:
-        if name not in TRACKERS:
-            raise ValueError(f"log.trackers: unknown tracker {name!r}; valid: {list(TRACKERS)}")
-        if name == "tensorboard":
-            out.append(TensorBoardTracker(run_dir, config))
-        elif name == "wandb":
-            out.append(WandbTracker(run_dir, config, project, wandb_mode))
+    try:
+        for name in names:
+            if name not in TRACKERS:
+                raise ValueError(f"log.trackers: unknown tracker {name!r}; valid: {list(TRACKERS)}")
+            if name == "tensorboard":
+                _check_writable(name, run_dir / "tensorboard")
+                out.append(TensorBoardTracker(run_dir, config))
+            elif name == "wandb":
+                _check_writable(name, run_dir)  # wandb_id.txt
+                _check_writable(name, run_dir / "wandb")
+                out.append(WandbTracker(run_dir, config, project, wandb_mode))
+    except BaseException as exc:
+        for tracker in out:
+            tracker.close()
+        if isinstance(exc, OSError):  # a write the check above could not foresee (a full disk, ...)
+            raise ValueError(f"log.trackers: cannot start {name} in {run_dir} ({exc.strerror or exc})") from None
+        raise
     return out

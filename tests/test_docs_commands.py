@@ -91,6 +91,8 @@ COMMANDS: dict[str, object] = {
     "make test-fast": Short("make -n test-fast", "runs the suite; a dry run checks the target exists"),
     "make bench": Short("make -n bench", "every benchmark takes many minutes; a dry run checks the target; "
                                          "tests/test_benchmarks.py tests the scripts' parts"),
+    "make test-vllm": Short("make -n test-vllm", "builds a second venv with vLLM's CPU build (a download of several "
+                                                 "GB); a dry run checks the target and what it runs"),
     "mmrl tiny /tmp/tiny": Short("mmrl tiny tiny", "into the scratch dir instead of /tmp"),
     ".venv/bin/mkdocs build --strict": RUN,
     ".venv/bin/mkdocs serve": ByTest("tests/test_docs_commands.py::test_mkdocs_serve_serves_the_site",
@@ -161,6 +163,9 @@ COMMANDS: dict[str, object] = {
     "mmrl config dump flow_grpo > my.yaml": RUN,
     "mmrl config check my.yaml model.path=/models/sd35m": RUN,
     "mmrl train configs/diffusion/flow_grpo_tiny.yaml train.lrr=1": RUN,
+    "mmrl config check configs/diffusion/flow_grpo_sd35_pickscore.yaml "
+    "reward.components.pickscore.weights=/ckpt/PickScore_v1": RUN,
+    "mmrl config check configs/diffusion/flow_grpo_tiny.yaml reward.components.pickscore.weigths=/x": RUN,
     # docs/multiturn.md
     "mmrl train configs/vlm/multiturn_grid_tiny.yaml": Short(
         "mmrl train configs/vlm/multiturn_grid_tiny.yaml train.max_steps=1 train.save_every=0 "
@@ -204,10 +209,26 @@ COMMANDS: dict[str, object] = {
     "model.path=/models/Qwen2.5-VL-7B-Instruct data.path=/data/geometry3k/data/train-00000-of-00001.parquet data.val_path=/data/geometry3k/data/test-00000-of-00001.parquet": Short(
         "mmrl config check configs/vlm/grpo_qwen25vl_7b_geo3k.yaml "
         "model.path=/models/Qwen2.5-VL-7B-Instruct data.path=/data/geometry3k/data/train-00000-of-00001.parquet data.val_path=/data/geometry3k/data/test-00000-of-00001.parquet", _NO_GPU),
+    "mmrl train configs/diffusion/flow_grpo_wan21_t2v.yaml model.path=/models/Wan2.1-T2V-1.3B-Diffusers "
+    "data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt": Short(
+        "mmrl config check configs/diffusion/flow_grpo_wan21_t2v.yaml model.path=/models/Wan2.1-T2V-1.3B-Diffusers "
+        "data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt", _NO_GPU),
+    "mmrl train configs/diffusion/flow_grpo_z_image_pickscore.yaml model.path=/models/Z-Image "
+    "data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt": Short(
+        "mmrl config check configs/diffusion/flow_grpo_z_image_pickscore.yaml model.path=/models/Z-Image "
+        "data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt", _NO_GPU),
     "mmrl train configs/vlm/multiturn_grid_qwen25vl_3b.yaml "
     "model.path=/models/Qwen2.5-VL-3B-Instruct": Short(
         "mmrl config check configs/vlm/multiturn_grid_qwen25vl_3b.yaml "
         "model.path=/models/Qwen2.5-VL-3B-Instruct", _NO_GPU),
+    # docs/reward-hacking.md
+    "mmrl train configs/diffusion/flow_grpo_tiny_judges.yaml": ByTest(
+        "tests/diffusion/test_guard.py::test_hacking_demo_fires_on_jpeg_and_stays_quiet_when_regularised",
+        "two 10-step trainings with evaluations: the test runs both (the first with log.hacking.stop=true, ending "
+        "at the alarm) and checks the page's claims"),
+    "mmrl train configs/diffusion/flow_grpo_tiny_judges.yaml algo.kl.coef=1.0 output_dir=runs/flow_grpo_tiny_judges_kl":
+        ByTest("tests/diffusion/test_guard.py::test_hacking_demo_fires_on_jpeg_and_stays_quiet_when_regularised",
+               "the regularised run of the same test: no alarm in 10 steps"),
     # docs/rewards.md
     "mmrl reward list": RUN,
     "mmrl reward score jpeg_compressibility --images samples/ --out scores.csv": Short(
@@ -243,6 +264,15 @@ COMMANDS: dict[str, object] = {
     "dist.strategy=ddp": ByTest("tests/test_distributed.py::test_torchrun_two_processes",
                                 "two nodes are not available; the launch path is tested with 2 local processes"),
     "torchrun --standalone --nproc_per_node 2 -m mmrl.distributed": RUN,
+    # docs/video.md
+    "mmrl tiny runs/tiny": ByTest("tests/diffusion/test_video_end_to_end.py::test_docs_video_commands_two_processes_"
+                                  "resume_and_eval", "the video test builds the tiny models with `mmrl tiny` first"),
+    "mmrl train configs/diffusion/flow_grpo_wan_tiny.yaml": ByTest(
+        "tests/diffusion/test_video_end_to_end.py::test_docs_video_commands_two_processes_resume_and_eval",
+        "the test trains this config on 2 processes under torchrun, then resumes it on one"),
+    "mmrl eval configs/diffusion/flow_grpo_wan_tiny.yaml --checkpoint runs/flow_grpo_wan_tiny": ByTest(
+        "tests/diffusion/test_video_end_to_end.py::test_docs_video_commands_two_processes_resume_and_eval",
+        "the test evaluates the checkpoint of the run it trained"),
     # docs/vlm-grpo.md
     ".venv/bin/mmrl train configs/vlm/grpo_tiny_shapes.yaml": Short(
         f".venv/bin/mmrl train configs/vlm/grpo_tiny_shapes.yaml train.max_steps=1 train.save_every=0 {_TINY_VLM}",

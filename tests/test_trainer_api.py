@@ -13,6 +13,7 @@ import torch
 import mmrl
 from mmrl.config import ConfigError, load_config
 from mmrl.rewards import available, from_callable
+from mmrl.rewards.registry import create
 from mmrl.testing import metrics_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,6 +121,8 @@ def test_diffusion_trainer_with_a_python_reward_list_prompts_callbacks_and_resum
     assert "python:brightness" not in available()  # registered for the run only
     cfg = load_config(tmp_path / "run" / "config.yaml")  # the run directory is an ordinary one
     assert cfg.reward.components == {"python:brightness": 1.0, "jpeg_compressibility": 0.1}
+    with pytest.raises(ValueError, match="'python:brightness' was a Python function passed to mmrl.Trainer"):
+        create("python:brightness")  # the config loads; scoring without the function says why not
     assert [json.loads(ln)["prompt"] for ln in Path(cfg.data.train_prompts).read_text().splitlines()] == prompts
     assert (tmp_path / "run" / "checkpoints" / "step_2" / "COMPLETE").is_file()
     # train again with more steps: resumes from step 2, like `mmrl train` rerun

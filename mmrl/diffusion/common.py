@@ -1,5 +1,6 @@
 """Diffusion bookkeeping the three flow-matching recipes (flow_grpo, dpo, nft) share; no algorithm lives here.
 
+- `load_recipe_model(cfg, device, dtype)`: the config's flow model (path, text length, frames, family options).
 - `build_policy_states(model, model_cfg, old=, ref=)`: LoRA (or full fine-tuning, `model.lora.rank: 0`) policy
   states on `model.transformer` from a recipe's `model:` section; `setup_training(...)`: those states, the
   DDP/FSDP wrapper, optimizer, schedule and update guard, in the order every strategy needs.
@@ -7,8 +8,9 @@
   `FlowModel.decode`'s scaling). `LatentCache`: those latents kept on disk in the run directory.
 - `sample_sigmas(...)`, `noise_latents(...)`, `flow_matching_mse(...)`: training points of the
   rectified-flow objective `x_s = (1 - s) x0 + s eps`, target velocity `eps - x0`.
-- `evaluate_ode(...)`: deterministic sampling on held-out prompts with fixed noise, scored and saved;
-  `NoSamples` (ranks > 0 in an evaluation every rank runs under FSDP).
+- `evaluate_ode(...)`: deterministic sampling on held-out prompts with fixed noise, scored (training reward,
+  `log.judges`, sample statistics) and saved; `sample_grid(...)`: the run's sample grids (fixed prompts and noise,
+  step 0 onwards, `grid_due`); `NoSamples` (ranks > 0 in an evaluation every rank runs under FSDP).
 - `TransformerEvalCounter`: transformer evaluations (sample rows through the network), for cost plots.
 - `end_step(...)`: the tail of every recipe step: timings, metrics.jsonl, checkpoint.
 
@@ -33,11 +35,24 @@ from mmrl.runtime import Run
 Tensor = torch.Tensor
 
 __all__ = [
-    "build_policy_states", "vae_encode", "LatentCache", "sample_sigmas", "noise_latents", "flow_matching_mse",
-    "evaluate_ode", "TransformerEvalCounter", "TIMING_PREFIX", "NoSamples", "end_step", "setup_training",
+    "load_recipe_model", "build_policy_states", "vae_encode", "LatentCache", "sample_sigmas", "noise_latents",
+    "flow_matching_mse", "ode_images", "evaluate_ode", "evaluator", "grid_prompts", "grid_due", "sample_grid",
+    "TransformerEvalCounter", "not_counted", "TIMING_PREFIX", "NoSamples", "end_step", "setup_training",
 ]
 
 TIMING_PREFIX = "time/"  # metrics that legitimately differ between two identical runs
+
+
+# ------------------------------------------------------------------------------------------ the model
+
+
+def load_recipe_model(cfg: Any, device: Any, dtype: Any):
+    """The flow model of a recipe config: `model.path` with `model.max_sequence_length` (0 = the family's),
+    `rollout.num_frames` (videos when > 1) and `model.family_options` (`load_flow_model`)."""
+    from mmrl.diffusion.models import load_flow_model
+
+    return load_flow_model(cfg.model.path, device, dtype, cfg.model.max_sequence_length or None,
+                           num_frames=cfg.rollout.num_frames, family_options=cfg.model.family_options)
 
 
 # ------------------------------------------------------------------------------------------ policy states
@@ -200,12 +215,13 @@ def flow_matching_mse(v_pred: Tensor, x0: Tensor, noise: Tensor) -> Tensor:
 @torch.no_grad()
 def ode_images(model: Any, states: Any, state: str, reward_fn: Any, items: Sequence[Any], *, num_steps: int,
                guidance_scale: float, height: int, width: int, batch_size: int = 8, seed: int = 0):
-    """(images [N, 3, H, W], scores [N] or None without a reward, component scores {name: [N]}): one deterministic
-    (ODE) image per item with policy state `state`, from the same initial noise every time it is called."""
+    """(images [N, 3, H, W] (videos [N, F, 3, H, W]), final latents [N, ...], scores [N] or None without a reward,
+    component scores {name: [N]}): one deterministic (ODE) image per item with policy state `state`, from the same
+    initial noise every time it is called."""
     from mmrl.diffusion.sampling import sample_groups
 
     gen = torch.Generator(device=model.device).manual_seed(seed + 12345)
-    images, scores, details = [], [], defaultdict(list)
+    images, finals, scores, details = [], [], [], defaultdict(list)
     with states.use(state):
         for lo in range(0, len(items), max(1, batch_size)):
             chunk = items[lo:lo + batch_size]
@@ -213,6 +229,7 @@ def ode_images(model: Any, states: Any, state: str, reward_fn: Any, items: Seque
             traj = sample_groups(model, emb, 1, num_steps=num_steps, height=height, width=width,
                                  guidance_scale=guidance_scale, noise_level=0.0, generator=gen)
             images.append(traj.images)
+            finals.append(traj.latents[:, -1])
             if reward_fn is None:
                 continue
             out = reward_fn(images=traj.images, prompts=[it.prompt for it in chunk],
@@ -220,7 +237,7 @@ def ode_images(model: Any, states: Any, state: str, reward_fn: Any, items: Seque
             scores.append(out.scores.detach().float().cpu())
             for name in getattr(reward_fn, "components", {}):
                 details[name].append(torch.as_tensor(out.details[name]).float().cpu())
-    return (torch.cat(images), torch.cat(scores) if scores else None,
+    return (torch.cat(images), torch.cat(finals), torch.cat(scores) if scores else None,
             {k: torch.cat(v) for k, v in details.items()})
 
 
@@ -231,17 +248,38 @@ def _captions(items: Sequence[Any], scores: torch.Tensor | None) -> list[str]:
 
 def evaluate_ode(model: Any, states: Any, state: str, reward_fn: Any, items: Sequence[Any], run: Run, step: int, *,
                  num_steps: int, guidance_scale: float, height: int, width: int, batch_size: int = 8,
-                 seed: int = 0, num_images: int = 16) -> dict[str, float]:
+                 seed: int = 0, num_images: int = 16, judges: Any = None) -> dict[str, float]:
     """Deterministic (ODE) sampling of one image per held-out prompt with the same initial noise at
-    every evaluation, computed with policy state `state`; saves samples/eval_step_<N>.png."""
-    images, s, details = ode_images(model, states, state, reward_fn, items, num_steps=num_steps,
-                                    guidance_scale=guidance_scale, height=height, width=width,
-                                    batch_size=batch_size, seed=seed)
+    every evaluation, computed with policy state `state`; saves samples/eval_step_<N>.png. Metrics: the reward
+    (`eval/reward/*`), the images' statistics (`eval/sample/*`, `mmrl.diffusion.diagnostics`) and, with a
+    `JudgePanel` (`log.judges`), every judge and the reward-hacking rule (`judge/*`)."""
+    from mmrl.diffusion.diagnostics import sample_statistics
+
+    images, finals, s, details = ode_images(model, states, state, reward_fn, items, num_steps=num_steps,
+                                            guidance_scale=guidance_scale, height=height, width=width,
+                                            batch_size=batch_size, seed=seed)
     n = min(num_images, len(items))
     run.save_samples(step, images[:n], _captions(items[:n], s), name=f"eval_step_{step:06d}.png")
     metrics = {"eval/reward/mean": s.mean().item(), "eval/reward/std": s.std().item() if len(s) > 1 else 0.0}
     metrics.update({f"eval/reward/{k}": v.mean().item() for k, v in details.items()})
+    metrics.update(sample_statistics(images, finals, prefix="eval/sample/"))
+    if judges is not None:
+        metrics.update(judges.observe(step, s, images=images, prompts=[it.prompt for it in items],
+                                      metadata=[it.metadata for it in items]))
     return metrics
+
+
+def evaluator(model: Any, states: Any, state: str, reward_fn: Any, items: Sequence[Any], cfg: Any,
+              judges: Any = None):
+    """`evaluate_ode` with a recipe's settings (`rollout.eval_*`, image size, `update.micro_batch_size`, seed,
+    `log.num_samples`) and its `JudgePanel`: call the result as `evaluate(run_or_NoSamples, step)`."""
+    from functools import partial
+
+    s = cfg.rollout
+    return partial(evaluate_ode, model, states, state, reward_fn, items, num_steps=s.eval_num_steps,
+                   guidance_scale=s.eval_guidance_scale, height=s.height, width=s.width,
+                   batch_size=max(1, cfg.update.micro_batch_size), seed=cfg.seed, num_images=cfg.log.num_samples,
+                   judges=judges)
 
 
 def grid_prompts(cfg: Any, eval_items: Sequence[Any], train_items: Sequence[Any]) -> list:
@@ -265,9 +303,9 @@ def sample_grid(model: Any, states: Any, state: str, reward_fn: Any, items: Sequ
         return
     s = cfg.rollout
     with not_counted():  # cost/transformer_evals counts training work only
-        images, scores, _ = ode_images(model, states, state, reward_fn, items, num_steps=s.eval_num_steps,
-                                       guidance_scale=s.eval_guidance_scale, height=s.height, width=s.width,
-                                       batch_size=cfg.update.micro_batch_size or 8, seed=cfg.seed)
+        images, _, scores, _ = ode_images(model, states, state, reward_fn, items, num_steps=s.eval_num_steps,
+                                          guidance_scale=s.eval_guidance_scale, height=s.height, width=s.width,
+                                          batch_size=max(1, cfg.update.micro_batch_size), seed=cfg.seed)
     run.save_samples(step, images, _captions(items, scores))
 
 
@@ -302,6 +340,8 @@ class TransformerEvalCounter:
         x = kwargs.get("hidden_states", args[0] if args else None)
         if isinstance(x, torch.Tensor) and not _UNCOUNTED[0]:
             self.count += int(x.shape[0])
+        elif isinstance(x, (list, tuple)):  # a list of per-sample latents (Z-Image's transformer)
+            self.count += len(x)
 
     def state_dict(self) -> dict:
         return {"count": self.count}

@@ -5,9 +5,10 @@ optimizer/update/KL sections come from `mmrl.training`. Also the renamed keys al
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from mmrl.training import LoRAConfig, OnNonfinite, OptimConfig, TrackersConfig
+from mmrl.training.judges import JudgeFields
 
 # old key (earlier mmrl versions) -> new key, common to flow_grpo, dpo and nft (each recipe adds its own)
 RENAMED_KEYS: dict[str, str] = {
@@ -54,9 +55,13 @@ class DiffusionLoRAConfig(LoRAConfig):
 @dataclass
 class ModelConfig:
     path: str = "assets/tiny_sd3_shapes"
-    """Local diffusers pipeline directory (StableDiffusion3Pipeline or FluxPipeline, with model_index.json)."""
+    """Local diffusers pipeline directory with model_index.json (a supported pipeline class: SD3, FLUX.1, FLUX.2,
+    Z-Image, Wan, ...; `mmrl.diffusion.models.available_families()`)."""
     max_sequence_length: int = 0
     """T5 tokens per prompt; 0 = family default (SD3: 128 as Flow-GRPO, FLUX: 512)."""
+    family_options: dict[str, Any] = field(default_factory=dict)
+    """Settings of the model family (`FlowModel.configure` keywords; unknown ones fail naming the family), e.g.
+    Wan 2.2 A14B's `guidance_scale_2` (CFG scale of the low-noise expert)."""
     lora: DiffusionLoRAConfig = field(default_factory=DiffusionLoRAConfig)
     """LoRA on the transformer (`rank: 0` = full fine-tuning; empty target_modules = the family's attention
     projections)."""
@@ -84,6 +89,8 @@ class RolloutConfig:
     """Image height in pixels."""
     width: int = 512
     """Image width in pixels."""
+    num_frames: int = 1
+    """Frames per sample: > 1 makes videos (video families only, e.g. Wan: 4k+1 frames); 1 = images."""
     num_steps: int = 10
     """Sampling steps of a training rollout."""
     guidance_scale: float = 4.5
@@ -97,7 +104,7 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         # sizes that would otherwise fail deep inside a step (IndexError, empty torch.cat, negative shapes)
-        for key, least in (("prompts_per_step", 1), ("height", 1), ("width", 1), ("num_steps", 1),
+        for key, least in (("prompts_per_step", 1), ("height", 1), ("width", 1), ("num_frames", 1), ("num_steps", 1),
                            ("eval_num_steps", 1), ("micro_batch_size", 0), ("group_size", 1)):
             if getattr(self, key) < least:
                 raise ValueError(f"rollout.{key}: expected >= {least}, got {getattr(self, key)}")
@@ -110,16 +117,35 @@ class RolloutConfig:
 
 @dataclass
 class RewardConfig:
+    MAPPING_SHORTHAND: ClassVar[dict[str, str]] = {"components": "weight"}  # `pickscore: 1.0` = {weight: 1.0}
+
     components: dict[str, Any] = field(default_factory=lambda: {"jpeg_compressibility": 1.0})
-    """Zoo rewards: name -> weight, or name -> {weight: w, <load kwargs>} (mmrl.rewards.load mapping)."""
+    """Zoo rewards: name -> weight, or name -> {weight: w, <load kwargs>} (mmrl.rewards.load mapping). Each entry is
+    reachable from the command line: reward.components.pickscore.weights=/ckpt/PickScore_v1."""
     on_nonfinite: OnNonfinite = "error"
     """A NaN/inf reward: `error` (stop, naming the reward component and the sample) or `drop_sample` (train without
     it: it leaves its prompt's group statistics, a group left with < 2 samples is not trained on; the count is
     logged as reward/nonfinite_samples)."""
 
+    def __post_init__(self) -> None:
+        from mmrl.rewards.registry import check_reward_mapping
+
+        check_reward_mapping(self.components, "reward.components")  # unknown rewards / arguments: before any load
+
 
 @dataclass
-class AdvantageRewardConfig(RewardConfig):
+class AggregationFields:
+    """`reward.aggregation` of every diffusion recipe that turns rewards into advantages or pairs."""
+
+    aggregation: Literal["sum_then_normalise", "normalise_then_sum"] = "sum_then_normalise"
+    """Several reward components: `sum_then_normalise` normalises their weighted sum per prompt (GRPO);
+    `normalise_then_sum` normalises each component per prompt, sums with the weights and whitens over the batch
+    (GDPO, arXiv 2601.05242; needs reward.history 0 and no running_norm). One component: the same up to the batch
+    whitening."""
+
+
+@dataclass
+class AdvantageRewardConfig(AggregationFields, RewardConfig):
     std_mode: Literal["group", "global"] = "group"
     """Advantage scale: `group` (per-prompt std) or `global` (std of the whole batch)."""
     history: int = 0
@@ -130,10 +156,11 @@ class AdvantageRewardConfig(RewardConfig):
     def __post_init__(self) -> None:
         if self.history < 0:
             raise ValueError(f"reward.history: expected >= 0, got {self.history}")
+        super().__post_init__()
 
 
 @dataclass
-class LogConfig(TrackersConfig):
+class LogConfig(JudgeFields, TrackersConfig):  # + judges, hacking (log.judges: the reward-hacking alarm)
     sample_every: int = 10
     """Save samples/step_<N>.png every this many steps, at step 0 (the starting policy) and at the last step (0 =
     never): one ODE image per grid prompt (the first num_samples eval prompts, else training prompts) from the same
@@ -149,16 +176,30 @@ class LogConfig(TrackersConfig):
         for key in ("sample_every", "eval_every", "num_samples"):
             if getattr(self, key) < 0:
                 raise ValueError(f"log.{key}: expected >= 0, got {getattr(self, key)}")
+        super().__post_init__()  # log.judges / log.hacking
 
 
 def check_common(cfg: Any, online: bool = True) -> None:
     """Cross-section checks of a diffusion recipe config (single sections check themselves on construction)."""
     from mmrl.pipelines.data import require_path
 
-    log = cfg.log
+    log, algo = cfg.log, cfg.algo
+    if getattr(algo, "adv_clip_max", 1.0) <= 0:  # mmrl.core range checks, named here before any model loads
+        raise ValueError(f"algo.adv_clip_max: expected > 0, got {algo.adv_clip_max}")
+    if getattr(algo, "clip_range", 0.0) < 0:
+        raise ValueError(f"algo.clip_range: expected >= 0, got {algo.clip_range}")
     if log.num_samples < 1 and ((online and log.sample_every) or (log.eval_every and cfg.data.eval_prompts)):
         raise ValueError(f"log.num_samples: expected >= 1, got {log.num_samples}")
     if online:
         require_path("data.train_prompts", cfg.data.train_prompts, "prompt file", kind="data")
     if cfg.data.eval_prompts:
         require_path("data.eval_prompts", cfg.data.eval_prompts, "prompt file", kind="data")
+    reward = getattr(cfg, "reward", None)
+    if getattr(reward, "aggregation", "sum_then_normalise") == "normalise_then_sum" and (
+            getattr(reward, "history", 0) or getattr(reward, "running_norm", False)):
+        raise ValueError("reward.aggregation=normalise_then_sum normalises each reward within this step's groups: it "
+                         "needs reward.history=0 and reward.running_norm=false")
+    if log.judges and not (cfg.data.eval_prompts and log.eval_every):
+        raise ValueError("log.judges are scored at every evaluation: set data.eval_prompts (the held-out prompts) and "
+                         f"log.eval_every > 0 (got eval_prompts={cfg.data.eval_prompts!r}, "
+                         f"eval_every={log.eval_every})")

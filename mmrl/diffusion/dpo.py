@@ -55,9 +55,11 @@ import torch
 from mmrl.config import RunConfig
 from mmrl.core.pairing import build_pairs
 from mmrl.diffusion import config as dc
+from mmrl.diffusion.diagnostics import VelocityNormConfig
 from mmrl.distributed import DistConfig
 from mmrl.runtime import Timer, seed_everything
 from mmrl.training import OptimConfig, UpdateConfig, finite_stats, group_keep
+from mmrl.training.run import closes_runs
 
 __all__ = ["Config", "train", "make_shapes_preference_file", "RENAMED_KEYS"]
 
@@ -116,7 +118,8 @@ class AlgoConfig:
     mode: Literal["offline", "online"] = "offline"
     """`offline` (pairs from data.preference_file) or `online` (pairs from the policy's own scored samples)."""
     beta: float = 5000.0
-    """beta_dpo of the official code (paper's beta * T * omega folded; 5000 for SD1.5/SDXL)."""
+    """beta_dpo of the official code (paper's beta * T * omega folded, times 0.5 in the loss): 5000 in its SD1.5 and
+    SDXL launchers and in diffusers' SDXL DPO script."""
     timestep_sampling: Literal["uniform", "logit_normal"] = "uniform"
     """How the noise level of a pair is drawn: `uniform` or `logit_normal` (then shifted by sigma_shift)."""
     sigma_shift: float = 0.0
@@ -131,12 +134,20 @@ class AlgoConfig:
     """Online: a pair needs reward(chosen) - reward(rejected) > margin."""
     max_pairs_per_step: int = 0
     """Online: keep at most this many pairs (largest reward gaps first); 0 = all."""
+    velocity_norm: VelocityNormConfig = field(default_factory=VelocityNormConfig)
+    """||v|| / ||v_ref|| on every pair's noised images (diag/velocity_norm_ratio, always logged: DPO runs the
+    reference) and a hinge penalty coef * mean max(0, ratio - 1)^2 (0 = off)."""
 
     def __post_init__(self) -> None:
         if self.beta <= 0:
             raise ValueError(f"algo.beta must be > 0, got {self.beta}")
         if self.max_pairs_per_step < 0:
             raise ValueError(f"algo.max_pairs_per_step: expected >= 0, got {self.max_pairs_per_step}")
+
+
+@dataclass
+class RewardConfig(dc.AggregationFields, dc.RewardConfig):
+    """Zoo rewards and, online, how several components rank a group's images into pairs (`aggregation`)."""
 
 
 @dataclass
@@ -156,8 +167,9 @@ class Config(RunConfig):
     clipping. One optimizer update per step over all its pairs: `epochs` must be 1 and `mini_batch_size` 0."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     """Diffusion-DPO loss and pairing."""
-    reward: dc.RewardConfig = field(default_factory=dc.RewardConfig)
-    """Zoo rewards (online: pairing; both modes: evaluation)."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Zoo rewards (online: pairing, by the weighted sum or, `aggregation: normalise_then_sum`, by GDPO's
+    advantages; both modes: evaluation)."""
     log: dc.LogConfig = field(default_factory=dc.LogConfig)
     """Samples, evaluation."""
     dist: DistConfig = field(default_factory=DistConfig)
@@ -174,6 +186,9 @@ def _check(cfg: Config) -> None:
                          f"update.mini_batch_size 0, got {cfg.update.epochs} and {cfg.update.mini_batch_size}")
     if not online and not cfg.data.preference_file:
         raise ValueError("algo.mode=offline needs data.preference_file (a .jsonl/.json/.parquet of preference pairs)")
+    if not online and cfg.rollout.num_frames > 1:
+        raise ValueError(f"algo.mode=offline trains on image preference pairs; rollout.num_frames="
+                         f"{cfg.rollout.num_frames} (videos) works with algo.mode=online")
     if online and cfg.rollout.group_size < 2:
         raise ValueError(f"algo.mode=online needs rollout.group_size >= 2 to form pairs, got {cfg.rollout.group_size}")
     dc.check_common(cfg, online=online)
@@ -186,15 +201,19 @@ def _check(cfg: Config) -> None:
 # ------------------------------------------------------------------------------------------ training
 
 
+@closes_runs  # the run directory's lock released however train() ends; a failed start leaves nothing
 def train(cfg: Config) -> dict:
-    from mmrl.diffusion.common import (LatentCache, NoSamples, end_step, evaluate_ode, grid_due, grid_prompts,
-                                       sample_grid, setup_training)
+    from mmrl.diffusion.common import (LatentCache, NoSamples, end_step, evaluator, grid_due, grid_prompts,
+                                       load_recipe_model, sample_grid, setup_training)
     from mmrl.diffusion.dpo_update import dpo_update, offline_eval
-    from mmrl.diffusion.models import load_flow_model
     from mmrl.diffusion.sampling import sample_groups
-    from mmrl.diffusion.scoring import load_reward_fn, score_rollout
+    from mmrl.core.multi_reward import multi_reward_advantages
+    from mmrl.core.prompt_stats import group_normalize
+    from mmrl.diffusion.diagnostics import sample_statistics
+    from mmrl.diffusion.scoring import load_reward_fn, reward_weights, score_rollout_components
     from mmrl.pipelines.data import PromptItem, PromptSampler, load_preference_pairs, load_prompts
     from mmrl.training import FullOptimizerState, restore_checkpoint, start_run, summarise
+    from mmrl.training.judges import build_judges, stop_for_hacking
 
     _check(cfg)
     s, d = cfg.rollout, cfg.algo
@@ -202,9 +221,10 @@ def train(cfg: Config) -> dict:
     ctx, run = start_run(cfg, {"rollout.prompts_per_step": s.prompts_per_step} if online
                          else {"data.pairs_per_step": cfg.data.pairs_per_step})
     eval_items = load_prompts(cfg.data.eval_prompts)[: cfg.log.eval_max_prompts] if cfg.data.eval_prompts else []
-    reward_fn = load_reward_fn(cfg.reward.components, run.device) if (online or eval_items) else None
-    model = load_flow_model(cfg.model.path, run.device, run.dtype, cfg.model.max_sequence_length or None)
-    shift = d.sigma_shift or float(model.scheduler_config.get("shift", 1.0))
+    reward_fn = (load_reward_fn(cfg.reward.components, run.device, cfg.rollout.num_frames)
+                 if (online or eval_items) else None)
+    model = load_recipe_model(cfg, run.device, run.dtype)
+    shift = d.sigma_shift or model.sigma_shift
 
     if online:
         train_items = load_prompts(cfg.data.train_prompts)
@@ -223,7 +243,11 @@ def train(cfg: Config) -> dict:
                                                                              ref=True)
     stateful = {"optimizer": FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,
                 "data": sampler, "transformer_evals": evals}
+    judges = build_judges(cfg.log, run.device, stateful)  # log.judges: held-out judges + the hacking alarm
     start, _ = restore_checkpoint(ctx, run, states, stateful)
+    evaluate = evaluator(model, states, "default", reward_fn, eval_items, cfg, judges)
+    if judges is not None and start == 0 and (ctx.is_main or fsdp):  # the judges' baseline: before any update
+        evaluate(run if ctx.is_main else NoSamples(), 0)
 
     timer = Timer(sync_cuda=run.device.type == "cuda")
     grid = grid_prompts(cfg, eval_items, train_items)  # every sample grid: these prompts, the same noise
@@ -247,10 +271,11 @@ def train(cfg: Config) -> dict:
                                              noise_level=s.noise_level, batch_size=s.micro_batch_size or None)
                     prompts = [items[i].prompt for i in traj.prompt_index.tolist()]
                 with timer("reward"):
-                    scores, reward_metrics = score_rollout(
+                    scores, reward_metrics, comps = score_rollout_components(
                         ctx, reward_fn, traj.images, prompts, [items[i].metadata for i in traj.prompt_index.tolist()],
                         cfg.reward.on_nonfinite)
                 metrics.update(reward_metrics)
+                metrics.update(sample_statistics(traj.images, traj.latents[:, -1]))  # diag/sample/*
                 # pairs from the whole batch's rewards (group id = global prompt index: shards are contiguous);
                 # each rank trains the pairs of its own groups. One process: build_pairs(scores, prompt_index)
                 all_scores = ctx.all_gather_tensor(scores)
@@ -259,7 +284,12 @@ def train(cfg: Config) -> dict:
                 # samples with a non-finite reward (reward.on_nonfinite=drop_sample) and groups left with one
                 # sample form no pair
                 ok = group_keep(torch.isfinite(all_scores), gids).nonzero().flatten()
-                w_all, l_all = build_pairs(all_scores[ok], gids[ok], d.pairing, d.pair_margin, d.max_pairs_per_step)
+                rank_by = all_scores  # reward.aggregation=normalise_then_sum: pair by GDPO's advantages
+                if cfg.reward.aggregation == "normalise_then_sum":
+                    rank_by = multi_reward_advantages(ctx.all_gather_tensor(comps), reward_weights(reward_fn),
+                                                      lambda r: group_normalize(r, gids), cfg.reward.aggregation,
+                                                      mask=torch.isfinite(all_scores)).float()
+                w_all, l_all = build_pairs(rank_by[ok], gids[ok], d.pairing, d.pair_margin, d.max_pairs_per_step)
                 w_all, l_all = ok[w_all], ok[l_all]
                 lo = sum(sizes[:ctx.rank])
                 mine = (w_all >= lo) & (w_all < lo + sizes[ctx.rank])
@@ -301,15 +331,12 @@ def train(cfg: Config) -> dict:
                 metrics.update(offline_eval(cfg, model, states, pairs, cache, shift))
         if (ctx.is_main or fsdp) and eval_items and eval_step:  # FSDP: every rank runs the forwards, rank 0 writes
             with timer("eval"):
-                metrics.update(evaluate_ode(model, states, "default", reward_fn, eval_items,
-                                            run if ctx.is_main else NoSamples(), step,
-                                            num_steps=s.eval_num_steps, guidance_scale=s.eval_guidance_scale,
-                                            height=s.height, width=s.width,
-                                            batch_size=max(1, cfg.update.micro_batch_size),
-                                            seed=cfg.seed, num_images=cfg.log.num_samples))
+                metrics.update(evaluate(run if ctx.is_main else NoSamples(), step))
         metrics["cost/transformer_evals"] = evals.sync(ctx)
         end_step(ctx, run, step, metrics, timer, bar, states, stateful, fsdp,
                  acc=f"{metrics.get('policy/implicit_acc', 0):.2f}")
+        if stop_for_hacking(ctx, run, step, judges, states, stateful, fsdp):  # log.hacking.stop
+            break
     bar.close()
     evals.remove()
     summary = summarise(run, "dpo", extra_keys=("policy/implicit_acc",)) if ctx.is_main else {}

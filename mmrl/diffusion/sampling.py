@@ -45,11 +45,14 @@ Tensor = torch.Tensor
 class Trajectory:
     """A batch of B = P * G rollouts (P prompts, G per prompt, samples of a prompt are adjacent).
 
-    latents [B, T+1, C, h, w] fp32: x at sigmas[0..T] (latents[:, 0] = initial noise, [:, T] = final);
+    latents [B, T+1, C, h, w] fp32 (video families: [B, T+1, C, F, h, w]): x at sigmas[0..T] (latents[:, 0] =
+    initial noise, [:, T] = final);
     log_probs [B, T]: rollout log-prob of each transition (0 on ODE steps);
     sigmas [T+1]: the schedule (sigmas[T] = 0); sde_mask [T] bool: stochastic steps;
     train_steps [K] long: step indices the trainer uses; prompt_index [B] long: row in `embeds`
-    (also the group id); embeds: one row per prompt; images [B, 3, H, W] in [0, 1] (None when not decoded).
+    (also the group id); embeds: one row per prompt; images [B, 3, H, W] in [0, 1] (videos: [B, F, 3, H, W]; None
+    when not decoded); means [B, T, C, (F,) h, w] fp32: the Gaussian mean of every stochastic transition (0 on ODE
+    steps), recorded with `record_means=True` (GRPO-Guard's ratio needs the sampling policy's means), else None.
     """
 
     latents: Tensor
@@ -60,6 +63,7 @@ class Trajectory:
     prompt_index: Tensor
     embeds: PromptEmbeds
     images: Tensor | None = None
+    means: Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.latents.shape[0])
@@ -97,7 +101,7 @@ def guided_velocity(model: FlowModel, latents: Tensor, sigma: Tensor | float, em
     if cfg_grad not in CFG_GRAD_MODES:
         raise ValueError(f"cfg_grad: expected one of {list(CFG_GRAD_MODES)}, got {cfg_grad!r}")
     if cfg is None:
-        cfg = guidance_scale > 1.0 and not model.has_guidance_embedding
+        cfg = model.cfg_enabled(guidance_scale)
     if cfg_grad == "both" or not cfg:
         return model.velocity(latents, sigma, embeds, guidance_scale=guidance_scale, cfg=cfg)
     b = latents.shape[0]
@@ -105,8 +109,7 @@ def guided_velocity(model: FlowModel, latents: Tensor, sigma: Tensor | float, em
     both = PromptEmbeds.cat([model.negative_embeds(b), embeds])
     v = model.velocity(torch.cat([latents, latents]), torch.cat([s, s]), both, guidance_scale=guidance_scale, cfg=False)
     v_uncond, v_cond = v.chunk(2)
-    v_uncond = v_uncond.detach()
-    return v_uncond + guidance_scale * (v_cond - v_uncond)
+    return model.combine_cfg(v_uncond.detach(), v_cond, guidance_scale, sigma=s)
 
 
 def step_log_prob(model: FlowModel, latents: Tensor, next_latents: Tensor | None, sigma: Tensor, sigma_next: Tensor,
@@ -119,8 +122,10 @@ def step_log_prob(model: FlowModel, latents: Tensor, next_latents: Tensor | None
     cfg_grad ("both" | "cond_only"): which CFG branches the gradient flows through; values are identical.
     """
     v = guided_velocity(model, latents, sigma, embeds, guidance_scale=guidance_scale, cfg=cfg, cfg_grad=cfg_grad)
-    return sde_step_with_logprob(latents, v, sigma, sigma_next, noise_level=noise_level,
-                                 prev_sample=next_latents, noise=noise, sde_type=sde_type)
+    out = sde_step_with_logprob(latents, v, sigma, sigma_next, noise_level=noise_level,
+                                prev_sample=next_latents, noise=noise, sde_type=sde_type)
+    out.velocity = v  # (the velocity-norm diagnostic of the trainer)
+    return out
 
 
 @torch.no_grad()
@@ -145,6 +150,7 @@ def sample_groups(
     window_generator: torch.Generator | None = None,
     on_images: Callable[[int, int, torch.Tensor], None] | None = None,
     autocast_dtype: torch.dtype | None = None,
+    record_means: bool = False,
 ) -> Trajectory:
     """Roll out `group_size` samples for each of the P prompts in `embeds` (encoded once, reused).
 
@@ -157,6 +163,7 @@ def sample_groups(
     a reward can score them while the next micro-batch is sampled; the result does not change.
     autocast_dtype: run the transformer forwards under `torch.autocast` at this dtype (a lower-precision rollout
     engine, e.g. bfloat16); the SDE math, the log-probs and the VAE decode stay in float32 / the model's dtype.
+    record_means: also keep every stochastic step's Gaussian mean (`Trajectory.means`; memory as `latents`).
     """
     p = len(embeds)
     b = p * group_size
@@ -189,6 +196,7 @@ def sample_groups(
 
     latents = torch.empty((b, num_steps + 1, *x0.shape[1:]), dtype=torch.float32, device=device)
     log_probs = torch.zeros((b, num_steps), dtype=torch.float32, device=device)
+    means = torch.zeros((b, num_steps, *x0.shape[1:]), dtype=torch.float32, device=device) if record_means else None
     latents[:, 0] = x0
     mb = batch_size or b
     chunks = []
@@ -204,6 +212,8 @@ def sample_groups(
                                         noise_level=noise_level, sde_type=sde_type,
                                         noise=step_noise[rows, sde_steps.index(i)])
                     x, log_probs[rows, i] = out.prev_sample, out.log_prob
+                    if means is not None:
+                        means[rows, i] = out.mean
                 else:
                     v = model.velocity(x, s, emb, guidance_scale=guidance_scale)
                     x = ode_step(x, v, s, s_next)
@@ -214,4 +224,4 @@ def sample_groups(
                 on_images(rows.start, rows.stop, chunks[-1])
     images = torch.cat(chunks) if decode else None
     return Trajectory(latents=latents, log_probs=log_probs, sigmas=sigmas, sde_mask=sde_mask,
-                      train_steps=train_steps, prompt_index=prompt_index, embeds=embeds, images=images)
+                      train_steps=train_steps, prompt_index=prompt_index, embeds=embeds, images=images, means=means)

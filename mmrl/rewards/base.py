@@ -37,7 +37,7 @@ class RewardModel:
     """
 
     name: str = "reward"
-    kind: str = "image"  # "image" | "text"
+    kind: str = "image"  # "image" | "text" | "video" (mmrl.rewards.video.VideoRewardModel)
     differentiable: bool = False
     batch_size: int = 32
     needs_prompts: bool = False
@@ -57,25 +57,35 @@ class RewardModel:
             return self._chunked(n, lambda s: self.score_texts(list(completions[s]),
                                                               None if metadata is None else list(metadata[s]),
                                                               None if prompts is None else list(prompts[s])))
-        if images is None:
-            raise ValueError(f"reward '{self.name}' scores images: pass images=...")
-        if isinstance(images, torch.Tensor):
-            images = _check_image_tensor(images)
-        else:
+        if images is not None and not isinstance(images, torch.Tensor):
             images = to_image_list(images)
             if len({tuple(t.shape) for t in images}) > 1:  # mixed sizes: each size is its own batch
                 return score_by_size(self, images, prompts, metadata)
-            images = torch.stack(images) if images else torch.zeros(0, 3, 1, 1)
+        images, prompts, metadata = self._image_inputs(images, prompts, metadata)
+        n = images.shape[0]
+        return self._chunked(n, lambda s: self.score_images(images[s],
+                                                           None if prompts is None else list(prompts[s]),
+                                                           None if metadata is None else list(metadata[s])))
+
+    def _image_inputs(self, images: Any, prompts: Any, metadata: Any) -> tuple[torch.Tensor, Any, Any]:
+        """(images as a float NCHW tensor, prompts, metadata) checked: images given and non-empty, prompts when
+        needed, one prompt / metadata entry per image."""
+        if images is None:
+            raise ValueError(f"reward '{self.name}' scores images: pass images=...")
+        if isinstance(images, torch.Tensor) and images.dim() == 5:
+            raise ValueError(f"reward '{self.name}' scores images [B, 3, H, W], got videos {tuple(images.shape)} "
+                             f"([B, F, 3, H, W]); score them per frame: load('video_frames', "
+                             f"image_reward='{self.name}', aggregate='mean' | 'min' | 'frame')")
+        if not (isinstance(images, torch.Tensor) and self.differentiable):
+            images = to_image_tensor(images)
+        else:
+            images = _check_image_tensor(images)
         n = images.shape[0]
         if n == 0:
             raise ValueError(f"reward '{self.name}': empty batch (no images)")
         if self.needs_prompts and prompts is None:
             raise ValueError(f"reward '{self.name}' needs prompts (one per image)")
-        prompts = _check_len(prompts, n, "prompts", self.name)
-        metadata = _check_len(metadata, n, "metadata", self.name)
-        return self._chunked(n, lambda s: self.score_images(images[s],
-                                                           None if prompts is None else list(prompts[s]),
-                                                           None if metadata is None else list(metadata[s])))
+        return images, _check_len(prompts, n, "prompts", self.name), _check_len(metadata, n, "metadata", self.name)
 
     def score_images(self, images: torch.Tensor, prompts: list[str] | None, metadata: list[dict] | None) -> RewardOutput:
         raise NotImplementedError(f"{type(self).__name__} does not score images")

@@ -15,7 +15,8 @@ What is simplified away: the weights are random (see ``CALIBRATION.md``), the vo
 few hundred to a thousand tokens instead of 49k-152k.
 
 Modules: ``vocab.py`` (corpus, BPE, tokenizers), ``components.py`` (shared encoders and helpers),
-``diffusion_models.py`` (SD3, FLUX), ``vlm_models.py`` (Qwen2/2.5/3-VL), ``clip_models.py`` (CLIP, open_clip);
+``diffusion_models.py`` (SD3, FLUX), ``family_models.py`` (Wan, Z-Image, FLUX.2 [dev] / [klein]),
+``vlm_models.py`` (Qwen2/2.5/3-VL), ``clip_models.py`` (CLIP, open_clip);
 every name is importable from ``mmrl.tiny``.
 """
 
@@ -33,6 +34,12 @@ from mmrl.tiny.clip_models import (  # noqa: F401
 )
 from mmrl.tiny.components import count_parameters  # noqa: F401
 from mmrl.tiny.diffusion_models import build_tiny_flux, build_tiny_sd3
+from mmrl.tiny.family_models import (  # noqa: F401
+    build_tiny_flux2,
+    build_tiny_flux2_klein,
+    build_tiny_wan,
+    build_tiny_z_image,
+)
 from mmrl.tiny.vlm_models import (  # noqa: F401
     QWEN_MAX_PIXELS,
     QWEN_MIN_PIXELS,
@@ -64,6 +71,10 @@ from mmrl.tiny.vocab import (  # noqa: F401
 BUILDERS = {
     "sd3": build_tiny_sd3,
     "flux": build_tiny_flux,
+    "wan": build_tiny_wan,
+    "z_image": build_tiny_z_image,
+    "flux2": build_tiny_flux2,
+    "flux2_klein": build_tiny_flux2_klein,
     "qwen2_vl": build_tiny_qwen2_vl,
     "qwen25_vl": build_tiny_qwen25_vl,
     "qwen3_vl": build_tiny_qwen3_vl,
@@ -72,7 +83,12 @@ BUILDERS = {
 }
 
 
-def build_all(root, seed: int = 0) -> dict[str, Path]:
-    """Build every tiny model into ``root/<name>`` (names as in ``BUILDERS``); returns name -> path."""
+def build_all(root, seed: int = 0, vlm_head_dim: int = 16) -> dict[str, Path]:
+    """Build every tiny model into ``root/<name>`` (names as in ``BUILDERS``); returns name -> path.
+
+    vlm_head_dim: head size of the Qwen2-VL / Qwen2.5-VL text decoders (16 = the smallest; vLLM's CPU backend takes
+    32, 64, ...: ``mmrl.vlm.vllm_engine.CPU_HEAD_SIZES``)."""
     root = Path(root)
-    return {name: build(root / name, seed=seed) for name, build in BUILDERS.items()}
+    with_head = {"qwen2_vl", "qwen25_vl"}
+    return {name: build(root / name, seed=seed, **({"head_dim": vlm_head_dim} if name in with_head else {}))
+            for name, build in BUILDERS.items()}
