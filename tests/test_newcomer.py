@@ -52,6 +52,9 @@ def test_reward_axis_comes_from_the_rewards_units_and_ranges():
                       ["reward.name=composite", "reward.kwargs={components: {exact_match: 0.9, format: 0.1}}"])
     assert reward_axis(vlm)["value_range"] == pytest.approx((0.0, 1.0))
     assert reward_axis(load_config(ROOT / "configs/vlm/multiturn_grid_tiny.yaml"))["unit"] == "episode return"
+    wan = load_config(ROOT / "configs/diffusion/flow_grpo_wan_tiny.yaml",
+                      ["reward.components={motion_amount: 0.5, temporal_consistency: 1.0}"])
+    assert reward_axis(wan)["value_range"] == pytest.approx((-1.0, 1.5))  # by hand: 0.5 * [0, 1] + [-1, 1]
     # offline DPO logs the implicit reward margin as reward/mean (it has no reward model)
     assert reward_axis(load_config(ROOT / "configs/diffusion/dpo_tiny_offline.yaml"))["unit"] == \
         "implicit reward margin of the preference pairs"
