@@ -112,6 +112,16 @@ COMMANDS: dict[str, object] = {
         "four 60-step trainings: 2 steps of one"),
     "mmrl train configs/diffusion/awm_tiny.yaml": Short(
         f"mmrl train configs/diffusion/awm_tiny.yaml train.max_steps=1 {_TINY_DIFF}", "1 small step"),
+    # docs/editing.md
+    "mmrl eval configs/diffusion/flow_grpo_edit_tiny.yaml --samples-per-prompt 4": Short(
+        "mmrl eval configs/diffusion/flow_grpo_edit_tiny.yaml --samples-per-prompt 1 --max-prompts 2 "
+        "rollout.eval_num_steps=2", "16 edits x 4 samples take minutes: 2 edits, 1 sample, 2 sampling steps"),
+    "mmrl train configs/diffusion/flow_grpo_edit_tiny.yaml": ByTest(
+        "tests/diffusion/test_editing.py::test_edit_training_and_eval_end_to_end",
+        "60 steps take half an hour: the test trains the edit config 2 steps on a tiny Kontext, then evaluates it"),
+    "mmrl eval configs/diffusion/flow_grpo_edit_tiny.yaml --checkpoint runs/flow_grpo_edit_tiny --samples-per-prompt 4":
+        ByTest("tests/diffusion/test_editing.py::test_edit_training_and_eval_end_to_end",
+               "the test evaluates the checkpoint of the run it trained"),
     # docs/export.md
     "mmrl export runs/flow_grpo_tiny --format diffusers-lora --out exports/lora": Short(
         "mmrl train configs/diffusion/flow_grpo_tiny.yaml train.max_steps=1 train.save_every=1 rollout.num_steps=2 "
@@ -217,6 +227,11 @@ COMMANDS: dict[str, object] = {
     "data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt": Short(
         "mmrl config check configs/diffusion/flow_grpo_z_image_pickscore.yaml model.path=/models/Z-Image "
         "data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt", _NO_GPU),
+    "mmrl train configs/diffusion/flow_grpo_qwen_image_ocr.yaml model.path=/models/Qwen-Image": Short(
+        "mmrl config check configs/diffusion/flow_grpo_qwen_image_ocr.yaml model.path=/models/Qwen-Image", _NO_GPU),
+    "mmrl train configs/diffusion/flow_grpo_qwen_image_edit_pickscore.yaml model.path=/models/Qwen-Image-Edit-2511":
+        Short("mmrl config check configs/diffusion/flow_grpo_qwen_image_edit_pickscore.yaml "
+              "model.path=/models/Qwen-Image-Edit-2511", _NO_GPU),
     "mmrl train configs/vlm/multiturn_grid_qwen25vl_3b.yaml "
     "model.path=/models/Qwen2.5-VL-3B-Instruct": Short(
         "mmrl config check configs/vlm/multiturn_grid_qwen25vl_3b.yaml "
@@ -292,7 +307,7 @@ COMMANDS: dict[str, object] = {
 
 # a page whose commands train something: its test is marked slow
 SLOW_PAGES = {"dpo-nft.md", "flow-grpo.md", "install-and-cli.md", "multiturn.md", "vlm-grpo.md", "development.md",
-              "export.md", "rewards.md"}
+              "export.md", "rewards.md", "editing.md"}
 
 
 

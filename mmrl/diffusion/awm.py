@@ -188,6 +188,7 @@ def _step_range(cfg: Config) -> tuple[int, int]:
 def train(cfg: Config) -> dict:
     from mmrl.diffusion.common import (NoSamples, end_step, evaluator, grid_due, grid_prompts, load_recipe_model,
                                        sample_grid, setup_training)
+    from mmrl.diffusion.conditioning import check_data, encode_items
     from mmrl.diffusion.sampling import sample_groups
     from mmrl.diffusion.diagnostics import sample_statistics
     from mmrl.diffusion.scoring import global_advantages, load_reward_fn, reward_weights, score_rollout_components
@@ -203,6 +204,7 @@ def train(cfg: Config) -> dict:
     ctx, run = start_run(cfg, {"rollout.prompts_per_step": s.prompts_per_step})
     train_items = load_prompts(cfg.data.train_prompts)
     eval_items = load_prompts(cfg.data.eval_prompts)[: cfg.log.eval_max_prompts] if cfg.data.eval_prompts else []
+    check_data(cfg.model.path, train_prompts=train_items, eval_prompts=eval_items)  # edit models need source images
     reward_fn = load_reward_fn(cfg.reward.components, run.device, cfg.rollout.num_frames)
     model = load_recipe_model(cfg, run.device, run.dtype)
     # "default" trains, "old" = the EMA anchor (and sampler if rollout_state: old), "ref" = adapters off
@@ -232,7 +234,7 @@ def train(cfg: Config) -> dict:
             # ---- 1. rollout (this rank's share of the prompts), deterministic ODE
             with timer("rollout"):
                 items = ctx.shard(sampler.next(s.prompts_per_step))
-                embeds = model.encode_prompts([it.prompt for it in items])
+                embeds = encode_items(model, items, s.height, s.width)  # + source images (edit models)
                 with torch.no_grad(), states.use(a.rollout_state):
                     traj = sample_groups(model, embeds, s.group_size, num_steps=s.num_steps, height=s.height,
                                          width=s.width, guidance_scale=s.guidance_scale, noise_level=0.0,

@@ -92,8 +92,10 @@ def setup_training(ctx: Any, run: Run, cfg: Any, model: Any, *, old: bool, ref: 
     states = build_policy_states(model, cfg.model, old=old, ref=ref)
     evals = TransformerEvalCounter(model.transformer)
     # DDP keeps PolicyStates' parameter objects ("old"/"ref" switching and the EMA work); one process: unchanged
-    model.transformer = ctx.wrap_model(states.model, cfg.dist.strategy,
-                                       find_unused_parameters=cfg.dist.find_unused_parameters)
+    # a family whose transformer has parameters no output depends on (Qwen-Image: its last block's text stream) needs
+    # DDP to look for them, or the second backward fails
+    unused = cfg.dist.find_unused_parameters or getattr(model, "has_unused_parameters", False)
+    model.transformer = ctx.wrap_model(states.model, cfg.dist.strategy, find_unused_parameters=unused)
     fsdp = ctx.enabled and cfg.dist.strategy == "fsdp"
     if fsdp:  # fully_shard replaced every parameter by a DTensor shard: follow them before building the optimizer
         states.refresh()
@@ -133,8 +135,7 @@ class LatentCache:
         self.enabled = enabled
         self.latents: dict[str, Tensor] = {}
         self._shards = 0
-        if enabled:
-            self.dir.mkdir(parents=True, exist_ok=True)
+        if enabled and self.dir.is_dir():  # made with the first shard: a start that fails before leaves nothing
             for shard in sorted(self.dir.glob("shard_*.pt")):
                 self.latents.update(torch.load(shard, map_location="cpu", weights_only=True))
                 self._shards += 1
@@ -170,6 +171,7 @@ class LatentCache:
             self.encoded += len(fresh)
             if self.enabled:
                 self.latents.update(fresh)
+                self.dir.mkdir(parents=True, exist_ok=True)
                 path = self.dir / f"shard_{self._shards:06d}{self.shard_suffix}.pt"
                 tmp = path.with_suffix(".pt.tmp")
                 torch.save(fresh, tmp)
@@ -218,6 +220,7 @@ def ode_images(model: Any, states: Any, state: str, reward_fn: Any, items: Seque
     """(images [N, 3, H, W] (videos [N, F, 3, H, W]), final latents [N, ...], scores [N] or None without a reward,
     component scores {name: [N]}): one deterministic (ODE) image per item with policy state `state`, from the same
     initial noise every time it is called."""
+    from mmrl.diffusion.conditioning import encode_items
     from mmrl.diffusion.sampling import sample_groups
 
     gen = torch.Generator(device=model.device).manual_seed(seed + 12345)
@@ -225,7 +228,7 @@ def ode_images(model: Any, states: Any, state: str, reward_fn: Any, items: Seque
     with states.use(state):
         for lo in range(0, len(items), max(1, batch_size)):
             chunk = items[lo:lo + batch_size]
-            emb = model.encode_prompts([it.prompt for it in chunk])
+            emb = encode_items(model, chunk, height, width)  # + source images (edit models)
             traj = sample_groups(model, emb, 1, num_steps=num_steps, height=height, width=width,
                                  guidance_scale=guidance_scale, noise_level=0.0, generator=gen)
             images.append(traj.images)
@@ -250,16 +253,19 @@ def evaluate_ode(model: Any, states: Any, state: str, reward_fn: Any, items: Seq
                  num_steps: int, guidance_scale: float, height: int, width: int, batch_size: int = 8,
                  seed: int = 0, num_images: int = 16, judges: Any = None) -> dict[str, float]:
     """Deterministic (ODE) sampling of one image per held-out prompt with the same initial noise at
-    every evaluation, computed with policy state `state`; saves samples/eval_step_<N>.png. Metrics: the reward
-    (`eval/reward/*`), the images' statistics (`eval/sample/*`, `mmrl.diffusion.diagnostics`) and, with a
-    `JudgePanel` (`log.judges`), every judge and the reward-hacking rule (`judge/*`)."""
+    every evaluation, computed with policy state `state`; saves samples/eval_step_<N>.png (edit rows: source, edit,
+    instruction panels). Metrics: the reward (`eval/reward/*`), the images' statistics (`eval/sample/*`,
+    `mmrl.diffusion.diagnostics`) and, with a `JudgePanel` (`log.judges`), every judge and the reward-hacking rule
+    (`judge/*`)."""
+    from mmrl.diffusion.conditioning import sample_panels
     from mmrl.diffusion.diagnostics import sample_statistics
 
     images, finals, s, details = ode_images(model, states, state, reward_fn, items, num_steps=num_steps,
                                             guidance_scale=guidance_scale, height=height, width=width,
                                             batch_size=batch_size, seed=seed)
     n = min(num_images, len(items))
-    run.save_samples(step, images[:n], _captions(items[:n], s), name=f"eval_step_{step:06d}.png")
+    run.save_samples(step, *sample_panels(images[:n], _captions(items[:n], s), [it.metadata for it in items[:n]]),
+                     name=f"eval_step_{step:06d}.png")
     metrics = {"eval/reward/mean": s.mean().item(), "eval/reward/std": s.std().item() if len(s) > 1 else 0.0}
     metrics.update({f"eval/reward/{k}": v.mean().item() for k, v in details.items()})
     metrics.update(sample_statistics(images, finals, prefix="eval/sample/"))
@@ -298,7 +304,8 @@ def sample_grid(model: Any, states: Any, state: str, reward_fn: Any, items: Sequ
                 cfg: Any) -> None:
     """samples/step_<N>.png: one image per grid prompt (`grid_prompts`), ODE with the eval settings
     (`rollout.eval_num_steps`, `rollout.eval_guidance_scale`) and the same initial noise in every grid, so the grids
-    of a run show one policy changing; captions "r=<reward> | <prompt>", word-wrapped."""
+    of a run show one policy changing; captions "r=<reward> | <prompt>", word-wrapped (edit rows: each result after
+    its source image)."""
     if not items:
         return
     s = cfg.rollout
@@ -306,7 +313,9 @@ def sample_grid(model: Any, states: Any, state: str, reward_fn: Any, items: Sequ
         images, _, scores, _ = ode_images(model, states, state, reward_fn, items, num_steps=s.eval_num_steps,
                                           guidance_scale=s.eval_guidance_scale, height=s.height, width=s.width,
                                           batch_size=max(1, cfg.update.micro_batch_size), seed=cfg.seed)
-    run.save_samples(step, images, _captions(items, scores))
+    from mmrl.diffusion.conditioning import sample_panels
+
+    run.save_samples(step, *sample_panels(images, _captions(items, scores), [it.metadata for it in items]))
 
 
 # ------------------------------------------------------------------------------------------ cost accounting

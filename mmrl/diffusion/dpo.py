@@ -205,7 +205,9 @@ def _check(cfg: Config) -> None:
 def train(cfg: Config) -> dict:
     from mmrl.diffusion.common import (LatentCache, NoSamples, end_step, evaluator, grid_due, grid_prompts,
                                        load_recipe_model, sample_grid, setup_training)
+    from mmrl.diffusion.conditioning import check_data, encode_items
     from mmrl.diffusion.dpo_update import dpo_update, offline_eval
+    from mmrl.diffusion.models import flow_model_class
     from mmrl.diffusion.sampling import sample_groups
     from mmrl.core.multi_reward import multi_reward_advantages
     from mmrl.core.prompt_stats import group_normalize
@@ -221,13 +223,17 @@ def train(cfg: Config) -> dict:
     ctx, run = start_run(cfg, {"rollout.prompts_per_step": s.prompts_per_step} if online
                          else {"data.pairs_per_step": cfg.data.pairs_per_step})
     eval_items = load_prompts(cfg.data.eval_prompts)[: cfg.log.eval_max_prompts] if cfg.data.eval_prompts else []
+    train_items = load_prompts(cfg.data.train_prompts) if online else []
+    check_data(cfg.model.path, train_prompts=train_items, eval_prompts=eval_items)  # edit models need source images
+    if not online and flow_model_class(cfg.model.path).needs_source_image:
+        raise ValueError(f"algo.mode=offline: preference pairs carry no source images, so the edit model at "
+                         f"model.path={cfg.model.path} cannot be trained offline; use algo.mode=online with edit rows")
     reward_fn = (load_reward_fn(cfg.reward.components, run.device, cfg.rollout.num_frames)
                  if (online or eval_items) else None)
     model = load_recipe_model(cfg, run.device, run.dtype)
     shift = d.sigma_shift or model.sigma_shift
 
     if online:
-        train_items = load_prompts(cfg.data.train_prompts)
         sampler = PromptSampler(train_items, seed=cfg.seed)
     else:
         pairs = load_preference_pairs(cfg.data.preference_file, cfg.data.image_root or None, cfg.data.min_score_gap)
@@ -264,7 +270,7 @@ def train(cfg: Config) -> dict:
             if online:
                 with timer("rollout"):
                     items = ctx.shard(sampler.next(s.prompts_per_step))  # whole groups per rank
-                    embeds = model.encode_prompts([it.prompt for it in items])
+                    embeds = encode_items(model, items, s.height, s.width)  # + source images (edit models)
                     with torch.no_grad():
                         traj = sample_groups(model, embeds, s.group_size, num_steps=s.num_steps, height=s.height,
                                              width=s.width, guidance_scale=s.guidance_scale,

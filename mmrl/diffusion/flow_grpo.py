@@ -101,7 +101,8 @@ class RolloutConfig(dc.RolloutConfig):
     prompt_cache_size: int = 1024
     """Keep the text embeddings of every training prompt (CPU, LRU by prompt text) when the prompt file has at
     most this many distinct prompts: the text encoders then run once per prompt instead of every step. Larger
-    prompt sets (shuffled epochs never revisit a prompt soon) and 0 encode each step's prompts."""
+    prompt sets (shuffled epochs never revisit a prompt soon) and 0 encode each step's prompts. Edit models encode
+    each step's rows with their source images (the cache is keyed by text only)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -208,6 +209,7 @@ _WINDOW_RANK = 1_000_002
 def train(cfg: Config) -> dict:
     from mmrl.diffusion.common import (NoSamples, end_step, evaluator, grid_due, grid_prompts, load_recipe_model,
                                        sample_grid, setup_training)
+    from mmrl.diffusion.conditioning import check_data, encode_items
     from mmrl.diffusion.grpo_update import train_on_rollout
     from mmrl.diffusion.models import PromptEmbedCache
     from mmrl.diffusion.sampling import sample_groups
@@ -227,6 +229,7 @@ def train(cfg: Config) -> dict:
     ctx, run = start_run(cfg, {"rollout.prompts_per_step": s.prompts_per_step})
     train_items = load_prompts(cfg.data.train_prompts)
     eval_items = load_prompts(cfg.data.eval_prompts)[: cfg.log.eval_max_prompts] if cfg.data.eval_prompts else []
+    check_data(cfg.model.path, train_prompts=train_items, eval_prompts=eval_items)  # edit models need source images
     reward_fn = load_reward_fn(cfg.reward.components, run.device, cfg.rollout.num_frames)
     scorer = AsyncRewardScorer(reward_fn) if cfg.reward.async_scoring else None  # rewards overlap the next rollout
     model = load_recipe_model(cfg, run.device, run.dtype)
@@ -270,7 +273,7 @@ def train(cfg: Config) -> dict:
             # ---- 1. rollout: G samples per prompt, prompts encoded once (this rank's share of the prompts)
             with timer("rollout"):
                 items = ctx.shard(sampler.next(s.prompts_per_step))
-                embeds = encode([it.prompt for it in items])
+                embeds = encode_items(model, items, s.height, s.width, encode)  # + source images (edit models)
                 rows = [i for i in range(len(items)) for _ in range(s.group_size)]  # sample -> prompt (traj order)
                 prompts, metadata = [items[i].prompt for i in rows], [items[i].metadata for i in rows]
                 on_images = (lambda lo, hi, im: scorer.submit(im, prompts[lo:hi], metadata[lo:hi])) if scorer else None

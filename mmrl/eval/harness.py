@@ -180,6 +180,7 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
              max_prompts: int = 0, batch_size: int = 8, grid_images: int = 32, config_file: str | None = None,
              overrides: Sequence[str] = ()) -> dict:
     """Evaluate the diffusion policy of `cfg` (see the module docstring); returns the report (also written)."""
+    from mmrl.diffusion.conditioning import check_data, encode_items, sample_panels
     from mmrl.diffusion.common import load_recipe_model
     from mmrl.diffusion.scoring import load_reward_fn
     from mmrl.diffusion.sampling import sample_groups
@@ -203,6 +204,7 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
     if not prompt_file:
         raise ValueError("no evaluation prompts: pass --prompts FILE or set data.eval_prompts in the config")
     items = load_prompts(prompt_file)[: max_prompts or None]
+    check_data(cfg.model.path, eval_prompts=items)  # edit models need source images (and text models take none)
     adapters, step = resolve_checkpoint(checkpoint) if checkpoint is not None else (None, None)
     if adapters is not None:
         state_dir(adapters, state)  # before the model loads: a missing state fails fast
@@ -238,7 +240,8 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
     bar = tqdm(total=len(items), desc="mmrl eval", unit="prompt", disable=os.environ.get("MMRL_NO_PROGRESS") == "1")
     for i, item in enumerate(items):
         gen = torch.Generator(device=model.device).manual_seed(prompt_seed(seed, i))
-        traj = sample_groups(model, model.encode_prompts([item.prompt]), samples_per_prompt, num_steps=s.eval_num_steps,
+        traj = sample_groups(model, encode_items(model, [item], s.height, s.width), samples_per_prompt,
+                             num_steps=s.eval_num_steps,
                              height=s.height, width=s.width, guidance_scale=s.eval_guidance_scale, noise_level=0.0,
                              generator=gen, batch_size=batch_size)
         u8 = (traj.images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu()
@@ -300,7 +303,7 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
     if video:
         save_video_grid(x[:n], captions, out / "eval_grid.mp4")
     else:
-        save_image_grid(x[:n], captions, out / "eval_grid.png")
+        save_image_grid(*sample_panels(x[:n], captions, all_meta[:n]), out / "eval_grid.png")  # edits: source | result
     _write_json(out / "eval_report.json", report)
     return report
 

@@ -133,9 +133,15 @@ class PromptItem:
     metadata: dict = field(default_factory=dict)
 
 
-def load_prompts(path: str | Path) -> list[PromptItem]:
+def load_prompts(path: str | Path, image_root: str | Path | None = None) -> list[PromptItem]:
     """A .txt file (one prompt per line, blank lines and `#` comments skipped) or .jsonl/.json/.parquet (or a
-    `save_to_disk` directory) with a `prompt` key (other keys become metadata, e.g. the OCR target text)."""
+    `save_to_disk` directory) with a `prompt` key (other keys become metadata, e.g. the OCR target text).
+
+    Edit rows (`mmrl.pipelines.edits`): a `source_image` (and optional `mask`) makes a row an edit of that image;
+    `instruction` may stand for `prompt`; image paths are taken relative to `image_root` (default: the file's
+    folder) and a row whose image is missing or unreadable is skipped with a warning naming the file."""
+    from mmrl.pipelines.edits import is_edit_row, resolve_edit_row
+
     path = Path(path)
     if not path.is_file() and not is_saved_dataset(path):
         raise FileNotFoundError(f"prompt file not found: {path} (relative paths are taken from the current directory, {Path.cwd()})")
@@ -144,9 +150,15 @@ def load_prompts(path: str | Path) -> list[PromptItem]:
                  if line.strip() and not line.lstrip().startswith("#")]
     else:
         items = []
+        root = Path(image_root) if image_root else path.parent
         for i, row in enumerate(read_records(path)):
-            prompt = _require(row, "prompt", path, i)
-            meta = {k: v for k, v in row.items() if k != "prompt"}
+            if is_edit_row(row):
+                row = resolve_edit_row(row, root, path, i)
+                if row is None:
+                    continue
+            key = "instruction" if "prompt" not in row and "instruction" in row else "prompt"
+            prompt = _require(row, key, path, i)
+            meta = {k: v for k, v in row.items() if k != key}
             items.append(PromptItem(str(prompt), meta))
     if not items:
         raise DataError(f"prompt file {path} contains no prompts")

@@ -17,8 +17,9 @@ register_lazy("mmrl.rewards.text", "math_accuracy", "multiple_choice", "number_m
               "iou", "accuracy_format", "geo3k")
 register_lazy("mmrl.rewards.composite", "composite")
 register_lazy("mmrl.rewards.remote", "remote")
-register_lazy("mmrl.rewards.vlm_judge", "vlm_judge")
+register_lazy("mmrl.rewards.vlm_judge", "vlm_judge", "vlm_edit_judge")
 register_lazy("mmrl.rewards.image.color_match", "prompt_color")
+register_lazy("mmrl.rewards.image.edit", "edit_preservation", "clip_direction", "edit_region_color")
 register_lazy("mmrl.rewards.image.shapes_geneval", "shapes_geneval")
 
 # group-wise / pairwise rewards (a sample scored against the other samples of its group)
