@@ -63,7 +63,7 @@ from mmrl.training.run import closes_runs
 
 __all__ = ["Config", "train", "make_shapes_preference_file", "RENAMED_KEYS"]
 
-# keys before issue 12 -> their names now (an old key in a YAML or override fails naming the new one)
+# keys of earlier mmrl versions -> their names now (an old key in a YAML or override fails naming the new one)
 RENAMED_KEYS = {**dc.RENAMED_KEYS, "dpo": "algo"}
 
 # ------------------------------------------------------------------------------------------ config
@@ -203,8 +203,9 @@ def _check(cfg: Config) -> None:
 
 @closes_runs  # the run directory's lock released however train() ends; a failed start leaves nothing
 def train(cfg: Config) -> dict:
-    from mmrl.diffusion.common import LatentCache, NoSamples, end_step, evaluator, load_recipe_model, setup_training
-    from mmrl.diffusion.conditioning import check_data, encode_items, sample_panels
+    from mmrl.diffusion.common import (LatentCache, NoSamples, end_step, evaluator, grid_due, grid_prompts,
+                                       load_recipe_model, sample_grid, setup_training)
+    from mmrl.diffusion.conditioning import check_data, encode_items
     from mmrl.diffusion.dpo_update import dpo_update, offline_eval
     from mmrl.diffusion.models import flow_model_class
     from mmrl.diffusion.sampling import sample_groups
@@ -212,7 +213,7 @@ def train(cfg: Config) -> dict:
     from mmrl.core.prompt_stats import group_normalize
     from mmrl.diffusion.diagnostics import sample_statistics
     from mmrl.diffusion.scoring import load_reward_fn, reward_weights, score_rollout_components
-    from mmrl.pipelines.data import PromptSampler, load_preference_pairs, load_prompts
+    from mmrl.pipelines.data import PromptItem, PromptSampler, load_preference_pairs, load_prompts
     from mmrl.training import FullOptimizerState, restore_checkpoint, start_run, summarise
     from mmrl.training.judges import build_judges, stop_for_hacking
 
@@ -241,6 +242,7 @@ def train(cfg: Config) -> dict:
         if ctx.is_main:
             print(f"[dpo] {len(pairs)} preference pairs; {cache.loaded_from_disk} image latents already cached")
         sampler = PromptSampler(list(range(len(pairs))), seed=cfg.seed)  # the stream of pair indices
+        train_items = [PromptItem(p) for p in dict.fromkeys(pair.prompt for pair in pairs)]
 
     # "default" trains, "ref" = adapters off (or a snapshot in full fine-tuning); DDP/FSDP; optimizer
     states, evals, params, optimizer, lr_sched, guard, fsdp = setup_training(ctx, run, cfg, model, old=False,
@@ -254,10 +256,13 @@ def train(cfg: Config) -> dict:
         evaluate(run if ctx.is_main else NoSamples(), 0)
 
     timer = Timer(sync_cuda=run.device.type == "cuda")
+    grid = grid_prompts(cfg, eval_items, train_items)  # every sample grid: these prompts, the same noise
+    if start == 0 and grid_due(cfg, 0) and (ctx.is_main or fsdp):  # FSDP: every rank runs the forwards
+        sample_grid(model, states, "default", reward_fn, grid, run if ctx.is_main else NoSamples(), 0, cfg)
     bar = run.progress(cfg.train.max_steps, initial=start)
     for step in range(start + 1, cfg.train.max_steps + 1):
         metrics: dict[str, Any] = {}
-        images = captions = pad = None
+        pad = None
         if ctx.enabled:  # rank-local noise, a pure function of (seed, rank, step): nothing per rank to checkpoint
             seed_everything(ctx.rank_seed(cfg.seed, step))
         with timer("step"):
@@ -303,8 +308,6 @@ def train(cfg: Config) -> dict:
                                                if len(w_all) else 0.0)
                 if ctx.enabled:  # the whole batch's reward statistics (score_images gave this rank's)
                     metrics.update(finite_stats(all_scores))
-                images, captions = traj.images, [f"{p[:48]} | r={v:.3g}" for p, v in zip(prompts, scores.tolist())]
-                sample_meta = [items[i].metadata for i in traj.prompt_index.tolist()]
             else:
                 idx = ctx.shard(sampler.next(cfg.data.pairs_per_step))  # this rank's share of the global pairs
                 batch = [pairs[i] for i in idx]
@@ -326,10 +329,8 @@ def train(cfg: Config) -> dict:
                 metrics["reward/std"] = m["policy/reward_margin_std"]
 
         metrics["policy/lr"] = optimizer.param_groups[0]["lr"]
-        if ctx.is_main and cfg.log.sample_every and images is not None and (
-                step % cfg.log.sample_every == 0 or step == 1):
-            n = min(cfg.log.num_samples, len(images))
-            run.save_samples(step, *sample_panels(images[:n], captions[:n], sample_meta[:n]))
+        if grid_due(cfg, step) and (ctx.is_main or fsdp):
+            sample_grid(model, states, "default", reward_fn, grid, run if ctx.is_main else NoSamples(), step, cfg)
         eval_step = cfg.log.eval_every and (step % cfg.log.eval_every == 0 or step in (1, cfg.train.max_steps))
         if (ctx.is_main or fsdp) and not online and eval_step:  # FSDP: every rank runs the forwards
             with timer("eval"):

@@ -1,6 +1,7 @@
 """Reward-model zoo: `load(name, **kw)`, `available()`; every model returns RewardOutput(scores[B], details)."""
 
 from mmrl.rewards.base import RewardModel, RewardOutput, load, to_image_list, to_image_tensor  # noqa: F401
+from mmrl.rewards.callable import FunctionReward, from_callable  # noqa: F401  (plain functions as rewards)
 from mmrl.rewards.registry import available, register, register_lazy  # noqa: F401
 
 # image rewards (mmrl/rewards/image/*), imported on first use

@@ -72,6 +72,8 @@ class VLMJudge(RewardModel):
     """VLM judge over an OpenAI-compatible chat API: UnifiedReward-style 'Final Score: x' (1-5) -> x/5."""
 
     name = "vlm_judge"
+    unit = "judge score / max score"
+    score_range = (0.0, 1.0)
     needs_prompts = True
 
     def __init__(self, base_url: str, model: str, api_key: str | None = None, api_key_env: str = "OPENAI_API_KEY",

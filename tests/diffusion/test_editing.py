@@ -85,7 +85,9 @@ def test_edit_training_and_eval_end_to_end(tiny_family, tmp_path):
     from PIL import Image
 
     grid = Image.open(out / "samples" / "step_000001.png")
-    assert grid.size[0] == 8 * 128  # 4 results + their 4 sources in one row (cells scaled to 128 px)
+    # the grid's fixed prompts: the 2 held-out edits (log.eval_max_prompts=2), each result after its source, in one
+    # row (cells scaled to 128 px)
+    assert grid.size[0] == 4 * 128
     assert (out / "samples" / "eval_step_000002.png").is_file()
     assert cli.main(["eval", *args[:1], *args[1:3], *SMALL, "--max-prompts", "2"]) == 0  # the base editor
     assert json.loads((out / "eval" / "base" / "eval_report.json").read_text())["policy"]["mode"] == "base"
