@@ -212,12 +212,17 @@ def evaluate_ode(model: Any, states: Any, state: str, reward_fn: Any, items: Seq
                  num_steps: int, guidance_scale: float, height: int, width: int, batch_size: int = 8,
                  seed: int = 0, num_images: int = 16) -> dict[str, float]:
     """Deterministic (ODE) sampling of one image per held-out prompt with the same initial noise at
-    every evaluation, computed with policy state `state`; saves samples/eval_step_<N>.png."""
+    every evaluation, computed with policy state `state`; saves samples/eval_step_<N>.png.
+
+    The global RNG streams (CPU, and the model's CUDA device) are forked: whatever a reward or the sampler draws
+    from them here, training continues exactly as if no evaluation had run (how often one evaluates changes no
+    training number)."""
     from mmrl.diffusion.sampling import sample_groups
 
     gen = torch.Generator(device=model.device).manual_seed(seed + 12345)
     images, scores, details = [], [], defaultdict(list)
-    with states.use(state):
+    cuda = [model.device] if torch.device(model.device).type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda), states.use(state):
         for lo in range(0, len(items), max(1, batch_size)):
             chunk = items[lo:lo + batch_size]
             emb = model.encode_prompts([it.prompt for it in chunk])

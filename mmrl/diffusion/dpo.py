@@ -305,7 +305,7 @@ def train(cfg: Config) -> dict:
                 metrics.update(evaluate_ode(model, states, "default", reward_fn, eval_items,
                                             run if ctx.is_main else NoSamples(), step,
                                             num_steps=s.eval_num_steps, guidance_scale=s.eval_guidance_scale,
-                                            height=s.height, width=s.width,
+                                            height=s.eval_hw[0], width=s.eval_hw[1],
                                             batch_size=max(1, cfg.update.micro_batch_size),
                                             seed=cfg.seed, num_images=cfg.log.num_samples))
         metrics["cost/transformer_evals"] = evals.sync(ctx)

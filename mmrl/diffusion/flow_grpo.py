@@ -79,6 +79,18 @@ class RolloutConfig(dc.RolloutConfig):
     """Flow-GRPO-Fast: SDE only on this many consecutive steps (0 = all steps stochastic)."""
     window_range: list[int] = field(default_factory=list)
     """[lo, hi): where the window may start/end (random start each step); empty = [0, num_steps]."""
+    window_schedule: Literal["random", "progressive"] = "random"
+    """How the SDE window moves between steps: `random` (Flow-GRPO-Fast: a uniform start in window_range) or
+    `progressive` (MixGRPO: from window_range's start, window_move_by steps later every window_move_every steps,
+    back to the start after the end; `mmrl.diffusion.mixgrpo`)."""
+    window_move_every: int = 25
+    """progressive: RL steps the window stays at one position (MixGRPO: 25; MixGRPO-Flash: 20)."""
+    window_move_by: int = 1
+    """progressive: steps the window moves each time (MixGRPO: 1; 0 = a fixed window, MixGRPO-Flash*)."""
+    ode_solver: Literal["euler", "dpm2"] = "euler"
+    """Solver of the deterministic steps after the SDE window: `euler` or `dpm2` (DPM-Solver++(2M), MixGRPO-Flash)."""
+    ode_compress: float = 1.0
+    """With a window: keep this fraction of the schedule's points after it (MixGRPO-Flash: 0.4, Flash*: 0.2)."""
     timestep_fraction: float = 0.99
     """Without a window: train on the first int(num_steps * fraction) steps."""
     same_noise: bool = False
@@ -107,6 +119,12 @@ class RolloutConfig(dc.RolloutConfig):
             raise ValueError(f"rollout.noise_level must be > 0 for training rollouts, got {self.noise_level}")
         if self.window_size < 0:
             raise ValueError(f"rollout.window_size: expected >= 0, got {self.window_size}")
+        if (self.window_schedule == "progressive" or self.ode_compress != 1.0) and self.window_size < 1:
+            raise ValueError(f"rollout.window_schedule={self.window_schedule} / rollout.ode_compress={self.ode_compress}"
+                             f" need an SDE window: set rollout.window_size >= 1")
+        if not 0 < self.ode_compress <= 1 or self.window_move_every < 1 or self.window_move_by < 0:
+            raise ValueError(f"rollout.ode_compress in (0, 1], window_move_every >= 1, window_move_by >= 0 expected; "
+                             f"got {self.ode_compress}, {self.window_move_every}, {self.window_move_by}")
 
 
 @dataclass
@@ -185,6 +203,12 @@ class Config(RunConfig):
 # ------------------------------------------------------------------------------------------ training
 
 
+def _window_range(s: RolloutConfig) -> tuple[int, int]:
+    """[lo, hi) the progressive window moves in: rollout.window_range, or all steps."""
+    lo, hi = s.window_range if s.window_range else (0, s.num_steps)
+    return lo, min(hi, s.num_steps)
+
+
 # the SDE-window position must be the same on every rank (same trained steps -> same micro-step count); it is
 # drawn from a generator seeded by (seed, step) and this rank id, which no real process has
 _WINDOW_RANK = 1_000_002
@@ -193,6 +217,7 @@ _WINDOW_RANK = 1_000_002
 def train(cfg: Config) -> dict:
     from mmrl.diffusion.common import NoSamples, end_step, evaluate_ode, load_recipe_model, setup_training
     from mmrl.diffusion.grpo_update import train_on_rollout
+    from mmrl.diffusion.mixgrpo import progressive_window
     from mmrl.diffusion.models import PromptEmbedCache
     from mmrl.diffusion.sampling import sample_groups
     from mmrl.diffusion.scoring import AsyncRewardScorer, global_advantages, load_reward_fn, score_rollout
@@ -226,7 +251,8 @@ def train(cfg: Config) -> dict:
                       window_range=tuple(s.window_range) if s.window_range else None,
                       timestep_fraction=s.timestep_fraction, same_noise=s.same_noise,
                       batch_size=s.micro_batch_size or None,
-                      autocast_dtype=torch.bfloat16 if s.precision == "bf16" else None)
+                      autocast_dtype=torch.bfloat16 if s.precision == "bf16" else None,
+                      ode_solver=s.ode_solver, ode_compress=s.ode_compress)
     timer = Timer(sync_cuda=run.device.type == "cuda")
     bar = run.progress(cfg.train.max_steps, initial=start)
     for step in range(start + 1, cfg.train.max_steps + 1):
@@ -243,8 +269,13 @@ def train(cfg: Config) -> dict:
                 rows = [i for i in range(len(items)) for _ in range(s.group_size)]  # sample -> prompt (traj order)
                 prompts, metadata = [items[i].prompt for i in rows], [items[i].metadata for i in rows]
                 on_images = (lambda lo, hi, im: scorer.submit(im, prompts[lo:hi], metadata[lo:hi])) if scorer else None
+                window = progressive_window(step, s.window_size, s.window_move_every, s.window_move_by,
+                                            *_window_range(s)) if s.window_schedule == "progressive" else None
                 traj = sample_groups(model, embeds, s.group_size, window_generator=window_gen, on_images=on_images,
-                                     **rollout_kw)
+                                     window=window, **rollout_kw)
+                if s.window_size:
+                    metrics["rollout/window_start"] = int(traj.train_steps[0]) if len(traj.train_steps) else -1
+                metrics["rollout/num_steps"] = len(traj.sigmas) - 1
 
             # ---- 2. rewards (weighted sum; each component logged; several ranks: means over all samples)
             with timer("reward"):
@@ -275,7 +306,7 @@ def train(cfg: Config) -> dict:
                 metrics.update(evaluate_ode(
                     model, states, "old" if a.ema else "default", reward_fn, eval_items,
                     run if ctx.is_main else NoSamples(), step, num_steps=s.eval_num_steps,
-                    guidance_scale=s.eval_guidance_scale, height=s.height, width=s.width,
+                    guidance_scale=s.eval_guidance_scale, height=s.eval_hw[0], width=s.eval_hw[1],
                     batch_size=cfg.update.micro_batch_size, seed=cfg.seed, num_images=cfg.log.num_samples))
         end_step(ctx, run, step, metrics, timer, bar, states, stateful, fsdp,
                  drift=f"{metrics.get('diag/logprob_drift', 0):.1e}")
