@@ -30,6 +30,7 @@ RECIPES: dict[str, str] = {
     "dgpo": "mmrl.diffusion.dgpo",
     "vlm_grpo": "mmrl.vlm.grpo",
     "vlm_multiturn": "mmrl.vlm.multiturn",
+    "prompt_rewriter": "mmrl.joint.rewriter",
 }
 
 

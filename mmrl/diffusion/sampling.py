@@ -157,6 +157,7 @@ def sample_groups(
     window: tuple[int, int] | None = None,
     ode_solver: str = "euler",
     ode_compress: float = 1.0,
+    initial_noise: torch.Tensor | None = None,
 ) -> Trajectory:
     """Roll out `group_size` samples for each of the P prompts in `embeds` (encoded once, reused).
 
@@ -173,6 +174,8 @@ def sample_groups(
     noise_level > 0); window_size/window_range are then not used.
     ode_solver: `euler` or `dpm2` (DPM-Solver++(2M)) for the deterministic steps after the last SDE step.
     ode_compress: < 1 keeps that fraction of the schedule's points after the window (`mixgrpo.compressed_sigmas`).
+    initial_noise: [P * G, ...] initial latents used instead of drawing them (e.g. different prompts rendered from
+    the same noise); the generator then draws only the window and the step noise.
     """
     if ode_solver not in ODE_SOLVERS:
         raise ValueError(f"ode_solver: expected one of {list(ODE_SOLVERS)}, got {ode_solver!r}")
@@ -183,7 +186,12 @@ def sample_groups(
     prompt_index = torch.arange(p).repeat_interleave(group_size)
 
     # --- all randomness up front, in a fixed order
-    if same_noise:
+    if initial_noise is not None:
+        want = (b, *model.initial_noise(1, height, width, torch.Generator(device=device)).shape[1:])
+        if tuple(initial_noise.shape) != want:
+            raise ValueError(f"initial_noise: expected shape {want}, got {tuple(initial_noise.shape)}")
+        x0 = initial_noise.to(device, torch.float32)
+    elif same_noise:
         x0 = model.initial_noise(p, height, width, generator)[prompt_index.to(device)]
     else:
         x0 = model.initial_noise(b, height, width, generator)
