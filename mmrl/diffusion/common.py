@@ -8,8 +8,8 @@
   `FlowModel.decode`'s scaling). `LatentCache`: those latents kept on disk in the run directory.
 - `sample_sigmas(...)`, `noise_latents(...)`, `flow_matching_mse(...)`: training points of the
   rectified-flow objective `x_s = (1 - s) x0 + s eps`, target velocity `eps - x0`.
-- `evaluate_ode(...)`: deterministic sampling on held-out prompts with fixed noise, scored and saved;
-  `NoSamples` (ranks > 0 in an evaluation every rank runs under FSDP).
+- `evaluate_ode(...)`: deterministic sampling on held-out prompts with fixed noise, scored (training reward,
+  `log.judges`, sample statistics) and saved; `NoSamples` (ranks > 0 in an evaluation every rank runs under FSDP).
 - `TransformerEvalCounter`: transformer evaluations (sample rows through the network), for cost plots.
 - `end_step(...)`: the tail of every recipe step: timings, metrics.jsonl, checkpoint.
 
@@ -33,8 +33,9 @@ from mmrl.runtime import Run
 Tensor = torch.Tensor
 
 __all__ = [
-    "load_recipe_model", "build_policy_states", "vae_encode", "LatentCache", "sample_sigmas", "noise_latents", "flow_matching_mse",
-    "evaluate_ode", "TransformerEvalCounter", "TIMING_PREFIX", "NoSamples", "end_step", "setup_training",
+    "load_recipe_model", "build_policy_states", "vae_encode", "LatentCache", "sample_sigmas", "noise_latents",
+    "flow_matching_mse", "evaluate_ode", "evaluator", "TransformerEvalCounter", "TIMING_PREFIX", "NoSamples", "end_step",
+    "setup_training",
 ]
 
 TIMING_PREFIX = "time/"  # metrics that legitimately differ between two identical runs
@@ -128,8 +129,7 @@ class LatentCache:
         self.enabled = enabled
         self.latents: dict[str, Tensor] = {}
         self._shards = 0
-        if enabled:
-            self.dir.mkdir(parents=True, exist_ok=True)
+        if enabled and self.dir.is_dir():  # made with the first shard: a start that fails before leaves nothing
             for shard in sorted(self.dir.glob("shard_*.pt")):
                 self.latents.update(torch.load(shard, map_location="cpu", weights_only=True))
                 self._shards += 1
@@ -165,6 +165,7 @@ class LatentCache:
             self.encoded += len(fresh)
             if self.enabled:
                 self.latents.update(fresh)
+                self.dir.mkdir(parents=True, exist_ok=True)
                 path = self.dir / f"shard_{self._shards:06d}{self.shard_suffix}.pt"
                 tmp = path.with_suffix(".pt.tmp")
                 torch.save(fresh, tmp)
@@ -210,17 +211,20 @@ def flow_matching_mse(v_pred: Tensor, x0: Tensor, noise: Tensor) -> Tensor:
 @torch.no_grad()
 def evaluate_ode(model: Any, states: Any, state: str, reward_fn: Any, items: Sequence[Any], run: Run, step: int, *,
                  num_steps: int, guidance_scale: float, height: int, width: int, batch_size: int = 8,
-                 seed: int = 0, num_images: int = 16) -> dict[str, float]:
+                 seed: int = 0, num_images: int = 16, judges: Any = None) -> dict[str, float]:
     """Deterministic (ODE) sampling of one image per held-out prompt with the same initial noise at
-    every evaluation, computed with policy state `state`; saves samples/eval_step_<N>.png.
+    every evaluation, computed with policy state `state`; saves samples/eval_step_<N>.png. Metrics: the reward
+    (`eval/reward/*`), the images' statistics (`eval/sample/*`, `mmrl.diffusion.diagnostics`) and, with a
+    `JudgePanel` (`log.judges`), every judge and the reward-hacking rule (`judge/*`).
 
-    The global RNG streams (CPU, and the model's CUDA device) are forked: whatever a reward or the sampler draws
-    from them here, training continues exactly as if no evaluation had run (how often one evaluates changes no
-    training number)."""
+    The global RNG streams (CPU, and the model's CUDA device) are forked: whatever a reward, a judge or the sampler
+    draws from them here, training continues exactly as if no evaluation had run (how often one evaluates changes
+    no training number)."""
+    from mmrl.diffusion.diagnostics import sample_statistics
     from mmrl.diffusion.sampling import sample_groups
 
     gen = torch.Generator(device=model.device).manual_seed(seed + 12345)
-    images, scores, details = [], [], defaultdict(list)
+    images, finals, scores, details = [], [], [], defaultdict(list)
     cuda = [model.device] if torch.device(model.device).type == "cuda" else []
     with torch.random.fork_rng(devices=cuda), states.use(state):
         for lo in range(0, len(items), max(1, batch_size)):
@@ -231,6 +235,7 @@ def evaluate_ode(model: Any, states: Any, state: str, reward_fn: Any, items: Seq
             out = reward_fn(images=traj.images, prompts=[it.prompt for it in chunk],
                             metadata=[it.metadata for it in chunk])
             images.append(traj.images)
+            finals.append(traj.latents[:, -1])
             scores.append(out.scores.detach().float().cpu())
             for name in getattr(reward_fn, "components", {}):
                 details[name].append(torch.as_tensor(out.details[name]).float().cpu())
@@ -240,7 +245,26 @@ def evaluate_ode(model: Any, states: Any, state: str, reward_fn: Any, items: Seq
                      name=f"eval_step_{step:06d}.png")
     metrics = {"eval/reward/mean": s.mean().item(), "eval/reward/std": s.std().item() if len(s) > 1 else 0.0}
     metrics.update({f"eval/reward/{k}": torch.cat(v).mean().item() for k, v in details.items()})
+    all_images = torch.cat(images)
+    metrics.update(sample_statistics(all_images, torch.cat(finals), prefix="eval/sample/"))
+    if judges is not None:
+        with torch.random.fork_rng(devices=cuda):
+            metrics.update(judges.observe(step, s, images=all_images, prompts=[it.prompt for it in items],
+                                          metadata=[it.metadata for it in items]))
     return metrics
+
+
+def evaluator(model: Any, states: Any, state: str, reward_fn: Any, items: Sequence[Any], cfg: Any,
+              judges: Any = None):
+    """`evaluate_ode` with a recipe's settings (`rollout.eval_*`, image size, `update.micro_batch_size`, seed,
+    `log.num_samples`) and its `JudgePanel`: call the result as `evaluate(run_or_NoSamples, step)`."""
+    from functools import partial
+
+    s = cfg.rollout
+    return partial(evaluate_ode, model, states, state, reward_fn, items, num_steps=s.eval_num_steps,
+                   guidance_scale=s.eval_guidance_scale, height=s.eval_hw[0], width=s.eval_hw[1],
+                   batch_size=max(1, cfg.update.micro_batch_size), seed=cfg.seed, num_images=cfg.log.num_samples,
+                   judges=judges)
 
 
 # ------------------------------------------------------------------------------------------ cost accounting

@@ -46,6 +46,7 @@ from mmrl.diffusion.common import noise_latents
 from mmrl.distributed import DistConfig, DistContext
 from mmrl.runtime import Timer, seed_everything
 from mmrl.training import KLConfig, UpdateConfig, UpdateGuard, clip_grads, merge_rank_lists
+from mmrl.training.run import closes_runs
 
 __all__ = ["Config", "train", "RENAMED_KEYS"]
 
@@ -150,12 +151,15 @@ def _check(cfg: Config) -> None:
 # ------------------------------------------------------------------------------------------ training
 
 
+@closes_runs  # the run directory's lock released however train() ends; a failed start leaves nothing
 def train(cfg: Config) -> dict:
-    from mmrl.diffusion.common import NoSamples, end_step, evaluate_ode, load_recipe_model, setup_training
+    from mmrl.diffusion.common import NoSamples, end_step, evaluator, load_recipe_model, setup_training
+    from mmrl.diffusion.diagnostics import sample_statistics
     from mmrl.diffusion.sampling import sample_groups
-    from mmrl.diffusion.scoring import global_advantages, load_reward_fn, score_rollout
+    from mmrl.diffusion.scoring import global_advantages, load_reward_fn, reward_weights, score_rollout_components
     from mmrl.pipelines.data import PromptSampler, load_prompts
     from mmrl.training import FullOptimizerState, restore_checkpoint, start_run, summarise
+    from mmrl.training.judges import build_judges, stop_for_hacking
 
     dc.check_common(cfg)
     _check(cfg)
@@ -174,7 +178,11 @@ def train(cfg: Config) -> dict:
     counters = old_policy.UpdateCounter()
     stateful = {"optimizer": FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,
                 "tracker": tracker, "data": sampler, "counters": counters, "transformer_evals": evals}
+    judges = build_judges(cfg.log, run.device, stateful)  # log.judges: held-out judges + the hacking alarm
     start, _ = restore_checkpoint(ctx, run, states, stateful)
+    evaluate = evaluator(model, states, cfg.log.eval_state, reward_fn, eval_items, cfg, judges)
+    if judges is not None and start == 0 and (ctx.is_main or fsdp):  # the judges' baseline: before any update
+        evaluate(run if ctx.is_main else NoSamples(), 0)
 
     timer = Timer(sync_cuda=run.device.type == "cuda")
     bar = run.progress(cfg.train.max_steps, initial=start)
@@ -197,11 +205,13 @@ def train(cfg: Config) -> dict:
 
             # ---- 2. rewards; per-prompt advantages over all ranks, clipped
             with timer("reward"):
-                scores, reward_metrics = score_rollout(ctx, reward_fn, traj.images, prompts, metadata,
-                                                       cfg.reward.on_nonfinite)
+                scores, reward_metrics, comps = score_rollout_components(ctx, reward_fn, traj.images, prompts,
+                                                                         metadata, cfg.reward.on_nonfinite)
             metrics.update(reward_metrics)
+            metrics.update(sample_statistics(traj.images, traj.latents[:, -1]))  # diag/sample/*
             adv, keep, adv_metrics = global_advantages(ctx, tracker, prompts, scores, a.adv_clip_max,
-                                                       cfg.reward.drop_zero_advantage)
+                                                       cfg.reward.drop_zero_advantage, None, comps,
+                                                       reward_weights(reward_fn), cfg.reward.aggregation)
             metrics.update(adv_metrics)
 
             # ---- 3. training points (shared step indices; one noise per group and point); 4./5. loss, updates
@@ -226,15 +236,12 @@ def train(cfg: Config) -> dict:
                                                           or step in (1, cfg.train.max_steps))
         if (ctx.is_main or fsdp) and eval_now:  # FSDP: every rank runs the forwards, rank 0 writes
             with timer("eval"):
-                metrics.update(evaluate_ode(model, states, cfg.log.eval_state, reward_fn, eval_items,
-                                            run if ctx.is_main else NoSamples(), step,
-                                            num_steps=s.eval_num_steps, guidance_scale=s.eval_guidance_scale,
-                                            height=s.eval_hw[0], width=s.eval_hw[1],
-                                            batch_size=cfg.update.micro_batch_size,
-                                            seed=cfg.seed, num_images=cfg.log.num_samples))
+                metrics.update(evaluate(run if ctx.is_main else NoSamples(), step))
         metrics["cost/transformer_evals"] = evals.sync(ctx)
         end_step(ctx, run, step, metrics, timer, bar, states, stateful, fsdp,
                  loss=f"{metrics.get('policy/loss', 0):.3g}")
+        if stop_for_hacking(ctx, run, step, judges, states, stateful, fsdp):  # log.hacking.stop
+            break
     bar.close()
     evals.remove()
     summary = summarise(run, "dgpo") if ctx.is_main else {}

@@ -58,7 +58,8 @@ class Trajectory:
     sigmas [T+1]: the schedule (sigmas[T] = 0); sde_mask [T] bool: stochastic steps;
     train_steps [K] long: step indices the trainer uses; prompt_index [B] long: row in `embeds`
     (also the group id); embeds: one row per prompt; images [B, 3, H, W] in [0, 1] (videos: [B, F, 3, H, W]; None
-    when not decoded).
+    when not decoded); means [B, T, C, (F,) h, w] fp32: the Gaussian mean of every stochastic transition (0 on ODE
+    steps), recorded with `record_means=True` (GRPO-Guard's ratio needs the sampling policy's means), else None.
     """
 
     latents: Tensor
@@ -69,6 +70,7 @@ class Trajectory:
     prompt_index: Tensor
     embeds: PromptEmbeds
     images: Tensor | None = None
+    means: Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.latents.shape[0])
@@ -128,8 +130,10 @@ def step_log_prob(model: FlowModel, latents: Tensor, next_latents: Tensor | None
     cfg_grad ("both" | "cond_only"): which CFG branches the gradient flows through; values are identical.
     """
     v = guided_velocity(model, latents, sigma, embeds, guidance_scale=guidance_scale, cfg=cfg, cfg_grad=cfg_grad)
-    return sde_step_with_logprob(latents, v, sigma, sigma_next, noise_level=noise_level,
-                                 prev_sample=next_latents, noise=noise, sde_type=sde_type)
+    out = sde_step_with_logprob(latents, v, sigma, sigma_next, noise_level=noise_level,
+                                prev_sample=next_latents, noise=noise, sde_type=sde_type)
+    out.velocity = v  # (the velocity-norm diagnostic of the trainer)
+    return out
 
 
 @torch.no_grad()
@@ -158,6 +162,7 @@ def sample_groups(
     ode_solver: str = "euler",
     ode_compress: float = 1.0,
     initial_noise: torch.Tensor | None = None,
+    record_means: bool = False,
 ) -> Trajectory:
     """Roll out `group_size` samples for each of the P prompts in `embeds` (encoded once, reused).
 
@@ -176,6 +181,7 @@ def sample_groups(
     ode_compress: < 1 keeps that fraction of the schedule's points after the window (`mixgrpo.compressed_sigmas`).
     initial_noise: [P * G, ...] initial latents used instead of drawing them (e.g. different prompts rendered from
     the same noise); the generator then draws only the window and the step noise.
+    record_means: also keep every stochastic step's Gaussian mean (`Trajectory.means`; memory as `latents`).
     """
     if ode_solver not in ODE_SOLVERS:
         raise ValueError(f"ode_solver: expected one of {list(ODE_SOLVERS)}, got {ode_solver!r}")
@@ -228,6 +234,7 @@ def sample_groups(
 
     latents = torch.empty((b, num_steps + 1, *x0.shape[1:]), dtype=torch.float32, device=device)
     log_probs = torch.zeros((b, num_steps), dtype=torch.float32, device=device)
+    means = torch.zeros((b, num_steps, *x0.shape[1:]), dtype=torch.float32, device=device) if record_means else None
     latents[:, 0] = x0
     mb = batch_size or b
     chunks = []
@@ -246,6 +253,8 @@ def sample_groups(
                     out = sde_step_with_logprob(x, v, s, s_next, noise_level=noise_level, sde_type=sde_type,
                                                 noise=step_noise[rows, sde_steps.index(i)])
                     x, log_probs[rows, i] = out.prev_sample, out.log_prob
+                    if means is not None:
+                        means[rows, i] = out.mean
                 elif ode_solver == "dpm2" and i > last_sde:
                     x, _ = dpm_solver_2m_step(x, v, s, s_next, prev_x0, prev_s)
                 else:
@@ -259,4 +268,4 @@ def sample_groups(
                 on_images(rows.start, rows.stop, chunks[-1])
     images = torch.cat(chunks) if decode else None
     return Trajectory(latents=latents, log_probs=log_probs, sigmas=sigmas, sde_mask=sde_mask,
-                      train_steps=train_steps, prompt_index=prompt_index, embeds=embeds, images=images)
+                      train_steps=train_steps, prompt_index=prompt_index, embeds=embeds, images=images, means=means)

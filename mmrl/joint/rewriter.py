@@ -47,6 +47,8 @@ from mmrl.runtime import Timer, seed_everything
 from mmrl.training import (FullOptimizerState, KLConfig, OnNonfinite, OptimConfig, TrackersConfig, UpdateGuard,
                            build_optimizer, check_rewards, checkpoint_due, finite_stats, restore_checkpoint,
                            save_checkpoint, start_run)
+from mmrl.training.judges import JudgeFields, build_judges, stop_for_hacking
+from mmrl.training.run import closes_runs
 from mmrl.vlm.grpo import ModelConfig, RolloutConfig
 from mmrl.vlm.update import VLMUpdateConfig
 from mmrl.vlm.warm_start import WarmStartConfig
@@ -103,6 +105,9 @@ class RewardConfig:
     """Score against metadata[intent_key] (e.g. the intended caption) instead of the user's prompt."""
     on_nonfinite: OnNonfinite = "error"
     """A NaN/inf reward: `error` (stop, naming the component and the rewrite) or `drop_sample` (advantage 0)."""
+    aggregation: Literal["sum_then_normalise", "normalise_then_sum"] = "sum_then_normalise"
+    """Several components: advantages of the weighted sum, or of each component in its groups, weighted, whitened
+    (GDPO; `mmrl.core.multi_reward`)."""
 
 
 @dataclass
@@ -125,7 +130,7 @@ class AlgoConfig:
 
 
 @dataclass
-class LogConfig(TrackersConfig):
+class LogConfig(JudgeFields, TrackersConfig):  # + judges, hacking (the reward-hacking alarm on the eval prompts)
     sample_every: int = 25
     """Save a grid of rendered rewrites (user -> rewrite | reward) every this many steps (0 = never)."""
     num_samples: int = 16
@@ -196,6 +201,8 @@ def check_config(cfg: Config) -> None:
         raise ValueError("warm_start.steps > 0 needs data.format_examples (well-formed rewrites to draw from)")
     if d.format_examples:
         require_path("data.format_examples", d.format_examples, "prompt file")
+    if cfg.log.judges and not d.eval_prompts:
+        raise ValueError("log.judges are scored at every evaluation: set data.eval_prompts (the held-out prompts)")
     cfg.update.updates_per_epoch(ro.prompts_per_step * ro.group_size)  # mini_batch_size must divide the batch
 
 
@@ -212,9 +219,11 @@ def rewrite_of(text: str, user_prompt: str, pattern: str) -> tuple[str, bool]:
 # ------------------------------------------------------------------------------------------ training
 
 
+@closes_runs  # the run directory's lock released however train() ends; a failed start leaves nothing
 def train(cfg: Config) -> dict:
+    from mmrl.core.multi_reward import multi_reward_advantages
     from mmrl.diffusion.models import load_flow_model
-    from mmrl.diffusion.scoring import load_reward_fn
+    from mmrl.diffusion.scoring import component_scores, load_reward_fn, reward_weights
     from mmrl.pipelines.data import PromptSampler, load_prompts
     from mmrl.training import summarise
     from mmrl.vlm.policy import build_policy, rl_parameters
@@ -257,12 +266,14 @@ def train(cfg: Config) -> dict:
     optimizer, lr_sched = build_optimizer(params, cfg.optim, total_steps=updates)
     sampler = PromptSampler(train_items, seed=cfg.seed)
     stateful = {"optimizer": optimizer, "lr_scheduler": lr_sched, "data": sampler}
+    judges = build_judges(cfg.log, run.device, stateful)  # log.judges: scored on the eval renders
     start, _ = restore_checkpoint(ctx, run, states, stateful)
     loss_fn = PolicyGradientLoss(al.policy_loss, al.clip_low, al.clip_high, 0.0, al.loss_agg, ro.max_new_tokens,
                                  al.entropy_coef, al.kl.coef, al.kl.estimator, False)
     guard = UpdateGuard(up.max_skipped_updates, ctx, run)
     if start == 0 and ctx.is_main and eval_items:  # before training: the rewriter, the identity and the intents
-        first = evaluate(cfg, engine, processor, renderer, reward_fn, eval_items, run, 0, baselines=True)
+        first = evaluate(cfg, engine, processor, renderer, reward_fn, eval_items, run, 0, baselines=True,
+                         judges=judges)  # (also the judges' baseline)
         summary.update({f"first/{k}": v for k, v in first.items()})
         print(f"[prompt_rewriter] before RL: {first}", flush=True)
     bar = run.progress(cfg.train.max_steps, start)
@@ -297,7 +308,15 @@ def train(cfg: Config) -> dict:
             scores_t = torch.where(finite, scores, torch.zeros_like(scores))
             # ---- 4. advantages over all ranks' rewards (a non-finite reward: advantage 0, no gradient)
             r_all, g_all = ctx.gather_group_rewards(scores_t, groups, scope="rank")
-            adv = ctx.local_slice(get_advantage_estimator(al.advantage)(r_all, g_all)) * finite
+            estimator = get_advantage_estimator(al.advantage)
+            if cfg.reward.aggregation == "normalise_then_sum":  # GDPO: each component in its own groups
+                comps = torch.nan_to_num(component_scores(reward_fn, out), nan=0.0, posinf=0.0, neginf=0.0)
+                adv_all = multi_reward_advantages(ctx.all_gather_tensor(comps), reward_weights(reward_fn),
+                                                  lambda x: estimator(x, g_all), cfg.reward.aggregation,
+                                                  mask=ctx.all_gather_tensor(finite.float()).bool())
+            else:
+                adv_all = estimator(r_all, g_all)
+            adv = ctx.local_slice(adv_all) * finite
             metrics.update(finite_stats(ctx.all_gather_tensor(scores)))
             for k in getattr(reward_fn, "components", {}):
                 metrics[f"reward/{k}"] = ctx.all_gather_tensor(torch.as_tensor(out.details[k]).float().cpu()).mean()
@@ -340,7 +359,8 @@ def train(cfg: Config) -> dict:
         if ctx.is_main and eval_items and ((cfg.log.eval_every and step % cfg.log.eval_every == 0)
                                            or step == cfg.train.max_steps):
             with timer("eval"):
-                metrics.update(evaluate(cfg, engine, processor, renderer, reward_fn, eval_items, run, step))
+                metrics.update(evaluate(cfg, engine, processor, renderer, reward_fn, eval_items, run, step,
+                                        judges=judges))
         metrics.update(timer.pop())
         metrics["time/step_s"] = t_step.times["step"]
         if ctx.is_main:
@@ -349,6 +369,8 @@ def train(cfg: Config) -> dict:
         bar.set_postfix(reward=f"{float(metrics['reward/mean']):.3f}")
         if checkpoint_due(cfg, step):
             save_checkpoint(ctx, run, step, states, stateful)
+        if stop_for_hacking(ctx, run, step, judges, states, stateful, False):  # log.hacking.stop
+            break
     bar.close()
     ctx.close()
     if not ctx.is_main:
@@ -413,10 +435,11 @@ def save_rewrites(run: Any, step: int, name: str, images: torch.Tensor, users: l
 
 @torch.no_grad()
 def evaluate(cfg: Config, engine: Any, processor: Any, renderer: Any, reward_fn: Any, items: list, run: Any,
-             step: int, baselines: bool = False) -> dict[str, float]:
+             step: int, baselines: bool = False, judges: Any = None) -> dict[str, float]:
     """Greedy rewrites of the eval prompts, rendered from fixed noise (generator seeded with the run's seed, one noise
     per prompt) and scored: {"eval/reward/mean", "eval/reward/<component>", ...}; with `baselines` also the user
-    prompts as they are (eval/identity/...) and the intents (eval/intent/..., with reward.intent_key). The global RNG
+    prompts as they are (eval/identity/...) and the intents (eval/intent/..., with reward.intent_key); with a
+    `JudgePanel` (`log.judges`) every judge on the rewriter's renders and the reward-hacking rule. The global RNG
     is forked: evaluating changes no training number."""
     from mmrl.vlm.rollout import SamplingParams
 
@@ -439,6 +462,9 @@ def evaluate(cfg: Config, engine: Any, processor: Any, renderer: Any, reward_fn:
             out[f"eval/{prefix}reward/mean"] = float(o.scores.float().mean())
             for k in getattr(reward_fn, "components", {}):
                 out[f"eval/{prefix}reward/{k}"] = float(torch.as_tensor(o.details[k]).float().mean())
+            if prefix == "" and judges is not None:
+                out.update(judges.observe(step, o.scores, images=images, prompts=targets,
+                                          metadata=[it.metadata for it in items]))
             if prefix == "":
                 save_rewrites(run, step, f"eval_step_{step:06d}", images, users, prompts, o.scores.float(),
                               cfg.log.num_samples)
