@@ -9,8 +9,11 @@ shapes detector's colour and background checks against the intent) rises for tha
 
     python -m mmrl.joint.synonyms assets/prompts    # writes rewriter_train.jsonl, rewriter_eval.jsonl (tested)
 
-Split as the shapes captions: intents with index % 7 == 3 (of the sorted (colour, kind, background) list) are held
-out, so evaluation asks for colour pairs and shapes never seen together in training.
+Split: an intent (shape colour c, kind k, background b) is held out when (c + 2 k + 3 b) % 7 == 3 (indices into
+COLORS / KINDS): every background and shape colour appears in both splits, and evaluation asks for combinations never
+seen together in training. The evaluation file lists one synonym variant of every held-out intent before the next
+variant, so its first N prompts (`log.eval_max_prompts`) cover N different intents; a rewriter that names one colour
+for every prompt scores about 1/7 of what naming the right one does.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pathlib import Path
 
 from mmrl.pipelines.shapes import COLORS, KINDS
 
-__all__ = ["SYNONYMS", "intents", "user_prompts", "write_files"]
+__all__ = ["SYNONYMS", "held_out", "intents", "user_prompts", "write_files"]
 
 # two words per renderer colour, none of them in the tiny tokenizers' vocabulary (mmrl.tiny.vocab.CORPUS_WORDS)
 SYNONYMS: dict[str, tuple[str, str]] = {
@@ -45,15 +48,21 @@ def user_prompts(split: str) -> list[dict]:
     split with the four combinations of its colours' synonyms."""
     if split not in ("train", "eval"):
         raise ValueError(f"split: expected 'train' or 'eval', got {split!r}")
-    rows = []
-    for i, (c, k, b) in enumerate(intents()):
-        if (i % 7 == 3) != (split == "eval"):
+    variants: list[list[dict]] = [[], [], [], []]  # one list per synonym combination
+    for c, k, b in intents():
+        if (held_out(c, k, b)) != (split == "eval"):
             continue
         intent = f"{_article(c)} {c} {k} on {_article(b)} {b} background"
-        for sc in SYNONYMS[c]:
-            for sb in SYNONYMS[b]:
-                rows.append({"prompt": f"{_article(sc)} {sc} {k} on {_article(sb)} {sb} background", "intent": intent})
-    return rows
+        for j, (sc, sb) in enumerate((sc, sb) for sc in SYNONYMS[c] for sb in SYNONYMS[b]):
+            variants[j].append({"prompt": f"{_article(sc)} {sc} {k} on {_article(sb)} {sb} background",
+                                "intent": intent})
+    return [row for rows in variants for row in rows]
+
+
+def held_out(colour: str, kind: str, background: str) -> bool:
+    """Whether the intent (colour, kind, background) is in the evaluation split (module docstring)."""
+    colours, kinds = list(COLORS), list(KINDS)
+    return (colours.index(colour) + 2 * kinds.index(kind) + 3 * colours.index(background)) % 7 == 3
 
 
 def write_files(folder: str | Path) -> list[Path]:

@@ -67,8 +67,11 @@ def test_demo_data_files_are_the_generator_output(tmp_path):
     for path in write_files(tmp_path):
         assert path.read_bytes() == (REPO / "assets/prompts" / path.name).read_bytes(), path.name
     rows = user_prompts("eval")
-    assert rows[0] == {"prompt": "an ebony circle on a violet background", "intent": "a black circle on a purple "
-                                                                                      "background"}
+    assert rows[0] == {"prompt": "an ebony circle on a snowy background", "intent": "a black circle on a white "
+                                                                                     "background"}
+    # the first 24 evaluation prompts are the 24 held-out intents, covering every background colour
+    first = [r["intent"] for r in rows[:24]]
+    assert len(set(first)) == 24 and {i.split(" on ")[1].split()[1] for i in first} == set(SYNONYMS)
     # every intent colour pair appears with all four synonym pairs; train and eval intents are disjoint
     assert len(user_prompts("train")) == 4 * 144 and len(rows) == 4 * 24
     assert not {r["intent"] for r in rows} & {r["intent"] for r in user_prompts("train")}
@@ -110,8 +113,12 @@ def test_render_shares_noise_within_a_group(tiny):
 
 
 def test_short_run(tmp_path, tiny):
+    """Two reward components normalised separately (GDPO) and a judge never trained on (log.judges)."""
     out = tmp_path / "run"
-    summary = train(_cfg(out, tiny))
+    comps = {"background": {"reward": "prompt_color", "target": "background", "weight": 1.0},
+             "shape_colour": {"reward": "prompt_color", "target": "shape", "weight": 0.5}}
+    summary = train(_cfg(out, tiny, reward={"components": comps, "aggregation": "normalise_then_sum"},
+                         log={"judges": {"shape_judge": {"reward": "prompt_color", "target": "shape"}}}))
     rows = metrics_rows(out)
     assert [r["step"] for r in rows] == [1, 2]
     keys = sorted({k for r in rows for k in r})
@@ -121,6 +128,8 @@ def test_short_run(tmp_path, tiny):
         assert key in keys, key
     assert all(r["diag/logprob_drift"] < 1e-4 for r in rows)  # the engine's log-probs are the trainer's
     assert "eval/reward/mean" in rows[-1]  # the last step always evaluates
+    assert "reward/shape_colour" in keys and math.isfinite(rows[-1]["eval/judge/shape_judge"])
+    assert "eval/judge/shape_judge/delta" in rows[-1]  # compared with its baseline, scored before training
     # before training: the rewriter, the user prompts as they are, and the intents (what a perfect rewriter reaches)
     for key in ("first/eval/reward/mean", "first/eval/identity/reward/mean", "first/eval/intent/reward/mean"):
         assert math.isfinite(summary[key]), key
