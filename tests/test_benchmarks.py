@@ -186,6 +186,9 @@ def test_compare_diffusion_algos_quick_mode_runs_every_algorithm_over_three_seed
             assert [step for step, _, _ in v["curve"]] == [1, 2], (n, seed)  # evaluated every step
             assert v["cpu_s"] > 0 and v["train_evals"] > 0
         assert (tmp_path / f"{n}_s0" / "metrics.jsonl").is_file()
-    # Flow-GRPO reaches its own target in every seed; its ratio to itself is exactly 1
-    assert s["flow_grpo"]["reached_cpu_s"] == "3/3" and s["flow_grpo"]["speedup_cpu_s"] == (1.0, 0.0)
+    # Flow-GRPO reaches its own target in every seed; its ratio to itself is exactly 1 where it took time (a target
+    # the starting model already meets is reached at 0 s: no ratio)
+    assert s["flow_grpo"]["reached_cpu_s"] == "3/3"
+    if any(v["ttt_cpu_s"] > 0 for v in s["flow_grpo"]["seeds"].values()):
+        assert s["flow_grpo"]["speedup_cpu_s"] == (1.0, 0.0)
     assert (tmp_path / "compare_diffusion_algos.png").is_file() and (tmp_path / "summary.json").is_file()
