@@ -37,7 +37,8 @@ BENCHMARKS: dict[str, list[str]] = {
     "rewards_throughput": ["--threads", "1"],
     "vlm_step": ["--part", "all", "--threads", "1"],
     "reward_overlap": ["--threads", "1"],
-    "compare_diffusion_algos": ["--out", "runs/compare_diffusion/{stamp}"],
+    # the reduced pass (3 seeds x 21 steps x 5 algorithms, ~13 CPU minutes); the full table: docs/performance.md
+    "compare_diffusion_algos": ["--reduced", "--out", "runs/compare_diffusion/{stamp}"],
     "families": ["--threads", "1"],
     # a rollout process beside the trainer vs the synchronous loop with 2 and with 1 thread (sets its own threads)
     "async_rollout": ["--out", "runs/bench_async/{stamp}"],

@@ -28,8 +28,10 @@ RECIPES: dict[str, str] = {
     "dpo": "mmrl.diffusion.dpo",
     "nft": "mmrl.diffusion.nft",
     "awm": "mmrl.diffusion.awm",
+    "dgpo": "mmrl.diffusion.dgpo",
     "vlm_grpo": "mmrl.vlm.grpo",
     "vlm_multiturn": "mmrl.vlm.multiturn",
+    "prompt_rewriter": "mmrl.joint.rewriter",
 }
 
 

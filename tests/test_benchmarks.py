@@ -170,3 +170,49 @@ def test_async_rollout_quick_mode_runs_every_variant(tmp_path):
         rows = [json.loads(x) for x in (tmp_path / "bench" / "vlm_grpo" / variant / "metrics.jsonl").read_text()
                 .splitlines() if x.strip()]
         assert [r["rollout/staleness/max"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+def test_compare_diffusion_algos_time_to_target_and_speedups_by_hand():
+    cmp = load_script("compare_diffusion_algos")
+    curve = [(0.0, -1.0), (10.0, -0.8), (20.0, -0.4), (30.0, -0.5)]
+    assert cmp.time_to_target(curve, -0.6) == pytest.approx(15.0)  # between (10, -0.8) and (20, -0.4)
+    assert cmp.time_to_target(curve, -1.2) == 0.0 and cmp.time_to_target(curve, -0.3) is None
+    assert cmp.mean_std([2.0, 4.0]) == (3.0, pytest.approx(2 ** 0.5)) and cmp.mean_std([5.0]) == (5.0, 0.0)
+
+    def rows(evals):  # one metrics row per step: (cpu s, held-out eval or None)
+        return [{"step": i + 1, "reward/mean": 0.0, "eval/reward/mean": e, "bench/cpu_s": c, "bench/wall_s": 2 * c,
+                 "bench/train_evals": 10 * c} for i, (c, e) in enumerate(evals)]
+
+    runs = {"flow_grpo": {0: rows([(10, -0.9), (20, -0.7), (30, -0.5), (40, -0.5)]),
+                          1: rows([(10, -0.8), (20, -0.6), (30, -0.6), (40, -0.4)])},
+            "fast": {0: rows([(5, -0.5), (10, -0.3), (15, None), (20, -0.2)]),
+                     1: rows([(5, -0.9), (10, -0.9), (15, -0.9), (20, -0.9)])}}
+    s = cmp.summarise(runs, {0: -1.0, 1: -1.0})
+    assert s["targets"] == {0: -0.5, 1: pytest.approx(-0.5)}  # mean of Flow-GRPO's last two evals per seed
+    # seed 0: Flow-GRPO reaches -0.5 at 30 s, "fast" at 5 s -> 6x; seed 1: Flow-GRPO between (30, -0.6) and (40, -0.4)
+    # = 35 s, "fast" never -> one seed, reported as 1/2 reached
+    assert s["flow_grpo"]["seeds"][1]["ttt_cpu_s"] == pytest.approx(35.0)
+    assert s["fast"]["seeds"][0]["ttt_cpu_s"] == 5.0 and s["fast"]["seeds"][1]["ttt_cpu_s"] is None
+    assert s["fast"]["speedup_cpu_s"] == (6.0, 0.0) and s["fast"]["reached_cpu_s"] == "1/2"
+    assert s["fast"]["speedup_train_evals"] == (6.0, 0.0)  # the same curve on the T-eval clock (x10)
+    assert s["flow_grpo"]["speedup_cpu_s"] == (1.0, 0.0) and s["flow_grpo"]["reached_cpu_s"] == "2/2"
+    with pytest.raises(SystemExit, match="unknown algorithm"):
+        cmp.main(["--only", "sdxl_dpo"])
+    assert "compare_diffusion_algos" in load_script("run_all").BENCHMARKS
+
+
+@pytest.mark.slow
+def test_compare_diffusion_algos_quick_mode_runs_every_algorithm_over_three_seeds(tmp_path):
+    cmp = load_script("compare_diffusion_algos")
+    s = cmp.main(["--quick", "--out", str(tmp_path)])
+    names = cmp.QUICK["algos"]
+    assert set(names) <= set(s) and sorted(s["targets"]) == [0, 1, 2]
+    for n in names:
+        for seed, v in s[n]["seeds"].items():
+            assert [step for step, _, _ in v["curve"]] == [1, 2], (n, seed)  # evaluated every step
+            assert v["cpu_s"] > 0 and v["train_evals"] > 0
+        assert (tmp_path / f"{n}_s0" / "metrics.jsonl").is_file()
+    # Flow-GRPO reaches its own target in every seed; its ratio to itself is exactly 1 where it took time (a target
+    # the starting model already meets is reached at 0 s: no ratio)
+    assert s["flow_grpo"]["reached_cpu_s"] == "3/3"
+    if any(v["ttt_cpu_s"] > 0 for v in s["flow_grpo"]["seeds"].values()):
+        assert s["flow_grpo"]["speedup_cpu_s"] == (1.0, 0.0)
+    assert (tmp_path / "compare_diffusion_algos.png").is_file() and (tmp_path / "summary.json").is_file()

@@ -385,7 +385,7 @@ def test_eval_errors_are_one_line(tmp_path, capsys):
     _one_line_error(capsys, ["eval", cfg, "--checkpoint", str(tmp_path / "run" / "checkpoints" / "step_3")],
                     "incomplete")
     _one_line_error(capsys, ["eval", str(REPO / "configs" / "vlm" / "grpo_tiny_shapes.yaml")],
-                    "mmrl eval supports diffusion configs (awm, dpo, flow_grpo, nft")
+                    "mmrl eval supports diffusion configs (awm, dgpo, dpo, flow_grpo, nft")
     _one_line_error(capsys, ["eval", cfg, "data.eval_prompts="], "no evaluation prompts")
     _one_line_error(capsys, ["eval", cfg, "--prompts", str(tmp_path / "p.txt")], "prompt file not found")
     _one_line_error(capsys, ["eval", cfg, "--state", "old"], "--state old needs --checkpoint")

@@ -131,6 +131,40 @@ def test_mmrl_imports_have_no_circle_even_through_function_level_imports():
     assert cycles(_union(edges["module"], edges["function"])) == []
 
 
+# ---- the dependency rules of ARCHITECTURE.md (module- and function-level imports alike): core/ imports no other
+# mmrl layer; rewards/, pipelines/, adapters/ never import a trainer family; diffusion/ and vlm/ never import each
+# other nor joint/, the package above both (which imports both)
+
+
+def _imports(prefix: str) -> set[str]:
+    edges = import_edges(module_files())
+    graph = _union(edges["module"], edges["function"])
+    return {b for a, targets in graph.items() if a == prefix or a.startswith(prefix + ".") for b in targets}
+
+
+def _layer(name: str) -> str:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_trainer_families_never_import_each_other_or_joint():
+    for family, others in (("mmrl.diffusion", {"vlm", "joint"}), ("mmrl.vlm", {"diffusion", "joint"})):
+        bad = sorted(b for b in _imports(family) if _layer(b) in others)
+        assert not bad, f"{family} imports {bad}"
+
+
+def test_joint_sits_above_both_families():
+    layers = {_layer(b) for b in _imports("mmrl.joint")}
+    assert {"vlm", "diffusion"} <= layers
+
+
+def test_shared_layers_never_import_a_trainer_family():
+    for shared in ("mmrl.rewards", "mmrl.pipelines", "mmrl.core", "mmrl.adapters"):
+        bad = sorted(b for b in _imports(shared) if _layer(b) in {"vlm", "diffusion", "joint"})
+        assert not bad, f"{shared} imports {bad}"
+    assert {_layer(b) for b in _imports("mmrl.core")} <= {"core"}
+
+
 if __name__ == "__main__":  # python tests/test_import_graph.py: print today's circles
     e = import_edges(module_files())
     print("module level:", cycles(e["module"]))

@@ -219,13 +219,16 @@ def ode_images(model: Any, states: Any, state: str, reward_fn: Any, items: Seque
                guidance_scale: float, height: int, width: int, batch_size: int = 8, seed: int = 0):
     """(images [N, 3, H, W] (videos [N, F, 3, H, W]), final latents [N, ...], scores [N] or None without a reward,
     component scores {name: [N]}): one deterministic (ODE) image per item with policy state `state`, from the same
-    initial noise every time it is called."""
+    initial noise every time it is called. The global RNG streams (CPU, and the model's CUDA device) are forked:
+    whatever a reward or the sampler draws from them here, training continues exactly as if no evaluation had run
+    (how often one evaluates changes no training number)."""
     from mmrl.diffusion.conditioning import encode_items
     from mmrl.diffusion.sampling import sample_groups
 
     gen = torch.Generator(device=model.device).manual_seed(seed + 12345)
     images, finals, scores, details = [], [], [], defaultdict(list)
-    with states.use(state):
+    cuda = [model.device] if torch.device(model.device).type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda), states.use(state):
         for lo in range(0, len(items), max(1, batch_size)):
             chunk = items[lo:lo + batch_size]
             emb = encode_items(model, chunk, height, width)  # + source images (edit models)
@@ -270,8 +273,10 @@ def evaluate_ode(model: Any, states: Any, state: str, reward_fn: Any, items: Seq
     metrics.update({f"eval/reward/{k}": v.mean().item() for k, v in details.items()})
     metrics.update(sample_statistics(images, finals, prefix="eval/sample/"))
     if judges is not None:
-        metrics.update(judges.observe(step, s, images=images, prompts=[it.prompt for it in items],
-                                      metadata=[it.metadata for it in items]))
+        cuda = [images.device] if images.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):  # a judge that samples leaves the training RNG untouched
+            metrics.update(judges.observe(step, s, images=images, prompts=[it.prompt for it in items],
+                                          metadata=[it.metadata for it in items]))
     return metrics
 
 
@@ -283,7 +288,7 @@ def evaluator(model: Any, states: Any, state: str, reward_fn: Any, items: Sequen
 
     s = cfg.rollout
     return partial(evaluate_ode, model, states, state, reward_fn, items, num_steps=s.eval_num_steps,
-                   guidance_scale=s.eval_guidance_scale, height=s.height, width=s.width,
+                   guidance_scale=s.eval_guidance_scale, height=s.eval_hw[0], width=s.eval_hw[1],
                    batch_size=max(1, cfg.update.micro_batch_size), seed=cfg.seed, num_images=cfg.log.num_samples,
                    judges=judges)
 

@@ -101,13 +101,24 @@ class RolloutConfig:
     """ODE steps for evaluation."""
     eval_guidance_scale: float = 4.5
     """Guidance for evaluation."""
+    eval_height: int = 0
+    """Evaluation image height; 0 = `height`. Train at a lower resolution than you evaluate at (fewer latent
+    tokens per rollout and update) by setting height/width below eval_height/eval_width."""
+    eval_width: int = 0
+    """Evaluation image width; 0 = `width`."""
 
     def __post_init__(self) -> None:
         # sizes that would otherwise fail deep inside a step (IndexError, empty torch.cat, negative shapes)
         for key, least in (("prompts_per_step", 1), ("height", 1), ("width", 1), ("num_frames", 1), ("num_steps", 1),
-                           ("eval_num_steps", 1), ("micro_batch_size", 0), ("group_size", 1)):
+                           ("eval_num_steps", 1), ("micro_batch_size", 0), ("group_size", 1), ("eval_height", 0),
+                           ("eval_width", 0)):
             if getattr(self, key) < least:
                 raise ValueError(f"rollout.{key}: expected >= {least}, got {getattr(self, key)}")
+
+    @property
+    def eval_hw(self) -> tuple[int, int]:
+        """(height, width) of evaluation images: eval_height/eval_width, or the training size where 0."""
+        return self.eval_height or self.height, self.eval_width or self.width
 
     @property
     def batch(self) -> int:

@@ -83,6 +83,18 @@ class RolloutConfig(AsyncRolloutFields, dc.RolloutConfig):  # + worker, max_stal
     """Flow-GRPO-Fast: SDE only on this many consecutive steps (0 = all steps stochastic)."""
     window_range: list[int] = field(default_factory=list)
     """[lo, hi): where the window may start/end (random start each step); empty = [0, num_steps]."""
+    window_schedule: Literal["random", "progressive"] = "random"
+    """How the SDE window moves between steps: `random` (Flow-GRPO-Fast: a uniform start in window_range) or
+    `progressive` (MixGRPO: from window_range's start, window_move_by steps later every window_move_every steps,
+    back to the start after the end; `mmrl.diffusion.mixgrpo`)."""
+    window_move_every: int = 25
+    """progressive: RL steps the window stays at one position (MixGRPO: 25; MixGRPO-Flash: 20)."""
+    window_move_by: int = 1
+    """progressive: steps the window moves each time (MixGRPO: 1; 0 = a fixed window, MixGRPO-Flash*)."""
+    ode_solver: Literal["euler", "dpm2"] = "euler"
+    """Solver of the deterministic steps after the SDE window: `euler` or `dpm2` (DPM-Solver++(2M), MixGRPO-Flash)."""
+    ode_compress: float = 1.0
+    """With a window: keep this fraction of the schedule's points after it (MixGRPO-Flash: 0.4, Flash*: 0.2)."""
     timestep_fraction: float = 0.99
     """Without a window: train on the first int(num_steps * fraction) steps."""
     same_noise: bool = False
@@ -112,6 +124,12 @@ class RolloutConfig(AsyncRolloutFields, dc.RolloutConfig):  # + worker, max_stal
             raise ValueError(f"rollout.noise_level must be > 0 for training rollouts, got {self.noise_level}")
         if self.window_size < 0:
             raise ValueError(f"rollout.window_size: expected >= 0, got {self.window_size}")
+        if (self.window_schedule == "progressive" or self.ode_compress != 1.0) and self.window_size < 1:
+            raise ValueError(f"rollout.window_schedule={self.window_schedule} / rollout.ode_compress={self.ode_compress}"
+                             f" need an SDE window: set rollout.window_size >= 1")
+        if not 0 < self.ode_compress <= 1 or self.window_move_every < 1 or self.window_move_by < 0:
+            raise ValueError(f"rollout.ode_compress in (0, 1], window_move_every >= 1, window_move_by >= 0 expected; "
+                             f"got {self.ode_compress}, {self.window_move_every}, {self.window_move_by}")
 
 
 @dataclass
@@ -261,7 +279,7 @@ def train(cfg: Config) -> dict:
             # ---- 1./2. rollout: G samples per prompt, prompts encoded once (this rank's share of the prompts), and
             # rewards (weighted sum; each component logged; several ranks: means over all samples)
             if pipe is None:
-                roll = rollout_and_score(cfg, model, encode, sampler, ctx, reward_fn, scorer, timer,
+                roll = rollout_and_score(cfg, model, encode, sampler, ctx, reward_fn, scorer, timer, step,
                                          window_generator(cfg, ctx.world_size, step))
             else:  # made by the rollout process with the weights after update step-1-max_staleness
                 roll, async_metrics = pipe.next(step)
@@ -269,7 +287,7 @@ def train(cfg: Config) -> dict:
                 evals.count += roll.transformer_evals
             traj, prompts, scores = roll.traj, roll.prompts, roll.scores
             metrics.update(reduce_reward_metrics(ctx, roll.reward_metrics))
-            metrics.update(roll.sample_metrics)  # diag/sample/*
+            metrics.update(roll.sample_metrics)  # diag/sample/*, rollout/window_start, rollout/num_steps
 
             # ---- 3. advantages: per-prompt normalisation over all ranks' rewards (reward.aggregation), clipping,
             # zero advantages dropped

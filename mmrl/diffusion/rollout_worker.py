@@ -38,7 +38,8 @@ class FlowRollout:
     components: torch.Tensor
     """Raw scores [b, K] of the reward's components (`component_scores`)."""
     sample_metrics: dict[str, float]
-    """`diag/sample/*` of this rank's samples (`sample_statistics`)."""
+    """`diag/sample/*` of this rank's samples (`sample_statistics`), `rollout/num_steps` and (with an SDE window)
+    `rollout/window_start`."""
     transformer_evals: int = 0
     """Transformer evaluations made by a rollout process (added to the trainer's `cost/transformer_evals`)."""
 
@@ -51,7 +52,14 @@ def rollout_kwargs(s: Any, a: Any) -> dict[str, Any]:
                 timestep_fraction=s.timestep_fraction, same_noise=s.same_noise,
                 batch_size=s.micro_batch_size or None,
                 autocast_dtype=torch.bfloat16 if s.precision == "bf16" else None,
+                ode_solver=s.ode_solver, ode_compress=s.ode_compress,
                 record_means=a.ratio_norm == "grpo_guard" and a.old_logprobs == "rollout")
+
+
+def window_range(s: Any) -> tuple[int, int]:
+    """[lo, hi) the progressive window moves in: rollout.window_range, or all steps."""
+    lo, hi = s.window_range if s.window_range else (0, s.num_steps)
+    return lo, min(hi, s.num_steps)
 
 
 def window_generator(cfg: Any, world: int, step: int) -> torch.Generator | None:
@@ -62,11 +70,12 @@ def window_generator(cfg: Any, world: int, step: int) -> torch.Generator | None:
 
 
 def rollout_and_score(cfg: Any, model: Any, encode: Any, sampler: Any, shards: Any, reward_fn: Any, scorer: Any,
-                      timer: Any, window_gen: torch.Generator | None = None) -> FlowRollout:
+                      timer: Any, step: int, window_gen: torch.Generator | None = None) -> FlowRollout:
     """Rollout and rewards of one step (module docstring). `shards`: a `DistContext` (its `shard` picks this rank's
     prompts); `scorer`: an `AsyncRewardScorer` or None."""
     from mmrl.diffusion.conditioning import encode_items
     from mmrl.diffusion.diagnostics import sample_statistics
+    from mmrl.diffusion.mixgrpo import progressive_window
     from mmrl.diffusion.scoring import component_scores, score_images
 
     s = cfg.rollout
@@ -76,14 +85,19 @@ def rollout_and_score(cfg: Any, model: Any, encode: Any, sampler: Any, shards: A
         rows = [i for i in range(len(items)) for _ in range(s.group_size)]  # sample -> prompt (traj order)
         prompts, metadata = [items[i].prompt for i in rows], [items[i].metadata for i in rows]
         on_images = (lambda lo, hi, im: scorer.submit(im, prompts[lo:hi], metadata[lo:hi])) if scorer else None
+        window = progressive_window(step, s.window_size, s.window_move_every, s.window_move_by,
+                                    *window_range(s)) if s.window_schedule == "progressive" else None
         traj = sample_groups(model, embeds, s.group_size, window_generator=window_gen, on_images=on_images,
-                             **rollout_kwargs(s, cfg.algo))
+                             window=window, **rollout_kwargs(s, cfg.algo))
+        step_metrics = {"rollout/num_steps": len(traj.sigmas) - 1}
+        if s.window_size:
+            step_metrics["rollout/window_start"] = int(traj.train_steps[0]) if len(traj.train_steps) else -1
     with timer("reward"):
         out = scorer.output() if scorer else reward_fn(images=traj.images, prompts=prompts, metadata=metadata)
         scores, reward_metrics = score_images(reward_fn, traj.images, prompts, metadata,
                                               on_nonfinite=cfg.reward.on_nonfinite, out=out)
     return FlowRollout(traj, prompts, metadata, scores, reward_metrics, component_scores(reward_fn, out),
-                       sample_statistics(traj.images, traj.latents[:, -1]))
+                       {**step_metrics, **sample_statistics(traj.images, traj.latents[:, -1])})
 
 
 class FlowGRPOProducer:
@@ -128,6 +142,6 @@ class FlowGRPOProducer:
 
         timer, before = Timer(), self.evals.count
         roll = rollout_and_score(self.cfg, self.model, self.encode, self.data, self.shards, self.reward_fn,
-                                 self.scorer, timer, window_generator(self.cfg, self.shards.world_size, step))
+                                 self.scorer, timer, step, window_generator(self.cfg, self.shards.world_size, step))
         roll.transformer_evals = self.evals.count - before
         return roll, timer.pop()

@@ -12,6 +12,13 @@ every other step is a deterministic Euler (ODE) step, and only the window's step
 Without a window every step is stochastic and the first `int(num_steps * timestep_fraction)` steps are
 trained on (Flow-GRPO: 0.99 of 10 steps = the first 9, i.e. all but the last).
 
+MixGRPO (`mmrl.diffusion.mixgrpo`): `window=(start, end)` fixes the window (its progressive schedule is computed by
+the recipe from the RL step); `ode_solver="dpm2"` integrates the deterministic steps after the last SDE step (all
+steps when none is stochastic) with DPM-Solver++(2M) instead of Euler (steps before the window stay Euler, as
+MixGRPO's sampler); `ode_compress < 1` replaces the schedule after the window by one with that fraction of its
+points (MixGRPO-Flash), so the trajectory has fewer steps than `num_steps` (`Trajectory.sigmas` holds the schedule
+that was used).
+
 Randomness comes from one `torch.Generator` (or the global RNG) and is drawn up front in a fixed
 order (initial noise, window position, per-step noise), so the result does not depend on the
 rollout micro-batch size.
@@ -36,7 +43,7 @@ from typing import Callable
 import torch
 
 from mmrl.diffusion.models import FlowModel, PromptEmbeds
-from mmrl.diffusion.sde import StepOutput, ode_step, sde_step_with_logprob
+from mmrl.diffusion.sde import StepOutput, dpm_solver_2m_step, ode_step, sde_step_with_logprob
 
 Tensor = torch.Tensor
 
@@ -82,6 +89,7 @@ def sde_window(num_steps: int, window_size: int, window_range: tuple[int, int] |
 
 
 CFG_GRAD_MODES = ("both", "cond_only")
+ODE_SOLVERS = ("euler", "dpm2")
 
 
 def _autocast(device: torch.device, dtype: torch.dtype | None):
@@ -150,6 +158,10 @@ def sample_groups(
     window_generator: torch.Generator | None = None,
     on_images: Callable[[int, int, torch.Tensor], None] | None = None,
     autocast_dtype: torch.dtype | None = None,
+    window: tuple[int, int] | None = None,
+    ode_solver: str = "euler",
+    ode_compress: float = 1.0,
+    initial_noise: torch.Tensor | None = None,
     record_means: bool = False,
 ) -> Trajectory:
     """Roll out `group_size` samples for each of the P prompts in `embeds` (encoded once, reused).
@@ -163,8 +175,16 @@ def sample_groups(
     a reward can score them while the next micro-batch is sampled; the result does not change.
     autocast_dtype: run the transformer forwards under `torch.autocast` at this dtype (a lower-precision rollout
     engine, e.g. bfloat16); the SDE math, the log-probs and the VAE decode stay in float32 / the model's dtype.
+    window: [start, end) of the SDE window, given instead of drawn (MixGRPO's progressive schedule; needs
+    noise_level > 0); window_size/window_range are then not used.
+    ode_solver: `euler` or `dpm2` (DPM-Solver++(2M)) for the deterministic steps after the last SDE step.
+    ode_compress: < 1 keeps that fraction of the schedule's points after the window (`mixgrpo.compressed_sigmas`).
+    initial_noise: [P * G, ...] initial latents used instead of drawing them (e.g. different prompts rendered from
+    the same noise); the generator then draws only the window and the step noise.
     record_means: also keep every stochastic step's Gaussian mean (`Trajectory.means`; memory as `latents`).
     """
+    if ode_solver not in ODE_SOLVERS:
+        raise ValueError(f"ode_solver: expected one of {list(ODE_SOLVERS)}, got {ode_solver!r}")
     p = len(embeds)
     b = p * group_size
     device = model.device
@@ -172,15 +192,22 @@ def sample_groups(
     prompt_index = torch.arange(p).repeat_interleave(group_size)
 
     # --- all randomness up front, in a fixed order
-    if same_noise:
+    if initial_noise is not None:
+        want = (b, *model.initial_noise(1, height, width, torch.Generator(device=device)).shape[1:])
+        if tuple(initial_noise.shape) != want:
+            raise ValueError(f"initial_noise: expected shape {want}, got {tuple(initial_noise.shape)}")
+        x0 = initial_noise.to(device, torch.float32)
+    elif same_noise:
         x0 = model.initial_noise(p, height, width, generator)[prompt_index.to(device)]
     else:
         x0 = model.initial_noise(b, height, width, generator)
     sde_mask = torch.zeros(num_steps, dtype=torch.bool)
+    if window is not None and not (noise_level > 0 and 0 <= window[0] < window[1] <= num_steps):
+        raise ValueError(f"sde window {window} does not fit num_steps={num_steps} (noise_level={noise_level})")
     if noise_level > 0:
-        if window_size > 0:
-            start, end = sde_window(num_steps, window_size, window_range,
-                                    window_generator if window_generator is not None else generator)
+        if window_size > 0 or window is not None:
+            start, end = window if window is not None else sde_window(
+                num_steps, window_size, window_range, window_generator if window_generator is not None else generator)
             sde_mask[start:end] = True
             train_steps = torch.arange(start, end)
         else:
@@ -193,6 +220,17 @@ def sample_groups(
         train_steps = torch.zeros(0, dtype=torch.long)
     sde_steps = sde_mask.nonzero().flatten().tolist()
     step_noise = torch.randn((b, len(sde_steps), *x0.shape[1:]), generator=generator, device=device) if sde_steps else None
+    last_sde = sde_steps[-1] if sde_steps else -1  # steps after it are the "post-window" ODE
+    if ode_compress < 1.0:  # MixGRPO-Flash: fewer points from the window's end to sigma = 0
+        from mmrl.diffusion.mixgrpo import compressed_sigmas, post_window_points
+
+        if not sde_steps:
+            raise ValueError("ode_compress < 1 compresses the ODE steps after an SDE window; this rollout has none")
+        tail = compressed_sigmas(float(sigmas[last_sde + 1]), post_window_points(num_steps - last_sde, ode_compress),
+                                 model.sigma_shift)
+        sigmas = torch.cat([sigmas[:last_sde + 1], tail])
+        num_steps = len(sigmas) - 1
+        sde_mask = torch.cat([sde_mask[:last_sde + 1], torch.zeros(num_steps - last_sde - 1, dtype=torch.bool)])
 
     latents = torch.empty((b, num_steps + 1, *x0.shape[1:]), dtype=torch.float32, device=device)
     log_probs = torch.zeros((b, num_steps), dtype=torch.float32, device=device)
@@ -204,19 +242,25 @@ def sample_groups(
         rows = slice(lo, min(b, lo + mb))
         emb = embeds.select(prompt_index[rows])
         x = latents[rows, 0]
+        prev_x0, prev_s = None, None  # the previous step's data prediction (DPM-Solver++(2M)'s history)
         with _autocast(device, autocast_dtype):  # no-op when None
             for i in range(num_steps):
                 s, s_next = sigmas[i].item(), sigmas[i + 1].item()
+                # the velocity of `step_log_prob` (guided_velocity, cfg_grad both = model.velocity): same values
+                v = guided_velocity(model, x, s, emb, guidance_scale=guidance_scale)
+                x_in = x
                 if sde_mask[i]:
-                    out = step_log_prob(model, x, None, s, s_next, emb, guidance_scale=guidance_scale,
-                                        noise_level=noise_level, sde_type=sde_type,
-                                        noise=step_noise[rows, sde_steps.index(i)])
+                    out = sde_step_with_logprob(x, v, s, s_next, noise_level=noise_level, sde_type=sde_type,
+                                                noise=step_noise[rows, sde_steps.index(i)])
                     x, log_probs[rows, i] = out.prev_sample, out.log_prob
                     if means is not None:
                         means[rows, i] = out.mean
+                elif ode_solver == "dpm2" and i > last_sde:
+                    x, _ = dpm_solver_2m_step(x, v, s, s_next, prev_x0, prev_s)
                 else:
-                    v = model.velocity(x, s, emb, guidance_scale=guidance_scale)
                     x = ode_step(x, v, s, s_next)
+                if ode_solver == "dpm2":
+                    prev_x0, prev_s = x_in.float() - s * v.float(), s
                 latents[rows, i + 1] = x
         if decode:  # this micro-batch's images now (the same chunks as decoding at the end would use)
             chunks.append(model.decode(latents[rows, -1], height, width))

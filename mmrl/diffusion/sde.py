@@ -78,6 +78,38 @@ def ode_step(sample: Tensor, velocity: Tensor, sigma: Sigma, sigma_next: Sigma) 
     return (x + dt * velocity).to(velocity.dtype)
 
 
+def dpm_solver_2m_step(sample: Tensor, velocity: Tensor, sigma: float, sigma_next: float,
+                       prev_x0: Tensor | None = None, sigma_prev: float | None = None) -> tuple[Tensor, Tensor]:
+    """Multistep DPM-Solver++(2M) ODE step x_sigma -> x_sigma_next (midpoint form); returns (x_next, x0_pred).
+
+    Rectified flow in DPM-Solver's terms: alpha = 1 - sigma, lambda = log(alpha / sigma), data prediction
+    x0 = x - sigma v. With h = lambda_next - lambda, r = (lambda - lambda_prev) / h, D0 = x0,
+    D1 = (x0 - prev_x0) / r:
+        x_next = (sigma_next / sigma) x - alpha_next (e^-h - 1) D0 - 0.5 alpha_next (e^-h - 1) D1
+    Without a previous prediction (`prev_x0` None), or into sigma_next = 0 (diffusers' lower-order final step), the
+    step is first order, x_next = (sigma_next / sigma) x + (1 - sigma_next / sigma) x0, which is exactly the Euler
+    step x + (sigma_next - sigma) v. Give the previous step's returned x0 as `prev_x0` (its sigma as `sigma_prev`);
+    sigma_prev = 1 (lambda = -inf) drops the correction (D1 = 0), as the formula's limit. fp32, like `ode_step`.
+    """
+    # source: diffusers DPMSolverMultistepScheduler (algorithm_type dpmsolver++, solver_type midpoint, flow sigmas:
+    # convert_model_output, multistep_dpm_solver_second_order_update); MixGRPO's copy, fastvideo/utils/
+    # sampling_utils.py dpm_step at Tencent-Hunyuan/MixGRPO@e5cdd6a (the "post" ODE of MixGRPO-Flash)
+    x = sample.to(torch.float32)
+    x0 = x - sigma * velocity.to(torch.float32)
+    if not 0.0 <= sigma_next < sigma <= 1.0:
+        raise ValueError(f"dpm_solver_2m_step: expected 0 <= sigma_next < sigma <= 1, got {sigma_next}, {sigma}")
+    ratio = sigma_next / sigma
+    x_next = ratio * x + (1.0 - ratio) * x0  # first order (= Euler)
+    if prev_x0 is not None and sigma_next > 0.0 and sigma_prev is not None and sigma_prev < 1.0:
+        if not sigma < sigma_prev:
+            raise ValueError(f"dpm_solver_2m_step: sigma_prev={sigma_prev} must be > sigma={sigma}")
+        lam = lambda s: math.log((1.0 - s) / s)  # noqa: E731
+        h, h_prev = lam(sigma_next) - lam(sigma), lam(sigma) - lam(sigma_prev)
+        d1 = (x0 - prev_x0.to(torch.float32)) * (h / h_prev)
+        x_next = x_next - 0.5 * (1.0 - sigma_next) * math.expm1(-h) * d1
+    return x_next.to(velocity.dtype), x0
+
+
 def sde_step_with_logprob(
     sample: Tensor,
     velocity: Tensor,

@@ -9,7 +9,8 @@ What it does, top to bottom:
      the EMA / old policy) or, without a checkpoint, the base model (plus `model.lora.init_path` when set: the
      policy a run starts from);
   2. deterministic ODE sampling (noise_level 0) of `samples_per_prompt` images per prompt with
-     `rollout.eval_num_steps` / `rollout.eval_guidance_scale` / `rollout.height` x `rollout.width`; prompt i's
+     `rollout.eval_num_steps` / `rollout.eval_guidance_scale` / `rollout.eval_height` x `rollout.eval_width` (0 = the
+     training `rollout.height` x `rollout.width`); prompt i's
      initial noise comes from its own generator seeded `seed * 1_000_003 + i`, so an image does not depend on
      which other prompts are evaluated;
   3. the images are rounded to 8 bits and saved (`images/p<i>_s<j>.png`); everything below scores those saved
@@ -240,9 +241,9 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
     bar = tqdm(total=len(items), desc="mmrl eval", unit="prompt", disable=os.environ.get("MMRL_NO_PROGRESS") == "1")
     for i, item in enumerate(items):
         gen = torch.Generator(device=model.device).manual_seed(prompt_seed(seed, i))
-        traj = sample_groups(model, encode_items(model, [item], s.height, s.width), samples_per_prompt,
-                             num_steps=s.eval_num_steps,
-                             height=s.height, width=s.width, guidance_scale=s.eval_guidance_scale, noise_level=0.0,
+        traj = sample_groups(model, encode_items(model, [item], *s.eval_hw), samples_per_prompt,
+                             num_steps=s.eval_num_steps, height=s.eval_hw[0], width=s.eval_hw[1],
+                             guidance_scale=s.eval_guidance_scale, noise_level=0.0,
                              generator=gen, batch_size=batch_size)
         u8 = (traj.images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu()
         names = [f"images/p{i:04d}_s{j}.{'mp4' if video else 'png'}" for j in range(samples_per_prompt)]
@@ -284,8 +285,8 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
         "config_file": str(config_file) if config_file else None, "overrides": list(overrides),
         "algorithm": cfg.algorithm, "model": str(cfg.model.path), "policy": policy, "seed": seed,
         "prompts_file": str(prompt_file), "num_prompts": len(items), "samples_per_prompt": samples_per_prompt,
-        "sampling": {"num_steps": s.eval_num_steps, "guidance_scale": s.eval_guidance_scale, "height": s.height,
-                     "width": s.width, "num_frames": s.num_frames, "noise_level": 0.0, "device": str(device),
+        "sampling": {"num_steps": s.eval_num_steps, "guidance_scale": s.eval_guidance_scale, "height": s.eval_hw[0],
+                     "width": s.eval_hw[1], "num_frames": s.num_frames, "noise_level": 0.0, "device": str(device),
                      "dtype": cfg.dtype},
         "reward": reward_stats(total),
         "components": {c: reward_stats(v) for c, v in per_comp.items()},
