@@ -94,10 +94,15 @@ def state_dir(adapters: Path, state: str) -> Path:
 
 
 def _sha256(path: Path) -> str:
+    """sha256 of a file, or of a directory's files (relative names and contents, sorted by name)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
+    files = sorted(p for p in Path(path).rglob("*") if p.is_file()) if Path(path).is_dir() else [Path(path)]
+    for file in files:
+        if file != Path(path):
+            h.update(str(file.relative_to(path)).encode())
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
     return h.hexdigest()
 
 
@@ -105,19 +110,20 @@ def apply_checkpoint(model: Any, adapters: Path, state: str = "default") -> dict
     """Put the saved policy state `state` of `adapters/` (PolicyStates.save layout) into `model.transformer`:
     a LoRA becomes the transformer's active adapter, full fine-tuning weights are copied in. Returns provenance
     ({"mode", "state", "weights", "sha256"})."""
-    from mmrl.adapters import FULL_WEIGHTS_NAME, PEFT_WEIGHTS_NAME, PolicyStates
+    from mmrl.adapters import FULL_WEIGHTS_NAME, PEFT_WEIGHTS_NAME, PolicyStates, load_sharded_state, sharded_weights_dir
 
-    sub = state_dir(adapters, state)
-    if (sub / PEFT_WEIGHTS_NAME).is_file():
+    shards = sharded_weights_dir(adapters)  # full fine-tuning weights as every rank's shards (dist.checkpoint: sharded)
+    sub = state_dir(adapters, state) if shards is None else None
+    if sub is not None and (sub / PEFT_WEIGHTS_NAME).is_file():
         # the saved adapter becomes PolicyStates' frozen "ref" and the initial (active) "default": exactly its weights
         states = PolicyStates(model.transformer, None, ref_adapter_path=sub)
         model.transformer = states.model
         weights, mode = sub / PEFT_WEIGHTS_NAME, "lora"
-    elif (sub / FULL_WEIGHTS_NAME).is_file():
+    elif shards is not None or (sub / FULL_WEIGHTS_NAME).is_file():
         from safetensors.torch import load_file
 
-        weights, mode = sub / FULL_WEIGHTS_NAME, "full"
-        saved = load_file(str(weights))
+        weights, mode = (shards, "full") if shards is not None else (sub / FULL_WEIGHTS_NAME, "full")
+        saved = load_sharded_state(adapters, state) if shards is not None else load_file(str(weights))
         own = dict(model.transformer.named_parameters())
         unexpected = [k for k in saved if k not in own]  # parameters frozen in training were not saved: kept as base
         if unexpected or not saved:
