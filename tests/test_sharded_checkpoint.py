@@ -266,7 +266,9 @@ def test_sharded_full_weights_load_into_diffusers_and_mmrl_eval(tmp_path):
     assert not (ckpt / "adapters" / "default").exists() and (ckpt / "sharded" / ".metadata").is_file()
 
     out = tmp_path / "full" / "step_1"
-    assert consolidate_main([str(ckpt), str(out), "--weights-only"]) == 0
+    proc = subprocess.run([sys.executable, "-m", "mmrl.training.consolidate", str(ckpt), str(out), "--weights-only"],
+                          cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)  # as docs/scaling.md
+    assert proc.returncode == 0 and json.loads(proc.stdout) == {"out": str(out), "weights_only": True}, proc.stderr
     assert not (out / "state.pt").exists() and not (out / "COMPLETE").exists()  # weights only: not a checkpoint
     model_dir = tmp_path / "diffusers_dir"
     build_states("full").model.save_pretrained(model_dir)  # config.json + the untrained weights
