@@ -38,6 +38,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "vlm_step": ["--part", "all", "--threads", "1"],
     "reward_overlap": ["--threads", "1"],
     "compare_diffusion_algos": ["--out", "runs/compare_diffusion/{stamp}"],
+    "families": ["--threads", "1"],
 }
 
 

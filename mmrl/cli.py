@@ -156,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     if add_reward_subparsers is not None:
         add_reward_subparsers(sub)
 
-    tb = sub.add_parser("tiny", help="build tiny random real-architecture models (SD3, FLUX, Qwen-VL, CLIP) into DIR")
+    tb = sub.add_parser("tiny", help="build tiny random real-architecture models (SD3, FLUX.1/2, Z-Image, Wan, "
+                                      "Qwen-VL, CLIP) into DIR")
     tb.add_argument("dir")
     tb.set_defaults(func=cmd_tiny)
 

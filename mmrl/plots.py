@@ -1,10 +1,11 @@
-"""Images and curves written into a run directory: sample grids with captions and the reward curve PNG."""
+"""Images and curves written into a run directory: sample grids with captions (PNG; videos: MP4 grids through
+`mmrl.videos`) and the reward curve PNG."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -26,9 +27,17 @@ def to_pil_images(images: Any) -> list:
 def save_image_grid(images: Any, captions: list[str] | None, path: str | Path, cols: int | None = None,
                     min_cell: int = 128) -> Path:
     """Save a grid of float NCHW [0,1] images with a caption under each (prompt, reward...)."""
+    grid = image_grid(to_pil_images(images), captions, cols, min_cell)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    grid.save(path)
+    return path
+
+
+def image_grid(pils: list, captions: list[str] | None, cols: int | None = None, min_cell: int = 128):
+    """RGB PIL images -> one PIL grid image, cells scaled up to at least `min_cell` px, a caption under each."""
     from PIL import Image, ImageDraw, ImageFont
 
-    pils = to_pil_images(images)
     n = len(pils)
     if n == 0:
         raise ValueError("save_image_grid: no images")
@@ -52,9 +61,29 @@ def save_image_grid(images: Any, captions: list[str] | None, path: str | Path, c
             lines = [text[:chars], text[chars:2 * chars]]
             for j, line in enumerate(lines):
                 draw.text((c * cw + 2, r * (ch + cap_h) + ch + 2 + 12 * j), line, fill="black", font=font)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    grid.save(path)
+    return grid
+
+
+def write_samples(directory: Path, trackers: list, step: int, images: torch.Tensor, captions: list[str] | None = None,
+                  name: str | None = None) -> Path:
+    """`Run.save_samples`: images [N, 3, H, W] -> a PNG grid (`directory/<name or step_N.png>`); videos
+    [N, F, 3, H, W] -> an MP4 grid (same name, `.mp4`; `mmrl.videos`). Each tracker gets the samples one by one
+    with their captions (prompt, reward): images, or videos where the tracker takes them."""
+    kind = "eval" if (name or "").startswith("eval") else "rollout"
+    path = Path(directory) / (name or f"step_{step:06d}.png")
+    if isinstance(images, torch.Tensor) and images.dim() == 5:
+        from mmrl.videos import DEFAULT_FPS, to_uint8_frames
+
+        path = save_video_grid(images, captions, path.with_suffix(".mp4"))
+        clips = [to_uint8_frames(v) for v in images]
+        for tracker in trackers:
+            tracker.videos(int(step), kind, clips, captions, DEFAULT_FPS)
+        return path
+    save_image_grid(images, captions, path)
+    if trackers:
+        pils = to_pil_images(images)
+        for tracker in trackers:
+            tracker.images(int(step), kind, pils, captions)
     return path
 
 
@@ -95,3 +124,16 @@ def plot_reward_curve(rows: list[dict], path: str | Path, keys: tuple[str, ...] 
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def save_video_grid(videos: torch.Tensor, captions: Sequence[str] | None, path: str | Path,
+                    fps: int | None = None, cols: int | None = None) -> Path:
+    """Videos [N, F, 3, H, W] in [0, 1] -> one MP4 (or GIF) whose every frame is the grid of the N videos' frames,
+    with a caption under each (as `plots.save_image_grid` draws them)."""
+    from mmrl.videos import DEFAULT_FPS, write_video
+
+    if videos.dim() != 5 or videos.shape[2] != 3:
+        raise ValueError(f"save_video_grid: expected videos [N, F, 3, H, W], got {tuple(videos.shape)}")
+    frames = [np.asarray(image_grid(to_pil_images(videos[:, t]), list(captions) if captions else None, cols))
+              for t in range(videos.shape[1])]
+    return write_video(np.stack(frames), path, fps or DEFAULT_FPS)

@@ -21,7 +21,7 @@ import torch
 
 from mmrl.checkpoint_files import (COMPLETE_MARKER, RunError, disk_full, load_state_file,  # noqa: F401
                                    verify_checkpoint, write_manifest)
-from mmrl.plots import plot_reward_curve, save_image_grid, to_pil_images  # noqa: F401  (save_image_grid re-exported)
+from mmrl.plots import plot_reward_curve, save_image_grid, to_pil_images, write_samples  # noqa: F401  (re-exported)
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -445,14 +445,8 @@ class Run:
 
     def save_samples(self, step: int, images: torch.Tensor, captions: list[str] | None = None,
                      name: str | None = None) -> Path:
-        path = self.samples_dir / (name or f"step_{step:06d}.png")
-        save_image_grid(images, captions, path)
-        if self.trackers:  # the same images and captions (prompt, reward), one per sample
-            pils = to_pil_images(images)
-            kind = "eval" if (name or "").startswith("eval") else "rollout"
-            for tracker in self.trackers:
-                tracker.images(int(step), kind, pils, captions)
-        return path
+        """A grid of the samples in samples/ (PNG; videos [N, F, 3, H, W]: MP4), also sent to the trackers."""
+        return write_samples(self.samples_dir, self.trackers, step, images, captions, name)
 
     def finish(self, extra: dict | None = None) -> dict:
         """Write plots/reward_curve.png and return a summary of the run's metrics."""

@@ -12,6 +12,16 @@ Used by mmrl's own test suite and usable by anyone testing a recipe of their own
 seen once in CI) and says so with a warning; an ordinary failure (exit code, Python exception, timeout) is never
 retried, so tests that expect an error still see it. The children run with ``PYTHONFAULTHANDLER=1``, so an abort
 prints every thread's Python stack.
+
+Comparing two results (tensors, numbers, metrics rows, nested dicts/lists of them) is always one of two choices:
+
+    assert_same_path(resumed_rows, full_rows, why="resume replays the same ops on the same shapes, same process")
+    assert_close_across_paths(pos_loss, neg_loss)   # float32 tolerance: two formulas / kernels / batchings
+
+Bit-identity holds only when both sides run the same sequence of torch operations on tensors of the same shapes
+in the same process configuration (threads, CPU). Two forwards (with and without autograd), two batchings, two
+formulas that are equal in exact arithmetic, or two processes are different paths: their float32 results may
+differ in the last bits on another CPU (AVX2 vs AVX-512/AMX kernels), so they get a tolerance.
 """
 
 from __future__ import annotations
@@ -25,8 +35,20 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
-__all__ = ["child_env", "metrics_rows", "run_torchrun", "signal_death", "spawn_ranks", "without_time"]
+__all__ = ["FLOAT32_ATOL", "FLOAT32_RTOL", "RESUMED_RUN", "assert_close_across_paths", "assert_same_path", "child_env",
+           "environment_report", "metrics_rows", "png_claiming_size", "run_torchrun", "signal_death", "spawn_ranks", "without_time"]
+
+# float32 has a 2^-24 ~ 6e-8 relative rounding step; through a tiny model's forward and a loss the results of two
+# paths drift apart by up to ~1e-6 relative (measured: NFT pos/neg loss 1.8e-8, 2 ranks vs 1 process ~1e-7), far
+# below any difference a bug makes in these tests (>= 1e-3)
+FLOAT32_RTOL = 1e-5
+FLOAT32_ATOL = 1e-6
+
+# the `why` of the commonest bit-identity check: a resumed run against the uninterrupted one
+RESUMED_RUN = ("resumed vs uninterrupted run in one process and thread setting: the checkpoint restores weights, "
+               "optimizer, RNG and data position exactly, and every step runs the same ops on the same shapes")
 
 # torchrun's failure report names each rank's fate: "exitcode  : -6 (pid: 17647)" / "Signal 6 (SIGABRT) received"
 _SIGNAL_EXIT = re.compile(r"exitcode\s*:\s*-(\d+)")
@@ -129,3 +151,136 @@ def without_time(row: dict) -> dict:
     """A metrics row without its wall-clock and machine keys (``time/...``, ``MACHINE_KEYS``): what two equal runs
     must agree on (``perf/tflops_per_step`` stays: it is a function of the work done)."""
     return {k: v for k, v in row.items() if not k.startswith("time/") and k not in MACHINE_KEYS}
+
+
+# the CPU features that decide which float kernels torch (and oneDNN / MKL) run: AVX2 vs AVX-512 vs AMX round
+# differently, which is why the suite compares results of different code paths with a tolerance
+_KERNEL_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                 "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
+
+
+def environment_report() -> str:
+    """What a test run's float results depend on, as lines of text: CPU model, core count, the SIMD / matrix
+    flags that select kernels (and every flag), torch's CPU capability and thread count, Python and the versions
+    of torch, diffusers, transformers, peft. `.ci/run` prints it before the tests."""
+    import importlib
+    import os
+    import platform
+    from importlib import metadata
+
+    model, flags = platform.processor() or platform.machine(), []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model in ("", platform.machine(), platform.processor()):
+                model = value.strip()
+            elif key.strip() in ("flags", "Features") and not flags:
+                flags = value.split()
+    except OSError:  # not Linux: the model from platform, no flags
+        pass
+    lines = [f"cpu: {model} ({os.cpu_count()} logical cores, {platform.machine()})",
+             f"cpu kernel flags: {' '.join(f for f in _KERNEL_FLAGS if f in flags) or 'unknown'}"]
+    if flags:
+        lines.append(f"cpu all flags ({len(flags)}): {' '.join(flags)}")
+    try:
+        import torch
+
+        capability = torch.backends.cpu.get_cpu_capability()
+        lines.append(f"torch cpu capability: {capability}; intra-op threads {torch.get_num_threads()} "
+                     f"(OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')})")
+    except Exception as exc:  # noqa: BLE001 - a report, never a failure
+        lines.append(f"torch cpu capability: unavailable ({type(exc).__name__})")
+    versions = [f"python {platform.python_version()}"]
+    for dist in ("torch", "diffusers", "transformers", "peft", "accelerate", "numpy"):
+        try:  # the imported module's own version string (torch's carries its build, e.g. +cpu)
+            versions.append(f"{dist} {importlib.import_module(dist).__version__}")
+        except Exception:  # noqa: BLE001 - not installed or broken: say so, the report goes on
+            try:
+                versions.append(f"{dist} {metadata.version(dist)} (import failed)")
+            except metadata.PackageNotFoundError:
+                versions.append(f"{dist} not installed")
+    lines.append("versions: " + ", ".join(versions))
+    return "\n".join(lines)
+
+
+def png_claiming_size(width: int, height: int) -> bytes:
+    """A 55-byte PNG whose header says `width` x `height` (8-bit RGB) followed by 10 bytes of broken pixel data:
+    PIL reads its size, decoding it fails ("broken data stream"). For testing size limits that must act on the
+    header alone: a refusal by size proves nothing was decoded (a decode attempt reports the broken data)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"x\x9c" + bytes(8))
+
+
+def assert_same_path(a: Any, b: Any, *, why: str) -> None:
+    """`a` and `b` are equal bit for bit: tensors (same shape and dtype, NaN equal to NaN), numbers, strings, None,
+    and dicts / lists / tuples of them (e.g. metrics rows). For results of the SAME code path in the same process
+    configuration only (a resumed run vs an uninterrupted one, a repeated call, weights saved and loaded); `why`
+    says why both sides take the same path and is part of the failure message."""
+    if not why.strip():
+        raise ValueError("assert_same_path: say why both sides take the same code path (why=...)")
+    _compare(a, b, None, f"bit-identical expected ({why})", "")
+
+
+def assert_close_across_paths(a: Any, b: Any, *, rtol: float = FLOAT32_RTOL, atol: float = FLOAT32_ATOL,
+                              what: str = "") -> None:
+    """`a` and `b` agree to a float tolerance (|a - b| <= atol + rtol |b| per element): for results of DIFFERENT
+    computation paths (formulas equal only in exact arithmetic, forwards with and without autograd, batchings,
+    kernels, dtypes, thread counts, processes). Structure (keys, lengths, shapes), integers, booleans, strings and
+    None must still match exactly; NaN matches NaN."""
+    _compare(a, b, (rtol, atol), f"equal within rtol={rtol}, atol={atol} expected" + (f" ({what})" if what else ""),
+             "")
+
+
+def _compare(a: Any, b: Any, tol: tuple[float, float] | None, msg: str, where: str) -> None:
+    import math
+
+    import torch
+
+    at = where or "value"
+    if isinstance(a, dict) or isinstance(b, dict):
+        if not (isinstance(a, dict) and isinstance(b, dict)):
+            raise AssertionError(f"{msg}: {at}: {_short(a)} vs {_short(b)}")
+        if set(a) != set(b):
+            raise AssertionError(f"{msg}: {at}: keys in only one side {sorted(set(a) ^ set(b), key=str)}")
+        for k in a:
+            _compare(a[k], b[k], tol, msg, f"{where}[{k!r}]")
+        return
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        if not (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple))) or len(a) != len(b):
+            raise AssertionError(f"{msg}: {at}: {_short(a)} vs {_short(b)}")
+        for i, (x, y) in enumerate(zip(a, b)):
+            _compare(x, y, tol, msg, f"{where}[{i}]")
+        return
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            raise AssertionError(f"{msg}: {at}: {_short(a)} vs {_short(b)}")
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise AssertionError(f"{msg}: {at}: shape/dtype {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}")
+        rtol, atol = tol if tol is not None and (a.is_floating_point() or a.is_complex()) else (0.0, 0.0)
+        try:
+            torch.testing.assert_close(a, b, rtol=rtol, atol=atol, equal_nan=True)
+        except AssertionError as exc:
+            raise AssertionError(f"{msg}: {at}: {exc}") from None
+        return
+    floats = isinstance(a, float) or isinstance(b, float)
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b))
+    if not (floats and numbers):  # ints, bools, strings, None: always exact
+        if a != b or type(a) is not type(b):
+            raise AssertionError(f"{msg}: {at}: {_short(a)} != {_short(b)}")
+        return
+    x, y = float(a), float(b)
+    if x == y or math.isnan(x) and math.isnan(y):
+        return
+    if tol is None or not (math.isfinite(x) and math.isfinite(y)) or abs(x - y) > tol[1] + tol[0] * abs(y):
+        raise AssertionError(f"{msg}: {at}: {x!r} vs {y!r} (difference {x - y:.3g})")
+
+
+def _short(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 80 else text[:77] + "..."

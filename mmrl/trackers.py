@@ -6,10 +6,11 @@ reward: `Run.save_samples`). Only the main process reports. The PNG reward curve
 default; a tracker draws its own curves.
 
 - tensorboard: event files in `<run>/tensorboard/` (torch.utils.tensorboard): scalars, images
-  (`samples/<name>`, captions as text), the config as text. Extra `[trackers]`.
+  (`samples/<name>`, captions as text; video samples as animated GIFs), the config as text. Extra `[trackers]`.
 - wandb: `wandb.init(project=log.wandb_project, mode=log.wandb_mode, dir=<run>, id=<stable id>, resume="allow")`;
-  the id is kept in `<run>/wandb_id.txt` so a resumed run continues the same W&B run. `wandb_mode: offline` (the
-  default) writes `<run>/wandb/offline-run-*` for a later `wandb sync`; `online` needs network and a login.
+  the id is kept in `<run>/wandb_id.txt` so a resumed run continues the same W&B run (video samples: MP4s).
+  `wandb_mode: offline` (the default) writes `<run>/wandb/offline-run-*` for a later `wandb sync`; `online` needs
+  network and a login.
 """
 
 from __future__ import annotations
@@ -61,6 +62,22 @@ class TensorBoardTracker:
             self.writer.add_text(f"samples/{name}", "\n\n".join(f"{i}: {c}" for i, c in enumerate(captions)), step)
         self.writer.flush()
 
+    def videos(self, step: int, name: str, videos: Sequence[Any], captions: Sequence[str] | None, fps: int) -> None:
+        """uint8 [F, H, W, 3] clips as animated GIFs in the image tab (what torch's add_video writes, without
+        needing moviepy)."""
+        from torch.utils.tensorboard.summary import Summary
+
+        from mmrl.videos import gif_bytes
+
+        for i, clip in enumerate(videos):
+            image = Summary.Image(height=clip.shape[1], width=clip.shape[2], colorspace=3,
+                                  encoded_image_string=gif_bytes(clip, fps))
+            self.writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=f"samples/{name}/{i}",
+                                                                                     image=image)]), step)
+        if captions:
+            self.writer.add_text(f"samples/{name}", "\n\n".join(f"{i}: {c}" for i, c in enumerate(captions)), step)
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
 
@@ -85,6 +102,16 @@ class WandbTracker:
         caps = list(captions) if captions else [None] * len(images)
         self.run.log({f"samples/{name}": [self.wandb.Image(im.convert("RGB"), caption=c) for im, c in zip(images, caps)]},
                      step=step)
+
+    def videos(self, step: int, name: str, videos: Sequence[Any], captions: Sequence[str] | None, fps: int) -> None:
+        """uint8 [F, H, W, 3] clips as MP4 `wandb.Video`s (encoded here, so wandb needs no moviepy)."""
+        import io
+
+        from mmrl.videos import encode_mp4
+
+        caps = list(captions) if captions else [None] * len(videos)
+        self.run.log({f"samples/{name}": [self.wandb.Video(io.BytesIO(encode_mp4(v, fps)), caption=c, format="mp4")
+                                          for v, c in zip(videos, caps)]}, step=step)
 
     def close(self) -> None:
         self.run.finish()

@@ -134,3 +134,13 @@ def test_profile_fold_categories_by_hand():
     text = prof.table(cats, framework, top=2)
     assert "| framework | 7 | 8.0% |" in text and "| **all step samples** | 87 | 100% |" in text
     assert "`sde_step_with_logprob` | 4 | 4.60%" in text and "UpdateGuard" not in text  # top 2 only
+
+
+def test_families_benchmark_refuses_unknown_families_and_too_few_steps():
+    families = load_script("families")
+    assert {"wan21", "wan22_a14b", "z_image", "flux2", "flux2_klein"} <= set(families.FAMILIES)
+    with pytest.raises(SystemExit, match=r"--families: unknown \['sdxl'\]; valid: \['wan21'"):
+        families.main(["--families", "wan21,sdxl"])
+    with pytest.raises(SystemExit, match="--steps must be >= 2"):
+        families.main(["--steps", "1"])
+    assert "families" in load_script("run_all").BENCHMARKS

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mmrl.config import load_config
-from mmrl.testing import metrics_rows, without_time
+from mmrl.testing import RESUMED_RUN, assert_same_path, metrics_rows, without_time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MMRL_NO_PROGRESS", "1")
@@ -181,7 +181,7 @@ def test_multiturn_running_norm_hand_stats_and_resume(tiny_vl, tmp_path, monkeyp
     assert [r["step"] for r in split] == [1, 2]
     # (the 1-step run evaluated after its last step: step 1 rows differ by those eval/ keys)
     assert {k: split[0][k] for k in RUNNING} == {k: rows[0][k] for k in RUNNING}
-    assert without_time(split[1]) == without_time(rows[1])
+    assert_same_path(without_time(split[1]), without_time(rows[1]), why=RESUMED_RUN)
 
 
 def test_multiturn_running_norm_off_changes_nothing(tiny_vl, tmp_path, monkeypatch):
@@ -207,7 +207,8 @@ def test_multiturn_running_norm_off_changes_nothing(tiny_vl, tmp_path, monkeypat
     monkeypatch.setattr(multiturn, "turn_advantages", old_signature)
     train(_mt_cfg(tmp_path / "old", tiny_vl))
     assert calls and all(rest in ((), (None,)) for rest in calls)
-    assert [without_time(r) for r in metrics_rows(tmp_path / "old")] == [without_time(r) for r in rows]
+    assert_same_path([without_time(r) for r in metrics_rows(tmp_path / "old")], [without_time(r) for r in rows],
+                     why="reward_norm=None and the old signature run the same credit computation")
 
 
 # ---------------------------------------------------------------------------------------------- flow_grpo
@@ -282,7 +283,7 @@ def test_flow_grpo_running_norm_hand_stats_and_resume(tiny_sd3_path, tmp_path, m
     train(_fg_cfg(tmp_path / "split", tiny_sd3_path, *on))  # resume=auto picks step_1
     split = metrics_rows(tmp_path / "split")
     assert [r["step"] for r in split] == [1, 2]
-    assert [without_time(r) for r in split] == [without_time(r) for r in rows]
+    assert_same_path([without_time(r) for r in split], [without_time(r) for r in rows], why=RESUMED_RUN)
 
 
 def test_flow_grpo_running_norm_off_changes_nothing(tiny_sd3_path, tmp_path, monkeypatch):

@@ -1,5 +1,6 @@
 """Diffusion bookkeeping the three flow-matching recipes (flow_grpo, dpo, nft) share; no algorithm lives here.
 
+- `load_recipe_model(cfg, device, dtype)`: the config's flow model (path, text length, frames, family options).
 - `build_policy_states(model, model_cfg, old=, ref=)`: LoRA (or full fine-tuning, `model.lora.rank: 0`) policy
   states on `model.transformer` from a recipe's `model:` section; `setup_training(...)`: those states, the
   DDP/FSDP wrapper, optimizer, schedule and update guard, in the order every strategy needs.
@@ -32,11 +33,23 @@ from mmrl.runtime import Run
 Tensor = torch.Tensor
 
 __all__ = [
-    "build_policy_states", "vae_encode", "LatentCache", "sample_sigmas", "noise_latents", "flow_matching_mse",
+    "load_recipe_model", "build_policy_states", "vae_encode", "LatentCache", "sample_sigmas", "noise_latents", "flow_matching_mse",
     "evaluate_ode", "TransformerEvalCounter", "TIMING_PREFIX", "NoSamples", "end_step", "setup_training",
 ]
 
 TIMING_PREFIX = "time/"  # metrics that legitimately differ between two identical runs
+
+
+# ------------------------------------------------------------------------------------------ the model
+
+
+def load_recipe_model(cfg: Any, device: Any, dtype: Any):
+    """The flow model of a recipe config: `model.path` with `model.max_sequence_length` (0 = the family's),
+    `rollout.num_frames` (videos when > 1) and `model.family_options` (`load_flow_model`)."""
+    from mmrl.diffusion.models import load_flow_model
+
+    return load_flow_model(cfg.model.path, device, dtype, cfg.model.max_sequence_length or None,
+                           num_frames=cfg.rollout.num_frames, family_options=cfg.model.family_options)
 
 
 # ------------------------------------------------------------------------------------------ policy states
@@ -244,6 +257,8 @@ class TransformerEvalCounter:
         x = kwargs.get("hidden_states", args[0] if args else None)
         if isinstance(x, torch.Tensor):
             self.count += int(x.shape[0])
+        elif isinstance(x, (list, tuple)):  # a list of per-sample latents (Z-Image's transformer)
+            self.count += len(x)
 
     def state_dict(self) -> dict:
         return {"count": self.count}

@@ -54,9 +54,13 @@ class DiffusionLoRAConfig(LoRAConfig):
 @dataclass
 class ModelConfig:
     path: str = "assets/tiny_sd3_shapes"
-    """Local diffusers pipeline directory (StableDiffusion3Pipeline or FluxPipeline, with model_index.json)."""
+    """Local diffusers pipeline directory with model_index.json (a supported pipeline class: SD3, FLUX.1, FLUX.2,
+    Z-Image, Wan, ...; `mmrl.diffusion.models.available_families()`)."""
     max_sequence_length: int = 0
     """T5 tokens per prompt; 0 = family default (SD3: 128 as Flow-GRPO, FLUX: 512)."""
+    family_options: dict[str, Any] = field(default_factory=dict)
+    """Settings of the model family (`FlowModel.configure` keywords; unknown ones fail naming the family), e.g.
+    Wan 2.2 A14B's `guidance_scale_2` (CFG scale of the low-noise expert)."""
     lora: DiffusionLoRAConfig = field(default_factory=DiffusionLoRAConfig)
     """LoRA on the transformer (`rank: 0` = full fine-tuning; empty target_modules = the family's attention
     projections)."""
@@ -88,6 +92,8 @@ class RolloutConfig:
     """Image height in pixels."""
     width: int = 512
     """Image width in pixels."""
+    num_frames: int = 1
+    """Frames per sample: > 1 makes videos (video families only, e.g. Wan: 4k+1 frames); 1 = images."""
     num_steps: int = 10
     """Sampling steps of a training rollout."""
     guidance_scale: float = 4.5
@@ -101,7 +107,7 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         # sizes that would otherwise fail deep inside a step (IndexError, empty torch.cat, negative shapes)
-        for key, least in (("prompts_per_step", 1), ("height", 1), ("width", 1), ("num_steps", 1),
+        for key, least in (("prompts_per_step", 1), ("height", 1), ("width", 1), ("num_frames", 1), ("num_steps", 1),
                            ("eval_num_steps", 1), ("micro_batch_size", 0), ("group_size", 1)):
             if getattr(self, key) < least:
                 raise ValueError(f"rollout.{key}: expected >= {least}, got {getattr(self, key)}")

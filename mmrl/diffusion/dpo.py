@@ -174,6 +174,9 @@ def _check(cfg: Config) -> None:
                          f"update.mini_batch_size 0, got {cfg.update.epochs} and {cfg.update.mini_batch_size}")
     if not online and not cfg.data.preference_file:
         raise ValueError("algo.mode=offline needs data.preference_file (a .jsonl/.json/.parquet of preference pairs)")
+    if not online and cfg.rollout.num_frames > 1:
+        raise ValueError(f"algo.mode=offline trains on image preference pairs; rollout.num_frames="
+                         f"{cfg.rollout.num_frames} (videos) works with algo.mode=online")
     if online and cfg.rollout.group_size < 2:
         raise ValueError(f"algo.mode=online needs rollout.group_size >= 2 to form pairs, got {cfg.rollout.group_size}")
     dc.check_common(cfg, online=online)
@@ -187,9 +190,9 @@ def _check(cfg: Config) -> None:
 
 
 def train(cfg: Config) -> dict:
-    from mmrl.diffusion.common import LatentCache, NoSamples, end_step, evaluate_ode, setup_training
+    from mmrl.diffusion.common import (LatentCache, NoSamples, end_step, evaluate_ode, load_recipe_model,
+                                       setup_training)
     from mmrl.diffusion.dpo_update import dpo_update, offline_eval
-    from mmrl.diffusion.models import load_flow_model
     from mmrl.diffusion.sampling import sample_groups
     from mmrl.diffusion.scoring import load_reward_fn, score_rollout
     from mmrl.pipelines.data import PromptSampler, load_preference_pairs, load_prompts
@@ -201,9 +204,10 @@ def train(cfg: Config) -> dict:
     ctx, run = start_run(cfg, {"rollout.prompts_per_step": s.prompts_per_step} if online
                          else {"data.pairs_per_step": cfg.data.pairs_per_step})
     eval_items = load_prompts(cfg.data.eval_prompts)[: cfg.log.eval_max_prompts] if cfg.data.eval_prompts else []
-    reward_fn = load_reward_fn(cfg.reward.components, run.device) if (online or eval_items) else None
-    model = load_flow_model(cfg.model.path, run.device, run.dtype, cfg.model.max_sequence_length or None)
-    shift = d.sigma_shift or float(model.scheduler_config.get("shift", 1.0))
+    reward_fn = (load_reward_fn(cfg.reward.components, run.device, cfg.rollout.num_frames)
+                 if (online or eval_items) else None)
+    model = load_recipe_model(cfg, run.device, run.dtype)
+    shift = d.sigma_shift or model.sigma_shift
 
     if online:
         sampler = PromptSampler(load_prompts(cfg.data.train_prompts), seed=cfg.seed)

@@ -83,10 +83,11 @@ class RolloutConfig(dc.RolloutConfig):
     """Without a window: train on the first int(num_steps * fraction) steps."""
     same_noise: bool = False
     """Same initial noise for all images of a prompt."""
-    cfg_grad: Literal["both", "cond_only"] = "both"
+    cfg_grad: Literal["both", "cond_only"] = "cond_only"
     """With CFG (guidance_scale > 1, SD3): which branches of v_u + w (v_c - v_u) the training gradient flows
-    through. `both` = flow_grpo's training (one forward on [empty; prompt], no detach); `cond_only` detaches the
-    unconditional branch (gradient w * dv_c). Log-probs, rollouts and logprob drift are identical in both."""
+    through. `cond_only` = flow_grpo's training today (scripts/train_sd3.py `compute_log_prob` detaches
+    `noise_pred_uncond` since commit 2d76907, 2025-07-15; still so at ac4c86e): gradient w dv_c. `both` = its
+    earlier code (no detach): w dv_c + (1 - w) dv_u. Log-probs, rollouts and logprob drift are identical in both."""
     precision: Literal["run", "bf16"] = "run"
     """`bf16`: the rollout's transformer forwards run under torch.autocast(bfloat16), a faster lower-precision
     sampler; the trainer recomputes in the run's dtype, so its log-probs differ from the rollout's (use
@@ -190,9 +191,9 @@ _WINDOW_RANK = 1_000_002
 
 
 def train(cfg: Config) -> dict:
-    from mmrl.diffusion.common import NoSamples, end_step, evaluate_ode, setup_training
+    from mmrl.diffusion.common import NoSamples, end_step, evaluate_ode, load_recipe_model, setup_training
     from mmrl.diffusion.grpo_update import train_on_rollout
-    from mmrl.diffusion.models import PromptEmbedCache, load_flow_model
+    from mmrl.diffusion.models import PromptEmbedCache
     from mmrl.diffusion.sampling import sample_groups
     from mmrl.diffusion.scoring import AsyncRewardScorer, global_advantages, load_reward_fn, score_rollout
     from mmrl.pipelines.data import PromptSampler, load_prompts
@@ -204,9 +205,9 @@ def train(cfg: Config) -> dict:
     ctx, run = start_run(cfg, {"rollout.prompts_per_step": s.prompts_per_step})
     train_items = load_prompts(cfg.data.train_prompts)
     eval_items = load_prompts(cfg.data.eval_prompts)[: cfg.log.eval_max_prompts] if cfg.data.eval_prompts else []
-    reward_fn = load_reward_fn(cfg.reward.components, run.device)
+    reward_fn = load_reward_fn(cfg.reward.components, run.device, cfg.rollout.num_frames)
     scorer = AsyncRewardScorer(reward_fn) if cfg.reward.async_scoring else None  # rewards overlap the next rollout
-    model = load_flow_model(cfg.model.path, run.device, run.dtype, cfg.model.max_sequence_length or None)
+    model = load_recipe_model(cfg, run.device, run.dtype)
     n_distinct = len({it.prompt for it in train_items})
     encode = PromptEmbedCache(model, n_distinct) if 0 < n_distinct <= s.prompt_cache_size else model.encode_prompts
 

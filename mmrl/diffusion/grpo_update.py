@@ -82,7 +82,7 @@ def train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, p
                         loss, m = clipped_policy_loss(cur.log_prob, old_j, a_j, mask=mask_j,
                                                       clip_low=a_cfg.clip_range, clip_high=a_cfg.clip_range)
                         if kl_coef > 0:
-                            std = cur.std[:, 0, 0, 0].clamp(min=1e-8)
+                            std = cur.std.flatten(1)[:, 0].clamp(min=1e-8)  # [b]: one per sample, any latent rank
                             kl = gaussian_kl_equal_std(cur.mean, ref_means[j], std)  # [b]
                             kl = kl.mean() if mask_j is None else (kl * mask_j).sum() / mask_j.sum().clamp(min=1)
                             loss = loss + kl_coef * kl
@@ -163,7 +163,7 @@ def _old_policy(cfg, model, traj, keep, steps, step_kw, timer, ctx: DistContext 
 
 @torch.no_grad()
 def _reference_means(model, states, traj, rows, steps, emb, step_kw, ref_cache, timer) -> dict[int, torch.Tensor]:
-    """Step means of the reference policy for one micro-batch at every trained step: {j: mean [b, C, h, w]}.
+    """Step means of the reference policy for one micro-batch at every trained step: {j: mean [b, C, (F,) h, w]}.
 
     All of a micro-batch's reference forwards run under ONE switch to the reference state (switching peft
     adapters walks every LoRA layer), before the policy's forward/backward passes; with `ref_cache` (several
@@ -185,7 +185,7 @@ def _reference_means(model, states, traj, rows, steps, emb, step_kw, ref_cache, 
 
 
 class RefMeanCache:
-    """Reference-policy step means [B, K, C, h, w] of one rollout batch (K = trained steps), filled on first
+    """Reference-policy step means [B, K, C, (F,) h, w] of one rollout batch (K = trained steps), filled on first
     use. The reference (adapters off, or a frozen snapshot) does not change during a step's inner epochs, so
     epochs after the first skip the reference forward entirely."""
 

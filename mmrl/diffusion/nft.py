@@ -165,8 +165,7 @@ class Config(RunConfig):
 
 
 def train(cfg: Config) -> dict:
-    from mmrl.diffusion.common import NoSamples, end_step, evaluate_ode, setup_training
-    from mmrl.diffusion.models import load_flow_model
+    from mmrl.diffusion.common import NoSamples, end_step, evaluate_ode, load_recipe_model, setup_training
     from mmrl.diffusion.sampling import sample_groups
     from mmrl.diffusion.scoring import global_advantages, load_reward_fn, score_rollout
     from mmrl.pipelines.data import PromptSampler, load_prompts
@@ -180,8 +179,8 @@ def train(cfg: Config) -> dict:
     ctx, run = start_run(cfg, {"rollout.prompts_per_step": s.prompts_per_step})
     train_items = load_prompts(cfg.data.train_prompts)
     eval_items = load_prompts(cfg.data.eval_prompts)[: cfg.log.eval_max_prompts] if cfg.data.eval_prompts else []
-    reward_fn = load_reward_fn(cfg.reward.components, run.device)
-    model = load_flow_model(cfg.model.path, run.device, run.dtype, cfg.model.max_sequence_length or None)
+    reward_fn = load_reward_fn(cfg.reward.components, run.device, cfg.rollout.num_frames)
+    model = load_recipe_model(cfg, run.device, run.dtype)
     # "default" trains, "old" = the EMA rollout policy, "ref" = adapters off (KL); DDP/FSDP; optimizer
     states, evals, params, optimizer, lr_sched, guard, fsdp = setup_training(ctx, run, cfg, model, old=True,
                                                                              ref=a.kl.coef > 0)

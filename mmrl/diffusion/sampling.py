@@ -17,13 +17,14 @@ order (initial noise, window position, per-step noise), so the result does not d
 rollout micro-batch size.
 
 Gradient through classifier-free guidance (`cfg_grad`, training only): with CFG the velocity is
-v = v_u + w (v_c - v_u), both branches from one doubled-batch forward. "both" (default) lets the gradient
-flow through v_c and v_u, as flow_grpo's training does (scripts/train_sd3.py `compute_log_prob` with
-`train.cfg=True`: one forward on [negative; prompt] embeddings, no detach); "cond_only" detaches v_u, so
-the update is w * dv_c only (what several flow_grpo derivatives do). The forward value, hence every
-log-prob and `diag/logprob_drift`, is bit-identical in both modes; the backward still runs over the
-doubled batch (no memory or time saved). Without CFG (guidance_scale <= 1, FLUX's guidance embedding)
-the two modes are the same.
+v = v_u + w (v_c - v_u), both branches from one doubled-batch forward. "cond_only" detaches v_u, so the
+update is w * dv_c only: flow_grpo's training today (scripts/train_sd3.py `compute_log_prob`,
+`noise_pred_uncond = noise_pred_uncond.detach()` since commit 2d76907 of 2025-07-15, still at ac4c86e) and
+the Flow-GRPO recipe's default (`rollout.cfg_grad`). "both" lets the gradient flow through v_c and v_u,
+w dv_c + (1 - w) dv_u, as flow_grpo's code before that commit did; it is these functions' default because it
+is exactly `model.velocity` (what the no-grad rollout calls). The forward value, hence every log-prob and
+`diag/logprob_drift`, is the same in both modes; the backward still runs over the doubled batch (no memory or
+time saved). Without CFG (guidance_scale <= 1, FLUX's guidance embedding) the two modes are the same.
 """
 
 from __future__ import annotations
@@ -44,11 +45,13 @@ Tensor = torch.Tensor
 class Trajectory:
     """A batch of B = P * G rollouts (P prompts, G per prompt, samples of a prompt are adjacent).
 
-    latents [B, T+1, C, h, w] fp32: x at sigmas[0..T] (latents[:, 0] = initial noise, [:, T] = final);
+    latents [B, T+1, C, h, w] fp32 (video families: [B, T+1, C, F, h, w]): x at sigmas[0..T] (latents[:, 0] =
+    initial noise, [:, T] = final);
     log_probs [B, T]: rollout log-prob of each transition (0 on ODE steps);
     sigmas [T+1]: the schedule (sigmas[T] = 0); sde_mask [T] bool: stochastic steps;
     train_steps [K] long: step indices the trainer uses; prompt_index [B] long: row in `embeds`
-    (also the group id); embeds: one row per prompt; images [B, 3, H, W] in [0, 1] (None when not decoded).
+    (also the group id); embeds: one row per prompt; images [B, 3, H, W] in [0, 1] (videos: [B, F, 3, H, W]; None
+    when not decoded).
     """
 
     latents: Tensor
@@ -96,7 +99,7 @@ def guided_velocity(model: FlowModel, latents: Tensor, sigma: Tensor | float, em
     if cfg_grad not in CFG_GRAD_MODES:
         raise ValueError(f"cfg_grad: expected one of {list(CFG_GRAD_MODES)}, got {cfg_grad!r}")
     if cfg is None:
-        cfg = guidance_scale > 1.0 and not model.has_guidance_embedding
+        cfg = model.cfg_enabled(guidance_scale)
     if cfg_grad == "both" or not cfg:
         return model.velocity(latents, sigma, embeds, guidance_scale=guidance_scale, cfg=cfg)
     b = latents.shape[0]
@@ -104,8 +107,7 @@ def guided_velocity(model: FlowModel, latents: Tensor, sigma: Tensor | float, em
     both = PromptEmbeds.cat([model.negative_embeds(b), embeds])
     v = model.velocity(torch.cat([latents, latents]), torch.cat([s, s]), both, guidance_scale=guidance_scale, cfg=False)
     v_uncond, v_cond = v.chunk(2)
-    v_uncond = v_uncond.detach()
-    return v_uncond + guidance_scale * (v_cond - v_uncond)
+    return model.combine_cfg(v_uncond.detach(), v_cond, guidance_scale, sigma=s)
 
 
 def step_log_prob(model: FlowModel, latents: Tensor, next_latents: Tensor | None, sigma: Tensor, sigma_next: Tensor,

@@ -19,8 +19,9 @@ Tensor = torch.Tensor
 __all__ = ["load_reward_fn", "score_images", "score_rollout", "global_advantages", "AsyncRewardScorer"]
 
 
-def load_reward_fn(components: dict[str, Any], device: Any):
-    """`mmrl.rewards.load(mapping)` with a clear error for an empty or unknown component."""
+def load_reward_fn(components: dict[str, Any], device: Any, num_frames: int = 1):
+    """`mmrl.rewards.load(mapping)` with a clear error for an empty or unknown component, and for a component that
+    cannot score what the rollout makes: images (`num_frames` 1) or videos [B, F, 3, H, W] (`num_frames` > 1)."""
     from mmrl import rewards
 
     if not components:
@@ -30,7 +31,16 @@ def load_reward_fn(components: dict[str, Any], device: Any):
         name = value.get("reward", key) if isinstance(value, dict) else key
         if name not in rewards.available():
             raise ValueError(f"reward.components: unknown reward '{name}'; available: {rewards.available()}")
-    return rewards.load(dict(components), device=str(device))
+    fn = rewards.load(dict(components), device=str(device))
+    for key, kind in getattr(fn, "kinds", {}).items():
+        if num_frames > 1 and kind == "image":
+            raise ValueError(f"reward.components.{key} scores images, but rollout.num_frames={num_frames} makes videos;"
+                             f" score them per frame: {key}: {{reward: video_frames, image_reward: {key}, "
+                             f"aggregate: mean}} (or min, or frame)")
+        if num_frames == 1 and kind == "video":
+            raise ValueError(f"reward.components.{key} scores videos, but rollout.num_frames=1 makes images "
+                             f"(set rollout.num_frames to 4k+1 > 1 for a video model, or use an image reward)")
+    return fn
 
 
 class AsyncRewardScorer:

@@ -13,11 +13,14 @@ What it does, top to bottom:
      initial noise comes from its own generator seeded `seed * 1_000_003 + i`, so an image does not depend on
      which other prompts are evaluated;
   3. the images are rounded to 8 bits and saved (`images/p<i>_s<j>.png`); everything below scores those saved
-     images, so the report can be recomputed from the files alone;
+     images, so the report can be recomputed from the files alone (videos, `rollout.num_frames` > 1: the 8-bit
+     frames are scored and each video is saved as `images/p<i>_s<j>.mp4` for viewing, H.264 being lossy);
   4. every reward of `reward.components` (each component and the weighted sum; non-finite scores are counted
      and left out of the statistics) and, for prompts of the shapes grammar, the GenEval-style check of
-     `mmrl.eval.shapes_check` (object / color / count / position / background accuracy and overall);
-  5. `<out>/eval_report.json` and `<out>/eval_grid.png` (the first `grid_images` images with prompt, reward, check).
+     `mmrl.eval.shapes_check` (object / color / count / position / background accuracy and overall; of a video:
+     its first frame);
+  5. `<out>/eval_report.json` and `<out>/eval_grid.png` (the first `grid_images` images with prompt, reward, check;
+     videos: `eval_grid.mp4`).
 
 Default `<out>`: `<output_dir>/eval/<step_N | base>[_<state>]`. Statistics: mean and unbiased std (as the
 training metrics `reward/mean`, `reward/std`).
@@ -165,11 +168,12 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
              max_prompts: int = 0, batch_size: int = 8, grid_images: int = 32, config_file: str | None = None,
              overrides: Sequence[str] = ()) -> dict:
     """Evaluate the diffusion policy of `cfg` (see the module docstring); returns the report (also written)."""
+    from mmrl.diffusion.common import load_recipe_model
     from mmrl.diffusion.scoring import load_reward_fn
-    from mmrl.diffusion.models import load_flow_model
     from mmrl.diffusion.sampling import sample_groups
     from mmrl.pipelines.data import load_prompts
     from mmrl.runtime import resolve_device, resolve_dtype, save_image_grid
+    from mmrl.plots import save_video_grid
     from tqdm.auto import tqdm
 
     if not RECIPES.get(cfg.algorithm, "").startswith("mmrl.diffusion."):
@@ -195,15 +199,16 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
         ("" if state == "default" else f"_{state}")
     out = Path(out) if out is not None else Path(cfg.output_dir) / "eval" / label
     (out / "images").mkdir(parents=True, exist_ok=True)
-    for old in (out / "images").glob("p*_s*.png"):  # a rerun in the same directory leaves no stale image behind
+    for old in (out / "images").glob("p*_s*.*"):  # a rerun in the same directory leaves no stale image behind
         old.unlink()
 
     t0 = time.perf_counter()
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     device, s = resolve_device(cfg.device), cfg.rollout
-    reward_fn = load_reward_fn(cfg.reward.components, device)
-    model = load_flow_model(cfg.model.path, device, resolve_dtype(cfg.dtype), cfg.model.max_sequence_length or None)
+    reward_fn = load_reward_fn(cfg.reward.components, device, s.num_frames)
+    model = load_recipe_model(cfg, device, resolve_dtype(cfg.dtype))
+    video = s.num_frames > 1
     if adapters is not None:
         policy = {"checkpoint": str(adapters), "step": step, **apply_checkpoint(model, adapters, state)}
     elif cfg.model.lora.init_path:
@@ -225,8 +230,8 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
                              height=s.height, width=s.width, guidance_scale=s.eval_guidance_scale, noise_level=0.0,
                              generator=gen, batch_size=batch_size)
         u8 = (traj.images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu()
-        names = [f"images/p{i:04d}_s{j}.png" for j in range(samples_per_prompt)]
-        _save_pngs(u8, [out / n for n in names])
+        names = [f"images/p{i:04d}_s{j}.{'mp4' if video else 'png'}" for j in range(samples_per_prompt)]
+        _save_files(u8, [out / n for n in names])
         images.append(u8.float() / 255.0)
         files.append(names)
         rows += [i] * samples_per_prompt
@@ -247,7 +252,7 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
             per_comp[c] += torch.as_tensor(res.details[c]).detach().float().cpu().reshape(-1).tolist()
 
     # ---- GenEval-style compositional check (shapes-grammar prompts only)
-    checks = check_images(list(x), all_prompts)
+    checks = check_images(list(x[:, 0] if video else x), all_prompts)
     comp = accuracy(checks)
 
     per_prompt = []
@@ -265,12 +270,14 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
         "algorithm": cfg.algorithm, "model": str(cfg.model.path), "policy": policy, "seed": seed,
         "prompts_file": str(prompt_file), "num_prompts": len(items), "samples_per_prompt": samples_per_prompt,
         "sampling": {"num_steps": s.eval_num_steps, "guidance_scale": s.eval_guidance_scale, "height": s.height,
-                     "width": s.width, "noise_level": 0.0, "device": str(device), "dtype": cfg.dtype},
+                     "width": s.width, "num_frames": s.num_frames, "noise_level": 0.0, "device": str(device),
+                     "dtype": cfg.dtype},
         "reward": reward_stats(total),
         "components": {c: reward_stats(v) for c, v in per_comp.items()},
         "compositional": comp,
         "per_prompt": per_prompt,
-        "out_dir": str(out), "files": {"report": "eval_report.json", "grid": "eval_grid.png", "images": "images/"},
+        "out_dir": str(out), "files": {"report": "eval_report.json", "grid": f"eval_grid.{'mp4' if video else 'png'}",
+                                       "images": "images/"},
         "time_s": round(time.perf_counter() - t0, 3),
         "config": to_dict(cfg),
     }
@@ -278,14 +285,23 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
     marks = {True: "ok", False: "x", None: "-"}
     captions = [f"{marks[checks[k]['checks']['correct'] if checks[k] else None]} r={total[k]:.3g} {all_prompts[k]}"
                 for k in range(n)]
-    save_image_grid(x[:n], captions, out / "eval_grid.png")
+    if video:
+        save_video_grid(x[:n], captions, out / "eval_grid.mp4")
+    else:
+        save_image_grid(x[:n], captions, out / "eval_grid.png")
     _write_json(out / "eval_report.json", report)
     return report
 
 
-def _save_pngs(u8: torch.Tensor, paths: Sequence[Path]) -> None:
-    """Write uint8 images [N, 3, H, W] to `paths` as PNG (lossless: the report's scores are of these files)."""
+def _save_files(u8: torch.Tensor, paths: Sequence[Path]) -> None:
+    """Write uint8 images [N, 3, H, W] to `paths` as PNG (lossless: the report's scores are of these files), or
+    videos [N, F, 3, H, W] as MP4 (`mmrl.videos.write_video`)."""
     from PIL import Image
 
+    from mmrl.videos import write_video
+
     for img, path in zip(u8, paths):
-        Image.fromarray(img.permute(1, 2, 0).numpy()).save(path)
+        if img.dim() == 4:
+            write_video(img.permute(0, 2, 3, 1).numpy(), path)
+        else:
+            Image.fromarray(img.permute(1, 2, 0).numpy()).save(path)

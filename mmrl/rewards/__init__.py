@@ -18,3 +18,5 @@ register_lazy("mmrl.rewards.composite", "composite")
 register_lazy("mmrl.rewards.remote", "remote")
 register_lazy("mmrl.rewards.vlm_judge", "vlm_judge")
 register_lazy("mmrl.rewards.image.color_match", "prompt_color")
+# video rewards (videos [B, F, 3, H, W]): any image reward per frame, temporal consistency, motion amount
+register_lazy("mmrl.rewards.video", "video_frames", "temporal_consistency", "motion_amount")

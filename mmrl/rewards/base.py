@@ -37,7 +37,7 @@ class RewardModel:
     """
 
     name: str = "reward"
-    kind: str = "image"  # "image" | "text"
+    kind: str = "image"  # "image" | "text" | "video" (mmrl.rewards.video.VideoRewardModel)
     differentiable: bool = False
     batch_size: int = 32
     needs_prompts: bool = False
@@ -57,6 +57,10 @@ class RewardModel:
                                                               None if prompts is None else list(prompts[s])))
         if images is None:
             raise ValueError(f"reward '{self.name}' scores images: pass images=...")
+        if isinstance(images, torch.Tensor) and images.dim() == 5:
+            raise ValueError(f"reward '{self.name}' scores images [B, 3, H, W], got videos {tuple(images.shape)} "
+                             f"([B, F, 3, H, W]); score them per frame: load('video_frames', "
+                             f"image_reward='{self.name}', aggregate='mean' | 'min' | 'frame')")
         if not (isinstance(images, torch.Tensor) and self.differentiable):
             images = to_image_tensor(images)
         else:

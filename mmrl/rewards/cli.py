@@ -3,10 +3,10 @@
     mmrl reward list
     mmrl reward score --reward NAME_OR_YAML [--weights P] [--kw k=v ...] --images DIR_OR_FILES... \
                       [--prompts FILE] [--out scores.csv|scores.jsonl|DIR] [--on-error skip|raise] \
-                      [--batch-size N] [--device auto]
+                      [--batch-size N] [--max-pixels N] [--device auto]
     mmrl reward score --reward geo3k --prompts answers.jsonl       # text rewards: rows with a 'completion'
     mmrl reward serve NAME_OR_YAML [--weights P] [--kw k=v ...] [--host 127.0.0.1] --port P [--max-batch N] \
-                      [--max-pixels N] [--read-timeout S]
+                      [--max-pixels N] [--max-request-pixels N] [--read-timeout S] [--token T]
 
 `--prompts` is a text file (one prompt per line; blank lines skipped) or a ``.jsonl`` file whose rows hold
 ``prompt`` and optionally ``metadata`` (an object; without it, the row's other keys are the metadata) and
@@ -17,8 +17,8 @@ line to stderr and exit with code 2.
 `score` writes each chunk of rows as soon as it is scored (flushed, in input order), so an interrupted run
 keeps what was scored. `--out` ending in ``.jsonl`` writes one JSON object per sample (non-finite scores as
 ``null``), anything else CSV; an existing directory (or a path ending in ``/``) gets ``DIR/scores.csv``. An
-image that cannot be read (truncated, not an image, too large for PIL) is skipped with one warning line and
-counted in the final summary (`--on-error skip`, the default) or stops the run with exit code 2 naming the
+image that cannot be read (truncated, not an image, more pixels than `--max-pixels`: width * height read from
+the file's header before anything is decoded) is skipped with one warning line and counted in the final summary (`--on-error skip`, the default) or stops the run with exit code 2 naming the
 file (`--on-error raise`; rows already written are kept).
 """
 
@@ -30,10 +30,13 @@ import importlib
 import json
 import math
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+
+from mmrl.rewards.remote_server import DEFAULT_MAX_PIXELS, DEFAULT_MAX_REQUEST_PIXELS, TOKEN_ENV
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
@@ -66,6 +69,9 @@ def add_reward_subparsers(subparsers: argparse._SubParsersAction) -> argparse.Ar
                    help="an unreadable image: skip it with a warning (default) or stop with exit code 2 "
                         "(rows scored so far are kept)")
     p.add_argument("--batch-size", type=int, default=16, help="images per reward call (default 16)")
+    p.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS,
+                   help="skip (with a warning) an image larger than this (width*height, read from its header "
+                        "before decoding), as the server refuses it (default 4096*4096 = 16777216)")
     p.add_argument("--device", default="auto", help="auto|cpu|cuda[:i] (passed to the reward as device=)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=cmd_score)
@@ -77,9 +83,17 @@ def add_reward_subparsers(subparsers: argparse._SubParsersAction) -> argparse.Ar
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--max-batch", type=int, default=64, help="largest batch per request and per model call")
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="how long to wait to merge concurrent requests")
-    p.add_argument("--max-pixels", type=int, default=4096 * 4096,
+    p.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS,
                    help="largest image (width*height, read from its header before decoding) a request may "
                         "hold; larger ones get HTTP 413 (default 4096*4096 = 16777216)")
+    p.add_argument("--max-request-pixels", type=int, default=DEFAULT_MAX_REQUEST_PIXELS,
+                   help="most pixels all images of one request may hold together (headers read before decoding); "
+                        "more get HTTP 413 (default 4*4096*4096 = 67108864: 64 images of 1024x1024, 0.8 GB as "
+                        "float32); the mmrl client splits its batches to fit")
+    p.add_argument("--token", default=None,
+                   help=f"shared token every request must send as 'Authorization: Bearer TOKEN' (401 otherwise); "
+                        f"default ${TOKEN_ENV} (preferred: a command line is visible to other users); unset = no "
+                        f"check. The client reads ${TOKEN_ENV}")
     p.add_argument("--read-timeout", type=float, default=30.0,
                    help="seconds a connection may stay silent (stalled body, idle keep-alive) before the "
                         "server drops it (default 30)")
@@ -277,6 +291,8 @@ def cmd_score(args: argparse.Namespace) -> int:
                   "(images are sorted by file name)")
     if args.batch_size < 1:
         _fail(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.max_pixels < 1:
+        _fail(f"--max-pixels must be >= 1, got {args.max_pixels}")
     if paths is None and completions is None:
         _fail("pass --images DIR_OR_FILES (image rewards) or --prompts FILE.jsonl with 'completion' rows (text rewards)")
     out_path = resolve_out_path(args.out) if args.out else None  # checked before the reward loads
@@ -351,10 +367,24 @@ def _json_value(v: Any) -> Any:
     return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
-def _load_image_file(path: Path) -> torch.Tensor:
+def _load_image_file(path: Path, max_pixels: int | None = None) -> torch.Tensor:
+    """The image as a float CHW tensor; ValueError, before any pixel is decoded, when its header declares more
+    than `max_pixels` pixels (the server's `--max-pixels` check)."""
+    from PIL import Image
+
     from mmrl.pipelines.images import load_image
     from mmrl.rewards.base import to_image_list
 
+    if max_pixels is not None:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the size is judged here
+                with Image.open(path) as im:  # reads the header only
+                    w, h = im.size
+        except Exception:  # noqa: BLE001 - not an image, a bomb, ...: load_image names the problem below
+            w = h = 0
+        if w * h > max_pixels:
+            raise ValueError(f"{w}x{h} = {w * h} pixels, more than --max-pixels={max_pixels} (not decoded)")
     return to_image_list([load_image(path)])[0]
 
 
@@ -378,7 +408,7 @@ def _score_to(f, fmt: str, args: argparse.Namespace, reward, paths, prompts, met
             if paths is not None:
                 for i in idx:
                     try:
-                        images[i] = _load_image_file(paths[i])
+                        images[i] = _load_image_file(paths[i], args.max_pixels)
                     except Exception as exc:  # noqa: BLE001 - any unreadable file (truncated, bomb, bad mode)
                         reason = str(exc) if isinstance(exc, (ValueError, OSError)) else f"{type(exc).__name__}: {exc}"
                         reason = reason.replace(f"cannot read image file {str(paths[i])!r}: ", "")  # named once
@@ -430,16 +460,19 @@ def _score_to(f, fmt: str, args: argparse.Namespace, reward, paths, prompts, met
 @_exit_on_error
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a reward over HTTP until Ctrl-C."""
-    from mmrl.rewards.remote import check_server_options, serve
+    from mmrl.rewards.remote import check_server_options, serve, token_from_env
 
     if not 0 <= args.port <= 65535:
         _fail(f"--port must be in 0..65535 (0 = any free port), got {args.port}")
+    token = token_from_env(args.token)
     check_server_options(max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_pixels=args.max_pixels,
-                         read_timeout=args.read_timeout, flags=True)  # before the (slow) reward load
+                         max_request_pixels=args.max_request_pixels, read_timeout=args.read_timeout, token=token,
+                         flags=True)  # before the (slow) reward load
     reward = load_reward_from_args(args.reward, args.weights, args.kw, _device(args.device))
     try:
         serve(reward, host=args.host, port=args.port, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
-              max_pixels=args.max_pixels, read_timeout=args.read_timeout)
+              max_pixels=args.max_pixels, max_request_pixels=args.max_request_pixels,
+              read_timeout=args.read_timeout, token=token)
     except (OSError, OverflowError) as exc:
         _fail(f"cannot serve on {args.host}:{args.port}: {exc}")
     return 0

@@ -11,8 +11,9 @@ A YAML / mapping may also be ``{"components": {...}, "normalize": "batch"}``. Sc
 ``sum_k w_k * s_k`` where ``s_k`` is component k's raw score, or with ``normalize="batch"`` its z-score over
 the batch, ``(s_k - mean(s_k)) / (std(s_k) + eps)`` (population std), so components on different scales
 contribute comparably. ``details[k]`` is component k's raw score tensor and ``details[f"{k}/{key}"]`` each
-of its own details. Image and text components can be mixed: image components get
-``images, prompts, metadata``, text components ``completions, prompts, metadata``.
+of its own details. Image (or video) and text components can be mixed: image and video components get
+``images, prompts, metadata`` (videos [B, F, 3, H, W] in ``images``), text components ``completions, prompts,
+metadata``; image and video components cannot (wrap image rewards with ``video_frames``).
 """
 
 from __future__ import annotations
@@ -45,8 +46,12 @@ class CompositeReward(RewardModel):
         self.normalize = normalize
         self.eps = float(eps)
         kinds = {c.kind for c in self.components.values()}
-        self.kind = "text" if kinds == {"text"} else "image"
         self.kinds = {k: c.kind for k, c in self.components.items()}
+        if {"image", "video"} <= kinds:  # one batch is either images or videos
+            by = {kind: sorted(k for k, v in self.kinds.items() if v == kind) for kind in ("image", "video")}
+            raise ValueError(f"composite reward mixes image components {by['image']} with video components "
+                             f"{by['video']}; score videos per frame with video_frames (image_reward=<name>)")
+        self.kind = "text" if kinds == {"text"} else "video" if "video" in kinds else "image"
         self.differentiable = all(c.differentiable for c in self.components.values())
         self.needs_prompts = any(getattr(c, "needs_prompts", False) for c in self.components.values())
         self.name = "composite(" + " + ".join(f"{w:g}*{k}" for k, w in self.weights.items()) + ")"

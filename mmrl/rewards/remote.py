@@ -4,18 +4,27 @@ Server (stdlib ``ThreadingHTTPServer``)::
 
     serve(load("pickscore", weights=...), host="127.0.0.1", port=8008)   # blocks; block=False -> RewardServer
 
-    GET  /health -> {"status": "ok", "reward": name, "kind": "image"|"text", "max_batch": 64}
+    GET  /health -> {"status": "ok", "reward": name, "kind": "image"|"text", "max_batch": 64, "max_pixels": ...,
+                     "max_request_pixels": ...}
     POST /score  {"images": [base64 PNG, ...], "prompts": [...], "metadata": [{...}], "completions": [...]}
               -> {"scores": [float, ...], "details": {key: JSON value}}
 
 Every field but one of ``images`` / ``completions`` is optional; lists must all have one entry per sample.
 Errors are JSON ``{"error": message}``: 400 bad JSON / base64 / not an image / count mismatch / bad input
-to the reward (its ValueError), 404 unknown path, 408 request body stalled longer than ``read_timeout``,
-411 no Content-Length, 413 batch larger than ``max_batch``, body larger than ``max_body_mb`` or an image
-larger than ``max_pixels`` (width * height, read from the image header before any pixel is decoded; PIL's
-own decompression-bomb limit, ``2 * Image.MAX_IMAGE_PIXELS``, also answers 413), 500 model failure.
+to the reward (its ValueError), 401 missing or wrong token (when the server has one), 404 unknown path,
+408 request body stalled longer than ``read_timeout``, 411 no Content-Length, 413 batch larger than
+``max_batch``, body larger than ``max_body_mb``, an image larger than ``max_pixels`` or images larger than
+``max_request_pixels`` together (width * height, read from the image headers before any pixel is decoded;
+PIL's own decompression-bomb limit, ``2 * Image.MAX_IMAGE_PIXELS``, also answers 413), 500 model failure.
 
-Bounded resources: ``max_pixels`` (default 4096 * 4096) caps the memory one decoded image can take;
+Shared token (optional): ``serve(..., token=T)`` / ``mmrl reward serve --token T`` (or ``$MMRL_REWARD_TOKEN``)
+makes every request, ``/health`` included, carry ``Authorization: Bearer T`` (compared in constant time); others
+get 401 and their body is not read. The client sends ``token=`` or ``$MMRL_REWARD_TOKEN``. A server bound beyond
+localhost without a token warns at start. The token is not encryption: over plain HTTP anyone on the path can
+read it; beyond a trusted network, put the server behind TLS (e.g. an SSH tunnel or a reverse proxy).
+
+Bounded resources: ``max_pixels`` (default 4096 * 4096) caps the memory one decoded image can take and
+``max_request_pixels`` (default 4 * 4096 * 4096: 64 images of 1024x1024, 0.8 GB as float32) what one request can;
 ``read_timeout`` (default 30 s) is the socket timeout of each connection, so a client that sends headers
 and then stalls (or keeps an idle keep-alive connection) frees its handler thread after that long; the
 listen ``backlog`` (default 128) holds bursts of concurrent connections without resets.
@@ -26,9 +35,10 @@ size, scores them in one model call (at most ``max_batch`` samples) and splits t
 details back. A merged call that fails is retried request by request so one bad request fails alone.
 The worker is the only thread that calls the model, so the model need not be thread-safe.
 
-Client: ``RemoteReward(url, timeout=30, retries=3, backoff=0.5, check_health=True)`` (``load("remote",
+Client: ``RemoteReward(url, timeout=30, retries=3, backoff=0.5, check_health=True, token=None)`` (``load("remote",
 url=...)``) calls ``GET /health`` when it is built (so a recipe that loads its rewards before its model fails
-before the model loads: "reward server URL is not reachable: <reason>"; ``check_health=False`` skips it) and
+before the model loads: "reward server URL is not reachable: <reason>"; ``check_health=False`` skips it), takes
+the server's ``max_request_pixels`` from that reply to split large batches into requests the server accepts, and
 encodes images as base64 PNG. PNG is lossless for uint8 images; float images are rounded to the uint8 grid first
 (``round(clamp(x, 0, 1) * 255)``, the same rounding ``to_pil_list`` uses), so a reward that itself reads
 uint8 pixels (JPEG size, every PIL-based preprocessor) scores identically remotely and locally.
@@ -58,9 +68,10 @@ from typing import Any, Sequence
 
 import torch
 
-from mmrl.rewards.base import RewardModel, RewardOutput, register, to_image_list
+from mmrl.rewards.base import RewardModel, RewardOutput, concat_outputs, register, to_image_list
 from mmrl.rewards.remote_codec import ImageTooLargeError, decode_image_base64, encode_image_base64, to_jsonable
-from mmrl.rewards.remote_server import DEFAULT_MAX_PIXELS, RewardServer, check_server_options, serve  # noqa: F401
+from mmrl.rewards.remote_server import (DEFAULT_MAX_PIXELS, DEFAULT_MAX_REQUEST_PIXELS, TOKEN_ENV,  # noqa: F401
+                                        RewardServer, check_server_options, serve, token_from_env)
 
 __all__ = ["RemoteRewardError", "RemoteRewardUnreachableError", "ImageTooLargeError", "RemoteReward", "RewardServer",
            "serve", "check_server_options", "request_json", "encode_image_base64", "decode_image_base64",
@@ -160,13 +171,15 @@ class RemoteReward(RewardModel):
     `check_health=True` calls ``GET /health`` here, with the same timeout and retries as scoring, and raises
     `RemoteRewardUnreachableError` ("reward server URL is not reachable: <reason>") if it fails. `kind=None`
     takes the served reward's kind from that reply ("image" without a health check); an explicit `kind` that
-    differs from the served one is a ValueError."""
+    differs from the served one is a ValueError. `token` (default: $MMRL_REWARD_TOKEN) is sent as
+    ``Authorization: Bearer <token>`` to a server started with one. Image batches are split into requests of at
+    most `batch_size` images and at most the server's ``max_request_pixels`` (from /health) pixels."""
 
     name = "remote"
 
     def __init__(self, url: str, timeout: float = 30.0, retries: int = 3, backoff: float = 0.5,
                  batch_size: int = 64, kind: str | None = None, headers: dict[str, str] | None = None,
-                 device: Any = None, check_health: bool = True):
+                 device: Any = None, check_health: bool = True, token: str | None = None):
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"remote reward url must start with http:// or https://, got {url!r}")
         if kind not in ("image", "text", None):
@@ -176,7 +189,9 @@ class RemoteReward(RewardModel):
         self.batch_size = int(batch_size)
         self.kind = kind or "image"
         self._kind_given = kind is not None
-        self.headers = dict(headers or {})
+        token = token_from_env(token)
+        self.headers = {**({"Authorization": f"Bearer {token}"} if token else {}), **dict(headers or {})}
+        self.max_request_pixels: int | None = None  # the server's, from /health
         self.name = f"remote({self.url})"
         if check_health:
             self.check_health()
@@ -196,6 +211,10 @@ class RemoteReward(RewardModel):
         try:
             reply = self.health()
         except RemoteRewardError as exc:
+            if exc.status == 401:
+                raise RemoteRewardUnreachableError(
+                    f"reward server {self.url} refused the token ({exc.reason}); set {TOKEN_ENV} (or the remote "
+                    "reward's token=) to the server's token", self.url, exc.status, reason=exc.reason) from None
             raise RemoteRewardUnreachableError(f"reward server {self.url} is not reachable: {exc.reason}",
                                                self.url, exc.status, reason=exc.reason) from None
         if reply.get("status", "ok") != "ok":
@@ -207,22 +226,31 @@ class RemoteReward(RewardModel):
         elif served in ("image", "text") and served != self.kind:
             raise ValueError(f"reward server {self.url} serves a {served} reward ({reply.get('reward')!r}) but "
                              f"the client was built with kind={self.kind!r}; pass kind={served!r}")
+        limit = reply.get("max_request_pixels")
+        if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+            self.max_request_pixels = limit
         return reply
 
     def __call__(self, images: Any = None, prompts: Sequence[str] | None = None,
                  metadata: Sequence[dict] | None = None, completions: Sequence[str] | None = None) -> RewardOutput:
         if images is None and completions is None:
             raise ValueError(f"reward '{self.name}': pass images=... or completions=[...]")
-        encoded = None
+        encoded, per_request = None, self.batch_size
         if images is not None:
-            encoded = [encode_image_base64(t) for t in to_image_list(images)]
+            tensors = to_image_list(images)
+            encoded = [encode_image_base64(t) for t in tensors]
+            pixels = max((t.shape[-1] * t.shape[-2] for t in tensors), default=1)
+            if self.max_request_pixels is not None:  # what the server decodes per request
+                per_request = max(1, min(per_request, self.max_request_pixels // pixels))
         n = len(encoded) if encoded is not None else len(completions)
         for what, seq in (("completions", completions), ("prompts", prompts), ("metadata", metadata)):
             if seq is not None and len(seq) != n:
                 raise ValueError(f"reward '{self.name}': got {n} inputs but {len(seq)} {what}; pass one per input")
         if n == 0:
             raise ValueError(f"reward '{self.name}': empty batch")
-        return self._chunked(n, lambda s: self._score(encoded, prompts, metadata, completions, s))
+        bs = max(1, int(per_request or n))
+        return concat_outputs([self._score(encoded, prompts, metadata, completions, slice(i, min(n, i + bs)))
+                               for i in range(0, n, bs)])
 
     def _score(self, encoded, prompts, metadata, completions, s: slice) -> RewardOutput:
         payload: dict[str, Any] = {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import warnings
 from typing import Any
 
 import numpy as np
@@ -33,16 +34,42 @@ def decode_image_base64(s: Any, index: int = 0, max_pixels: int | None = None) -
     Never treats the string as a path or URL. With `max_pixels`, an image whose header declares more than
     that many pixels (width * height) raises `ImageTooLargeError` before any pixel is decoded, as does one
     over PIL's decompression-bomb limit."""
-    from PIL import Image, UnidentifiedImageError
+    return decode_image_bytes(base64_image_bytes(s, index), index, max_pixels)
 
+
+def base64_image_bytes(s: Any, index: int = 0) -> bytes:
+    """The encoded image file inside a base64 string (bare or data URL); ValueError naming `index`."""
     if not isinstance(s, str):
         raise ValueError(f"images[{index}] must be a base64 string, got {type(s).__name__}")
     if s.startswith("data:"):
         s = s.partition(",")[2]
     try:
-        data = base64.b64decode("".join(s.split()), validate=True)
+        return base64.b64decode("".join(s.split()), validate=True)
     except (binascii.Error, ValueError) as exc:
         raise ValueError(f"images[{index}] is not valid base64: {exc}") from None
+
+
+def image_header_size(data: bytes, index: int = 0) -> tuple[int, int]:
+    """(width, height) from an encoded image's header, without decoding a pixel; ValueError naming `index` for
+    something that is not an image, `ImageTooLargeError` above PIL's decompression-bomb limit."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the caller judges the size
+            with Image.open(io.BytesIO(data)) as im:  # reads the header only
+                return im.size
+    except Image.DecompressionBombError as exc:
+        raise ImageTooLargeError(f"images[{index}] is too large to decode safely: {exc}") from None
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise ValueError(f"images[{index}] is not a decodable image ({len(data)} bytes): {exc}") from None
+
+
+def decode_image_bytes(data: bytes, index: int = 0, max_pixels: int | None = None) -> torch.Tensor:
+    """An encoded image file -> float CHW RGB tensor in [0,1], refusing (`ImageTooLargeError`) one whose header
+    declares more than `max_pixels` pixels before decoding it."""
+    from PIL import Image, UnidentifiedImageError
+
     try:
         with Image.open(io.BytesIO(data)) as im:  # reads the header only
             w, h = im.size

@@ -4,10 +4,14 @@ batching and bounded resources. The protocol, status codes and limits are in the
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import json
 import math
 import numbers
+import os
 import queue
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,7 +21,8 @@ import numpy as np
 import torch
 
 from mmrl.rewards.base import RewardModel
-from mmrl.rewards.remote_codec import ImageTooLargeError, decode_image_base64, to_jsonable
+from mmrl.rewards.remote_codec import (ImageTooLargeError, base64_image_bytes, decode_image_bytes, image_header_size,
+                                       to_jsonable)
 
 
 class _BadRequest(Exception):
@@ -59,10 +64,32 @@ def _split_details(details: dict, offsets: list[int], total: int) -> list[dict]:
 
 
 DEFAULT_MAX_PIXELS = 4096 * 4096
+# pixels one request may decode in total: 64 images of 1024x1024 (or 4 of the largest allowed); as float32 CHW
+# that is 0.8 GB, the bound of what one request can make the server allocate
+DEFAULT_MAX_REQUEST_PIXELS = 4 * DEFAULT_MAX_PIXELS
+TOKEN_ENV = "MMRL_REWARD_TOKEN"
+
+
+def token_from_env(token: str | None = None) -> str | None:
+    """`token` if given, else $MMRL_REWARD_TOKEN (an empty value counts as unset)."""
+    if token is None:
+        token = os.environ.get(TOKEN_ENV) or None
+    return token
+
+
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine can reach (127.0.0.0/8, ::1, "localhost")."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(str(host).strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def check_server_options(*, max_batch: Any = 64, max_wait_ms: Any = 5.0, max_body_mb: Any = 256.0,
                          max_pixels: Any = DEFAULT_MAX_PIXELS, read_timeout: Any = 30.0, backlog: Any = 128,
+                         max_request_pixels: Any = DEFAULT_MAX_REQUEST_PIXELS, token: Any = None,
                          flags: bool = False) -> None:
     """ValueError naming the first bad server option (as ``--max-batch`` when `flags`, else ``max_batch``)."""
     def name(key: str) -> str:
@@ -71,7 +98,8 @@ def check_server_options(*, max_batch: Any = 64, max_wait_ms: Any = 5.0, max_bod
     def number(v: Any) -> bool:
         return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
-    for key, v in (("max_batch", max_batch), ("max_pixels", max_pixels), ("backlog", backlog)):
+    for key, v in (("max_batch", max_batch), ("max_pixels", max_pixels), ("max_request_pixels", max_request_pixels),
+                   ("backlog", backlog)):
         if not (isinstance(v, numbers.Integral) and not isinstance(v, bool)) or v < 1:
             raise ValueError(f"{name(key)} must be an integer >= 1, got {v!r}")
     for key, v in (("read_timeout", read_timeout), ("max_body_mb", max_body_mb)):
@@ -79,6 +107,8 @@ def check_server_options(*, max_batch: Any = 64, max_wait_ms: Any = 5.0, max_bod
             raise ValueError(f"{name(key)} must be a number > 0, got {v!r}")
     if not number(max_wait_ms) or max_wait_ms < 0:
         raise ValueError(f"{name('max_wait_ms')} must be a number >= 0, got {max_wait_ms!r}")
+    if token is not None and (not isinstance(token, str) or not token.strip() or not token.isprintable()):
+        raise ValueError(f"{name('token')} must be a non-empty printable string (or unset for no token check)")
 
 
 class _HTTPServer(ThreadingHTTPServer):
@@ -87,18 +117,24 @@ class _HTTPServer(ThreadingHTTPServer):
 
 class RewardServer:
     """HTTP server around one reward model; see the module docstring for the protocol and the limits
-    (`max_pixels` per image, `read_timeout` per socket operation, listen `backlog`)."""
+    (`max_pixels` per image, `max_request_pixels` per request, `read_timeout` per socket operation, listen
+    `backlog`) and the optional shared `token` (every request must carry ``Authorization: Bearer <token>``)."""
 
     def __init__(self, reward: RewardModel, host: str = "127.0.0.1", port: int = 0, max_batch: int = 64,
                  max_wait_ms: float = 5.0, max_body_mb: float = 256.0, quiet: bool = True,
-                 max_pixels: int = DEFAULT_MAX_PIXELS, read_timeout: float = 30.0, backlog: int = 128):
+                 max_pixels: int = DEFAULT_MAX_PIXELS, read_timeout: float = 30.0, backlog: int = 128,
+                 max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS, token: str | None = None):
         check_server_options(max_batch=max_batch, max_wait_ms=max_wait_ms, max_body_mb=max_body_mb,
-                             max_pixels=max_pixels, read_timeout=read_timeout, backlog=backlog)
+                             max_pixels=max_pixels, read_timeout=read_timeout, backlog=backlog,
+                             max_request_pixels=max_request_pixels, token=token)
         self.reward = reward
         self.max_batch = int(max_batch)
         self.max_wait = float(max_wait_ms) / 1000.0
         self.max_body = int(max_body_mb * 1024 * 1024)
         self.max_pixels = int(max_pixels)
+        self.max_request_pixels = int(max_request_pixels)
+        # compared as whole header values in constant time (hmac.compare_digest)
+        self._auth = None if token is None else f"Bearer {token}".encode("utf-8")
         self.read_timeout = float(read_timeout)
         self.quiet = quiet
         self.model_calls = 0  # number of reward invocations (tests check that batching merged requests)
@@ -118,6 +154,17 @@ class RewardServer:
         self._worker = threading.Thread(target=self._batch_loop, name="reward-batcher", daemon=True)
         self._worker.start()
         self._thread: threading.Thread | None = None
+
+    @property
+    def exposed_without_token(self) -> bool:
+        """Bound beyond this machine (e.g. 0.0.0.0) with no token: anyone who can reach the port can use it."""
+        return self._auth is None and not is_loopback(str(self.host))
+
+    def authorized(self, header: str | None) -> bool:
+        """Whether an ``Authorization`` header value carries the server's token (always True without one)."""
+        if self._auth is None:
+            return True
+        return hmac.compare_digest((header or "").strip().encode("utf-8"), self._auth)
 
     @property
     def url(self) -> str:
@@ -259,17 +306,36 @@ class RewardServer:
         images = None
         if fields["images"] is not None:
             try:
-                tensors = [decode_image_base64(s, i, max_pixels=self.max_pixels)
-                           for i, s in enumerate(fields["images"])]
+                images = self._decode_images(fields["images"])
             except ImageTooLargeError as exc:
                 raise _BadRequest(413, str(exc)) from None
             except ValueError as exc:
                 raise _BadRequest(400, str(exc)) from None
-            sizes = sorted({tuple(t.shape[1:]) for t in tensors})
-            if len(sizes) > 1:
-                raise _BadRequest(400, f"images in one request must share a size, got {sizes}")
-            images = torch.stack(tensors)
         return _Pending(images, fields["prompts"], fields["metadata"], fields["completions"], n)
+
+    def _decode_images(self, encoded: list) -> torch.Tensor:
+        """[n, 3, H, W] float images. Every header is read first: the size limits (`max_pixels` per image,
+        `max_request_pixels` in total) and the one-size rule are checked before a single pixel is decoded, and
+        the batch is allocated once (no stacked copy)."""
+        blobs = [base64_image_bytes(s, i) for i, s in enumerate(encoded)]
+        sizes = [image_header_size(b, i) for i, b in enumerate(blobs)]
+        for i, (w, h) in enumerate(sizes):
+            if w * h > self.max_pixels:
+                raise ImageTooLargeError(f"images[{i}] is {w}x{h} = {w * h} pixels, more than max_pixels="
+                                         f"{self.max_pixels}; resize it (the server refuses to decode it)")
+        total = sum(w * h for w, h in sizes)
+        if total > self.max_request_pixels:
+            raise ImageTooLargeError(f"the request's {len(sizes)} images hold {total} pixels, more than "
+                                     f"max_request_pixels={self.max_request_pixels}; send fewer images per request "
+                                     f"(the server refuses to decode them)")
+        if len(set(sizes)) > 1:
+            hw = sorted({(h, w) for w, h in sizes})
+            raise ValueError(f"images in one request must share a size, got {[(3, h, w) for h, w in hw]}")
+        w, h = sizes[0]
+        images = torch.empty(len(blobs), 3, h, w)
+        for i, b in enumerate(blobs):
+            images[i] = decode_image_bytes(b, i, max_pixels=self.max_pixels)
+        return images
 
     def _handler_class(self):
         server = self
@@ -296,14 +362,28 @@ class RewardServer:
                 except OSError:  # the client went away or stopped reading (write timeout): drop the connection
                     self.close_connection = True
 
+            def _refuse_unauthorized(self) -> bool:
+                """401 (one line) for a request without the server's token; the body is not read."""
+                if server.authorized(self.headers.get("Authorization")):
+                    return False
+                self.close_connection = True  # an unread body must not be parsed as the next request
+                self._send(401, {"error": "missing or wrong token: send the header 'Authorization: Bearer <token>' "
+                                          f"(the client reads ${TOKEN_ENV}, the server's --token)"})
+                return True
+
             def do_GET(self):  # noqa: N802
+                if self._refuse_unauthorized():
+                    return
                 if self.path.rstrip("/") == "/health":
                     self._send(200, {"status": "ok", "reward": server.reward.name, "kind": server.reward.kind,
-                                     "max_batch": server.max_batch})
+                                     "max_batch": server.max_batch, "max_pixels": server.max_pixels,
+                                     "max_request_pixels": server.max_request_pixels})
                 else:
                     self._send(404, {"error": f"unknown path {self.path!r}; use GET /health or POST /score"})
 
             def do_POST(self):  # noqa: N802
+                if self._refuse_unauthorized():
+                    return
                 if self.path.rstrip("/") != "/score":
                     self._drain()
                     self._send(404, {"error": f"unknown path {self.path!r}; use POST /score"})
@@ -351,11 +431,19 @@ class RewardServer:
 
 def serve(reward: RewardModel, host: str = "127.0.0.1", port: int = 8008, max_batch: int = 64,
           max_wait_ms: float = 5.0, block: bool = True, quiet: bool = False, max_pixels: int = DEFAULT_MAX_PIXELS,
-          read_timeout: float = 30.0, backlog: int = 128, max_body_mb: float = 256.0) -> RewardServer:
+          read_timeout: float = 30.0, backlog: int = 128, max_body_mb: float = 256.0,
+          max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS, token: str | None = None) -> RewardServer:
     """Serve `reward` on http://host:port. `block=True` serves until Ctrl-C; `block=False` starts a background
-    thread and returns the `RewardServer` (``.url``, ``.shutdown()``). port=0 picks a free port."""
+    thread and returns the `RewardServer` (``.url``, ``.shutdown()``). port=0 picks a free port. `token`: every
+    request must send ``Authorization: Bearer <token>`` (None: no check; `mmrl reward serve` reads
+    $MMRL_REWARD_TOKEN). Unless `quiet`, a server bound beyond localhost without a token warns on stderr."""
     server = RewardServer(reward, host=host, port=port, max_batch=max_batch, max_wait_ms=max_wait_ms, quiet=quiet,
-                          max_pixels=max_pixels, read_timeout=read_timeout, backlog=backlog, max_body_mb=max_body_mb)
+                          max_pixels=max_pixels, read_timeout=read_timeout, backlog=backlog, max_body_mb=max_body_mb,
+                          max_request_pixels=max_request_pixels, token=token)
+    if server.exposed_without_token and not quiet:
+        print(f"mmrl reward: warning: serving on {server.url} without a token: anyone who can reach this address "
+              f"can use the reward model; pass --token or set {TOKEN_ENV} (clients send it from {TOKEN_ENV})",
+              file=sys.stderr, flush=True)
     if not block:
         return server.start()
     print(f"serving reward '{reward.name}' on {server.url} (POST /score, GET /health)", flush=True)

@@ -1,7 +1,8 @@
 """Tiny, randomly initialised models of the real architectures, saved in the standard formats.
 
-Every builder seeds torch, builds the genuine diffusers / transformers / open_clip class with
-very small sizes, saves it with ``save_pretrained`` (or open_clip's files) and returns the path.
+Every builder seeds a private random state (the caller's is restored: building has no side effect on a run
+that seeded before it), builds the genuine diffusers / transformers / open_clip class with very small sizes,
+saves it with ``save_pretrained`` (or open_clip's files) and returns the path.
 Loading back is exactly what a real checkpoint uses (``StableDiffusion3Pipeline.from_pretrained``,
 ``AutoProcessor.from_pretrained``, ...), so tests and the CPU demo exercise the real code paths.
 
@@ -14,7 +15,8 @@ What is simplified away: the weights are random (see ``CALIBRATION.md``), the vo
 few hundred to a thousand tokens instead of 49k-152k.
 
 Modules: ``vocab.py`` (corpus, BPE, tokenizers), ``components.py`` (shared encoders and helpers),
-``diffusion_models.py`` (SD3, FLUX), ``vlm_models.py`` (Qwen2/2.5/3-VL), ``clip_models.py`` (CLIP, open_clip);
+``diffusion_models.py`` (SD3, FLUX), ``family_models.py`` (Wan, Z-Image, FLUX.2 [dev] / [klein]),
+``vlm_models.py`` (Qwen2/2.5/3-VL), ``clip_models.py`` (CLIP, open_clip);
 every name is importable from ``mmrl.tiny``.
 """
 
@@ -32,6 +34,12 @@ from mmrl.tiny.clip_models import (  # noqa: F401
 )
 from mmrl.tiny.components import count_parameters  # noqa: F401
 from mmrl.tiny.diffusion_models import build_tiny_flux, build_tiny_sd3
+from mmrl.tiny.family_models import (  # noqa: F401
+    build_tiny_flux2,
+    build_tiny_flux2_klein,
+    build_tiny_wan,
+    build_tiny_z_image,
+)
 from mmrl.tiny.vlm_models import (  # noqa: F401
     QWEN_MAX_PIXELS,
     QWEN_MIN_PIXELS,
@@ -63,6 +71,10 @@ from mmrl.tiny.vocab import (  # noqa: F401
 BUILDERS = {
     "sd3": build_tiny_sd3,
     "flux": build_tiny_flux,
+    "wan": build_tiny_wan,
+    "z_image": build_tiny_z_image,
+    "flux2": build_tiny_flux2,
+    "flux2_klein": build_tiny_flux2_klein,
     "qwen2_vl": build_tiny_qwen2_vl,
     "qwen25_vl": build_tiny_qwen25_vl,
     "qwen3_vl": build_tiny_qwen3_vl,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from mmrl.tiny.components import _prepare_dir
+from mmrl.tiny.components import _prepare_dir, seed_weights, side_effect_free
 from mmrl.tiny.vocab import _load_tokenizer
 
 # source: OpenAI CLIP preprocessing constants (also transformers OPENAI_CLIP_MEAN / _STD)
@@ -15,6 +15,7 @@ CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 
+@side_effect_free
 def build_tiny_clip(path, seed: int = 0) -> Path:
     """Tiny transformers ``CLIPModel`` + ``CLIPProcessor`` at ``path`` (PickScore / CLIP-score layout).
 
@@ -34,7 +35,7 @@ def build_tiny_clip(path, seed: int = 0) -> Path:
                            image_size=32, patch_size=8),
         projection_dim=16,
     )
-    torch.manual_seed(seed)
+    seed_weights(seed)
     model = CLIPModel(cfg).eval()
     image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
                                          do_center_crop=True, image_mean=CLIP_MEAN, image_std=CLIP_STD)
@@ -54,6 +55,7 @@ OPEN_CLIP_CONFIGS = {
 }
 
 
+@side_effect_free
 def build_tiny_open_clip(path, seed: int = 0, arch: str = "tiny") -> Path:
     """Tiny open_clip ``CLIP`` at ``path`` in open_clip's local-dir format, plus an HPS-style copy.
 
@@ -70,7 +72,7 @@ def build_tiny_open_clip(path, seed: int = 0, arch: str = "tiny") -> Path:
     model_cfg = json.loads(json.dumps(OPEN_CLIP_CONFIGS[arch]))
     preprocess_cfg = {"size": model_cfg["vision_cfg"]["image_size"], "mean": CLIP_MEAN, "std": CLIP_STD,
                       "interpolation": "bicubic", "resize_mode": "shortest"}
-    torch.manual_seed(seed)
+    seed_weights(seed)
     model = open_clip.CLIP(**json.loads(json.dumps(model_cfg)))
     sd = {k: v.contiguous() for k, v in model.state_dict().items()}
     (path / "open_clip_config.json").write_text(

@@ -1,11 +1,43 @@
-"""Pieces the tiny builders share: the output directory, a parameter count, and the small VAE / CLIP text / T5
-encoders of the diffusion pipelines."""
+"""Pieces the tiny builders share: the output directory, a parameter count, the random-state isolation every
+builder runs under, and the small VAE / CLIP text / T5 encoders of the diffusion pipelines."""
 
 from __future__ import annotations
 
+import functools
+import random
 from pathlib import Path
+from typing import Callable, TypeVar
 
+import numpy as np
 import torch
+
+F = TypeVar("F", bound=Callable)
+
+
+def side_effect_free(build: F) -> F:
+    """Run a tiny builder on a private random state: the CPU torch generator (seeded inside the builder with
+    `seed_weights`), Python's `random` and numpy's global state are restored when it returns, so building a model
+    changes nothing a caller seeded. Why: a recipe that builds its missing tiny model after seeding (`model.build_tiny`)
+    would otherwise draw its LoRA init and rollouts from the builder's generator, and differ from every later run
+    of the same command that finds the model on disk. CUDA generators are never touched (builders seed the CPU
+    generator only; `torch.manual_seed` would also queue a CUDA seed)."""
+
+    @functools.wraps(build)
+    def wrapper(*args, **kwargs):
+        py_state, np_state = random.getstate(), np.random.get_state()
+        try:
+            with torch.random.fork_rng(devices=[]):
+                return build(*args, **kwargs)
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def seed_weights(seed: int) -> None:
+    """Seed the CPU generator the weight initialisers draw from (not CUDA's: see `side_effect_free`)."""
+    torch.default_generator.manual_seed(seed)
 
 
 def count_parameters(module: torch.nn.Module) -> int:
@@ -20,7 +52,7 @@ def _tiny_vae(seed: int):
     """
     from diffusers import AutoencoderKL
 
-    torch.manual_seed(seed)
+    seed_weights(seed)
     return AutoencoderKL(
         in_channels=3, out_channels=3, latent_channels=4,
         down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
@@ -39,7 +71,7 @@ def _tiny_clip_text(tokenizer, seed: int, hidden: int, projection_dim: int | Non
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    torch.manual_seed(seed)
+    seed_weights(seed)
     cls = CLIPTextModelWithProjection if with_projection else CLIPTextModel
     return cls(cfg).eval()
 
@@ -55,7 +87,7 @@ def _tiny_t5_encoder(tokenizer, seed: int, d_model: int = 32):
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
         decoder_start_token_id=tokenizer.pad_token_id,
     )
-    torch.manual_seed(seed)
+    seed_weights(seed)
     return T5EncoderModel(cfg).eval()
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from mmrl.tiny.components import _prepare_dir, _tiny_clip_text, _tiny_t5_encoder, _tiny_vae
+from mmrl.tiny.components import (_prepare_dir, _tiny_clip_text, _tiny_t5_encoder, _tiny_vae, seed_weights,
+                                   side_effect_free)
 from mmrl.tiny.vocab import _load_tokenizer
 
 
+@side_effect_free
 def build_tiny_sd3(path, seed: int = 0, sample_size: int = 16) -> Path:
     """Tiny ``StableDiffusion3Pipeline`` (transformer, VAE, 2 CLIP encoders, T5 encoder) at ``path``.
 
@@ -27,7 +27,7 @@ def build_tiny_sd3(path, seed: int = 0, sample_size: int = 16) -> Path:
                          f"patch size 2, got {sample_size}")
     path = _prepare_dir(path)
     tok, t5_tok = _load_tokenizer("clip"), _load_tokenizer("t5")
-    torch.manual_seed(seed)
+    seed_weights(seed)
     transformer = SD3Transformer2DModel(
         sample_size=sample_size, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16,
         num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32,
@@ -48,6 +48,7 @@ def build_tiny_sd3(path, seed: int = 0, sample_size: int = 16) -> Path:
     return path
 
 
+@side_effect_free
 def build_tiny_flux(path, seed: int = 0) -> Path:
     """Tiny ``FluxPipeline`` (FLUX.1-dev layout) at ``path``.
 
@@ -60,7 +61,7 @@ def build_tiny_flux(path, seed: int = 0) -> Path:
 
     path = _prepare_dir(path)
     tok, t5_tok = _load_tokenizer("clip"), _load_tokenizer("t5")
-    torch.manual_seed(seed)
+    seed_weights(seed)
     transformer = FluxTransformer2DModel(
         patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
         num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,

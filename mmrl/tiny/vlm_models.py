@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from mmrl.tiny.components import _prepare_dir
+from mmrl.tiny.components import _prepare_dir, seed_weights, side_effect_free
 from mmrl.tiny.vocab import QWEN3_CHAT_TEMPLATE, _load_tokenizer
 
 QWEN_MIN_PIXELS = 56 * 56
@@ -59,6 +57,7 @@ def _save_vlm(model, processor, ids: dict[str, int], path: Path) -> Path:
     return path
 
 
+@side_effect_free
 def build_tiny_qwen2_vl(path, seed: int = 0) -> Path:
     """Tiny ``Qwen2VLForConditionalGeneration`` + ``Qwen2VLProcessor`` at ``path``.
 
@@ -78,11 +77,12 @@ def build_tiny_qwen2_vl(path, seed: int = 0) -> Path:
         vision_start_token_id=ids["vision_start_token_id"], vision_end_token_id=ids["vision_end_token_id"],
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
+    seed_weights(seed)
     model = Qwen2VLForConditionalGeneration(cfg).eval()
     return _save_vlm(model, _qwen_processor(Qwen2VLProcessor, tok), ids, path)
 
 
+@side_effect_free
 def build_tiny_qwen25_vl(path, seed: int = 0) -> Path:
     """Tiny ``Qwen2_5_VLForConditionalGeneration`` + ``Qwen2_5_VLProcessor`` at ``path``.
 
@@ -104,11 +104,12 @@ def build_tiny_qwen25_vl(path, seed: int = 0) -> Path:
         vision_start_token_id=ids["vision_start_token_id"], vision_end_token_id=ids["vision_end_token_id"],
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
+    seed_weights(seed)
     model = Qwen2_5_VLForConditionalGeneration(cfg).eval()
     return _save_vlm(model, _qwen_processor(Qwen2_5_VLProcessor, tok), ids, path)
 
 
+@side_effect_free
 def build_tiny_qwen3_vl(path, seed: int = 0) -> Path:
     """Tiny ``Qwen3VLForConditionalGeneration`` + ``Qwen3VLProcessor`` at ``path``.
 
@@ -136,7 +137,7 @@ def build_tiny_qwen3_vl(path, seed: int = 0) -> Path:
         vision_start_token_id=ids["vision_start_token_id"], vision_end_token_id=ids["vision_end_token_id"],
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
+    seed_weights(seed)
     model = Qwen3VLForConditionalGeneration(cfg).eval()
     # source: Qwen/Qwen3-VL-2B-Instruct preprocessor_config.json (patch 16, mean = std = 0.5)
     size = {"shortest_edge": 64 * 64, "longest_edge": 256 * 256}

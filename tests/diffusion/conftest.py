@@ -45,6 +45,41 @@ def tiny_flux_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_wan_path(tmp_path_factory):
+    from mmrl.tiny.family_models import build_tiny_wan
+
+    return build_tiny_wan(tmp_path_factory.mktemp("tiny_wan") / "pipe")
+
+
+@pytest.fixture(scope="session")
+def tiny_wan22_path(tmp_path_factory):
+    from mmrl.tiny.family_models import build_tiny_wan
+
+    return build_tiny_wan(tmp_path_factory.mktemp("tiny_wan22") / "pipe", variant="2.2_a14b")
+
+
+@pytest.fixture(scope="session")
+def tiny_z_image_path(tmp_path_factory):
+    from mmrl.tiny.family_models import build_tiny_z_image
+
+    return build_tiny_z_image(tmp_path_factory.mktemp("tiny_z_image") / "pipe")
+
+
+@pytest.fixture(scope="session")
+def tiny_flux2_path(tmp_path_factory):
+    from mmrl.tiny.family_models import build_tiny_flux2
+
+    return build_tiny_flux2(tmp_path_factory.mktemp("tiny_flux2") / "pipe")
+
+
+@pytest.fixture(scope="session")
+def tiny_flux2_klein_path(tmp_path_factory):
+    from mmrl.tiny.family_models import build_tiny_flux2_klein
+
+    return build_tiny_flux2_klein(tmp_path_factory.mktemp("tiny_flux2_klein") / "pipe")
+
+
+@pytest.fixture(scope="session")
 def tiny_sd3(tiny_sd3_path):
     from mmrl.diffusion.models import load_flow_model
 

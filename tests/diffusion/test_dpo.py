@@ -12,7 +12,8 @@ from mmrl.config import load_config
 from mmrl.diffusion.common import LatentCache, flow_matching_mse, noise_latents, sample_sigmas
 from mmrl.core.pairing import build_pairs
 from mmrl.diffusion.dpo import Config, make_shapes_preference_file, train
-from mmrl.testing import child_env, metrics_rows, run_torchrun, spawn_ranks, without_time
+from mmrl.testing import (RESUMED_RUN, assert_close_across_paths, assert_same_path, child_env, metrics_rows,
+                          run_torchrun, spawn_ranks, without_time)
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = str(REPO / "assets" / "prompts" / "shapes_train.txt")
@@ -91,15 +92,17 @@ def test_training_points_by_hand():
 
 
 def test_log2_at_init_offline(tmp_path, tiny_sd3_path, pairs_file):
-    """LoRA B starts at 0, so the policy equals the reference (adapters off) bitwise: zero margin, loss log 2."""
+    """LoRA B starts at 0, so the policy equals the reference (adapters off): zero margin, loss log 2. The policy
+    forward runs under autograd, the reference's without: equal up to float32 rounding, so the margin is ~0, not
+    exactly 0 (so implicit_acc, which counts exact ties as wrong, is checked on the pure loss instead:
+    tests/core/test_losses.py::test_dpo_policy_equals_reference_is_log2)."""
     cfg = _cfg(tmp_path / "run", tiny_sd3_path, ["train.max_steps=1", "algo.mode=offline",
                                                  f"data.preference_file={pairs_file}"])
     train(cfg)
     row = metrics_rows(tmp_path / "run")[0]
-    assert row["policy/reward_margin"] == 0.0 and row["kl/ref_proxy"] == 0.0
-    assert row["policy/loss"] == pytest.approx(math.log(2), abs=1e-7)
-    assert row["policy/implicit_acc"] == 0.0  # ties count as wrong
-    assert row["reward/mean"] == 0.0 and row["reward/std"] == 0.0  # offline reward = implicit margin
+    for key in ("policy/reward_margin", "kl/ref_proxy", "reward/mean", "reward/std"):  # offline reward = margin
+        assert_close_across_paths(row[key], 0.0, what=f"{key}: policy and reference forwards")
+    assert row["policy/loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert row["cost/transformer_evals"] == 4 * 2 * 2  # 4 pairs x (chosen, rejected) x (policy, ref)
 
 
@@ -107,7 +110,8 @@ def test_log2_at_init_full_finetuning(tmp_path, tiny_sd3_path):
     cfg = _cfg(tmp_path / "run", tiny_sd3_path, ["train.max_steps=1", "model.lora.rank=0"])
     train(cfg)
     row = metrics_rows(tmp_path / "run")[0]
-    assert row["policy/reward_margin"] == 0.0 and row["policy/loss"] == pytest.approx(math.log(2), abs=1e-7)
+    assert_close_across_paths(row["policy/reward_margin"], 0.0, what="policy and reference forwards")
+    assert row["policy/loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert row["rollout/pairs"] == row["train/pairs"] > 0
     for key in ("reward/mean", "reward/std", "reward/jpeg_compressibility", "time/step_s", "rollout/pair_gap"):
         assert key in row
@@ -161,7 +165,7 @@ def test_resume_equals_uninterrupted_run(tmp_path, tiny_sd3_path, pairs_file, mo
     train(_cfg(tmp_path / "half", tiny_sd3_path, ["train.max_steps=4"] + extra))
     a, b = metrics_rows(tmp_path / "full"), metrics_rows(tmp_path / "half")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
-    assert [without_time(r) for r in a] == [without_time(r) for r in b]
+    assert_same_path([without_time(r) for r in a], [without_time(r) for r in b], why=RESUMED_RUN)
     if mode == "offline":
         # the latents encoded before the interruption were read back, not encoded again
         cache = LatentCache(tmp_path / "half" / "latent_cache", 64, 64)
@@ -226,7 +230,8 @@ def test_evaluation_does_not_change_training(tmp_path, tiny_sd3_path, pairs_file
     assert all("eval/policy/implicit_acc" in r for r in a) and not any("eval/policy/implicit_acc" in r for r in b)
     drop = lambda r: {k: v for k, v in without_time(r).items()  # noqa: E731
                       if not k.startswith("eval/") and k not in ("diag/latents_cached", "cost/transformer_evals")}
-    assert [drop(r) for r in a] == [drop(r) for r in b]
+    assert_same_path([drop(r) for r in a], [drop(r) for r in b],
+                     why="evaluation draws from its own generator and changes no training tensor")
 
 
 # ---------------------------------------------------------------------------------------- several processes
@@ -243,8 +248,8 @@ def test_latent_cache_shards_of_several_ranks(tmp_path, tiny_sd3, pairs_file):
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["shard_000000_r0.pt", "shard_000000_r1.pt"]
     one = LatentCache(tmp_path / "c", 64, 64)  # e.g. a 1-process resume
     assert one.loaded_from_disk == 3
-    torch.testing.assert_close(one.get(tiny_sd3, [pairs[0].chosen, pairs[1].chosen, pairs[2].chosen]),
-                               torch.cat([a, b]), rtol=0, atol=0)
+    assert_same_path(one.get(tiny_sd3, [pairs[0].chosen, pairs[1].chosen, pairs[2].chosen]), torch.cat([a, b]),
+                     why="latents read back from the shards the ranks wrote")
     assert one.encoded == 0
     one.get(tiny_sd3, [pairs[3].chosen])  # its next shard follows every loaded one: no file is overwritten
     assert (tmp_path / "c" / "shard_000002.pt").is_file() and len(list((tmp_path / "c").iterdir())) == 3

@@ -11,7 +11,8 @@ import torch
 from mmrl.config import load_config
 from mmrl.core.prompt_stats import PerPromptStatTracker
 from mmrl.diffusion.flow_grpo import Config, train
-from mmrl.testing import child_env, metrics_rows, run_torchrun, spawn_ranks, without_time
+from mmrl.testing import (RESUMED_RUN, assert_close_across_paths, assert_same_path, child_env, metrics_rows,
+                          run_torchrun, spawn_ranks, without_time)
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = str(REPO / "assets" / "prompts" / "shapes_train.txt")
@@ -176,7 +177,7 @@ def test_resume_reproduces_metrics_exactly(tmp_path, tiny_sd3_path):
     train(_cfg(split, tiny_sd3_path, ["train.max_steps=4"], **common))  # resume=auto picks step_2
     a, b = metrics_rows(full), metrics_rows(split)
     assert [r["step"] for r in b] == [1, 2, 3, 4]
-    assert [without_time(r) for r in a] == [without_time(r) for r in b]
+    assert_same_path([without_time(r) for r in a], [without_time(r) for r in b], why=RESUMED_RUN)
 
 
 def test_interrupted_checkpoint_is_not_used(tmp_path, tiny_sd3_path, monkeypatch):
@@ -233,8 +234,9 @@ def test_saved_lora_loads_into_plain_diffusers_pipeline(tmp_path, tiny_sd3_path)
 
 def test_cfg_grad_changes_only_the_update(tmp_path, tiny_sd3_path):
     """rollout.cfg_grad reaches the trainer: at CFG 4.5 the rollout, rewards and log-probs (drift 0) of step 1
-    are the same in both modes, the gradient is not. The default is flow_grpo's (`both`)."""
-    assert Config().rollout.cfg_grad == "both"
+    are the same in both modes, the gradient is not. The default is flow_grpo's today (`cond_only`: its
+    scripts/train_sd3.py detaches the unconditional branch since commit 2d76907)."""
+    assert Config().rollout.cfg_grad == "cond_only"
     rows = {}
     for mode in ("both", "cond_only"):
         out = tmp_path / mode
@@ -353,7 +355,8 @@ def test_checkpoint_of_the_earlier_version_resumes(tmp_path, tiny_sd3_path):
 
     write_manifest(old / "checkpoints" / "step_1")  # state.pt changed: its size and crc32 as the run records them
     train(_cfg(old, tiny_sd3_path, ["train.max_steps=2"], **common))
-    assert [without_time(r) for r in metrics_rows(old)] == [without_time(r) for r in metrics_rows(full)]
+    assert_same_path([without_time(r) for r in metrics_rows(old)], [without_time(r) for r in metrics_rows(full)],
+                     why=RESUMED_RUN)
 
 
 # ---------------------------------------------------------------------------------------- several processes
@@ -466,7 +469,7 @@ def test_two_ranks_one_update_equals_one_process(tmp_path, tiny_sd3_path):
         one = _one_update(tiny_sd3_path, name, DistContext())
         r0, r1 = ranks[0][name], ranks[1][name]
         # advantages from the all-gathered rewards = one process's; tracker identical on both ranks
-        torch.testing.assert_close(torch.cat([r0["adv"], r1["adv"]]), one["adv"], rtol=0, atol=0)
+        assert_close_across_paths(torch.cat([r0["adv"], r1["adv"]]), one["adv"], what="2 processes vs 1")
         assert r0["tracker"] == r1["tracker"] == one["tracker"]
         assert r0["metrics"]["train/kept_fraction"] == one["metrics"]["train/kept_fraction"]
         # the 0.5 of [2.0, -1.0, 0.5] equals its group mean: advantage 0, dropped too
@@ -650,7 +653,8 @@ def test_async_reward_scoring_gives_the_synchronous_results(tmp_path, tiny_sd3_p
         finally:
             scoring.AsyncRewardScorer.submit = submit
         rows[mode] = [without_time(r) for r in metrics_rows(out)]
-    assert rows["true"] == rows["false"] and len(rows["true"]) == 2
+    assert len(rows["true"]) == 2
+    assert_same_path(rows["true"], rows["false"], why="the scorer thread runs the same reward calls on the same chunks")
     assert chunks == [2, 2, 2] * 2  # 2 prompts x 3 images per step in micro-batches of 2, two steps
     with pytest.raises(ValueError, match="reward.async_scoring needs per-sample rewards"):
         from mmrl.rewards import load

@@ -28,12 +28,13 @@ def test_bad_model_path_errors(tmp_path):
 
 
 def test_unknown_pipeline_class_names_the_valid_families(tmp_path):
-    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "HunyuanVideoPipeline"}))
     with pytest.raises(ValueError) as err:
         load_flow_model(tmp_path)
-    assert "'WanPipeline' is not supported" in str(err.value)
-    assert "supported: ['FluxPipeline', 'StableDiffusion3Pipeline']" in str(err.value)
-    assert available_families() == ["FluxPipeline", "StableDiffusion3Pipeline"]
+    assert "'HunyuanVideoPipeline' is not supported" in str(err.value)
+    assert f"supported: {available_families()}" in str(err.value)
+    assert {"FluxPipeline", "StableDiffusion3Pipeline", "WanPipeline", "ZImagePipeline", "Flux2Pipeline",
+            "Flux2KleinPipeline"} <= set(available_families()) and available_families() == sorted(available_families())
 
 
 @pytest.mark.parametrize("class_name, fixture, family", [("StableDiffusion3Pipeline", "tiny_sd3_path", SD3Model),

@@ -5,6 +5,7 @@ import torch
 
 from mmrl.diffusion.sampling import sample_groups, sde_window, step_log_prob
 from mmrl.diffusion.sde import ode_step
+from mmrl.testing import assert_close_across_paths
 
 PROMPTS = ["a red circle on a blue background", "a green square on a white background"]
 
@@ -109,18 +110,23 @@ def _hand_cfg_log_prob(model, x, x_next, s, s_next, emb, w, uncond_grad):
     return sde_step_with_logprob(x, v_u + w * (v_c - v_u), s, s_next, noise_level=0.7, prev_sample=x_next).log_prob
 
 
-def test_cfg_grad_modes_match_hand_built_gradients(tiny_sd3_path):
-    """At CFG 4.5, cfg_grad="both" (flow_grpo: gradient through both branches) and "cond_only" (unconditional
-    branch detached) give the same log-probs as the rollout, and LoRA gradients equal to the hand-built
-    two-forward computations with / without the unconditional gradient; the two gradients differ."""
-    w = 4.5
-    model, params = _lora_sd3(tiny_sd3_path)
+def _cfg_transition(path, w):
+    """(model, LoRA params, (x, x_next, sigma, sigma_next, embeds) of the second of 3 steps of a CFG-w rollout of 6
+    images, advantages [6], that step's rollout log-probs)."""
+    model, params = _lora_sd3(path)
     traj = _roll(model, guidance_scale=w, num_steps=3)
     b, j = len(traj), 1
-    x, x_next = traj.latents[:, j], traj.latents[:, j + 1]
-    s, s_next = traj.sigmas[j].expand(b), traj.sigmas[j + 1].expand(b)
-    emb = traj.embeds.select(traj.prompt_index)
-    adv = torch.tensor([1.0, -0.5, 0.25, -1.0, 0.75, -0.25])
+    step = (traj.latents[:, j], traj.latents[:, j + 1], traj.sigmas[j].expand(b), traj.sigmas[j + 1].expand(b),
+            traj.embeds.select(traj.prompt_index))
+    return model, params, step, torch.tensor([1.0, -0.5, 0.25, -1.0, 0.75, -0.25]), traj.log_probs[:, j]
+
+
+def test_cfg_grad_modes_match_hand_built_gradients(tiny_sd3_path):
+    """At CFG 4.5, cfg_grad="both" (flow_grpo before 2d76907: gradient through both branches) and "cond_only"
+    (flow_grpo today: unconditional branch detached) give the same log-probs as the rollout, and LoRA gradients
+    equal to the hand-built two-forward computations with / without the unconditional gradient; they differ."""
+    w = 4.5
+    model, params, (x, x_next, s, s_next, emb), adv, rollout_logp = _cfg_transition(tiny_sd3_path, w)
 
     def grads(log_prob):
         return torch.cat([g.flatten() for g in torch.autograd.grad((adv * log_prob).sum(), params)])
@@ -131,12 +137,55 @@ def test_cfg_grad_modes_match_hand_built_gradients(tiny_sd3_path):
                                  cfg_grad=mode).log_prob
         g[mode] = grads(lp[mode])
     assert torch.equal(lp["both"], lp["cond_only"])  # only the gradient path differs
-    assert (lp["both"].detach() - traj.log_probs[:, j]).abs().max() < 1e-5  # = the rollout's (no drift)
+    assert (lp["both"].detach() - rollout_logp).abs().max() < 1e-5  # = the rollout's (no drift)
     for mode, uncond_grad in (("both", True), ("cond_only", False)):
         ref = grads(_hand_cfg_log_prob(model, x, x_next, s, s_next, emb, w, uncond_grad))
         assert (g[mode] - ref).norm() / ref.norm() < 1e-4, mode
     rel = ((g["both"] - g["cond_only"]).norm() / g["both"].norm()).item()
     assert rel > 0.1, rel
+
+
+def test_cfg_grad_branch_gradients_by_hand(tiny_sd3_path):
+    """The gradient that reaches the doubled-batch transformer output [v_u rows; v_c rows], by hand: with
+    v = v_u + w (v_c - v_u) and g = dL/dv (L = sum_i adv_i log p_i), "cond_only" (flow_grpo since 2d76907: v_u
+    detached) gives exactly 0 on the unconditional rows and w g on the conditional ones; "both" gives (1 - w) g and
+    w g. g comes from `sde_step_with_logprob` on a leaf velocity, independently of the CFG code."""
+    from mmrl.diffusion.sde import sde_step_with_logprob
+
+    w = 4.5
+    model, _, (x, x_next, s, s_next, emb), adv, _ = _cfg_transition(tiny_sd3_path, w)
+    b = len(x)
+    seen = []
+
+    def keep_output(module, args, out):  # the transformer's raw output, kept with its gradient
+        out[0].retain_grad()
+        seen.append(out[0])
+
+    hook = model.transformer.register_forward_hook(keep_output)
+    try:
+        grads = {}
+        for mode in ("both", "cond_only"):
+            seen.clear()
+            out = step_log_prob(model, x, x_next, s, s_next, emb, guidance_scale=w, noise_level=0.7, cfg_grad=mode)
+            (adv * out.log_prob).sum().backward()
+            (raw,) = seen  # one forward on the doubled batch
+            assert raw.shape[0] == 2 * b
+            grads[mode] = raw.grad.detach().clone()
+            model.transformer.zero_grad(set_to_none=True)
+    finally:
+        hook.remove()
+    with torch.no_grad():
+        v = model.velocity(x, s, emb, guidance_scale=w)
+    v_leaf = v.clone().requires_grad_(True)
+    lp = sde_step_with_logprob(x, v_leaf, s, s_next, noise_level=0.7, prev_sample=x_next).log_prob
+    (g,) = torch.autograd.grad((adv * lp).sum(), v_leaf)
+    assert g.abs().max() > 0
+    cond = grads["cond_only"]
+    assert torch.equal(cond[:b], torch.zeros_like(cond[:b]))  # the detached branch: no gradient at all
+    assert_close_across_paths(cond[b:], w * g, rtol=1e-4, atol=1e-6 * float(g.abs().max()))
+    both = grads["both"]
+    assert_close_across_paths(both[:b], (1 - w) * g, rtol=1e-4, atol=1e-6 * float(g.abs().max()))
+    assert_close_across_paths(both[b:], w * g, rtol=1e-4, atol=1e-6 * float(g.abs().max()))
 
 
 def test_cfg_grad_without_cfg_and_bad_value(tiny_sd3_path):

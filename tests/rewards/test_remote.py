@@ -16,6 +16,7 @@ from PIL import Image
 import mmrl.rewards.remote as R
 from mmrl.rewards import RewardModel, RewardOutput, load
 from mmrl.rewards.remote import RemoteReward, RemoteRewardError, serve
+from mmrl.testing import assert_same_path, png_claiming_size
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -25,13 +26,17 @@ def _images(n=4, seed=0, size=16):
     return torch.randint(0, 256, (n, 3, size, size), generator=g).float() / 255  # on the uint8 grid
 
 
-def _post_raw(url, body: bytes, content_type="application/json"):
-    req = urllib.request.Request(url, data=body, headers={"Content-Type": content_type}, method="POST")
+def _open_raw(req):
+    """(status, JSON reply) of one request, error statuses included."""
     try:
         with _NO_PROXY.open(req, timeout=10) as resp:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read())
+
+
+def _post_raw(url, body: bytes, content_type="application/json"):
+    return _open_raw(urllib.request.Request(url, data=body, headers={"Content-Type": content_type}, method="POST"))
 
 
 def _b64png(t):
@@ -84,7 +89,8 @@ def test_round_trip_equals_local_exactly(jpeg_server):
 
 def test_health(jpeg_server):
     h = RemoteReward(jpeg_server.url).health()
-    assert h == {"status": "ok", "reward": "jpeg_compressibility", "kind": "image", "max_batch": 8}
+    assert h == {"status": "ok", "reward": "jpeg_compressibility", "kind": "image", "max_batch": 8,
+                 "max_pixels": 4096 * 4096, "max_request_pixels": 4 * 4096 * 4096}
 
 
 def test_text_reward_served():
@@ -573,3 +579,101 @@ def test_32_concurrent_clients_get_no_connection_errors():
 def test_server_rejects_bad_options(kw, msg):
     with pytest.raises(ValueError, match=msg):
         R.RewardServer(load("jpeg_compressibility"), port=0, **kw)
+
+
+# ----------------------------------------------------------------------------- pixels per request, shared token
+
+
+def _png_header_b64(w, h):
+    """base64 of a 55-byte PNG of size w x h with broken pixel data: PIL reads the size, decoding it fails (400)."""
+    return base64.b64encode(png_claiming_size(w, h)).decode()
+
+
+def test_server_bounds_the_pixels_of_one_request_before_decoding():
+    # the default: 64 images of 4096x4096 (each within max_pixels) are 1.07 gigapixels, 12.9 GB as float32
+    assert R.DEFAULT_MAX_REQUEST_PIXELS == 64 * 1024 * 1024
+    srv = serve(load("jpeg_compressibility"), port=0, block=False, quiet=True)
+    try:
+        code, reply = _post_raw(srv.url + "/score", json.dumps({"images": [_png_header_b64(4096, 4096)] * 64}).encode())
+        assert code == 413, reply  # decided from the headers: decoding them would have answered 400
+        assert reply["error"] == ("the request's 64 images hold 1073741824 pixels, more than max_request_pixels="
+                                  "67108864; send fewer images per request (the server refuses to decode them)")
+        code, reply = _post_raw(srv.url + "/score", json.dumps({"images": [_png_header_b64(4096, 4096)] * 4}).encode())
+        assert code == 400 and "images[0] is not a decodable image" in reply["error"]  # within the bound: decoded
+        assert srv.max_request_pixels == R.DEFAULT_MAX_REQUEST_PIXELS
+    finally:
+        srv.shutdown()
+    srv = serve(load("jpeg_compressibility"), port=0, block=False, max_pixels=64 * 64, max_request_pixels=3 * 64 * 64)
+    try:
+        ok = [_b64png(t) for t in _images(4, size=64)]
+        code, reply = _post_raw(srv.url + "/score", json.dumps({"images": ok[:3]}).encode())
+        assert code == 200 and len(reply["scores"]) == 3
+        code, reply = _post_raw(srv.url + "/score", json.dumps({"images": ok}).encode())
+        assert code == 413 and "4 images hold 16384 pixels, more than max_request_pixels=12288" in reply["error"]
+        # the client reads the limit from /health and sends 10 images as requests of 3, 3, 3, 1
+        client = RemoteReward(srv.url)
+        assert client.health()["max_request_pixels"] == 12288 and client.max_request_pixels == 12288
+        many = _images(10, seed=3, size=64)
+        calls = srv.model_calls
+        assert_same_path(client(many).scores, load("jpeg_compressibility")(many).scores,
+                         why="JPEG byte counts of the same uint8 images")
+        assert srv.model_calls - calls == 4
+    finally:
+        srv.shutdown()
+
+
+def test_server_rejects_a_bad_request_pixel_limit_and_token():
+    with pytest.raises(ValueError, match="max_request_pixels must be an integer >= 1, got 0"):
+        R.RewardServer(load("jpeg_compressibility"), port=0, max_request_pixels=0)
+    with pytest.raises(ValueError, match="token must be a non-empty printable string"):
+        R.RewardServer(load("jpeg_compressibility"), port=0, token=" ")
+
+
+def _get_raw(url, headers=None):
+    return _open_raw(urllib.request.Request(url, headers=headers or {}))
+
+
+def test_token_is_required_on_every_path_and_compared_exactly(monkeypatch):
+    srv = serve(load("jpeg_compressibility"), port=0, block=False, token="s3cret")
+    try:
+        assert _get_raw(srv.url + "/health")[0] == 401
+        code, reply = _get_raw(srv.url + "/health", {"Authorization": "Bearer s3cret"})
+        assert code == 200 and reply["reward"] == "jpeg_compressibility"
+        for header in (None, "Bearer s3cre", "Bearer s3cret2", "Basic s3cret", "s3cret", "Bearer S3CRET"):
+            req = urllib.request.Request(srv.url + "/score", data=json.dumps({"images": [_b64png(_images(1)[0])]}).encode(),
+                                         headers={"Content-Type": "application/json",
+                                                  **({"Authorization": header} if header else {})}, method="POST")
+            with pytest.raises(urllib.error.HTTPError) as ei:
+                _NO_PROXY.open(req, timeout=10)
+            assert ei.value.code == 401, header
+            msg = json.loads(ei.value.read())["error"]
+            assert "\n" not in msg and msg.startswith("missing or wrong token: send the header 'Authorization: "
+                                                      "Bearer <token>'"), msg
+        imgs = _images(3)
+        assert_same_path(RemoteReward(srv.url, token="s3cret")(imgs).scores, load("jpeg_compressibility")(imgs).scores,
+                         why="JPEG byte counts of the same uint8 images")
+        monkeypatch.setenv("MMRL_REWARD_TOKEN", "s3cret")  # the client's default
+        assert RemoteReward(srv.url)(imgs).scores.shape == (3,)
+        monkeypatch.setenv("MMRL_REWARD_TOKEN", "")  # empty = unset
+        with pytest.raises(R.RemoteRewardUnreachableError, match="refused the token"):
+            RemoteReward(srv.url)
+    finally:
+        srv.shutdown()
+
+
+def test_no_token_beyond_localhost_warns_at_start(capsys, monkeypatch):
+    """The warning is decided by the bound address; the server here stays on 127.0.0.1 (the address check is
+    switched to "not loopback" to see the line without exposing a port)."""
+    import mmrl.rewards.remote_server as rs
+
+    assert rs.is_loopback("127.0.0.1") and rs.is_loopback("::1") and rs.is_loopback("localhost")
+    assert not rs.is_loopback("0.0.0.0") and not rs.is_loopback("::") and not rs.is_loopback("192.168.1.5")
+    serve(load("jpeg_compressibility"), port=0, block=False, quiet=False).shutdown()
+    assert "warning" not in capsys.readouterr().err
+    monkeypatch.setattr(rs, "is_loopback", lambda host: False)
+    serve(load("jpeg_compressibility"), port=0, block=False, quiet=False).shutdown()
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("mmrl reward: warning: serving on http://127.0.0.1:") and "without a token" in line
+    assert "MMRL_REWARD_TOKEN" in line
+    serve(load("jpeg_compressibility"), port=0, block=False, quiet=False, token="t").shutdown()
+    assert capsys.readouterr().err == ""

@@ -16,6 +16,7 @@ from PIL import Image
 from mmrl.rewards import load
 from mmrl.rewards.base import jpeg_size_kb, to_image_tensor
 from mmrl.rewards.cli import add_reward_subparsers, parse_kw
+from mmrl.testing import png_claiming_size
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
@@ -344,3 +345,88 @@ def test_serve_bad_limits_exit_2_before_loading_the_reward(monkeypatch, capsys, 
     assert ei.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and msg in err[0], err
+
+
+# ----------------------------------------------------------------------------- image size limit (--max-pixels)
+
+
+def test_score_skips_images_over_max_pixels_from_the_header(image_dir, tmp_path, capsys):
+    """A 12000x12000 PNG (144 megapixels: 1.7 GB as a float tensor) is skipped by its header, as the server refuses
+    it: the file below holds only the header, so a decode attempt would report a truncated file instead. A real
+    image over a small --max-pixels is skipped the same way; the others are scored."""
+    (image_dir / "huge.png").write_bytes(png_claiming_size(12000, 12000))
+    out = tmp_path / "s.csv"
+    assert run(["reward", "score", "--reward", "jpeg_compressibility", "--images", str(image_dir), "--out", str(out),
+                "--no-progress"]) == 0
+    rows = read_csv(out)
+    assert [Path(r["path"]).name for r in rows] == ["img_0.png", "img_1.png", "img_2.png"]
+    err = capsys.readouterr().err
+    warnings = [ln for ln in err.splitlines() if "warning" in ln]
+    assert warnings == [f"mmrl reward: warning: skipping {image_dir / 'huge.png'}: 12000x12000 = 144000000 pixels, "
+                        f"more than --max-pixels=16777216 (not decoded)"]
+    assert "skipped 1 unreadable image(s)" in err
+    (image_dir / "huge.png").unlink()
+    Image.new("RGB", (40, 20)).save(image_dir / "wide.png")  # 800 pixels (the others: 16x16 = 256)
+    assert run(["reward", "score", "--reward", "jpeg_compressibility", "--images", str(image_dir), "--out", str(out),
+                "--max-pixels", "800", "--no-progress"]) == 0
+    assert [Path(r["path"]).name for r in read_csv(out)] == ["img_0.png", "img_1.png", "img_2.png", "wide.png"]
+    capsys.readouterr()
+    assert run(["reward", "score", "--reward", "jpeg_compressibility", "--images", str(image_dir), "--out", str(out),
+                "--max-pixels", "799", "--no-progress"]) == 0
+    assert [Path(r["path"]).name for r in read_csv(out)] == ["img_0.png", "img_1.png", "img_2.png"]
+    (line,) = [ln for ln in capsys.readouterr().err.splitlines() if "warning" in ln]
+    assert line.endswith("wide.png: 40x20 = 800 pixels, more than --max-pixels=799 (not decoded)")
+    with pytest.raises(SystemExit) as ei:
+        run(["reward", "score", "--reward", "jpeg_compressibility", "--images", str(image_dir), "--max-pixels", "0"])
+    assert ei.value.code == 2 and "--max-pixels must be >= 1, got 0" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- shared token (real server process)
+
+
+def _wait_for_server(client, proc, deadline_s=60):
+    from mmrl.rewards.remote import RemoteRewardError
+
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            return client.health()
+        except RemoteRewardError as exc:
+            if exc.status == 401:
+                return None
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+
+
+def test_python_m_mmrl_cli_reward_serve_with_a_token_from_the_environment(image_dir):
+    """`MMRL_REWARD_TOKEN=... mmrl reward serve` on 127.0.0.1: a client with the token (from its own environment or
+    token=) scores; without it or with another one, 401 in one line, at the start-up health check already."""
+    import socket
+
+    from mmrl.rewards.remote import RemoteReward, RemoteRewardError, RemoteRewardUnreachableError
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([PY, "-m", "mmrl.cli", "reward", "serve", "jpeg_compressibility", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**ENV, "MMRL_REWARD_TOKEN": "tok-3f9a"}, cwd=ROOT)
+    try:
+        client = RemoteReward(url, retries=0, timeout=5, check_health=False, token="tok-3f9a")
+        assert _wait_for_server(client, proc)["reward"] == "jpeg_compressibility"
+        imgs = to_image_tensor([str(p) for p in sorted(image_dir.glob("*.png"))])
+        assert torch.equal(client(imgs).scores, load("jpeg_compressibility")(imgs).scores)
+        for token in (None, "tok-3f9b", "tok-3f9a-and-more"):
+            with pytest.raises(RemoteRewardUnreachableError, match=r"refused the token \(HTTP 401: missing or wrong "
+                                                                   r"token: send the header 'Authorization: Bearer"):
+                RemoteReward(url, retries=0, timeout=5, token=token)
+            with pytest.raises(RemoteRewardError, match="HTTP 401") as ei:
+                RemoteReward(url, retries=3, backoff=5, timeout=5, check_health=False, token=token)(imgs)  # no retry
+            assert ei.value.status == 401
+    finally:
+        proc.terminate()
+        out, err = proc.communicate(timeout=10)
+    assert "warning" not in err  # bound to 127.0.0.1: no warning about a missing token (there is one anyway)

@@ -20,7 +20,7 @@ from PIL import Image
 
 from mmrl.config import load_config
 from mmrl.core import keep_groups, overlong_penalty
-from mmrl.testing import child_env, metrics_rows, run_torchrun, spawn_ranks
+from mmrl.testing import assert_same_path, child_env, metrics_rows, run_torchrun, spawn_ranks, without_time
 from mmrl.pipelines.shapes_qa import ShapesQA
 from mmrl.vlm import grpo
 from mmrl.vlm.policy import build_policy
@@ -588,6 +588,27 @@ def test_torchrun_ddp_train_then_resume_on_one_process(tmp_path):
     rows = metrics_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert (out / "checkpoints" / "step_3" / "COMPLETE").is_file()
+
+
+@pytest.mark.slow
+def test_the_run_that_builds_the_tiny_model_equals_a_later_run(tmp_path):
+    """`mmrl train configs/vlm/grpo_tiny_shapes.yaml` with `model.build_tiny` twice, the same command: the first run
+    builds the missing tiny model, the second finds its files. Building draws from its own random state, so both
+    runs log the same metrics (they differed at every step when the builder reseeded the global generator)."""
+    model = tmp_path / "tiny_qwen2_vl"
+    common = [f"model.path={model}", "train.max_steps=2", "train.save_every=0", "warm_start.steps=2",
+              "rollout.prompts_per_step=2", "rollout.group_size=2", "log.eval_every=0", "log.sample_every=0",
+              "data.eval_size=4"]
+    rows = {}
+    for name in ("builds", "loads"):
+        assert (model / "config.json").is_file() == (name == "loads")
+        proc = subprocess.run([sys.executable, "-m", "mmrl.cli", "train", str(ROOT / "configs/vlm/grpo_tiny_shapes.yaml"),
+                               f"output_dir={tmp_path / name}", *common], cwd=ROOT, env=child_env(),
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows[name] = [without_time(r) for r in metrics_rows(tmp_path / name)]
+    assert len(rows["builds"]) == 2
+    assert_same_path(rows["builds"], rows["loads"], why="same command and model files, one process each")
 
 
 # ------------------------------------------------------------------ non-finite rewards and updates

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mmrl.vlm.envs import Env, EnvManager, Observation, register_env, turn_discounted_return
-from mmrl.testing import child_env, run_torchrun
+from mmrl.testing import RESUMED_RUN, assert_same_path, child_env, run_torchrun
 from mmrl.vlm.credit import episode_returns, informative_groups, token_advantages, turn_advantages
 from mmrl.vlm.episode_train import episode_batch
 from mmrl.vlm.episodes import ChatFormat, Episode, Turn, encode_observation, rollout_episodes
@@ -301,19 +301,19 @@ def test_checkpoint_resume_equals_uninterrupted_run(tiny, tmp_path):
     wa = load_file(tmp_path / "a/checkpoints/step_2/adapters/default/model.safetensors")
     wb = load_file(tmp_path / "b/checkpoints/step_2/adapters/default/model.safetensors")
     init = load_file(path / "model.safetensors")
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert_same_path(wa, wb, why=RESUMED_RUN)
     assert not torch.equal(wa["lm_head.weight"], init["lm_head.weight"])  # the run did train
     rows = {name: [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
             for name in ("a", "b")}
     assert [r["step"] for r in rows["b"]] == [0, 1, 2]  # no step repeated after the resume
     drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time/")}  # noqa: E731
-    assert drop(rows["a"][-1]) == drop(rows["b"][-1])
+    assert_same_path(drop(rows["a"][-1]), drop(rows["b"][-1]), why=RESUMED_RUN)
     # a checkpoint of the earlier layout (policy/ + flat state.pt with task_cursor, summary) resumes the same way
     train(_recipe_cfg(tmp_path / "c", path, train={"max_steps": 1}))
     _to_earlier_layout(tmp_path / "c/checkpoints/step_1")
     train(_recipe_cfg(tmp_path / "c", path))
     wc = load_file(tmp_path / "c/checkpoints/step_2/adapters/default/model.safetensors")
-    assert all(torch.equal(wa[k], wc[k]) for k in wa)
+    assert_same_path(wa, wc, why=RESUMED_RUN)
     last = rows["a"][-1]
     for key in ("rollout/episode/turns_mean", "rollout/episode/turns_max", "rollout/episode/done_rate",
                 "rollout/episode/max_turns_rate", "rollout/episode/truncated_rate", "rollout/tokens/policy_mean",

@@ -13,6 +13,12 @@ class that `model_index.json` names (`_class_name`):
         def decode(self, latents, height, width): ...
 
 `mmrl.diffusion.models` imports every module of the package, so the new file is the only change needed.
+
+Video families (`is_video = True`, e.g. Wan) keep latents [B, C, F, h, w] and decode to videos [B, F, 3, H, W] in
+[0, 1] when `num_frames > 1` (`load_flow_model(..., num_frames=N)` / `set_num_frames`); every sampler, log-prob and
+loss reduces over all non-batch dimensions, so the same code serves both ranks. A family whose classifier-free
+guidance differs from `v_u + w (v_c - v_u)` for `w > 1` overrides `cfg_enabled` / `combine_cfg`; family-specific
+settings (`model.family_options` in a recipe) are the keyword arguments of `configure`.
 """
 
 from __future__ import annotations
@@ -57,6 +63,9 @@ class FlowModel:
     family: str = "flow"
     default_max_sequence_length: int = 512  # text tokens when load_flow_model is not given one
     has_guidance_embedding: bool = False  # FLUX-dev: guidance goes into the transformer, not CFG
+    is_video: bool = False  # latents [B, C, F, h, w]; decode gives [B, F, 3, H, W] when num_frames > 1
+    num_frames: int = 1  # frames per sample (> 1 only for video families; set_num_frames)
+    option_names: tuple[str, ...] = ()  # the keywords `configure` takes (model.family_options)
 
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, max_sequence_length: int):
         self.pipe = pipe
@@ -66,7 +75,9 @@ class FlowModel:
         self.transformer = pipe.transformer
         self.vae = pipe.vae
         self.scheduler_config = dict(pipe.scheduler.config)
-        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        blocks = self.vae.config.get("block_out_channels")  # 2-D VAEs; video VAEs state their spatial factor
+        self.vae_scale_factor = (2 ** (len(blocks) - 1) if blocks
+                                 else int(self.vae.config.get("scale_factor_spatial", 8)))
         self._negative: PromptEmbeds | None = None
         self._cfg_memo: tuple[PromptEmbeds, PromptEmbeds] | None = None  # (embeds, [negative; embeds])
 
@@ -92,13 +103,23 @@ class FlowModel:
         b = latents.shape[0]
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device).expand(b)
         if cfg is None:
-            cfg = guidance_scale > 1.0 and not self.has_guidance_embedding
+            cfg = self.cfg_enabled(guidance_scale)
         if cfg:
             both = self._with_negative(embeds)
             v = self._forward(torch.cat([latents, latents]), torch.cat([sigma, sigma]), both, guidance_scale)
             v_uncond, v_cond = v.float().chunk(2)
-            return v_uncond + guidance_scale * (v_cond - v_uncond)
+            return self.combine_cfg(v_uncond, v_cond, guidance_scale, sigma=sigma)
         return self._forward(latents, sigma, embeds, guidance_scale).float()
+
+    def cfg_enabled(self, guidance_scale: float) -> bool:
+        """Whether `guidance_scale` turns classifier-free guidance on (diffusers' rule for this family's pipeline)."""
+        return guidance_scale > 1.0 and not self.has_guidance_embedding
+
+    def combine_cfg(self, v_uncond: Tensor, v_cond: Tensor, guidance_scale: float,
+                    sigma: Tensor | None = None) -> Tensor:
+        """The guided velocity from the two branches: v_u + w (v_c - v_u) unless a family's pipeline differs (Z-Image's
+        scale convention; Wan 2.2 A14B's second scale for the low-noise expert, chosen by sigma [B])."""
+        return v_uncond + guidance_scale * (v_cond - v_uncond)
 
     def _with_negative(self, embeds: PromptEmbeds) -> PromptEmbeds:
         """[empty-prompt rows; embeds] for the CFG batch. Samplers and trainers call `velocity` many times in
@@ -122,6 +143,26 @@ class FlowModel:
 
     def decode(self, latents: Tensor, height: int, width: int) -> Tensor:
         raise NotImplementedError
+
+    def set_num_frames(self, num_frames: int) -> None:
+        """Frames per sample; an image family takes only 1 (video families check what their VAE can take)."""
+        if num_frames != 1:
+            raise _image_only_error(type(self.pipe).__name__, num_frames)
+        self.num_frames = 1
+
+    def configure(self, **options: Any) -> None:
+        """Family-specific settings (`model.family_options`): a family overrides this taking its keywords (named in
+        `option_names`) and passes the rest here, where any left is an error."""
+        if options:
+            valid = f"valid: {list(self.option_names)}" if self.option_names else "it takes none"
+            raise ValueError(f"model.family_options: {sorted(options)} not known to {type(self.pipe).__name__} "
+                             f"({valid})")
+
+    @property
+    def sigma_shift(self) -> float:
+        """The scheduler's static time shift (sigma -> shift s / (1 + (shift - 1) s)), for training-time noise
+        levels drawn outside a rollout schedule (DPO)."""
+        return float(self.scheduler_config.get("shift", 1.0))
 
     def _new_scheduler(self):
         from diffusers import FlowMatchEulerDiscreteScheduler
@@ -214,12 +255,27 @@ def available_families() -> list[str]:
     return sorted(MODEL_FAMILIES)
 
 
+def _text_only(model: FlowModel, images: Any) -> None:
+    """Text-to-image / -video families take no source image: one given anyway is a mistake, not ignored."""
+    if images is not None:
+        raise ValueError(f"{type(model.pipe).__name__} generates from text only: it takes no source images")
+
+
+def _image_only_error(class_name: str, num_frames: int) -> ValueError:
+    video = sorted(k for k, v in MODEL_FAMILIES.items() if v.is_video)
+    return ValueError(f"rollout.num_frames={num_frames}: {class_name} generates images, so num_frames must be 1 "
+                      f"(video pipelines: {video})")
+
+
 def load_flow_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                    max_sequence_length: int | None = None) -> FlowModel:
+                    max_sequence_length: int | None = None, num_frames: int = 1,
+                    family_options: dict[str, Any] | None = None) -> FlowModel:
     """Load a local diffusers pipeline directory as a FlowModel (family chosen by model_index.json).
 
     Text encoders and VAE are frozen (requires_grad False, eval mode); the transformer is left frozen
     too - adapters (or full fine-tuning) decide what trains. The VAE stays fp32 (as Flow-GRPO).
+    `num_frames`: frames per sample (video families; images: 1). `family_options`: the family's `configure`
+    keywords (e.g. Wan 2.2 A14B's guidance_scale_2).
     """
     import diffusers
 
@@ -236,6 +292,8 @@ def load_flow_model(path: str | Path, device: str | torch.device = "cpu", dtype:
         raise ValueError(f"model.path '{path}': pipeline class '{cls_name}' is not supported; "
                          f"supported: {available_families()}")
     model_cls = MODEL_FAMILIES[cls_name]
+    if int(num_frames) != 1 and not model_cls.is_video:  # fail before loading the weights
+        raise _image_only_error(cls_name, int(num_frames))
     pipe = getattr(diffusers, cls_name).from_pretrained(str(path), dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     for name, module in pipe.components.items():
@@ -247,4 +305,7 @@ def load_flow_model(path: str | Path, device: str | torch.device = "cpu", dtype:
         pipe.vae.to(dtype=torch.float32)
     if max_sequence_length is None:
         max_sequence_length = model_cls.default_max_sequence_length
-    return model_cls(pipe, torch.device(device), dtype, max_sequence_length)
+    model = model_cls(pipe, torch.device(device), dtype, max_sequence_length)
+    model.set_num_frames(int(num_frames))
+    model.configure(**(family_options or {}))
+    return model

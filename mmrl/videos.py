@@ -1,0 +1,98 @@
+"""Videos in and out of a run: MP4 files a person can open, animated GIFs for TensorBoard, reading clips back.
+
+Videos are float tensors [F, 3, H, W] in [0, 1] (a batch: [N, F, 3, H, W]), the layout video families decode to
+and video rewards score.
+
+- MP4 (H.264, yuv420p, crf 18) through PyAV, whose wheel ships FFmpeg with libx264 (PyAV is already installed as
+  a dependency of qwen-vl-utils): opens in every browser and player, a few kB for a short clip. yuv420p needs even
+  sizes, so odd frame sizes are padded by one edge row / column.
+- GIF (Pillow) where a viewer only takes images: TensorBoard's image tab plays animated GIFs (torch's `add_video`
+  would need moviepy, which this project does not install).
+- `read_video(path)`: the frames of a video file (anything FFmpeg decodes, GIF included) as uint8 [F, H, W, 3].
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+# source: diffusers' Wan examples export with export_to_video(output, fps=16); a sample of 81 frames is ~5 s
+DEFAULT_FPS = 16
+
+
+def to_uint8_frames(video: Any) -> np.ndarray:
+    """A float [F, 3, H, W] tensor in [0, 1] (or a uint8 [F, H, W, 3] array) -> uint8 [F, H, W, 3]."""
+    if isinstance(video, np.ndarray) and video.dtype == np.uint8 and video.ndim == 4 and video.shape[-1] == 3:
+        return video
+    if not isinstance(video, torch.Tensor) or video.dim() != 4 or video.shape[1] != 3:
+        shape = tuple(video.shape) if hasattr(video, "shape") else type(video).__name__
+        raise ValueError(f"video: expected a float tensor [F, 3, H, W] in [0, 1], got {shape}")
+    arr = (video.detach().float().clamp(0, 1).cpu().permute(0, 2, 3, 1).numpy() * 255).round()
+    return arr.astype(np.uint8)
+
+
+def encode_mp4(frames: np.ndarray, fps: int = DEFAULT_FPS) -> bytes:
+    """uint8 [F, H, W, 3] -> MP4 (H.264) bytes."""
+    import av
+
+    f, h, w, _ = frames.shape
+    frames = np.pad(frames, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")  # yuv420p: even sizes
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=int(fps))
+        stream.width, stream.height, stream.pix_fmt = w + w % 2, h + h % 2, "yuv420p"
+        stream.options = {"crf": "18"}
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():  # flush
+            container.mux(packet)
+    return buf.getvalue()
+
+
+def gif_bytes(frames: np.ndarray, fps: int = DEFAULT_FPS) -> bytes:
+    """uint8 [F, H, W, 3] -> animated GIF bytes (loops forever)."""
+    from PIL import Image
+
+    pils = [Image.fromarray(f) for f in frames]
+    buf = io.BytesIO()
+    pils[0].save(buf, format="GIF", save_all=True, append_images=pils[1:], duration=max(1, round(1000 / fps)),
+                 loop=0)
+    return buf.getvalue()
+
+
+def write_video(video: Any, path: str | Path, fps: int = DEFAULT_FPS) -> Path:
+    """Write one video (float [F, 3, H, W] in [0, 1] or uint8 [F, H, W, 3]) as `.mp4` or `.gif` (by suffix),
+    atomically (temp file, then rename)."""
+    path = Path(path)
+    frames = to_uint8_frames(video)
+    suffix = path.suffix.lower()
+    if suffix not in (".mp4", ".gif"):
+        raise ValueError(f"write_video: {path}: expected a .mp4 or .gif file name")
+    data = encode_mp4(frames, fps) if suffix == ".mp4" else gif_bytes(frames, fps)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+    return path
+
+
+def read_video(path: str | Path) -> np.ndarray:
+    """The frames of a video file as uint8 [F, H, W, 3] (decoded by PyAV's FFmpeg)."""
+    import av
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"video file not found: {path}")
+    try:
+        with av.open(str(path)) as container:
+            frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    except (av.error.FFmpegError, ValueError) as exc:
+        raise ValueError(f"{path}: not a readable video ({type(exc).__name__}: {exc})") from None
+    if not frames:
+        raise ValueError(f"{path}: the video has no frames")
+    return np.stack(frames)
