@@ -30,8 +30,9 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
 # recipe -> (tiny config, architecture, overrides on a GPU). Batch sizes stay the tiny configs' (a few steps measure
-# throughput, not learning); diffusion images at 512 px, the resolution of the real recipes.
-DIFFUSION_GPU = ["rollout.height=512", "rollout.width=512"]
+# throughput, not learning) except the training micro-batch: 4 images (8 rows with CFG) at 512 px, the resolution of
+# the real recipes, keeps full fine-tuning of SD3.5-M within 80 GB (docs/scaling.md, memory at real width).
+DIFFUSION_GPU = ["rollout.height=512", "rollout.width=512", "update.micro_batch_size=4"]
 RECIPES: dict[str, tuple[str, str, list[str]]] = {
     "flow_grpo": ("configs/diffusion/flow_grpo_tiny.yaml", "sd35_medium", DIFFUSION_GPU),
     "flow_grpo_flux": ("configs/diffusion/flow_grpo_tiny.yaml", "flux1_dev", DIFFUSION_GPU + ["rollout.guidance_scale=3.5"]),
@@ -126,10 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         overrides = [f"output_dir={run_dir}", f"model.path={path}", f"train.max_steps={args.steps}",
                      f"train.save_every={args.steps}", "train.resume=never", "train.overwrite=true",
                      "log.eval_every=0", "log.sample_every=0"]
-        overrides += [o for o in gpu_overrides if not o.startswith("rollout.")]  # (sizes: on a GPU only)
+        sizes = ("rollout.", "update.")  # batch and image sizes: on a GPU only; --small keeps the tiny configs'
+        overrides += [o for o in gpu_overrides if not o.startswith(sizes)]
         overrides += (["device=cpu", "dtype=float32"] if args.small
                       else ["device=cuda", "dtype=bfloat16", "num_threads=0",
-                            *[o for o in gpu_overrides if o.startswith("rollout.")]])
+                            *[o for o in gpu_overrides if o.startswith(sizes)]])
         cmd = [sys.executable, "-m", "mmrl.cli", "train", str(REPO / config), *overrides]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,

@@ -11,11 +11,15 @@ state allocated, then one forward + backward (+ optimizer step) of one row. glib
 above 64 KiB on its own (MALLOC_MMAP_THRESHOLD_), so the resident size follows the live tensors; the peak (Linux
 VmHWM, reset before the step) minus the resident size before it is what the step adds.
 
-Extrapolation (an upper-bound model, stated in docs/scaling.md): step peak = weights (+ persistent buffers) +
-optimizer state + gradients of every trainable tensor (all counted live) + rows x activations per row +
-the optimizer step's temporaries; activations per row = measured step peak - gradients, linear in the number of
-blocks of each kind (from the depth points) and, where the measured row is shorter than the recipe's, in its tokens
-(per stream: see MEASURE). The SD3.5 row at 256 px checks that token scaling against a measurement.
+The gradients are allocated (zeros) before the measured step, as after any first step, so what the step adds is the
+activations kept for the backward pass plus the backward's temporaries (gradient checkpointing: the recomputed
+block).
+
+Extrapolation (an upper-bound model, stated in docs/scaling.md): peak = weights (+ persistent buffers) + optimizer
+state + gradients of every trainable tensor + the optimizer step's temporaries + rows x what one row's step adds;
+that last term is linear in the number of blocks of each kind (from the depth points) and, where the measured row is
+shorter than the recipe's, in its tokens (per stream: see MEASURE). The SD3.5 row at 256 px checks the token scaling
+against a measurement.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ MEASURE = {
                         {"num_layers": 1, "num_single_layers": 2}],
              # 256 px (256 image tokens) + 128 text tokens = 384 tokens, scaled to 512 px + 512 = 1536
              "shape": dict(height=256, width=256, text_tokens=128), "scale": {"*": 1536 / 384}},
+    "wan": {"depths": [{"num_layers": 2}, {"num_layers": 3}],
+            "shape": dict(num_frames=5, height=256, width=256, text_tokens=512), "scale": {}},
     "qwen_vl": {"depths": [{"text_config.num_hidden_layers": 1, "vision_config.depth": 1},
                            {"text_config.num_hidden_layers": 2, "vision_config.depth": 1},
                            {"text_config.num_hidden_layers": 1, "vision_config.depth": 2}],
@@ -56,6 +62,7 @@ MEASURE = {
                 "scale": {"text_config.num_hidden_layers": 2529 / 737, "fixed": 2048 / 256}},
 }
 SMALL_SHAPE = {"sd3": dict(height=64, width=64, text_tokens=8), "flux": dict(height=64, width=64, text_tokens=8),
+               "wan": dict(num_frames=5, height=32, width=32, text_tokens=8),
                "qwen_vl": dict(image_patches=(8, 8), prompt_tokens=8, response_tokens=8)}
 
 
@@ -84,6 +91,12 @@ def _inputs(kind: str, model, shape: dict, dtype):
     import torch
 
     g = torch.Generator().manual_seed(0)
+    if kind == "wan":  # Wan's VAE: 4x in time ((F - 1) / 4 + 1 latent frames), 8x in space
+        c = model.config
+        f = (shape["num_frames"] - 1) // 4 + 1
+        return {"hidden_states": torch.randn(1, c.in_channels, f, shape["height"] // 8, shape["width"] // 8,
+                                             generator=g).to(dtype), "timestep": torch.tensor([500.0]),
+                "encoder_hidden_states": torch.randn(1, shape["text_tokens"], c.text_dim, generator=g).to(dtype)}
     if kind in ("sd3", "flux"):
         c = model.config
         h, w, m = shape["height"] // 8, shape["width"] // 8, shape["text_tokens"]
@@ -111,7 +124,7 @@ def _inputs(kind: str, model, shape: dict, dtype):
 
 
 def _loss(kind: str, model, inputs: dict):
-    if kind in ("sd3", "flux"):
+    if kind in ("sd3", "flux", "wan"):
         return model(**inputs).sample.float().pow(2).mean()
     from mmrl.vlm.batch import token_logprobs
 
@@ -157,7 +170,7 @@ def measure(spec: dict) -> dict:
     opt.param_groups[0]["lr"] = 0.0
     opt.step()
     opt.param_groups[0]["lr"] = 1e-6
-    opt.zero_grad(set_to_none=True)
+    opt.zero_grad(set_to_none=False)  # gradients stay allocated (counted apart): the step then adds activations only
     inputs = _inputs(arch.kind, model, spec["shape"], dtype)
     meter = attach_flops_meter(model)
     gc.collect()
@@ -204,9 +217,7 @@ def extrapolate(arch, rows: list[dict], small: bool) -> list[dict]:
     for mode in ("lora", "full"):
         for gc_on in (False, True):
             pts = [r for r in rows if r["mode"] == mode and r["gc"] == gc_on and not r.get("check")]
-            for r in pts:
-                r["act_gib"] = r["step_peak_gib"] - r["trainable_bytes"]  # gradients counted apart
-            act = _linear(pts, depth_keys, "act_gib")
+            act = _linear(pts, depth_keys, "step_peak_gib")  # activations + backward temporaries of one row
             per_row = act["fixed"] * scale.get("fixed", scale.get("*", 1.0)) + sum(
                 act[k] * scale.get(k, scale.get("*", 1.0)) * full[k] for k in depth_keys)
             trainable_bytes = _linear(pts, depth_keys, "trainable_bytes")
@@ -301,10 +312,9 @@ def main(argv: list[str] | None = None) -> int:
             base = next(r for r in measured if r["arch"] == arch.name and r["mode"] == "full" and not r["gc"]
                         and r["depth"] == check["depth"] and not r.get("check"))
             ratio = (256 // 16) ** 2 + 205, (512 // 16) ** 2 + 205
-            predicted = (base["step_peak_gib"] - base["trainable_bytes"]) * ratio[0] / ratio[1]
+            predicted = base["step_peak_gib"] * ratio[0] / ratio[1]
             print(f"\ntoken scaling check ({arch.name}, full, GC off, depth {check['depth']}): activations at 256 px "
-                  f"measured {check['step_peak_gib'] - check['trainable_bytes']:.3f} GiB, scaled from 512 px "
-                  f"{predicted:.3f} GiB")
+                  f"measured {check['step_peak_gib']:.3f} GiB, scaled from 512 px {predicted:.3f} GiB")
     print(f"\nExtrapolated peak per GPU at full depth, the recipe's micro-batch (rows), bf16 weights, one process "
           f"(no FSDP), against {GPU_GIB:.0f} GB:\n")
     print(markdown_table(["arch", "mode", "GC", "old/ref", "weights", "old/ref states", "grads", "AdamW", "opt temp",

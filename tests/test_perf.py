@@ -5,6 +5,7 @@ per-step meter the recipes log (mmrl.perf.meter).
   the same forward exactly (attention through the math SDPA kernel, which flop_counter sees as bmm; on CPU the
   fused kernel is invisible to it). Backward (all weights trainable) is at least flop_counter's and within the
   share of the layers whose input needs no gradient.
+* Families: SD3 / SD3.5, FLUX.1, FLUX.2, Wan, Qwen2-VL, Qwen2.5-VL, Qwen3-VL.
 * One SD3.5-Medium joint block (and its dual attention), one FLUX.1 single-stream block and one Qwen2.5-VL-3B decoder
   layer at their real widths (built on the meta device: no memory) equal the formulas written out by hand below.
 """
@@ -57,9 +58,38 @@ def _flux_inputs():
                 guidance=torch.tensor([3.0, 3.0]), img_ids=torch.zeros(12, 3), txt_ids=torch.zeros(7, 3))
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux"])
+def _flux2():
+    from diffusers import Flux2Transformer2DModel
+
+    torch.manual_seed(0)
+    model = Flux2Transformer2DModel(patch_size=1, in_channels=128, num_layers=2, num_single_layers=2,
+                                    attention_head_dim=16, num_attention_heads=2, joint_attention_dim=96,
+                                    axes_dims_rope=(4, 4, 4, 4), guidance_embeds=True)
+    kw = dict(hidden_states=torch.randn(2, 12, 128), encoder_hidden_states=torch.randn(2, 7, 96),
+              timestep=torch.tensor([0.5, 0.5]), guidance=torch.tensor([3.0, 3.0]),
+              img_ids=torch.zeros(2, 12, 4), txt_ids=torch.zeros(2, 7, 4))
+    return model, kw
+
+
+def _wan():
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16,
+                                  out_channels=16, text_dim=32, freq_dim=256, ffn_dim=64, num_layers=2,
+                                  rope_max_seq_len=64)
+    kw = dict(hidden_states=torch.randn(2, 16, 3, 8, 12), timestep=torch.tensor([300.0, 700.0]),
+              encoder_hidden_states=torch.randn(2, 9, 32))
+    return model, kw
+
+
+DIFFUSION = {"sd3": lambda: (_sd3(), _sd3_inputs()), "flux": lambda: (_flux(), _flux_inputs()), "flux2": _flux2,
+             "wan": _wan}
+
+
+@pytest.mark.parametrize("family", sorted(DIFFUSION))
 def test_diffusion_transformer_flops_equal_flop_counter(family):
-    model, kw = (_sd3(), _sd3_inputs()) if family == "sd3" else (_flux(), _flux_inputs())
+    model, kw = DIFFUSION[family]()
     est = flops_estimator(model)
     shape = est.shapes((), kw)
     assert est.forward_flops(shape) == _counted(lambda: model(**kw))

@@ -35,9 +35,8 @@ def _run(*args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
 
 
 def test_real_width_extrapolation_by_hand():
-    """Two depth points of SD3.5-Medium: activations per row = step peak - gradients, 0.5 GiB per block and 0 fixed;
-    gradients 0.05 GiB per block; at 24 blocks and the recipe's 18 rows (micro-batch 9, CFG) the table adds up as
-    written here."""
+    """Two depth points of SD3.5-Medium: what one row's step adds is 0.5 GiB per block and 0 fixed; gradients 0.05
+    GiB per block; at 24 blocks and the recipe's 18 rows (micro-batch 9, CFG) the table adds up as written here."""
     from mmrl.perf.architectures import get_architecture
 
     rw = _script("real_width")
@@ -45,7 +44,7 @@ def test_real_width_extrapolation_by_hand():
     rows = []
     for mode in ("lora", "full"):
         for gc in (False, True):
-            for layers, peak, grads in ((2, 1.1, 0.1), (3, 1.65, 0.15)):
+            for layers, peak, grads in ((2, 1.0, 0.1), (3, 1.5, 0.15)):
                 rows.append({"arch": arch.name, "depth": {"num_layers": layers}, "mode": mode, "gc": gc,
                              "step_peak_gib": peak, "trainable_bytes": grads, "weights_gib": 0.0,
                              "opt_temp_gib": 0.0, "tflops": 0.25 * layers})
@@ -110,3 +109,14 @@ def test_gpu_check_small_runs_every_recipe(tmp_path):
         assert ("tokens_per_s" if name.startswith("vlm") else "images_per_s") in entry, name
         if name not in ("dpo",):  # policy-gradient recipes: rollout and training log-probs agree
             assert entry.get("max_logprob_drift", 0.0) < 1e-4, (name, entry)
+
+
+def test_gpu_check_overrides_are_valid_config_keys(tmp_path):
+    """The CUDA-only overrides of every recipe (never run here) name keys and values its config accepts."""
+    from mmrl.config import load_config
+
+    gc = _script("gpu_check")
+    for name, (config, _, gpu_overrides) in gc.RECIPES.items():
+        cfg = load_config(ROOT / config, [f"output_dir={tmp_path / name}", "dtype=bfloat16", "num_threads=0",
+                                          "train.max_steps=3", *gpu_overrides])
+        assert cfg.dtype == "bfloat16", name

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from mmrl.diffusion.models.base import ATTENTION_LORA_TARGETS
+from mmrl.diffusion.models.wan import WAN_LORA_TARGETS
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class Architecture:
 
     name: str
     kind: str
-    """Input layout: `sd3`, `flux` (diffusers transformers) or `qwen_vl` (a transformers VLM)."""
+    """Input layout: `sd3`, `flux`, `wan` (diffusers transformers) or `qwen_vl` (a transformers VLM)."""
     class_name: str
     """diffusers / transformers class (transformers: the *ForConditionalGeneration class)."""
     config: dict
@@ -170,4 +171,17 @@ register_architecture(Architecture(
     # micro-batch 4 rows; an image at min_pixels 512^2 -> 532 x 532 (38 x 38 patches, 361 tokens after merging);
     # ~120 prompt tokens; responses up to max_new_tokens 2048 (the worst case is what has to fit)
     step=dict(rows=4, image_patches=(38, 38), prompt_tokens=120, response_tokens=2048, lora_rank=64),
+))
+
+register_architecture(Architecture(
+    name="wan21_t2v_1_3b", kind="wan", class_name="WanTransformer3DModel",
+    config=dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
+                text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
+    depth={"num_layers": 30},
+    source="Wan-AI/Wan2.1-T2V-1.3B-Diffusers transformer/config.json (dim 1536, 30 layers, 12 heads, FFN 8960; 1.4B)",
+    lora_targets=tuple(WAN_LORA_TARGETS), recipe="configs/diffusion/flow_grpo_wan21_t2v.yaml",
+    # 5 frames at 256 px -> 16 x 2 x 32 x 32 latents, 2 x 16 x 16 = 512 tokens of (1, 2, 2) patches; 512 UMT5 tokens;
+    # micro-batch 1 doubled by classifier-free guidance (5.0)
+    step=dict(rows=2, num_frames=5, height=256, width=256, text_tokens=512, lora_rank=64),
 ))

@@ -138,22 +138,63 @@ def _sd3(module: nn.Module) -> FlopsEstimator:
     return FlopsEstimator(module, rules, shapes)
 
 
-@register_flops("FluxTransformer2DModel")
-def _flux(module: nn.Module) -> FlopsEstimator:
-    """FLUX.1 (double-stream blocks as SD3's joint blocks, then single-stream blocks over image + text tokens);
-    inputs are packed latents [B, N, C*4] and text [B, M, D]."""
+def _packed_joint(module: nn.Module, rules: list[tuple[str, str]]) -> FlopsEstimator:
+    """FLUX-style transformers: double-stream blocks (as SD3's joint blocks) then single-stream blocks, all
+    attending over image + text tokens; inputs are packed latents [B, N, C] and text [B, M, D]."""
     width = module.config.num_attention_heads * module.config.attention_head_dim
     n_blocks = len(module.transformer_blocks) + len(module.single_transformer_blocks)
-    rules = [("time_text_embed.", "sample"), ("norm1.linear", "sample"), ("norm1_context.linear", "sample"),
-             ("norm.linear", "sample"), ("norm_out.linear", "sample"), ("context_embedder", "text"),
-             ("attn.add_", "text"), ("attn.to_add_out", "text"), ("ff_context.", "text"),
-             ("single_transformer_blocks.", "joint"), ("", "image")]
 
     def shapes(args, kwargs):
         x, ctx = _arg(args, kwargs, "hidden_states"), _arg(args, kwargs, "encoder_hidden_states", 1)
         b, n, m = x.shape[0], x.shape[1], ctx.shape[1]
         return Pass({"image": b * n, "text": b * m, "sample": b, "joint": b * (n + m)},
                     b * width * n_blocks * (n + m) ** 2)
+
+    return FlopsEstimator(module, rules, shapes)
+
+
+@register_flops("FluxTransformer2DModel")
+def _flux(module: nn.Module) -> FlopsEstimator:
+    """FLUX.1: AdaLN modulations inside each block (one row per sample)."""
+    return _packed_joint(module, [
+        ("time_text_embed.", "sample"), ("norm1.linear", "sample"), ("norm1_context.linear", "sample"),
+        ("norm.linear", "sample"), ("norm_out.linear", "sample"), ("context_embedder", "text"), ("attn.add_", "text"),
+        ("attn.to_add_out", "text"), ("ff_context.", "text"), ("single_transformer_blocks.", "joint"), ("", "image")])
+
+
+@register_flops("Flux2Transformer2DModel")
+def _flux2(module: nn.Module) -> FlopsEstimator:
+    """FLUX.2 (dev / klein): the modulations computed once at the top, the single-stream blocks' q/k/v and MLP input
+    fused into one projection; reference-image tokens of an edit are part of the packed latents."""
+    return _packed_joint(module, [
+        ("time_guidance_embed.", "sample"), ("modulation", "sample"), ("norm_out.linear", "sample"),
+        ("context_embedder", "text"), ("attn.add_", "text"), ("attn.to_add_out", "text"), ("ff_context.", "text"),
+        ("single_transformer_blocks.", "joint"), ("", "image")])
+
+
+@register_flops("WanTransformer3DModel")
+def _wan(module: nn.Module) -> FlopsEstimator:
+    """Wan 2.1 / 2.2: video tokens (3-D patches) through self-attention, cross-attention to the text tokens (and to
+    image tokens for image-to-video), FFN; timestep layers once per timestep value (per token for Wan 2.2 TI2V)."""
+    cfg = module.config
+    width = cfg.num_attention_heads * cfg.attention_head_dim
+    pt, ph, pw = cfg.patch_size
+    n_blocks = len(module.blocks)
+    rules = [("condition_embedder.time", "sample"), ("condition_embedder.text_embedder", "text"),
+             ("condition_embedder.image_embedder", "image_context"), ("attn2.add_", "image_context"),
+             ("attn2.to_k", "text"), ("attn2.to_v", "text"), ("", "video")]
+
+    def shapes(args, kwargs):
+        x = _arg(args, kwargs, "hidden_states")
+        ctx = _arg(args, kwargs, "encoder_hidden_states", 2)
+        t = _arg(args, kwargs, "timestep", 1)
+        img = kwargs.get("encoder_hidden_states_image")
+        b, _, f, h, w = x.shape
+        n, m = (f // pt) * (h // ph) * (w // pw), ctx.shape[1]
+        k = img.shape[1] if img is not None else 0
+        return Pass({"video": b * n, "text": b * m, "image_context": b * k,
+                     "sample": t.numel() if isinstance(t, torch.Tensor) else b},
+                    b * width * n_blocks * (n * n + n * m + n * k))
 
     return FlopsEstimator(module, rules, shapes)
 

@@ -29,6 +29,7 @@ SMALL_WIDTHS = {
             "pooled_projection_dim": 32, "pos_embed_max_size": 32, "sample_size": 16},
     "flux": {"attention_head_dim": 16, "num_attention_heads": 2, "joint_attention_dim": 32, "pooled_projection_dim": 32,
              "axes_dims_rope": (4, 6, 6)},
+    "wan": {"num_attention_heads": 2, "attention_head_dim": 16, "text_dim": 32, "ffn_dim": 64, "rope_max_seq_len": 64},
     "qwen_vl": {"text_config.hidden_size": 64, "text_config.intermediate_size": 128,
                 "text_config.num_attention_heads": 4, "text_config.num_key_value_heads": 2,
                 "text_config.rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
@@ -77,6 +78,9 @@ def build_random_model(name: str, path, *, small: bool = False, depth: dict | No
     path = _prepare_dir(path)
     if arch.kind == "qwen_vl":
         return _save_qwen_vl(arch, path, depth, dtype, seed)
+    if arch.kind not in ("sd3", "flux"):
+        raise ValueError(f"build_random_model: no pipeline builder for {name!r} ({arch.kind}) yet; builders: SD3, "
+                         f"FLUX.1 and Qwen-VL architectures")
     torch.manual_seed(seed)
     model = arch.build(depth, dtype=dtype)
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, StableDiffusion3Pipeline
