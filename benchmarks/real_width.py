@@ -247,14 +247,23 @@ def extrapolate(arch, rows: list[dict], small: bool) -> list[dict]:
 # ------------------------------------------------------------------------------------------------ driver
 
 
-def _child(spec: dict) -> dict:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", OMP_NUM_THREADS=str(spec["threads"]),
+def _child(specs: list[dict]) -> list[dict]:
+    """The measurements of one architecture in a fresh process, one after the other (each builds its own model;
+    with every allocation above 64 KiB mapped on its own, what one frees goes back to the OS before the next)."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0",
+               OMP_NUM_THREADS=str(specs[0]["threads"]),
                PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env, capture_output=True,
-                          text=True)
-    if proc.returncode:
-        raise SystemExit(f"measurement {spec} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(specs)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    out = []
+    for line in proc.stdout:  # one JSON line per measurement, as it finishes
+        out.append(json.loads(line))
+        print(f"  measured {out[-1]['arch']} {out[-1]['depth']} {out[-1]['mode']} gc={out[-1]['gc']}: "
+              f"+{out[-1]['step_peak_gib']:.2f} GiB, {out[-1]['fwd_bwd_s']:.1f} s", file=sys.stderr, flush=True)
+    err = proc.stderr.read()
+    if proc.wait() or len(out) != len(specs):
+        raise SystemExit(f"measurements of {specs[0]['arch']} failed:\n{err[-3000:]}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -266,7 +275,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(measure(json.loads(args.child))))
+        import ctypes
+        import gc
+
+        for spec in json.loads(args.child):
+            print(json.dumps(measure(spec)), flush=True)
+            gc.collect()
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
         return 0
     from _timing import machine, markdown_table
 
@@ -280,21 +295,15 @@ def main(argv: list[str] | None = None) -> int:
     for arch in archs:
         plan = MEASURE[arch.kind]
         shape = SMALL_SHAPE[arch.kind] if args.small else plan["shape"]
-        rows = []
-        for mode in ("lora", "full"):
-            for gc_on in (False, True):
-                for depth in plan["depths"]:
-                    spec = {"arch": arch.name, "depth": depth, "mode": mode, "gc": gc_on, "shape": shape,
-                            "small": args.small, "threads": args.threads}
-                    rows.append(measure(spec) if args.small else _child(spec))  # --small: in this process
-                    print(f"  measured {arch.name} {depth} {mode} gc={gc_on}: +{rows[-1]['step_peak_gib']:.2f} GiB, "
-                          f"{rows[-1]['fwd_bwd_s']:.1f} s", file=sys.stderr, flush=True)
+        specs = [{"arch": arch.name, "depth": depth, "mode": mode, "gc": gc_on, "shape": shape, "small": args.small,
+                  "threads": args.threads}
+                 for mode in ("lora", "full") for gc_on in (False, True) for depth in plan["depths"]]
         if arch.kind == "sd3" and not args.small:  # token scaling checked: 256 px measured vs 512 px scaled
-            check = _child({"arch": arch.name, "depth": plan["depths"][0], "mode": "full", "gc": False,
-                            "shape": dict(plan["shape"], height=256, width=256), "small": False,
-                            "threads": args.threads})
-            check["check"] = True
-            rows.append(check)
+            specs.append({**specs[2 * len(plan["depths"])], "shape": dict(plan["shape"], height=256, width=256),
+                          "check": True})
+        rows = [measure(s) for s in specs] if args.small else _child(specs)  # --small: in this process
+        for spec, row in zip(specs, rows):
+            row["check"] = spec.get("check", False)
         measured += rows
         table += extrapolate(sized_architecture(arch.name, args.small), rows, args.small)
     cmd = " ".join(["python", "benchmarks/real_width.py", *(sys.argv[1:] if argv is None else argv)])

@@ -254,6 +254,11 @@ def test_meter_counts_forward_and_backward_once_and_perf_metrics():
     assert "perf/mfu" not in m and m["perf/peak_memory_gib"] > 0  # CPU: no known peak; RSS
     assert perf_metrics(DistContext(), model, 0.5, "cpu")["perf/tflops_per_step"] == 0.0
     assert "perf/tflops_per_step" not in perf_metrics(DistContext(), torch.nn.ReLU(), 1.0, "cpu")  # no estimator
+    # a model without an estimator gets no meter, not a partial count of its Linear layers
+    uncounted = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 2)))
+    assert attach_flops_meter(uncounted) is None
+    uncounted(torch.randn(3, 4))
+    assert "perf/tflops_per_step" not in perf_metrics(DistContext(), uncounted, 1.0, "cpu")
     assert isinstance(meter, FlopsMeter)
 
 

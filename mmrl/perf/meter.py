@@ -119,10 +119,12 @@ class FlopsMeter:
         self._handles.clear()
 
 
-def attach_flops_meter(model: nn.Module) -> FlopsMeter:
+def attach_flops_meter(model: nn.Module) -> FlopsMeter | None:
     """A FlopsMeter on `model`: on the model itself when its class has an estimator, else on its outermost
-    submodules that have one (Qwen-VL: the vision tower, the decoder, the lm_head). Kept on the model
-    (``perf_metrics`` finds it); attaching twice returns the same meter, re-reading which weights train."""
+    submodules that have one (Qwen-VL: the vision tower, the decoder) and an `lm_head`. Kept on the model
+    (``perf_metrics`` finds it); attaching twice returns the same meter, re-reading which weights train. None (and
+    nothing attached) when no part of the model has an estimator: the run then logs no FLOPs rather than a partial
+    count."""
     meter = getattr(model, _METER_ATTR, None)
     if meter is not None:
         meter.refresh()
@@ -130,11 +132,15 @@ def attach_flops_meter(model: nn.Module) -> FlopsMeter:
     meter = FlopsMeter()
     if not meter.watch(model):
         def walk(mod: nn.Module) -> None:
-            for child in mod.children():
+            for name, child in mod.named_children():
+                if isinstance(child, nn.Linear) and name != "lm_head":  # a layer of an uncounted model
+                    continue
                 if not meter.watch(child):
                     walk(child)
 
         walk(model)
+    if not meter.estimators:
+        return None
     object.__setattr__(model, _METER_ATTR, meter)  # a plain attribute (not a submodule or buffer)
     return meter
 
