@@ -7,9 +7,10 @@ full depth and the shipped recipe's micro-batch, against one 80 GB GPU; FLOPs pe
 
 Each measurement is its own process (one at a time: a real-width step needs several GB): build the model at the
 depth, LoRA (PolicyStates, rank of the recipe) or full fine-tuning, gradient checkpointing off or on, AdamW with its
-state allocated, then one forward + backward (+ optimizer step) of one row. glibc is told to map every allocation
-above 64 KiB on its own (MALLOC_MMAP_THRESHOLD_), so the resident size follows the live tensors; the peak (Linux
-VmHWM, reset before the step) minus the resident size before it is what the step adds.
+state allocated, then one forward + backward (+ optimizer step) of one row. What the step adds at its peak is
+counted two ways: live tensor bytes (a TorchDispatchMode recording every storage an op creates until Python frees
+it: exact; used for the extrapolation) and the resident size (Linux VmHWM, reset before the step, minus the resident size before it;
+glibc maps every allocation above 64 KiB on its own, MALLOC_MMAP_THRESHOLD_, so it follows the live memory: a check).
 
 The gradients are allocated (zeros) before the measured step, as after any first step, so what the step adds is the
 activations kept for the backward pass plus the backward's temporaries (gradient checkpointing: the recomputed
@@ -178,19 +179,53 @@ def measure(spec: dict) -> dict:
     before = _status_mib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")
     t0 = time.perf_counter()
-    _loss(arch.kind, model, inputs).backward()
+    with _tensor_peak_mode() as step:
+        _loss(arch.kind, model, inputs).backward()
     t_fb = time.perf_counter() - t0
     fb_peak = _status_mib("VmHWM")
     flops = meter.pop()
-    before_opt = _status_mib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")
-    opt.step()
-    opt_peak = _status_mib("VmHWM")
+    with _tensor_peak_mode() as opt_step:
+        opt.step()
     return {**{k: spec[k] for k in ("arch", "depth", "mode", "gc")},
             "weights_gib": weights / GIB, "trainable": sum(p.numel() for p in trainable),
             "trainable_bytes": sum(p.numel() * p.element_size() for p in trainable) / GIB,
-            "rss_before_gib": before / 1024, "step_peak_gib": (fb_peak - before) / 1024,
-            "opt_temp_gib": max(0.0, opt_peak - before_opt) / 1024, "fwd_bwd_s": t_fb, "tflops": flops / 1e12}
+            "step_peak_gib": step.extra / GIB, "rss_step_gib": (fb_peak - before) / 1024,
+            "opt_temp_gib": opt_step.extra / GIB, "fwd_bwd_s": t_fb, "tflops": flops / 1e12}
+
+
+def _tensor_peak_mode():
+    """A TorchDispatchMode measuring the peak bytes of tensor storages created inside it and still alive: every op's
+    outputs are recorded once per storage (views and in-place results share theirs) and subtracted when Python frees
+    the storage. Exact tensor bytes (what a GPU's caching allocator has to serve), unlike the resident size."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    class TensorPeak(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.live = self.extra = 0
+            self._seen = WeakIdKeyDictionary()
+
+        def _free(self, n: int, _ref) -> None:
+            self.live -= n
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    st = t.untyped_storage()
+                    if st not in self._seen:
+                        n = st.nbytes()
+                        self._seen[st] = weakref.ref(st, lambda ref, n=n: self._free(n, ref))
+                        self.live += n
+                        self.extra = max(self.extra, self.live)
+            return out
+
+    return TensorPeak()
 
 
 # ------------------------------------------------------------------------------------------------ extrapolation
@@ -308,13 +343,14 @@ def main(argv: list[str] | None = None) -> int:
         table += extrapolate(sized_architecture(arch.name, args.small), rows, args.small)
     cmd = " ".join(["python", "benchmarks/real_width.py", *(sys.argv[1:] if argv is None else argv)])
     print(f"`{cmd}` - {machine(args.threads)}; {time.perf_counter() - t_all:.0f} s\n")
-    print("Measured (one row, CPU, bf16 weights; step peak = what forward + backward adds to the resident memory):\n")
-    print(markdown_table(["arch", "depth", "mode", "GC", "weights GiB", "step peak GiB", "AdamW step temp GiB",
-                          "fwd+bwd s", "TFLOP"],
+    print("Measured (one row, CPU, bf16 weights; what forward + backward adds at its peak: live tensor bytes, and "
+          "the resident memory):\n")
+    print(markdown_table(["arch", "depth", "mode", "GC", "weights GiB", "step adds GiB (tensors)",
+                          "step adds GiB (RSS)", "AdamW step temp GiB", "fwd+bwd s", "TFLOP"],
                          [(r["arch"] + (" (256 px check)" if r.get("check") else ""),
                            " ".join(f"{k.split('.')[-1]}={v}" for k, v in r["depth"].items()), r["mode"],
                            "on" if r["gc"] else "off", f"{r['weights_gib']:.2f}", f"{r['step_peak_gib']:.3f}",
-                           f"{r['opt_temp_gib']:.3f}", f"{r['fwd_bwd_s']:.1f}", f"{r['tflops']:.3f}") for r in measured]))
+                           f"{r['rss_step_gib']:.3f}", f"{r['opt_temp_gib']:.3f}", f"{r['fwd_bwd_s']:.1f}", f"{r['tflops']:.3f}") for r in measured]))
     for arch in archs:
         check = next((r for r in measured if r["arch"] == arch.name and r.get("check")), None)
         if check is not None:
