@@ -179,12 +179,15 @@ def measure(spec: dict) -> dict:
     before = _status_mib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")
     t0 = time.perf_counter()
-    with _tensor_peak_mode() as step:
+    existing = [*model.parameters(), *model.buffers(), *(p.grad for p in trainable),
+                *(v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)),
+                *(v for v in inputs.values() if torch.is_tensor(v))]
+    with _tensor_peak_mode(existing) as step:
         _loss(arch.kind, model, inputs).backward()
     t_fb = time.perf_counter() - t0
     fb_peak = _status_mib("VmHWM")
     flops = meter.pop()
-    with _tensor_peak_mode() as opt_step:
+    with _tensor_peak_mode(existing) as opt_step:
         opt.step()
     return {**{k: spec[k] for k in ("arch", "depth", "mode", "gc")},
             "weights_gib": weights / GIB, "trainable": sum(p.numel() for p in trainable),
@@ -193,10 +196,12 @@ def measure(spec: dict) -> dict:
             "opt_temp_gib": opt_step.extra / GIB, "fwd_bwd_s": t_fb, "tflops": flops / 1e12}
 
 
-def _tensor_peak_mode():
+def _tensor_peak_mode(existing=()):
     """A TorchDispatchMode measuring the peak bytes of tensor storages created inside it and still alive: every op's
     outputs are recorded once per storage (views and in-place results share theirs) and subtracted when Python frees
-    the storage. Exact tensor bytes (what a GPU's caching allocator has to serve), unlike the resident size."""
+    the storage; the storages of the `existing` tensors (weights, gradients, optimizer state, inputs: views of them,
+    e.g. a transposed weight, are outputs too) are not new. Exact tensor bytes (what a GPU's caching allocator has to
+    serve), unlike the resident size."""
     import weakref
 
     import torch
@@ -209,6 +214,8 @@ def _tensor_peak_mode():
             super().__init__()
             self.live = self.extra = 0
             self._seen = WeakIdKeyDictionary()
+            for t in existing:
+                self._seen[t.untyped_storage()] = None
 
         def _free(self, n: int, _ref) -> None:
             self.live -= n
