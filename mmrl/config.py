@@ -12,6 +12,7 @@ import contextvars
 import dataclasses
 import importlib
 import inspect
+import math
 import textwrap
 import types
 import typing
@@ -34,6 +35,13 @@ RECIPES: dict[str, str] = {
 
 class ConfigError(ValueError):
     """A config file or override does not fit the recipe's schema."""
+
+
+# Numbers a config may hold. NaN and infinity never mean anything in a config (a NaN passes every `x < 0` check),
+# and a float beyond float32's range turns into inf (or an overflow error) in the first tensor it scales: both are
+# refused while the config is read, naming the key, rather than failing after the model load.
+FLOAT_LIMIT = 3.4028234663852886e38  # torch.finfo(torch.float32).max
+INT_LIMIT = 2**63
 
 
 # old dotted key (or whole section) -> its new name, for the recipe being loaded (a recipe module's RENAMED_KEYS)
@@ -183,20 +191,28 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return value
         raise ConfigError(f"{where}: expected true/false, got {value!r}")
     if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
         if isinstance(value, float) and value.is_integer():
-            return int(value)
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if not -INT_LIMIT <= value < INT_LIMIT:  # a torch.long / numpy int64 cannot hold it
+                raise ConfigError(f"{where}: expected an integer within +-2**63, got {value!r}")
+            return value
         raise ConfigError(f"{where}: expected an integer, got {value!r}")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML reads "1e-4" (no dot) as a string
+            number = float(value) if abs(value) < 1e309 else math.inf  # int -> float overflows past 1.8e308
+        elif isinstance(value, str):  # YAML reads "1e-4" (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if not math.isfinite(number) or abs(number) > FLOAT_LIMIT:
+            raise ConfigError(f"{where}: expected a finite number within float32 range (|x| <= {FLOAT_LIMIT:.3g}), "
+                              f"got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -276,9 +292,55 @@ def to_yaml(cfg: Any, comments: bool = True) -> str:
 # overrides
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line saying what is wrong in a YAML text: the parser's problem and where (PyYAML's message spans lines)."""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    mark = getattr(exc, "problem_mark", None)
+    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else str(problem)
+
+
+def _parse_value(item: str, raw: str) -> Any:
+    """The value of an override `key=raw`, read as YAML; malformed YAML and tags that build Python objects
+    (`!!python/...`: safe_load refuses them) are a ConfigError naming the override."""
+    if not raw.strip():
+        return ""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        if "!!python/" in raw or "tag:yaml.org,2002:python/" in str(exc):
+            raise ConfigError(f"override '{item}': YAML tags that build Python objects (!!python/...) are not "
+                              f"allowed; give a plain value") from None
+        raise ConfigError(f"override '{item}': the value is not valid YAML: {_yaml_problem(exc)}; quote it as a "
+                          f"string or complete it (e.g. key=[1, 2])") from None
+
+
+def _set_in_mapping(mapping: dict, keys: list[str], value: Any, where: str, shorthand: str | None) -> dict:
+    """A copy of `mapping` with `value` at the nested `keys` (missing levels are created). An entry given as a plain
+    number becomes `{shorthand: number}` when the field declares such a shorthand (a reward component's weight)."""
+    out = dict(mapping)
+    node = out
+    for depth, k in enumerate(keys[:-1]):
+        cur = node.get(k)
+        if cur is None:
+            cur = {}
+        elif isinstance(cur, dict):
+            cur = dict(cur)
+        elif depth == 0 and shorthand and isinstance(cur, (int, float)) and not isinstance(cur, bool):
+            cur = {shorthand: cur}
+        else:
+            path = ".".join([where, *keys[:depth + 1]])
+            raise ConfigError(f"override '{path}.{'.'.join(keys[depth + 1:])}': '{path}' is {cur!r}, not a mapping")
+        node[k] = cur
+        node = cur
+    node[keys[-1]] = value
+    return out
+
+
 def apply_overrides(cfg: Any, overrides: typing.Iterable[str]) -> Any:
     """Apply `a.b.c=value` overrides in place (value parsed as YAML, then type-checked); returns cfg.
 
+    A key may reach into a mapping-valued field (`reward.components.pickscore.weights=/ckpt`, `env.tasks.grid.size=5`):
+    the entry is set (created when missing) and the whole mapping is checked as if the YAML had held it.
     The overridden section's own checks (`__post_init__`) run after each override; once all are applied, the checks
     of every enclosing section on an overridden path run again, innermost first, so a check across nested sections
     (e.g. `algo` checking `algo.rollout_correction`) sees the overridden values."""
@@ -290,8 +352,6 @@ def apply_overrides(cfg: Any, overrides: typing.Iterable[str]) -> Any:
         parts = key.strip().split(".")
         obj = cfg
         for i, part in enumerate(parts):
-            if not dataclasses.is_dataclass(obj):
-                raise ConfigError(f"override '{key}': '{'.'.join(parts[:i])}' is not a section")
             names = [f.name for f in dataclasses.fields(obj)]
             if part not in names:
                 moved = renamed_key_error(key.strip())
@@ -299,16 +359,26 @@ def apply_overrides(cfg: Any, overrides: typing.Iterable[str]) -> Any:
                     raise moved
                 where = ".".join(parts[:i]) or "<top>"
                 raise ConfigError(f"unknown config key '{key}' (in section '{where}'); valid keys: {sorted(names)}")
-            if i < len(parts) - 1:
+            hint = typing.get_type_hints(type(obj))[part]
+            child = getattr(obj, part)
+            if i == len(parts) - 1:
+                value = _parse_value(item, raw)
+                if hint is str and not isinstance(value, str):
+                    value = raw  # keep e.g. `name=007` as written
+                setattr(obj, part, _coerce(value, hint, key))
+                break
+            if dataclasses.is_dataclass(child):
                 if i > 0:
                     enclosing[id(obj)] = (i, obj)
-                obj = getattr(obj, part)
-        hints = typing.get_type_hints(type(obj))
-        value = yaml.safe_load(raw) if raw.strip() else ""
-        if hints[parts[-1]] is str and not isinstance(value, str):
-            value = raw  # keep e.g. `name=007` as written
-        new = _coerce(value, hints[parts[-1]], key)
-        setattr(obj, parts[-1], new)
+                obj = child
+                continue
+            field_key = ".".join(parts[:i + 1])
+            if typing.get_origin(hint) is dict and isinstance(child, dict):  # the rest of the key: mapping entries
+                shorthand = getattr(type(obj), "MAPPING_SHORTHAND", {}).get(part)
+                mapping = _set_in_mapping(child, parts[i + 1:], _parse_value(item, raw), field_key, shorthand)
+                setattr(obj, part, _coerce(mapping, hint, field_key))
+                break
+            raise ConfigError(f"override '{key}': '{field_key}' is a value ({child!r}), not a section or mapping")
         if hasattr(obj, "__post_init__"):  # a section's own checks see overridden values too
             obj.__post_init__()
     for _, section in sorted(enclosing.values(), key=lambda d_s: -d_s[0]):
@@ -335,7 +405,7 @@ def load_yaml(path: str | Path) -> dict:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+        raise ConfigError(f"{path}: invalid YAML: {_yaml_problem(exc)}") from None
     if data is None:
         raise ConfigError(f"{path}: the file is empty; expected a mapping with at least 'algorithm:'")
     if not isinstance(data, dict):
@@ -375,41 +445,3 @@ def default_config(algorithm: str) -> RunConfig:
     cfg = recipe_module(algorithm).Config()
     cfg.algorithm = algorithm
     return cfg
-
-
-# --------------------------------------------------------------------------------------------
-# resuming with another config
-
-
-# Config keys that cannot change between a checkpoint and its resume: the saved state would not fit (model and
-# adapter shapes), or would silently mean something else (a data position in another prompt file, another seed's
-# noise). A key is frozen when it equals an entry or starts with an entry that ends in "."; other keys may change
-# on resume and every changed one is reported.
-FROZEN_ON_RESUME = ("algorithm", "seed", "model.", "data.train_prompts", "data.preference_file", "data.image_root",
-                    "data.kind", "data.path", "env.tasks", "env.modules")
-MUTABLE_ON_RESUME = ("model.gradient_checkpointing",)
-_NOT_COMPARED = ("output_dir", "train.resume", "train.overwrite")
-
-
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in (d or {}).items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
-def config_changes(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
-    """(key, saved value, current value) for every key present in both configs whose value differs (nested sections
-    compared key by key; keys added or removed by another mmrl version are not reported)."""
-    a, b = _flatten(saved), _flatten(current)
-    return [(k, a[k], b[k]) for k in b if k in a and a[k] != b[k] and k not in _NOT_COMPARED]
-
-
-def is_frozen_on_resume(key: str) -> bool:
-    if key in MUTABLE_ON_RESUME:
-        return False
-    return any(key == f or (f.endswith(".") and key.startswith(f)) for f in FROZEN_ON_RESUME)

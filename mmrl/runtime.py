@@ -7,11 +7,11 @@ import json
 import math
 import os
 import random
-import re
 import shutil
 import sys
 import time
 import warnings
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -19,18 +19,34 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from mmrl.checkpoint_files import (COMPLETE_MARKER, RunError, disk_full, load_state_file,  # noqa: F401
-                                   verify_checkpoint, write_manifest)
+from mmrl.checkpoint_files import (COMPLETE_MARKER, RunError, checkpoint_step, disk_full,  # noqa: F401
+                                   list_checkpoints, load_state_file, verify_checkpoint, write_manifest)
 from mmrl.plots import plot_reward_curve, save_image_grid, to_pil_images, write_samples  # noqa: F401  (re-exported)
+from mmrl.resume_rules import preflight
+from mmrl.run_lock import RunLock, StartRecord
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 _STARTED_RUN_DIR: Path | None = None  # run directory of the newest Run this process opened (past its checks)
+_OPEN_RUNS: list[weakref.ref] = []  # Runs of this process not closed yet (`close_runs`), oldest first
+
+
+def close_runs(since: int = 0, failed: bool = False) -> None:
+    """Close the open Runs of this process opened after the first `since` (`Run.close`): what a recipe's train()
+    opened, once it has returned or raised (`mmrl.training.closes_runs`)."""
+    for ref in list(_OPEN_RUNS[since:]):
+        run = ref()
+        if run is not None:
+            run.close(failed=failed)
+
+
+def open_runs() -> int:
+    """How many Runs of this process are open."""
+    return len(_OPEN_RUNS)
 
 
 def started_run_dir() -> Path | None:
@@ -146,30 +162,6 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def list_checkpoints(ckpt_root: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints (those with the COMPLETE marker) under `ckpt_root`, oldest first."""
-    root = Path(ckpt_root)
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        m = _STEP_DIR.match(child.name)
-        if m and child.is_dir() and (child / COMPLETE_MARKER).is_file():
-            found.append((int(m.group(1)), child))
-    return sorted(found)
-
-
-def checkpoint_step(path: str | Path) -> int:
-    """Step number of a checkpoint directory (checks that it is complete)."""
-    path = Path(path)
-    m = _STEP_DIR.match(path.name)
-    if not path.is_dir() or not m:
-        raise FileNotFoundError(f"not a checkpoint directory (expected .../step_<N>/): {path}")
-    if not (path / COMPLETE_MARKER).is_file():
-        raise FileNotFoundError(f"checkpoint {path} is incomplete (no {COMPLETE_MARKER} marker): it was interrupted while being written")
-    return int(m.group(1))
-
-
 class Run:
     """The run directory of one training run and everything written into it.
 
@@ -191,36 +183,75 @@ class Run:
         self.ckpt_dir = self.dir / "checkpoints"
         self.samples_dir = self.dir / "samples"
         self.plots_dir = self.dir / "plots"
+        self.metrics_path = self.dir / "metrics.jsonl"
         if self.dir.exists() and not self.dir.is_dir():
             raise ValueError(f"output_dir: {str(self.dir)!r} exists and is not a directory")
+        self.is_main = write_config
+        self.lock, self.trackers = None, []
+        self.start = StartRecord([self.dir, self.ckpt_dir, self.samples_dir, self.plots_dir, self.metrics_path],
+                                 self.dir / "config.yaml")
         try:
-            for d in (self.dir, self.ckpt_dir, self.samples_dir, self.plots_dir):
+            self.dir.mkdir(parents=True, exist_ok=True)
+            if write_config:  # only the main process writes, so only it holds the directory's lock
+                self.lock = RunLock.acquire(self.dir, owner=self)
+                if self.lock.note:
+                    print(f"[mmrl] {self.lock.note}", file=sys.stderr, flush=True)
+            for d in (self.ckpt_dir, self.samples_dir, self.plots_dir):
                 d.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
+            self.close(failed=True)
             raise ValueError(f"output_dir: cannot create the run directory {str(self.dir)!r}: {exc}") from None
-        self.metrics_path = self.dir / "metrics.jsonl"
+        except BaseException:
+            self.close(failed=True)
+            raise
+        try:
+            self._open(cfg, to_yaml(cfg))
+        except BaseException:
+            self.close(failed=True)
+            raise
+        _OPEN_RUNS.append(weakref.ref(self))
+        _STARTED_RUN_DIR = self.dir.resolve()
+
+    def _open(self, cfg: Any, config_text: str) -> None:
+        """The start of a run past its directory and lock: clean-up, resume checks, config.yaml, trackers."""
         if int(getattr(cfg, "num_threads", 0) or 0) > 0:
             torch.set_num_threads(int(cfg.num_threads))
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype)
         seed_everything(cfg.seed)
-        self.is_main = write_config
-        self._config_text = to_yaml(cfg)
+        self._config_text = config_text
         self._verified: dict[Path, str | None] = {}  # checkpoint -> None (sound) or why it is not
         self._warned: set[Path] = set()
-        if write_config:
-            # a half-written checkpoint from an interrupted run is never used; clear it away
+        if self.is_main:  # under the lock: a half-written checkpoint of an interrupted run is never used
             for child in self.ckpt_dir.glob(".tmp-*"):
                 shutil.rmtree(child, ignore_errors=True)
         resuming = self._preflight()
         # config.yaml of a run being resumed is replaced only once the resume has worked (first metrics row or
         # checkpoint): a refused or failed resume leaves the run's own config.yaml as it was
-        self._config_pending = write_config
-        if write_config and not (resuming and (self.dir / "config.yaml").is_file()):
+        self._config_pending = self.is_main
+        if self.is_main and not (resuming and (self.dir / "config.yaml").is_file()):
             self._write_config()
         self._t0 = time.time()
-        self.trackers = self._make_trackers() if write_config else []
-        _STARTED_RUN_DIR = self.dir.resolve()
+        self.trackers = self._make_trackers() if self.is_main else []
+
+    def close(self, failed: bool = False) -> None:
+        """End this run's hold on its directory (idempotent): trackers closed, the lock released. `failed` and
+        nothing written yet (no metrics row, checkpoint or sample): what the start created is removed too, so a run
+        that fails its start-up (a bad path, a bad size, a model that does not load) leaves nothing behind."""
+        for tracker in self.trackers:
+            try:
+                tracker.close()
+            except Exception:  # noqa: BLE001 - a tracker that cannot close loses only its own files
+                pass
+        self.trackers = []
+        if self.lock is not None and failed and not self.start.wrote:  # only under its own lock
+            self.start.undo(self.dir)
+            global _STARTED_RUN_DIR
+            _STARTED_RUN_DIR = None  # nothing to resume from: no "rerun to resume" hint
+        if self.lock is not None:
+            self.lock.release(owner=self)
+            self.lock = None
+        _OPEN_RUNS[:] = [r for r in _OPEN_RUNS if r() is not None and r() is not self]
 
     def _make_trackers(self) -> list:
         """`log.trackers` (tensorboard, wandb) of the config; jsonl is always on (mmrl.trackers)."""
@@ -228,6 +259,7 @@ class Run:
         names = [n for n in (getattr(log, "trackers", None) or []) if n != "jsonl"]
         if not names:
             return []
+        self.start.note(self.dir / "tensorboard", self.dir / "wandb", self.dir / "wandb_id.txt")
         from mmrl.config import to_dict
         from mmrl.trackers import make_trackers
 
@@ -242,68 +274,15 @@ class Run:
             self._config_pending = False
 
     def _preflight(self) -> Path | None:
-        """Refuse a start that would discard what the run directory holds (unless train.overwrite), report config
-        changes on resume and refuse those that cannot change mid-run. Returns the checkpoint to resume from."""
-        from mmrl.config import ConfigError, config_changes, is_frozen_on_resume, to_dict
-
-        cfg, mode = self.cfg, str(self.cfg.train.resume)
-        overwrite = bool(getattr(cfg.train, "overwrite", False))
-        ckpts = list_checkpoints(self.ckpt_dir)
-        lost: list[str] = []
-        doomed: list[Path] = []
-        if mode == "never":
-            rows = self.read_metrics()
-            doomed = [p for _, p in ckpts]
-            if doomed:
-                lost.append(f"{len(doomed)} checkpoint(s) ({', '.join(p.name for p in doomed)})")
-            if rows:
-                lost.append(f"{len(rows)} row(s) of metrics.jsonl (steps {rows[0].get('step')}..{rows[-1].get('step')})")
-        elif mode != "auto":
-            target = checkpoint_step(mode)
-            doomed = [p for step, p in ckpts if step > target]
-            if doomed:
-                lost.append(f"the later checkpoint(s) {', '.join(p.name for p in doomed)} (a resumed run continues "
-                            f"from step {target}, so they would be deleted at its first save)")
-        if lost and not overwrite:
-            raise RunError(f"output_dir {self.dir} already holds a run and train.resume={mode} would discard "
-                           f"{' and '.join(lost)}; resume it with train.resume=auto, choose another output_dir, or "
-                           f"pass train.overwrite=true to discard them")
-        if lost and self.is_main:
-            for p in doomed:
-                shutil.rmtree(p, ignore_errors=True)
-            if mode == "never":
-                self.truncate_metrics(0)
-            print(f"[mmrl] train.overwrite=true: discarded {' and '.join(lost)} in {self.dir}", file=sys.stderr)
-        resume = self.find_resume()
-        if resume is None:
-            return None
-        saved_path = resume / "config.yaml" if (resume / "config.yaml").is_file() else self.dir / "config.yaml"
-        if not saved_path.is_file():
-            return resume
-        try:
-            import yaml
-
-            saved = yaml.safe_load(saved_path.read_text()) or {}
-        except Exception as exc:  # noqa: BLE001 - an unreadable saved config only loses the comparison
-            warnings.warn(f"resume: cannot read {saved_path} to compare configs ({exc})", RuntimeWarning, stacklevel=3)
-            return resume
-        changes = config_changes(saved, to_dict(cfg))
-        frozen = [c for c in changes if is_frozen_on_resume(c[0])]
-        if frozen:
-            what = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in frozen)
-            raise ConfigError(f"cannot resume {resume} with a changed {what} (saved in {saved_path}); these keys "
-                              f"cannot change mid-run: use another output_dir, or train.resume=never "
-                              f"train.overwrite=true to start again")
-        if changes and self.is_main:
-            print(f"[mmrl] resuming {resume} with config changes (saved in {saved_path}):", file=sys.stderr)
-            for k, a, b in changes:
-                print(f"[mmrl]   {k}: {a!r} -> {b!r}", file=sys.stderr)
-        return resume
+        """`mmrl.resume_rules.preflight`: refuse a start that would discard the directory's run, check the config
+        changes of a resume. Returns the checkpoint to resume from."""
+        return preflight(self)
 
     # ---------------------------------------------------------------- metrics
     def log(self, step: int, metrics: dict[str, Any]) -> dict:
         """Append one JSON line `{"step": step, **metrics}` to metrics.jsonl (flushed)."""
         self._write_config()  # a resumed run's config.yaml, now that the resume has worked
+        self.start.wrote = True
         row = {"step": int(step)}
         row.update({k: _jsonable(v) for k, v in metrics.items()})
         line = json.dumps(row, allow_nan=False)  # strict JSON: _jsonable turned NaN/inf into null
@@ -348,15 +327,18 @@ class Run:
             if problem:
                 raise RunError(f"train.resume={mode}: {problem}")
             return Path(mode)
-        for _, path in reversed(list_checkpoints(self.ckpt_dir)):
-            problem = self._check(path)
-            if problem is None:
-                return path
-            if path not in self._warned:
+        ckpts = list_checkpoints(self.ckpt_dir)
+        sound_step, sound = next(((s, p) for s, p in reversed(ckpts) if self._check(p) is None), (-1, None))
+        if ckpts and sound is None and not getattr(self.cfg.train, "overwrite", False):  # never a silent restart
+            raise RunError(f"every checkpoint of {self.dir} is unusable ({'; '.join(self._check(p) for _, p in ckpts)})"
+                           f": starting again from step 0 would overwrite the run's metrics.jsonl; restore a sound "
+                           f"checkpoint, or pass train.overwrite=true to start again from step 0")
+        for step, path in ckpts:  # the newer ones skipped (older unusable ones do not matter)
+            if step > sound_step and path not in self._warned:
                 self._warned.add(path)
-                warnings.warn(f"{problem}; resuming from the previous complete checkpoint instead", RuntimeWarning,
-                              stacklevel=2)
-        return None
+                instead = "the previous complete checkpoint" if sound is not None else "step 0 (train.overwrite=true)"
+                warnings.warn(f"{self._check(path)}; resuming from {instead} instead", RuntimeWarning, stacklevel=2)
+        return sound
 
     def _check(self, path: Path) -> str | None:
         path = Path(path)
@@ -403,6 +385,7 @@ class Run:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         self._verified[final] = None
+        self.start.wrote = True
         self._write_config()
         self._drop_later_than(step)
         self._prune()
@@ -446,6 +429,7 @@ class Run:
     def save_samples(self, step: int, images: torch.Tensor, captions: list[str] | None = None,
                      name: str | None = None) -> Path:
         """A grid of the samples in samples/ (PNG; videos [N, F, 3, H, W]: MP4), also sent to the trackers."""
+        self.start.wrote = True
         return write_samples(self.samples_dir, self.trackers, step, images, captions, name)
 
     def finish(self, extra: dict | None = None) -> dict:
@@ -460,9 +444,7 @@ class Run:
                 summary["reward_first"] = float(np.mean(rewards[:k]))
                 summary["reward_last"] = float(np.mean(rewards[-k:]))
         summary["wall_s"] = time.time() - self._t0
-        for tracker in self.trackers:
-            tracker.close()
-        self.trackers = []
+        self.close()
         if extra:
             summary.update(extra)
         return summary

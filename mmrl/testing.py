@@ -203,6 +203,37 @@ def environment_report() -> str:
     return "\n".join(lines)
 
 
+def chat_completions_server(handle: Any) -> tuple[Any, str]:
+    """A local OpenAI-compatible chat-completions endpoint on 127.0.0.1 (a free port) for tests of the VLM judges:
+    every POST body (JSON) goes to ``handle(request, headers) -> (status, text)``; status 200 answers a chat
+    completion whose message content is `text`, any other status an ``{"error": {"message": text}}``. Returns
+    ``(server, base_url)`` with base_url ending in ``/v1``; stop it with ``server.shutdown(); server.server_close()``."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_POST(self) -> None:  # noqa: N802
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            status, text = handle(req, self.headers) if self.path == "/v1/chat/completions" else (404, self.path)
+            body = json.dumps({"id": "x", "object": "chat.completion", "model": req.get("model"),
+                               "choices": [{"index": 0, "finish_reason": "stop",
+                                            "message": {"role": "assistant", "content": text}}]}
+                              if status == 200 else {"error": {"message": text}}).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}/v1"
+
+
 def png_claiming_size(width: int, height: int) -> bytes:
     """A 55-byte PNG whose header says `width` x `height` (8-bit RGB) followed by 10 bytes of broken pixel data:
     PIL reads its size, decoding it fails ("broken data stream"). For testing size limits that must act on the

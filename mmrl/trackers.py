@@ -16,6 +16,7 @@ default; a tracker draws its own curves.
 from __future__ import annotations
 
 import math
+import os
 import uuid
 from pathlib import Path
 from typing import Any, Sequence
@@ -117,15 +118,40 @@ class WandbTracker:
         self.run.finish()
 
 
+def _check_writable(name: str, directory: Path) -> None:
+    """ValueError naming the tracker and the folder when the tracker could not write there (read-only, a file in
+    the way, no permission): found before the tracker starts, whose own writer threads would print tracebacks."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".mmrl-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"log.trackers: {name} cannot write into {directory} ({exc.strerror or exc}); make it "
+                         f"writable, or leave {name} out of log.trackers") from None
+
+
 def make_trackers(names: Sequence[str], run_dir: Path, config: dict, project: str = "mmrl",
                   wandb_mode: str = "offline") -> list:
-    """Trackers for `log.trackers` (unknown names -> ValueError with the valid list; jsonl is always on)."""
-    out = []
-    for name in names:
-        if name not in TRACKERS:
-            raise ValueError(f"log.trackers: unknown tracker {name!r}; valid: {list(TRACKERS)}")
-        if name == "tensorboard":
-            out.append(TensorBoardTracker(run_dir, config))
-        elif name == "wandb":
-            out.append(WandbTracker(run_dir, config, project, wandb_mode))
+    """Trackers for `log.trackers` (unknown names -> ValueError with the valid list; jsonl is always on). A folder a
+    tracker cannot write into is a ValueError naming it, before anything trains; trackers already started are
+    closed."""
+    out: list = []
+    try:
+        for name in names:
+            if name not in TRACKERS:
+                raise ValueError(f"log.trackers: unknown tracker {name!r}; valid: {list(TRACKERS)}")
+            if name == "tensorboard":
+                _check_writable(name, run_dir / "tensorboard")
+                out.append(TensorBoardTracker(run_dir, config))
+            elif name == "wandb":
+                _check_writable(name, run_dir)  # wandb_id.txt
+                _check_writable(name, run_dir / "wandb")
+                out.append(WandbTracker(run_dir, config, project, wandb_mode))
+    except BaseException as exc:
+        for tracker in out:
+            tracker.close()
+        if isinstance(exc, OSError):  # a write the check above could not foresee (a full disk, ...)
+            raise ValueError(f"log.trackers: cannot start {name} in {run_dir} ({exc.strerror or exc})") from None
+        raise
     return out

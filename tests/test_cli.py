@@ -74,6 +74,21 @@ def test_console_script_help():
     assert out.returncode == 0 and "train" in out.stdout and "config" in out.stdout
 
 
+@pytest.mark.slow
+def test_tiny_head_dim_option(tmp_path, capsys):
+    """`mmrl tiny DIR --head-dim 64` (docs/scaling.md): the Qwen2-VL / Qwen2.5-VL text decoders get 64-wide heads,
+    the other models are built as usual."""
+    import json
+
+    assert cli.main(["tiny", str(tmp_path), "--head-dim", "64"]) == 0
+    paths = json.loads(capsys.readouterr().out)
+    for name in ("qwen2_vl", "qwen25_vl"):
+        text = json.loads((Path(paths[name]) / "config.json").read_text())["text_config"]
+        assert text["hidden_size"] // text["num_attention_heads"] == 64, name
+    qwen3 = json.loads((Path(paths["qwen3_vl"]) / "config.json").read_text())["text_config"]
+    assert qwen3["head_dim"] == 16 and (Path(paths["sd3"]) / "model_index.json").is_file()
+
+
 def test_tiny_into_a_file_is_a_clean_error(tmp_path, capsys):
     f = tmp_path / "not_a_dir.txt"
     f.write_text("x")
@@ -128,6 +143,39 @@ BAD_CONFIGS = [  # (config, overrides, the one-line message); "{tmp}" is the tes
     (MT, ["rollout.max_seq_len=3"], "rollout.max_seq_len: expected >= 4, got 3"),
     (MT, ["update.epochs=0"], "update.epochs: expected >= 1, got 0"),
     (MT, ["update.micro_batch_size=0"], "update.micro_batch_size: expected >= 1, got 0"),
+    # overrides that are not YAML values, numbers out of range (checked while the config is read, naming the key)
+    (FLOW, ["log.num_samples=[1,"], "override 'log.num_samples=[1,': the value is not valid YAML: expected the node "
+                                    "content, but found '<stream end>' (line 1, column 4)"),
+    (FLOW, ["log.num_samples=!!python/object/apply:os.system [echo pwned]"],
+     "YAML tags that build Python objects (!!python/...) are not allowed"),
+    (FLOW, ["algo.rollout_correction.is_threshold=1e300"],
+     "algo.rollout_correction.is_threshold: expected a finite number within float32 range (|x| <= 3.4e+38)"),
+    (FLOW, ["algo.rollout_correction.is_threshold=inf"], "algo.rollout_correction.is_threshold: expected a finite"),
+    (FLOW, ["algo.rollout_correction.rs_threshold=.nan"], "algo.rollout_correction.rs_threshold: expected a finite"),
+    (FLOW, ["optim.lr=-1e39"], "optim.lr: expected a finite number within float32 range"),
+    (FLOW, ["seed=1.0e+30"], "seed: expected an integer within +-2**63, got 1000000000000000019884624838656"),
+    (FLOW, ["algo.rollout_correction.rs_threshold_lower=5"],
+     "algo.rollout_correction.rs_threshold_lower: expected 0 (= 1 / rs_threshold) or a number in (0, 1], got 5.0"),
+    (FLOW, ["algo.rollout_correction.veto_threshold=2"],
+     "algo.rollout_correction.veto_threshold: expected 0 (off) or a number in (0, 1), got 2.0"),
+    (NFT, ["algo.adv_clip_max=0"], "algo.adv_clip_max: expected > 0, got 0.0"),
+    (VLM, ["algo.rollout_correction.is_threshold=1e300"], "algo.rollout_correction.is_threshold: expected a finite"),
+    (VLM, ["algo.clip_low=1.5"], "algo.clip_low: expected 0 <= clip_low < 1, got 1.5"),
+    (VLM, ["algo.dual_clip=0.5"], "algo.dual_clip: expected 0 (off) or a constant > 1"),
+    (MT, ["algo.clip_low=-0.1"], "algo.clip_low: expected 0 <= clip_low < 1, got -0.1"),
+    # reward components and other mapping entries from the command line: checked like the YAML
+    (FLOW, ["reward.components.pikscore.weights=/ckpt"], "reward.components.pikscore: unknown reward 'pikscore'; "
+                                                         "available: ["),
+    (FLOW, ["reward.components.jpeg_incompressibility.qualty=3"],
+     "reward.components.jpeg_incompressibility.qualty: reward 'jpeg_incompressibility' has no argument 'qualty'; "
+     "valid: ['batch_size', 'device', 'quality']"),
+    (FLOW, ["reward.components.jpeg_incompressibility.weight=high"],
+     "reward.components.jpeg_incompressibility.weight: expected a number, got 'high'"),
+    (FLOW, ["reward.on_nonfinite.x=1"], "'reward.on_nonfinite' is a value ('error'), not a section or mapping"),
+    (VLM, ["reward.kwargs.lowercas=false"], "reward.kwargs.lowercas: reward 'exact_match' has no argument 'lowercas'"),
+    (VLM, ["reward.name=exact_matc"], "reward.name: unknown reward 'exact_matc'"),
+    (MT, ["env.tasks.grid_puzzle.bogus=4"], "env.tasks.grid_puzzle: GridPuzzleEnv.__init__() got an unexpected "
+                                            "keyword argument 'bogus'"),
 ]
 
 
@@ -216,3 +264,31 @@ def test_demo_writes_under_the_current_directory_and_prints_the_absolute_run_dir
     assert Path.cwd() == cwd  # the process's directory is left alone
     after = checkout_run.stat().st_mtime_ns if checkout_run.exists() else None
     assert after == before  # nothing written into the source checkout
+
+
+# ---------------------------------------------------------------------------------------- mapping entries
+
+
+def test_dotted_overrides_reach_into_reward_components_and_other_mappings(capsys):
+    """`reward.components.<name>.<arg>=...` sets one argument of one component (a component given as a bare weight
+    becomes {weight: w, <arg>: ...}; a new name adds a component), checked as the YAML would be."""
+    import yaml
+
+    real = "configs/diffusion/flow_grpo_sd35_pickscore.yaml"
+    assert cli.main(["config", "check", str(REPO / real), "reward.components.pickscore.weights=/ckpt/PickScore_v1",
+                     "reward.components.pickscore.processor=/ckpt/CLIP-H", "reward.components.ocr.weight=0.5"]) == 0
+    reward = yaml.safe_load(capsys.readouterr().out)["reward"]["components"]
+    assert reward == {"pickscore": {"weight": 1.0, "weights": "/ckpt/PickScore_v1", "processor": "/ckpt/CLIP-H",
+                                    "scale_by_26": True},
+                      "ocr": {"weight": 0.5}}
+    assert cli.main(["config", "check", str(REPO / FLOW), "reward.components.jpeg_incompressibility.quality=20"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["reward"]["components"] == {
+        "jpeg_incompressibility": {"weight": 1.0, "quality": 20}}
+    assert cli.main(["config", "check", str(REPO / VLM), "reward.kwargs.lowercase=false"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["reward"]["kwargs"] == {"lowercase": False}
+    assert cli.main(["config", "check", str(REPO / MT), "env.tasks.grid_puzzle.width=4"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["env"]["tasks"]["grid_puzzle"]["width"] == 4
+    assert cli.main(["config", "check", str(REPO / FLOW), "reward.components.pickscore.weigths=/x"]) == 2
+    err = capsys.readouterr().err
+    assert "reward.components.pickscore.weigths: reward 'pickscore' has no argument 'weigths'; valid: [" in err
+    assert "'weights'" in err and "Traceback" not in err

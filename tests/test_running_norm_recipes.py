@@ -199,7 +199,8 @@ def test_multiturn_running_norm_off_changes_nothing(tiny_vl, tmp_path, monkeypat
     real = credit.turn_advantages
     calls = []
 
-    def old_signature(episodes, mode, gamma, omega=1.0, scale_by_std=True, *rest):
+    def old_signature(episodes, mode, gamma, omega=1.0, scale_by_std=True, *rest, episode_stats="episode"):
+        assert episode_stats == "episode"  # (algo.gigpo_episode_stats: the default, the credit as it was)
         calls.append(rest)
         return real(episodes, mode, gamma, omega, scale_by_std)
 

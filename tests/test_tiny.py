@@ -187,6 +187,25 @@ def test_qwen2_vl_mrope_section(qwen2_vl_dir):
     assert cfg["text_config"]["rope_parameters"]["mrope_section"] == [2, 3, 3]  # sums to head_dim / 2
 
 
+@pytest.mark.parametrize("build", ["build_tiny_qwen2_vl", "build_tiny_qwen25_vl"])
+def test_qwen_vl_head_dim_option(build, tmp_path):
+    """head_dim 32 (what vLLM's CPU attention takes; the default 16 it does not): 4 heads of 32, hidden 128, the
+    vision merger projecting to 128, M-RoPE sections summing to 16; the default build stays as it was."""
+    from transformers import AutoModelForImageTextToText
+
+    path = getattr(tiny, build)(tmp_path / "h32", seed=0, head_dim=32)
+    cfg = json.loads((path / "config.json").read_text())["text_config"]
+    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (128, 4, 2)
+    assert cfg["rope_parameters"]["mrope_section"] == [4, 6, 6]
+    model = AutoModelForImageTextToText.from_pretrained(path)
+    attn = model.model.language_model.layers[0].self_attn
+    assert attn.q_proj.weight.shape == (128, 128) and attn.k_proj.weight.shape == (64, 128)  # 2 kv heads of 32
+    default = json.loads((getattr(tiny, build)(tmp_path / "h16", seed=0) / "config.json").read_text())["text_config"]
+    assert default["hidden_size"] == 64 and default["rope_parameters"]["mrope_section"] == [2, 3, 3]
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 16"):
+        getattr(tiny, build)(tmp_path / "bad", head_dim=24)
+
+
 def test_qwen25_vl_reload_and_run(tmp_path):
     from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
 

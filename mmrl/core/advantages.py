@@ -7,11 +7,17 @@ Sequence-level estimators share one call signature so trainers can pick them by 
 `group_ids` are arbitrary integers (a prompt index, a hash, ...): they need not be contiguous or sorted.
 Grouping goes through `torch.unique(..., return_inverse=True)` + `index_add_`/`scatter_reduce_`.
 
-Conventions (all estimators):
+Conventions:
 - std is the unbiased sample std (divides by n - 1), like `torch.std` and verl's GRPO.
-- A group whose rewards are all equal, including a group of one, gets advantage exactly 0.
-  (verl's GRPO gives a singleton group mean 0 / std 1, i.e. its raw reward; we give 0: one sample
-  carries no relative signal.)
+- The group estimators (grpo, dr_grpo, rloo, cpgd, and both parts of GiGPO) give a group whose rewards are all
+  equal, including a group of one, advantage exactly 0. (verl's GRPO gives a singleton group mean 0 / std 1,
+  i.e. its raw reward; we give 0: one sample carries no relative signal.)
+- The REINFORCE++ estimators whiten over the whole batch after (or without) the group baseline, as verl does, so
+  an all-equal group is NOT exactly 0 there: `reinforce_pp` has no groups at all (a group's advantage is its
+  reward's batch z-score); `reinforce_pp_baseline` subtracts the group mean (0 for an all-equal group) and then
+  the batch mean of those centred values, which is 0 only up to rounding at sequence level (e.g. 1.3e-8) and
+  not 0 at all over tokens of unequal response lengths (the token-weighted mean of the centred scores).
+  tests/core/test_advantages.py checks each case.
 - Masked positions never influence any output and are returned as 0 (selection by `torch.where`, so
   nan/inf stored there are harmless).
 """
@@ -331,6 +337,7 @@ def gigpo_advantages(
     omega: float = 1.0,
     scale_by_std: bool = True,
     eps: float = 1e-6,
+    episode_stats: str = "episode",
 ) -> Tensor:
     """GiGPO step advantages.
 
@@ -342,8 +349,17 @@ def gigpo_advantages(
     A_episode = group_advantages(episode_rewards, episode_group_ids), A_step = group_advantages of
     step_returns within step groups keyed by (episode group, anchor id); steps whose anchor state was
     visited only once get A_step = 0.
+    episode_stats: where the episode part's group mean/std come from. "episode" (the paper's eq. 3): each episode
+    of a group counts once. "step" (verl-agent's default, `compute_mean_std_cross_steps=True`): every step row
+    carries its episode's reward R and the statistics run over the rows, so an episode of k steps weighs k times;
+    A_episode of a row = (R - row-weighted group mean) / (row std + eps). scale_by_std=False is verl-agent's
+    `mode: mean_norm` (mean-centred only; its default), True its `mean_std_norm`. One difference stays: a group
+    with a single row (or a single episode) gets 0 here, its raw reward in verl-agent.
     """
-    # source: GiGPO arXiv 2505.10978 (episode + step relative advantages); verl-agent step_norm_reward
+    # source: GiGPO arXiv 2505.10978 (episode + step relative advantages); verl-agent (langfengQ/verl-agent)
+    # gigpo/core_gigpo.py episode_norm_reward / step_norm_reward, read in the fork zhengxuyu/verl-agent at 3d91c9b
+    if episode_stats not in ("episode", "step"):
+        raise ValueError(f"episode_stats: expected 'episode' or 'step', got {episode_stats!r}")
     _check_1d("episode_group_ids", episode_group_ids, episode_rewards.shape[0])
     n = step_returns.shape[0]
     _check_1d("step_returns", step_returns)
@@ -356,8 +372,12 @@ def gigpo_advantages(
             f"step_episode_index: expected values in [0, {episode_rewards.shape[0]}), "
             f"got range [{int(ep_idx.min())}, {int(ep_idx.max())}]"
         )
-    ep_adv = group_advantages(episode_rewards.to(device), episode_group_ids.to(device), scale_by_std, eps=eps)
-    key = torch.stack([episode_group_ids.to(device).long()[ep_idx], step_anchor_ids.to(device).long()], dim=1)
+    ep_rewards, ep_groups = episode_rewards.to(device), episode_group_ids.to(device)
+    if episode_stats == "episode":
+        ep_part = group_advantages(ep_rewards, ep_groups, scale_by_std, eps=eps)[ep_idx]
+    else:  # one row per step: the episode reward repeated on each of its steps
+        ep_part = group_advantages(ep_rewards[ep_idx], ep_groups[ep_idx], scale_by_std, eps=eps)
+    key = torch.stack([ep_groups.long()[ep_idx], step_anchor_ids.to(device).long()], dim=1)
     _, step_group = torch.unique(key, dim=0, return_inverse=True)
     step_adv = group_advantages(step_returns, step_group, scale_by_std, eps=eps)
-    return ep_adv[ep_idx] + omega * step_adv
+    return ep_part + omega * step_adv

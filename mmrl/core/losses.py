@@ -117,6 +117,13 @@ def _clip_objective(
     loss_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(loss_unclipped, loss_clipped)
     metrics = {"clipfrac": _masked_mean((loss_clipped > loss_unclipped).float(), m), "clipfrac_lower": 0.0}
+    # flow_grpo's clipfrac (scripts/train_sd3.py at ac4c86e: mean(|ratio - 1| > clip_range), + _gt_one / _lt_one):
+    # the ratio left the trust region, whatever the advantage's sign (ours above: the clip removed the gradient)
+    with torch.no_grad():
+        high, low = ratio.detach() - 1.0 > clip_high, 1.0 - ratio.detach() > clip_low
+        metrics.update(clipfrac_ratio=_masked_mean((high | low).float(), m),
+                       clipfrac_ratio_high=_masked_mean(high.float(), m),
+                       clipfrac_ratio_low=_masked_mean(low.float(), m))
     if dual_clip is not None:
         # source: dual-clip PPO, Ye et al. 2020 arXiv 1912.09729: for A < 0 cap the loss at -c * A
         loss_cap = -adv * dual_clip
@@ -146,7 +153,9 @@ def clipped_policy_loss(
         if dual_clip = c:  l = min(l, -c * A) where A < 0
         loss = agg_loss(l, mask, agg, norm_const)
     metrics: clipfrac (share of valid positions where the clipped branch is taken, i.e. no gradient),
-    clipfrac_lower (share where the dual clip caps the loss), approx_kl (k3 estimate of
+    clipfrac_ratio (share with the ratio outside [1 - clip_low, 1 + clip_high], whatever the advantage: flow_grpo's
+    `clipfrac`, |r - 1| > c when symmetric; clipfrac_ratio_high / _low: above / below, its `clipfrac_gt_one` /
+    `clipfrac_lt_one`), clipfrac_lower (share where the dual clip caps the loss), approx_kl (k3 estimate of
     KL(old || new)), approx_kl_k1, ratio_mean, ratio_max, pg_loss.
     """
     # source: PPO arXiv 1707.06347; clip-higher DAPO arXiv 2503.14476; verl compute_policy_loss_vanilla
@@ -257,8 +266,11 @@ def dpo_loss(
     and reference); ref_w[B], ref_l[B]: reference MSE (no grad).
         inside = -0.5 * beta * ((pol_w - pol_l) - (ref_w - ref_l))
         loss = mean(-logsigmoid(inside))
-    `beta` is the official code's `beta_dpo` (e.g. 5000 for SD1.5, 2500 for SDXL): the paper's
-    beta * T * omega(lambda_t) folded into one constant, with the code's factor 0.5.
+    `beta` is the official code's `beta_dpo`: the paper's beta * T * omega(lambda_t) folded into one constant,
+    with the code's factor 0.5. 5000 for SD1.5 and for SDXL alike: the official launchers (SalesforceAIResearch/
+    DiffusionDPO at dff8e10, launchers/sd15.sh and launchers/sdxl.sh) pass --beta_dpo 5000, train.py has no SDXL
+    rescaling, and diffusers' examples/research_projects/diffusion_dpo/train_diffusion_dpo_sdxl.py (at 03ea18c)
+    defaults to beta_dpo=5000 with scale_term = -0.5 * beta_dpo.
     metrics: implicit_acc = share with inside > 0 (policy improved the winner more than the loser,
     relative to the reference; ties count as wrong), reward_margin = mean(inside), kl_proxy =
     mean(pol - ref) over both samples (how far the policy's fit moved), model_mse, ref_mse.

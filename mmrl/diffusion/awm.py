@@ -44,11 +44,13 @@ from mmrl.core.awm import awm_policy_loss, matching_log_prob, stratified_timeste
 from mmrl.core.prompt_stats import PerPromptStatTracker
 from mmrl.diffusion import config as dc
 from mmrl.diffusion import old_policy
+from mmrl.diffusion.diagnostics import MAX_KEYS, VelocityNormConfig, velocity_reference_terms
 from mmrl.diffusion.old_policy import AWM_EMA_SCHEDULES
 from mmrl.diffusion.common import noise_latents
 from mmrl.distributed import DistConfig, DistContext
 from mmrl.runtime import Timer, seed_everything
 from mmrl.training import SKIPPED_KEY, KLConfig, UpdateConfig, UpdateGuard, clip_grads, merge_rank_lists
+from mmrl.training.run import closes_runs
 
 __all__ = ["Config", "train", "ema_decay", "EMA_SCHEDULES", "RENAMED_KEYS"]
 
@@ -114,6 +116,9 @@ class AlgoConfig:
     kl: AWMKLConfig = field(default_factory=AWMKLConfig)
     """`coef`: weight of ||v - v_ref||^2 to the reference (adapters off; published 1e-4 PickScore, 3e-3 GenEval/OCR);
     0 = no reference pass (`estimator`, `in_reward` are not used)."""
+    velocity_norm: VelocityNormConfig = field(default_factory=VelocityNormConfig)
+    """||v|| / ||v_ref|| at the training points (diag/velocity_norm_ratio, whenever the reference runs) and a hinge
+    penalty coef * mean max(0, ratio - 1)^2 (0 = off); `reference_pass` runs the reference for the diagnostic."""
 
     def __post_init__(self) -> None:
         for key in ("ghuber_power", "adv_clip_max", "advantage_max"):
@@ -179,12 +184,15 @@ def _step_range(cfg: Config) -> tuple[int, int]:
 # ------------------------------------------------------------------------------------------ training
 
 
+@closes_runs  # the run directory's lock released however train() ends; a failed start leaves nothing
 def train(cfg: Config) -> dict:
-    from mmrl.diffusion.common import NoSamples, end_step, evaluate_ode, load_recipe_model, setup_training
+    from mmrl.diffusion.common import NoSamples, end_step, evaluator, load_recipe_model, setup_training
     from mmrl.diffusion.sampling import sample_groups
-    from mmrl.diffusion.scoring import global_advantages, load_reward_fn, score_rollout
+    from mmrl.diffusion.diagnostics import sample_statistics
+    from mmrl.diffusion.scoring import global_advantages, load_reward_fn, reward_weights, score_rollout_components
     from mmrl.pipelines.data import PromptSampler, load_prompts
     from mmrl.training import FullOptimizerState, restore_checkpoint, start_run, summarise
+    from mmrl.training.judges import build_judges, stop_for_hacking
 
     dc.check_common(cfg)
     s, a = cfg.rollout, cfg.algo
@@ -197,14 +205,18 @@ def train(cfg: Config) -> dict:
     reward_fn = load_reward_fn(cfg.reward.components, run.device, cfg.rollout.num_frames)
     model = load_recipe_model(cfg, run.device, run.dtype)
     # "default" trains, "old" = the EMA anchor (and sampler if rollout_state: old), "ref" = adapters off
-    states, evals, params, optimizer, lr_sched, guard, fsdp = setup_training(ctx, run, cfg, model, old=True,
-                                                                             ref=a.kl.coef > 0)
+    states, evals, params, optimizer, lr_sched, guard, fsdp = setup_training(
+        ctx, run, cfg, model, old=True, ref=a.kl.coef > 0 or a.velocity_norm.needs_reference())
     tracker = PerPromptStatTracker(cfg.reward.std_mode, cfg.reward.history)
     sampler = PromptSampler(train_items, seed=cfg.seed)
     counters = old_policy.UpdateCounter()
     stateful = {"optimizer": FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,
                 "tracker": tracker, "data": sampler, "counters": counters, "transformer_evals": evals}
+    judges = build_judges(cfg.log, run.device, stateful)  # log.judges: held-out judges + the hacking alarm
     start, _ = restore_checkpoint(ctx, run, states, stateful)
+    evaluate = evaluator(model, states, cfg.log.eval_state, reward_fn, eval_items, cfg, judges)
+    if judges is not None and start == 0 and (ctx.is_main or fsdp):  # the judges' baseline: before any update
+        evaluate(run if ctx.is_main else NoSamples(), 0)
 
     timer = Timer(sync_cuda=run.device.type == "cuda")
     bar = run.progress(cfg.train.max_steps, initial=start)
@@ -226,11 +238,13 @@ def train(cfg: Config) -> dict:
 
             # ---- 2. rewards; per-prompt advantages over all ranks, clipped, rescaled
             with timer("reward"):
-                scores, reward_metrics = score_rollout(ctx, reward_fn, traj.images, prompts, metadata,
-                                                       cfg.reward.on_nonfinite)
+                scores, reward_metrics, comps = score_rollout_components(ctx, reward_fn, traj.images, prompts,
+                                                                         metadata, cfg.reward.on_nonfinite)
             metrics.update(reward_metrics)
+            metrics.update(sample_statistics(traj.images, traj.latents[:, -1]))  # diag/sample/*
             adv, keep, adv_metrics = global_advantages(ctx, tracker, prompts, scores, a.adv_clip_max,
-                                                       cfg.reward.drop_zero_advantage)
+                                                       cfg.reward.drop_zero_advantage, None, comps,
+                                                       reward_weights(reward_fn), cfg.reward.aggregation)
             metrics.update(adv_metrics)
             adv = adv * (a.advantage_max / a.adv_clip_max)
 
@@ -256,14 +270,12 @@ def train(cfg: Config) -> dict:
                                                           or step in (1, cfg.train.max_steps))
         if (ctx.is_main or fsdp) and eval_now:  # FSDP: every rank runs the forwards, rank 0 writes
             with timer("eval"):
-                metrics.update(evaluate_ode(model, states, cfg.log.eval_state, reward_fn, eval_items,
-                                            run if ctx.is_main else NoSamples(), step,
-                                            num_steps=s.eval_num_steps, guidance_scale=s.eval_guidance_scale,
-                                            height=s.height, width=s.width, batch_size=cfg.update.micro_batch_size,
-                                            seed=cfg.seed, num_images=cfg.log.num_samples))
+                metrics.update(evaluate(run if ctx.is_main else NoSamples(), step))
         metrics["cost/transformer_evals"] = evals.sync(ctx)
         end_step(ctx, run, step, metrics, timer, bar, states, stateful, fsdp,
                  loss=f"{metrics.get('policy/loss', 0):.3g}")
+        if stop_for_hacking(ctx, run, step, judges, states, stateful, fsdp):  # log.hacking.stop
+            break
     bar.close()
     evals.remove()
     summary = summarise(run, "awm") if ctx.is_main else {}
@@ -348,13 +360,14 @@ def _train_on_rollout(cfg: Config, model, states, traj, points, adv, keep, optim
                             loss = loss + a.old_kl_coef * kl_old
                             if real:
                                 acc["kl/old"].append(kl_old.item())
-                        if a.kl.coef > 0:
+                        if a.kl.coef > 0 or a.velocity_norm.needs_reference():  # KL + velocity-norm terms
                             with torch.no_grad(), states.use("ref"):
                                 v_ref = model.velocity(xt, sig, emb, guidance_scale=s.guidance_scale)
-                            kl_ref = (v - v_ref).pow(2).mean(dim=tuple(range(1, v.dim()))).mean()
-                            loss = loss + a.kl.coef * kl_ref
+                            term, ref_metrics = velocity_reference_terms(v, v_ref, a.kl.coef, a.velocity_norm.coef)
+                            loss = loss + term
                             if real:
-                                acc["kl/ref"].append(kl_ref.item())
+                                for key, val in ref_metrics.items():
+                                    acc[key].append(val)
                         (loss * weight).backward()
                     if real:
                         acc["policy/loss"].append(loss.item())
@@ -373,7 +386,7 @@ def _train_on_rollout(cfg: Config, model, states, traj, points, adv, keep, optim
                 counters.updates += 1
             optimizer.zero_grad(set_to_none=True)
     vals = merge_rank_lists(ctx, acc)  # every rank's micro-step values
-    out = {key: (max(v) if key in ("policy/ratio_max", "diag/logprob_drift") else sum(v) / len(v))
+    out = {key: (max(v) if key in ("policy/ratio_max", "diag/logprob_drift", *MAX_KEYS) else sum(v) / len(v))
            for key, v in vals.items() if v}
     out["train/updates"] = updates
     return out

@@ -8,8 +8,8 @@
   `FlowModel.decode`'s scaling). `LatentCache`: those latents kept on disk in the run directory.
 - `sample_sigmas(...)`, `noise_latents(...)`, `flow_matching_mse(...)`: training points of the
   rectified-flow objective `x_s = (1 - s) x0 + s eps`, target velocity `eps - x0`.
-- `evaluate_ode(...)`: deterministic sampling on held-out prompts with fixed noise, scored and saved;
-  `NoSamples` (ranks > 0 in an evaluation every rank runs under FSDP).
+- `evaluate_ode(...)`: deterministic sampling on held-out prompts with fixed noise, scored (training reward,
+  `log.judges`, sample statistics) and saved; `NoSamples` (ranks > 0 in an evaluation every rank runs under FSDP).
 - `TransformerEvalCounter`: transformer evaluations (sample rows through the network), for cost plots.
 - `end_step(...)`: the tail of every recipe step: timings, metrics.jsonl, checkpoint.
 
@@ -33,8 +33,9 @@ from mmrl.runtime import Run
 Tensor = torch.Tensor
 
 __all__ = [
-    "load_recipe_model", "build_policy_states", "vae_encode", "LatentCache", "sample_sigmas", "noise_latents", "flow_matching_mse",
-    "evaluate_ode", "TransformerEvalCounter", "TIMING_PREFIX", "NoSamples", "end_step", "setup_training",
+    "load_recipe_model", "build_policy_states", "vae_encode", "LatentCache", "sample_sigmas", "noise_latents",
+    "flow_matching_mse", "evaluate_ode", "evaluator", "TransformerEvalCounter", "TIMING_PREFIX", "NoSamples", "end_step",
+    "setup_training",
 ]
 
 TIMING_PREFIX = "time/"  # metrics that legitimately differ between two identical runs
@@ -213,13 +214,16 @@ def flow_matching_mse(v_pred: Tensor, x0: Tensor, noise: Tensor) -> Tensor:
 @torch.no_grad()
 def evaluate_ode(model: Any, states: Any, state: str, reward_fn: Any, items: Sequence[Any], run: Run, step: int, *,
                  num_steps: int, guidance_scale: float, height: int, width: int, batch_size: int = 8,
-                 seed: int = 0, num_images: int = 16) -> dict[str, float]:
+                 seed: int = 0, num_images: int = 16, judges: Any = None) -> dict[str, float]:
     """Deterministic (ODE) sampling of one image per held-out prompt with the same initial noise at
-    every evaluation, computed with policy state `state`; saves samples/eval_step_<N>.png."""
+    every evaluation, computed with policy state `state`; saves samples/eval_step_<N>.png. Metrics: the reward
+    (`eval/reward/*`), the images' statistics (`eval/sample/*`, `mmrl.diffusion.diagnostics`) and, with a
+    `JudgePanel` (`log.judges`), every judge and the reward-hacking rule (`judge/*`)."""
+    from mmrl.diffusion.diagnostics import sample_statistics
     from mmrl.diffusion.sampling import sample_groups
 
     gen = torch.Generator(device=model.device).manual_seed(seed + 12345)
-    images, scores, details = [], [], defaultdict(list)
+    images, finals, scores, details = [], [], [], defaultdict(list)
     with states.use(state):
         for lo in range(0, len(items), max(1, batch_size)):
             chunk = items[lo:lo + batch_size]
@@ -229,6 +233,7 @@ def evaluate_ode(model: Any, states: Any, state: str, reward_fn: Any, items: Seq
             out = reward_fn(images=traj.images, prompts=[it.prompt for it in chunk],
                             metadata=[it.metadata for it in chunk])
             images.append(traj.images)
+            finals.append(traj.latents[:, -1])
             scores.append(out.scores.detach().float().cpu())
             for name in getattr(reward_fn, "components", {}):
                 details[name].append(torch.as_tensor(out.details[name]).float().cpu())
@@ -238,7 +243,25 @@ def evaluate_ode(model: Any, states: Any, state: str, reward_fn: Any, items: Seq
                      name=f"eval_step_{step:06d}.png")
     metrics = {"eval/reward/mean": s.mean().item(), "eval/reward/std": s.std().item() if len(s) > 1 else 0.0}
     metrics.update({f"eval/reward/{k}": torch.cat(v).mean().item() for k, v in details.items()})
+    all_images = torch.cat(images)
+    metrics.update(sample_statistics(all_images, torch.cat(finals), prefix="eval/sample/"))
+    if judges is not None:
+        metrics.update(judges.observe(step, s, images=all_images, prompts=[it.prompt for it in items],
+                                      metadata=[it.metadata for it in items]))
     return metrics
+
+
+def evaluator(model: Any, states: Any, state: str, reward_fn: Any, items: Sequence[Any], cfg: Any,
+              judges: Any = None):
+    """`evaluate_ode` with a recipe's settings (`rollout.eval_*`, image size, `update.micro_batch_size`, seed,
+    `log.num_samples`) and its `JudgePanel`: call the result as `evaluate(run_or_NoSamples, step)`."""
+    from functools import partial
+
+    s = cfg.rollout
+    return partial(evaluate_ode, model, states, state, reward_fn, items, num_steps=s.eval_num_steps,
+                   guidance_scale=s.eval_guidance_scale, height=s.height, width=s.width,
+                   batch_size=max(1, cfg.update.micro_batch_size), seed=cfg.seed, num_images=cfg.log.num_samples,
+                   judges=judges)
 
 
 # ------------------------------------------------------------------------------------------ cost accounting

@@ -5,9 +5,10 @@ optimizer/update/KL sections come from `mmrl.training`. Also the renamed keys al
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from mmrl.training import LoRAConfig, OnNonfinite, OptimConfig, TrackersConfig
+from mmrl.training.judges import JudgeFields
 
 # old key (before issue 12) -> new key, common to flow_grpo, dpo and nft (each recipe adds its own)
 RENAMED_KEYS: dict[str, str] = {
@@ -120,16 +121,35 @@ class RolloutConfig:
 
 @dataclass
 class RewardConfig:
+    MAPPING_SHORTHAND: ClassVar[dict[str, str]] = {"components": "weight"}  # `pickscore: 1.0` = {weight: 1.0}
+
     components: dict[str, Any] = field(default_factory=lambda: {"jpeg_compressibility": 1.0})
-    """Zoo rewards: name -> weight, or name -> {weight: w, <load kwargs>} (mmrl.rewards.load mapping)."""
+    """Zoo rewards: name -> weight, or name -> {weight: w, <load kwargs>} (mmrl.rewards.load mapping). Each entry is
+    reachable from the command line: reward.components.pickscore.weights=/ckpt/PickScore_v1."""
     on_nonfinite: OnNonfinite = "error"
     """A NaN/inf reward: `error` (stop, naming the reward component and the sample) or `drop_sample` (train without
     it: it leaves its prompt's group statistics, a group left with < 2 samples is not trained on; the count is
     logged as reward/nonfinite_samples)."""
 
+    def __post_init__(self) -> None:
+        from mmrl.rewards.registry import check_reward_mapping
+
+        check_reward_mapping(self.components, "reward.components")  # unknown rewards / arguments: before any load
+
 
 @dataclass
-class AdvantageRewardConfig(RewardConfig):
+class AggregationFields:
+    """`reward.aggregation` of every diffusion recipe that turns rewards into advantages or pairs."""
+
+    aggregation: Literal["sum_then_normalise", "normalise_then_sum"] = "sum_then_normalise"
+    """Several reward components: `sum_then_normalise` normalises their weighted sum per prompt (GRPO);
+    `normalise_then_sum` normalises each component per prompt, sums with the weights and whitens over the batch
+    (GDPO, arXiv 2601.05242; needs reward.history 0 and no running_norm). One component: the same up to the batch
+    whitening."""
+
+
+@dataclass
+class AdvantageRewardConfig(AggregationFields, RewardConfig):
     std_mode: Literal["group", "global"] = "group"
     """Advantage scale: `group` (per-prompt std) or `global` (std of the whole batch)."""
     history: int = 0
@@ -140,10 +160,11 @@ class AdvantageRewardConfig(RewardConfig):
     def __post_init__(self) -> None:
         if self.history < 0:
             raise ValueError(f"reward.history: expected >= 0, got {self.history}")
+        super().__post_init__()
 
 
 @dataclass
-class LogConfig(TrackersConfig):
+class LogConfig(JudgeFields, TrackersConfig):  # + judges, hacking (log.judges: the reward-hacking alarm)
     sample_every: int = 10
     """Save a grid of rollout images (with prompt and reward) every this many steps (0 = never)."""
     num_samples: int = 16
@@ -157,16 +178,30 @@ class LogConfig(TrackersConfig):
         for key in ("sample_every", "eval_every", "num_samples"):
             if getattr(self, key) < 0:
                 raise ValueError(f"log.{key}: expected >= 0, got {getattr(self, key)}")
+        super().__post_init__()  # log.judges / log.hacking
 
 
 def check_common(cfg: Any, online: bool = True) -> None:
     """Cross-section checks of a diffusion recipe config (single sections check themselves on construction)."""
     from mmrl.pipelines.data import require_path
 
-    log = cfg.log
+    log, algo = cfg.log, cfg.algo
+    if getattr(algo, "adv_clip_max", 1.0) <= 0:  # mmrl.core range checks, named here before any model loads
+        raise ValueError(f"algo.adv_clip_max: expected > 0, got {algo.adv_clip_max}")
+    if getattr(algo, "clip_range", 0.0) < 0:
+        raise ValueError(f"algo.clip_range: expected >= 0, got {algo.clip_range}")
     if log.num_samples < 1 and ((online and log.sample_every) or (log.eval_every and cfg.data.eval_prompts)):
         raise ValueError(f"log.num_samples: expected >= 1, got {log.num_samples}")
     if online:
         require_path("data.train_prompts", cfg.data.train_prompts, "prompt file")
     if cfg.data.eval_prompts:
         require_path("data.eval_prompts", cfg.data.eval_prompts, "prompt file")
+    reward = getattr(cfg, "reward", None)
+    if getattr(reward, "aggregation", "sum_then_normalise") == "normalise_then_sum" and (
+            getattr(reward, "history", 0) or getattr(reward, "running_norm", False)):
+        raise ValueError("reward.aggregation=normalise_then_sum normalises each reward within this step's groups: it "
+                         "needs reward.history=0 and reward.running_norm=false")
+    if log.judges and not (cfg.data.eval_prompts and log.eval_every):
+        raise ValueError("log.judges are scored at every evaluation: set data.eval_prompts (the held-out prompts) and "
+                         f"log.eval_every > 0 (got eval_prompts={cfg.data.eval_prompts!r}, "
+                         f"eval_every={log.eval_every})")

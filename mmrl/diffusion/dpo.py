@@ -55,9 +55,11 @@ import torch
 from mmrl.config import RunConfig
 from mmrl.core.pairing import build_pairs
 from mmrl.diffusion import config as dc
+from mmrl.diffusion.diagnostics import VelocityNormConfig
 from mmrl.distributed import DistConfig
 from mmrl.runtime import Timer, seed_everything
 from mmrl.training import OptimConfig, UpdateConfig, finite_stats, group_keep
+from mmrl.training.run import closes_runs
 
 __all__ = ["Config", "train", "make_shapes_preference_file", "RENAMED_KEYS"]
 
@@ -116,7 +118,8 @@ class AlgoConfig:
     mode: Literal["offline", "online"] = "offline"
     """`offline` (pairs from data.preference_file) or `online` (pairs from the policy's own scored samples)."""
     beta: float = 5000.0
-    """beta_dpo of the official code (paper's beta * T * omega folded; 5000 for SD1.5/SDXL)."""
+    """beta_dpo of the official code (paper's beta * T * omega folded, times 0.5 in the loss): 5000 in its SD1.5 and
+    SDXL launchers and in diffusers' SDXL DPO script."""
     timestep_sampling: Literal["uniform", "logit_normal"] = "uniform"
     """How the noise level of a pair is drawn: `uniform` or `logit_normal` (then shifted by sigma_shift)."""
     sigma_shift: float = 0.0
@@ -131,12 +134,20 @@ class AlgoConfig:
     """Online: a pair needs reward(chosen) - reward(rejected) > margin."""
     max_pairs_per_step: int = 0
     """Online: keep at most this many pairs (largest reward gaps first); 0 = all."""
+    velocity_norm: VelocityNormConfig = field(default_factory=VelocityNormConfig)
+    """||v|| / ||v_ref|| on every pair's noised images (diag/velocity_norm_ratio, always logged: DPO runs the
+    reference) and a hinge penalty coef * mean max(0, ratio - 1)^2 (0 = off)."""
 
     def __post_init__(self) -> None:
         if self.beta <= 0:
             raise ValueError(f"algo.beta must be > 0, got {self.beta}")
         if self.max_pairs_per_step < 0:
             raise ValueError(f"algo.max_pairs_per_step: expected >= 0, got {self.max_pairs_per_step}")
+
+
+@dataclass
+class RewardConfig(dc.AggregationFields, dc.RewardConfig):
+    """Zoo rewards and, online, how several components rank a group's images into pairs (`aggregation`)."""
 
 
 @dataclass
@@ -156,8 +167,9 @@ class Config(RunConfig):
     clipping. One optimizer update per step over all its pairs: `epochs` must be 1 and `mini_batch_size` 0."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     """Diffusion-DPO loss and pairing."""
-    reward: dc.RewardConfig = field(default_factory=dc.RewardConfig)
-    """Zoo rewards (online: pairing; both modes: evaluation)."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Zoo rewards (online: pairing, by the weighted sum or, `aggregation: normalise_then_sum`, by GDPO's
+    advantages; both modes: evaluation)."""
     log: dc.LogConfig = field(default_factory=dc.LogConfig)
     """Samples, evaluation."""
     dist: DistConfig = field(default_factory=DistConfig)
@@ -189,14 +201,18 @@ def _check(cfg: Config) -> None:
 # ------------------------------------------------------------------------------------------ training
 
 
+@closes_runs  # the run directory's lock released however train() ends; a failed start leaves nothing
 def train(cfg: Config) -> dict:
-    from mmrl.diffusion.common import (LatentCache, NoSamples, end_step, evaluate_ode, load_recipe_model,
-                                       setup_training)
+    from mmrl.diffusion.common import LatentCache, NoSamples, end_step, evaluator, load_recipe_model, setup_training
     from mmrl.diffusion.dpo_update import dpo_update, offline_eval
     from mmrl.diffusion.sampling import sample_groups
-    from mmrl.diffusion.scoring import load_reward_fn, score_rollout
+    from mmrl.core.multi_reward import multi_reward_advantages
+    from mmrl.core.prompt_stats import group_normalize
+    from mmrl.diffusion.diagnostics import sample_statistics
+    from mmrl.diffusion.scoring import load_reward_fn, reward_weights, score_rollout_components
     from mmrl.pipelines.data import PromptSampler, load_preference_pairs, load_prompts
     from mmrl.training import FullOptimizerState, restore_checkpoint, start_run, summarise
+    from mmrl.training.judges import build_judges, stop_for_hacking
 
     _check(cfg)
     s, d = cfg.rollout, cfg.algo
@@ -224,7 +240,11 @@ def train(cfg: Config) -> dict:
                                                                              ref=True)
     stateful = {"optimizer": FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,
                 "data": sampler, "transformer_evals": evals}
+    judges = build_judges(cfg.log, run.device, stateful)  # log.judges: held-out judges + the hacking alarm
     start, _ = restore_checkpoint(ctx, run, states, stateful)
+    evaluate = evaluator(model, states, "default", reward_fn, eval_items, cfg, judges)
+    if judges is not None and start == 0 and (ctx.is_main or fsdp):  # the judges' baseline: before any update
+        evaluate(run if ctx.is_main else NoSamples(), 0)
 
     timer = Timer(sync_cuda=run.device.type == "cuda")
     bar = run.progress(cfg.train.max_steps, initial=start)
@@ -245,10 +265,11 @@ def train(cfg: Config) -> dict:
                                              noise_level=s.noise_level, batch_size=s.micro_batch_size or None)
                     prompts = [items[i].prompt for i in traj.prompt_index.tolist()]
                 with timer("reward"):
-                    scores, reward_metrics = score_rollout(
+                    scores, reward_metrics, comps = score_rollout_components(
                         ctx, reward_fn, traj.images, prompts, [items[i].metadata for i in traj.prompt_index.tolist()],
                         cfg.reward.on_nonfinite)
                 metrics.update(reward_metrics)
+                metrics.update(sample_statistics(traj.images, traj.latents[:, -1]))  # diag/sample/*
                 # pairs from the whole batch's rewards (group id = global prompt index: shards are contiguous);
                 # each rank trains the pairs of its own groups. One process: build_pairs(scores, prompt_index)
                 all_scores = ctx.all_gather_tensor(scores)
@@ -257,7 +278,12 @@ def train(cfg: Config) -> dict:
                 # samples with a non-finite reward (reward.on_nonfinite=drop_sample) and groups left with one
                 # sample form no pair
                 ok = group_keep(torch.isfinite(all_scores), gids).nonzero().flatten()
-                w_all, l_all = build_pairs(all_scores[ok], gids[ok], d.pairing, d.pair_margin, d.max_pairs_per_step)
+                rank_by = all_scores  # reward.aggregation=normalise_then_sum: pair by GDPO's advantages
+                if cfg.reward.aggregation == "normalise_then_sum":
+                    rank_by = multi_reward_advantages(ctx.all_gather_tensor(comps), reward_weights(reward_fn),
+                                                      lambda r: group_normalize(r, gids), cfg.reward.aggregation,
+                                                      mask=torch.isfinite(all_scores)).float()
+                w_all, l_all = build_pairs(rank_by[ok], gids[ok], d.pairing, d.pair_margin, d.max_pairs_per_step)
                 w_all, l_all = ok[w_all], ok[l_all]
                 lo = sum(sizes[:ctx.rank])
                 mine = (w_all >= lo) & (w_all < lo + sizes[ctx.rank])
@@ -302,15 +328,12 @@ def train(cfg: Config) -> dict:
                 metrics.update(offline_eval(cfg, model, states, pairs, cache, shift))
         if (ctx.is_main or fsdp) and eval_items and eval_step:  # FSDP: every rank runs the forwards, rank 0 writes
             with timer("eval"):
-                metrics.update(evaluate_ode(model, states, "default", reward_fn, eval_items,
-                                            run if ctx.is_main else NoSamples(), step,
-                                            num_steps=s.eval_num_steps, guidance_scale=s.eval_guidance_scale,
-                                            height=s.height, width=s.width,
-                                            batch_size=max(1, cfg.update.micro_batch_size),
-                                            seed=cfg.seed, num_images=cfg.log.num_samples))
+                metrics.update(evaluate(run if ctx.is_main else NoSamples(), step))
         metrics["cost/transformer_evals"] = evals.sync(ctx)
         end_step(ctx, run, step, metrics, timer, bar, states, stateful, fsdp,
                  acc=f"{metrics.get('policy/implicit_acc', 0):.2f}")
+        if stop_for_hacking(ctx, run, step, judges, states, stateful, fsdp):  # log.hacking.stop
+            break
     bar.close()
     evals.remove()
     summary = summarise(run, "dpo", extra_keys=("policy/implicit_acc",)) if ctx.is_main else {}

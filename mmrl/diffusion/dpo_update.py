@@ -10,6 +10,7 @@ import torch
 
 from mmrl.core.losses import dpo_loss
 from mmrl.diffusion.common import flow_matching_mse, noise_latents, sample_sigmas
+from mmrl.diffusion.diagnostics import MAX_KEYS, velocity_norm_term, velocity_norms
 from mmrl.diffusion.models import PromptEmbeds
 from mmrl.distributed import DistContext
 from mmrl.training import UpdateGuard, clip_grads, merge_rank_lists
@@ -17,17 +18,22 @@ from mmrl.training import UpdateGuard, clip_grads, merge_rank_lists
 __all__ = ["dpo_update", "offline_eval", "pair_errors", "margin"]
 
 
-def pair_errors(model, states, x_w, x_l, embeds, sigma, noise) -> tuple:
+def pair_errors(model, states, x_w, x_l, embeds, sigma, noise, with_velocity: bool = False) -> tuple:
     """Flow-matching errors [b] of policy (with grad) and reference (no grad) on chosen and rejected,
-    both noised with the same level sigma[b] and noise[b, ...]: (pol_w, pol_l, ref_w, ref_l)."""
+    both noised with the same level sigma[b] and noise[b, ...]: (pol_w, pol_l, ref_w, ref_l); with_velocity:
+    also (the policy's velocity [2b, ...], the reference's velocity norms [2b]) for the velocity-norm terms."""
     x0 = torch.cat([x_w, x_l])
     eps = torch.cat([noise, noise])
     sig = torch.cat([sigma, sigma])
     xt = noise_latents(x0, sig, eps)
     emb = PromptEmbeds.cat([embeds, embeds])
-    pol_w, pol_l = flow_matching_mse(model.velocity(xt, sig, emb, guidance_scale=1.0), x0, eps).chunk(2)
+    v = model.velocity(xt, sig, emb, guidance_scale=1.0)
+    pol_w, pol_l = flow_matching_mse(v, x0, eps).chunk(2)
     with torch.no_grad(), states.use("ref"):
-        ref_w, ref_l = flow_matching_mse(model.velocity(xt, sig, emb, guidance_scale=1.0), x0, eps).chunk(2)
+        v_ref = model.velocity(xt, sig, emb, guidance_scale=1.0)
+        ref_w, ref_l = flow_matching_mse(v_ref, x0, eps).chunk(2)
+    if with_velocity:
+        return (pol_w, pol_l, ref_w, ref_l), (v, velocity_norms(v_ref))
     return pol_w, pol_l, ref_w, ref_l
 
 
@@ -85,7 +91,8 @@ def dpo_update(cfg, model, states, x_w, x_l, embeds, shift, optimizer, lr_sched,
         raise ValueError("dpo_update: this rank has no pair and no padding pair (pad=(x_w, x_l, embeds))")
     pad = (x_w[:1], x_l[:1], embeds.select([0])) if n > 0 else pad
     sums: dict[str, float] = {}
-    margins, losses = [], []
+    margins, losses, ratio_max = [], [], []
+    vn = getattr(d, "velocity_norm", None)
     for mi in range(n_micro):
         real = mi < len(micro)
         if real:
@@ -97,10 +104,14 @@ def dpo_update(cfg, model, states, x_w, x_l, embeds, shift, optimizer, lr_sched,
         sig = sample_sigmas(b, d.timestep_sampling, shift, d.logit_mean, d.logit_std).to(model.device)
         noise = torch.randn_like(xw)  # one level and one noise per pair, shared by chosen and rejected
         with ctx.no_sync(model.transformer, sync=mi == n_micro - 1), timer("forward_backward"):
-            errs = pair_errors(model, states, xw, xl, emb, sig, noise)
+            errs, (v, ref_norm) = pair_errors(model, states, xw, xl, emb, sig, noise, with_velocity=True)
             loss, m = dpo_loss(*errs, d.beta)
+            term, vm = velocity_norm_term(v, ref_norm, vn.coef if vn is not None else 0.0)  # diagnostic (+ penalty)
+            loss = loss + term
             (loss * b / n * scale if real else loss * 0.0).backward()
         if real:
+            m.update({k: val for k, val in vm.items() if k not in MAX_KEYS})
+            ratio_max.append(vm["diag/velocity_norm_ratio_max"])
             for key, v in m.items():
                 sums[key] = sums.get(key, 0.0) + v * b
             margins.append(margin(d.beta, *errs))
@@ -111,6 +122,7 @@ def dpo_update(cfg, model, states, x_w, x_l, embeds, shift, optimizer, lr_sched,
     optimizer.zero_grad(set_to_none=True)
     if ctx.enabled:  # sums over all ranks' pairs (a rank without pairs contributes nothing)
         sums = {k: sum(v) for k, v in merge_rank_lists(ctx, {k: [v] for k, v in sums.items()}).items()}
+        ratio_max = merge_rank_lists(ctx, {"r": ratio_max})["r"]
     mean = {k: v / n_total for k, v in sums.items()}
     all_m = ctx.all_gather_tensor(torch.cat(margins) if margins else torch.zeros(0))
     out.update({"policy/loss": mean["dpo_loss"], "policy/implicit_acc": mean["implicit_acc"],
@@ -118,4 +130,6 @@ def dpo_update(cfg, model, states, x_w, x_l, embeds, shift, optimizer, lr_sched,
                 "policy/reward_margin_std": all_m.std().item() if n_total > 1 else 0.0,
                 "kl/ref_proxy": mean["kl_proxy"], "policy/model_mse": mean["model_mse"],
                 "policy/ref_mse": mean["ref_mse"], "policy/grad_norm": grad_norm})
+    out.update({k: val for k, val in mean.items() if k.startswith(("diag/", "policy/norm"))})  # velocity norm
+    out["diag/velocity_norm_ratio_max"] = max(ratio_max) if ratio_max else 1.0
     return out

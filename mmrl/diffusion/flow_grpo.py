@@ -33,6 +33,10 @@ faster engine on GPUs); the rollout's log-probs then differ from the fp32 traine
 update (decoupled PPO), and `algo.rollout_correction` weights (TIS) or masks (MIS, veto) each denoising step
 (`token`) or trajectory (`sequence`, `geometric`) by pi_old / pi_rollout (`grpo_update._old_policy`).
 
+Beyond flow_grpo: `algo.ratio_norm: grpo_guard` (GRPO-Guard's ratio normalisation, `mmrl.core.grpo_guard`),
+`algo.velocity_norm` (velocity-norm drift against the reference, and a penalty), `reward.aggregation` (GDPO),
+`log.judges` (held-out judges and the reward-hacking alarm, `mmrl.training.judges`).
+
 What is simplified away versus flow_grpo's scripts: the reward overlaps the rollout only with
 `reward.async_scoring` (flow_grpo always uses its thread pool); KL as a loss only (no KL-in-reward).
 """
@@ -47,10 +51,12 @@ import torch
 from mmrl.config import RunConfig
 from mmrl.core.prompt_stats import PerPromptStatTracker
 from mmrl.diffusion import config as dc
+from mmrl.diffusion.diagnostics import VelocityNormConfig
 from mmrl.distributed import DistConfig, rank_seed
 from mmrl.runtime import Timer, seed_everything
 from mmrl.training import KLConfig, RunningNormFields, UpdateConfig
 from mmrl.training.config import RolloutCorrectionConfig
+from mmrl.training.run import closes_runs
 
 __all__ = ["Config", "train", "RENAMED_KEYS"]
 
@@ -150,6 +156,14 @@ class AlgoConfig:
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """With old_logprobs=recompute: TIS weights / MIS and veto masks between pi_old and the rollout's log-probs,
     per denoising step (`token`) or per trajectory (`sequence`, `geometric`); `rollout/correction/*` metrics."""
+    ratio_norm: Literal["none", "grpo_guard"] = "none"
+    """`grpo_guard`: the PPO log-ratio of each step becomes GRPO-Guard's (log r) * s + mean((mu - mu_old)^2) / (2 s)
+    (s = the step's std; Flow-Factory's `grpo-guard`): no negative bias, one scale for every step. Needs
+    rollout.sde_type=sde; keeps the rollout's step means (memory as the latents)."""
+    velocity_norm: VelocityNormConfig = field(default_factory=VelocityNormConfig)
+    """||v_theta|| / ||v_ref|| on the trained steps (diag/velocity_norm_ratio, whenever the reference runs) and a
+    hinge penalty coef * mean max(0, ratio - 1)^2 (`coef`, 0 = off); `reference_pass` runs the reference for the
+    diagnostic alone."""
 
     def __post_init__(self) -> None:
         if self.rollout_correction.enabled and self.old_logprobs == "rollout":
@@ -190,17 +204,24 @@ class Config(RunConfig):
 _WINDOW_RANK = 1_000_002
 
 
+@closes_runs  # the run directory's lock released however train() ends; a failed start leaves nothing
 def train(cfg: Config) -> dict:
-    from mmrl.diffusion.common import NoSamples, end_step, evaluate_ode, load_recipe_model, setup_training
+    from mmrl.diffusion.common import NoSamples, end_step, evaluator, load_recipe_model, setup_training
     from mmrl.diffusion.grpo_update import train_on_rollout
     from mmrl.diffusion.models import PromptEmbedCache
     from mmrl.diffusion.sampling import sample_groups
-    from mmrl.diffusion.scoring import AsyncRewardScorer, global_advantages, load_reward_fn, score_rollout
+    from mmrl.diffusion.diagnostics import sample_statistics
+    from mmrl.diffusion.scoring import (AsyncRewardScorer, global_advantages, load_reward_fn, reward_weights,
+                                        score_rollout_components)
     from mmrl.pipelines.data import PromptSampler, load_prompts
     from mmrl.training import FullOptimizerState, restore_checkpoint, start_run
+    from mmrl.training.judges import build_judges, stop_for_hacking
 
     dc.check_common(cfg)
     s, a = cfg.rollout, cfg.algo
+    if a.ratio_norm == "grpo_guard" and s.sde_type != "sde":
+        raise ValueError(f"algo.ratio_norm=grpo_guard needs rollout.sde_type=sde (Gaussian Euler-Maruyama steps), "
+                         f"got {s.sde_type!r}")
     cfg.update.updates_per_epoch(s.batch)  # update.mini_batch_size must divide the batch: fail before loading
     ctx, run = start_run(cfg, {"rollout.prompts_per_step": s.prompts_per_step})
     train_items = load_prompts(cfg.data.train_prompts)
@@ -212,13 +233,14 @@ def train(cfg: Config) -> dict:
     encode = PromptEmbedCache(model, n_distinct) if 0 < n_distinct <= s.prompt_cache_size else model.encode_prompts
 
     # policy states: "default" trains, "old" = EMA for eval, "ref" = adapters off (KL); DDP/FSDP; optimizer
-    states, evals, params, optimizer, lr_sched, guard, fsdp = setup_training(ctx, run, cfg, model, old=a.ema,
-                                                                             ref=a.kl.coef > 0)
+    states, evals, params, optimizer, lr_sched, guard, fsdp = setup_training(
+        ctx, run, cfg, model, old=a.ema, ref=a.kl.coef > 0 or a.velocity_norm.needs_reference())
     tracker = PerPromptStatTracker(cfg.reward.std_mode, cfg.reward.history)
     sampler = PromptSampler(train_items, seed=cfg.seed)
     stateful = {"optimizer": FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,
                 "tracker": tracker, "data": sampler, "transformer_evals": evals}
     reward_norm = cfg.reward.build_running_norm(stateful)  # updated with the gathered rewards: same on every rank
+    judges = build_judges(cfg.log, run.device, stateful)  # log.judges: held-out judges + the hacking alarm
     start, _ = restore_checkpoint(ctx, run, states, stateful)
 
     rollout_kw = dict(num_steps=s.num_steps, height=s.height, width=s.width, guidance_scale=s.guidance_scale,
@@ -226,7 +248,11 @@ def train(cfg: Config) -> dict:
                       window_range=tuple(s.window_range) if s.window_range else None,
                       timestep_fraction=s.timestep_fraction, same_noise=s.same_noise,
                       batch_size=s.micro_batch_size or None,
-                      autocast_dtype=torch.bfloat16 if s.precision == "bf16" else None)
+                      autocast_dtype=torch.bfloat16 if s.precision == "bf16" else None,
+                      record_means=a.ratio_norm == "grpo_guard" and a.old_logprobs == "rollout")
+    evaluate = evaluator(model, states, "old" if a.ema else "default", reward_fn, eval_items, cfg, judges)
+    if judges is not None and start == 0 and (ctx.is_main or fsdp):  # the judges' baseline: before any update
+        evaluate(run if ctx.is_main else NoSamples(), 0)
     timer = Timer(sync_cuda=run.device.type == "cuda")
     bar = run.progress(cfg.train.max_steps, initial=start)
     for step in range(start + 1, cfg.train.max_steps + 1):
@@ -248,13 +274,17 @@ def train(cfg: Config) -> dict:
 
             # ---- 2. rewards (weighted sum; each component logged; several ranks: means over all samples)
             with timer("reward"):
-                scores, reward_metrics = score_rollout(ctx, reward_fn, traj.images, prompts, metadata,
-                                                       cfg.reward.on_nonfinite, out=scorer.output() if scorer else None)
+                scores, reward_metrics, comps = score_rollout_components(
+                    ctx, reward_fn, traj.images, prompts, metadata, cfg.reward.on_nonfinite,
+                    out=scorer.output() if scorer else None)
             metrics.update(reward_metrics)
+            metrics.update(sample_statistics(traj.images, traj.latents[:, -1]))  # diag/sample/*
 
-            # ---- 3. advantages: per-prompt normalisation over all ranks' rewards, clipping, drop zero advantages
+            # ---- 3. advantages: per-prompt normalisation over all ranks' rewards (reward.aggregation), clipping,
+            # zero advantages dropped
             adv, keep, adv_metrics = global_advantages(ctx, tracker, prompts, scores, a.adv_clip_max,
-                                                       cfg.reward.drop_zero_advantage, reward_norm)
+                                                       cfg.reward.drop_zero_advantage, reward_norm, comps,
+                                                       reward_weights(reward_fn), cfg.reward.aggregation)
             metrics.update(adv_metrics)
 
             # ---- 4./5. loss per trained timestep, accumulated; optimizer updates (+ EMA)
@@ -272,13 +302,11 @@ def train(cfg: Config) -> dict:
         eval_now = eval_items and cfg.log.eval_every and (step % cfg.log.eval_every == 0 or step == cfg.train.max_steps)
         if (ctx.is_main or fsdp) and eval_now:  # FSDP: every rank runs the forwards, rank 0 writes
             with timer("eval"):
-                metrics.update(evaluate_ode(
-                    model, states, "old" if a.ema else "default", reward_fn, eval_items,
-                    run if ctx.is_main else NoSamples(), step, num_steps=s.eval_num_steps,
-                    guidance_scale=s.eval_guidance_scale, height=s.height, width=s.width,
-                    batch_size=cfg.update.micro_batch_size, seed=cfg.seed, num_images=cfg.log.num_samples))
+                metrics.update(evaluate(run if ctx.is_main else NoSamples(), step))
         end_step(ctx, run, step, metrics, timer, bar, states, stateful, fsdp,
                  drift=f"{metrics.get('diag/logprob_drift', 0):.1e}")
+        if stop_for_hacking(ctx, run, step, judges, states, stateful, fsdp):  # log.hacking.stop
+            break
     bar.close()
     if scorer is not None:
         scorer.close()

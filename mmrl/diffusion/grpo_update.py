@@ -8,8 +8,10 @@ from collections import defaultdict
 
 import torch
 
+from mmrl.core.grpo_guard import grpo_guard_log_ratio
 from mmrl.core.kl import gaussian_kl_equal_std
 from mmrl.core.losses import clipped_policy_loss
+from mmrl.diffusion.diagnostics import MAX_KEYS, velocity_norm_term, velocity_norms
 from mmrl.diffusion.sampling import step_log_prob
 from mmrl.distributed import DistContext
 from mmrl.training import UpdateGuard, clip_grads, merge_rank_lists
@@ -25,10 +27,16 @@ def train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, p
     local chunks, each rank's loss is weighted by `ctx.loss_scale(len(local chunk))` (DDP averages, so the
     gradient is the global chunk mean), all ranks run the same number of micro-steps (zero-weight padding
     micro-batches where a rank has fewer or no rows), and gradients are all-reduced once per update (no_sync
-    around the forward and backward of every other micro-step)."""
+    around the forward and backward of every other micro-step).
+    The reference forward runs when a term needs it (algo.kl.coef, algo.velocity_norm); it also gives the
+    velocity-norm diagnostic. `algo.ratio_norm: grpo_guard` replaces the PPO log-ratio by GRPO-Guard's
+    (`mmrl.core.grpo_guard`) against the sampling policy's step means."""
     ctx = ctx or DistContext()
     u, a_cfg, r = cfg.update, cfg.algo, cfg.rollout
     kl_coef = a_cfg.kl.coef
+    vn = getattr(a_cfg, "velocity_norm", None)
+    need_ref = kl_coef > 0 or (vn is not None and vn.needs_reference())
+    guard_ratio = getattr(a_cfg, "ratio_norm", "none") == "grpo_guard"
     guard = guard or UpdateGuard(u.max_skipped_updates, ctx)
     step_kw = dict(guidance_scale=r.guidance_scale, noise_level=r.noise_level, sde_type=r.sde_type,
                    cfg_grad=r.cfg_grad)
@@ -41,10 +49,20 @@ def train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, p
     # the reference is frozen: its step means are computed once per (sample, step) and reused by later epochs
     # (not under FSDP: cache hits differ between ranks with padding micro-steps, and FSDP needs equal forwards)
     fsdp = ctx.enabled and getattr(cfg, "dist", None) is not None and cfg.dist.strategy == "fsdp"
-    ref_cache = RefMeanCache(traj) if kl_coef > 0 and u.epochs > 1 and not fsdp else None
+    ref_cache = RefMeanCache(traj) if need_ref and u.epochs > 1 and not fsdp else None
     pad_rows = _pad_rows(keep)
+    # GRPO-Guard: the sampling policy's step means (the rollout's, or the recomputed pi_old's)
+    old_means = None
+    if guard_ratio:
+        if a_cfg.old_logprobs == "recompute":
+            old_means = torch.zeros_like(traj.latents[:, :-1])
+        elif traj.means is None:
+            raise ValueError("algo.ratio_norm=grpo_guard needs the rollout's step means: sample with record_means=True")
+        else:
+            old_means = traj.means
     # algo.old_logprobs=recompute: pi_old from the trainer before any update, corrected towards the rollout's
-    old_lp, is_w, valid, corr_metrics = _old_policy(cfg, model, traj, keep, steps, step_kw, timer, ctx, pad_rows)
+    old_lp, is_w, valid, corr_metrics = _old_policy(cfg, model, traj, keep, steps, step_kw, timer, ctx, pad_rows,
+                                                    means_out=old_means if a_cfg.old_logprobs == "recompute" else None)
     updates = 0
     for epoch in range(u.epochs):
         order = keep[torch.randperm(len(keep))]
@@ -66,7 +84,7 @@ def train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, p
                 a = adv[rows].to(model.device)
                 weight = b / len(chunk) / len(steps) * scale if real else 0.0  # mean over the chunk and steps
                 ref_means = _reference_means(model, states, traj, rows, steps, emb, step_kw, ref_cache, timer) \
-                    if kl_coef > 0 else {}
+                    if need_ref else {}
                 for j in steps:
                     last = mi == n_micro - 1 and j == steps[-1]  # DDP all-reduces in this backward only
                     with ctx.no_sync(model.transformer, sync=last):  # wraps forward AND backward
@@ -79,19 +97,31 @@ def train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, p
                             cur = _transition(model, traj, rows, j, emb, step_kw)
                         if first_update and real:  # no optimizer step has happened yet: ratio must start at 1
                             drift.append((cur.log_prob.detach() - old_j).abs().max())
-                        loss, m = clipped_policy_loss(cur.log_prob, old_j, a_j, mask=mask_j,
+                        logp = cur.log_prob
+                        if guard_ratio:  # log r := GRPO-Guard's (the clipped loss takes logp - old_j)
+                            logp = old_j + grpo_guard_log_ratio(cur.log_prob, old_j, cur.mean,
+                                                                old_means[rows.to(old_means.device), j], cur.step_std)
+                        loss, m = clipped_policy_loss(logp, old_j, a_j, mask=mask_j,
                                                       clip_low=a_cfg.clip_range, clip_high=a_cfg.clip_range)
                         if kl_coef > 0:
                             std = cur.std.flatten(1)[:, 0].clamp(min=1e-8)  # [b]: one per sample, any latent rank
-                            kl = gaussian_kl_equal_std(cur.mean, ref_means[j], std)  # [b]
+                            kl = gaussian_kl_equal_std(cur.mean, ref_means[j][0], std)  # [b]
                             kl = kl.mean() if mask_j is None else (kl * mask_j).sum() / mask_j.sum().clamp(min=1)
                             loss = loss + kl_coef * kl
                             if real:
                                 acc["kl/ref"].append(kl.detach())
+                        if need_ref:  # velocity norm against the reference's: diagnostic (+ penalty with a coef)
+                            term, vm = velocity_norm_term(cur.velocity, ref_means[j][1], vn.coef if vn else 0.0,
+                                                          mask_j)
+                            loss = loss + term
+                            if real:
+                                for key, val in vm.items():
+                                    acc[key].append(val)
                         with timer("forward_backward"):
                             (loss * weight).backward()
                     if real:
                         acc["policy/clipfrac"].append(m["clipfrac"])
+                        acc["policy/clipfrac_ratio"].append(m["clipfrac_ratio"])  # flow_grpo's |r - 1| > c
                         acc["policy/approx_kl"].append(m["approx_kl"])
                         acc["policy/ratio_max"].append(m["ratio_max"])
                         acc["policy/loss"].append(loss.detach())
@@ -106,7 +136,7 @@ def train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, p
     vals = {k: [float(x) for x in v] for k, v in acc.items()}
     vals["diag/logprob_drift"] = [0.0] + [float(d) for d in drift]
     vals = merge_rank_lists(ctx, vals)  # metrics of the whole batch: every rank's micro-step values
-    out = {k: max(v) if k in ("policy/ratio_max", "diag/logprob_drift") else sum(v) / len(v)
+    out = {k: max(v) if k in ("policy/ratio_max", "diag/logprob_drift", *MAX_KEYS) else sum(v) / len(v)
            for k, v in vals.items() if v}
     out["train/updates"] = updates
     out.update(corr_metrics)
@@ -126,7 +156,8 @@ def _transition(model, traj, rows, j, emb, step_kw):
 
 
 @torch.no_grad()
-def _old_policy(cfg, model, traj, keep, steps, step_kw, timer, ctx: DistContext | None = None, pad_rows=None):
+def _old_policy(cfg, model, traj, keep, steps, step_kw, timer, ctx: DistContext | None = None, pad_rows=None,
+                means_out=None):
     """-> (old_logp [B, T] or None, IS weights [B, T] or None, kept mask [B, T] or None, metrics).
 
     `algo.old_logprobs: rollout` (Flow-GRPO): (None, None, None, {}) - the ratio is taken against the rollout's
@@ -136,7 +167,7 @@ def _old_policy(cfg, model, traj, keep, steps, step_kw, timer, ctx: DistContext 
     number of micro-batches, the missing ones on `pad_rows` (results unused), so DDP/FSDP forwards pair. Then
     `algo.rollout_correction` between pi_old and the rollout's log-probs over the kept samples' trained steps
     ("token" = one denoising step, "sequence" = the product over a trajectory's trained steps): TIS weights and
-    MIS / veto masks, `rollout/correction/*`."""
+    MIS / veto masks, `rollout/correction/*`. `means_out` [B, T, ...] (GRPO-Guard): filled with pi_old's step means."""
     a = cfg.algo
     if a.old_logprobs == "rollout":
         return None, None, None, {}
@@ -149,9 +180,11 @@ def _old_policy(cfg, model, traj, keep, steps, step_kw, timer, ctx: DistContext 
             rows = micro[mi] if mi < len(micro) else pad_rows
             emb = traj.embeds.select(traj.prompt_index[rows])
             for j in steps:
-                lp = _transition(model, traj, rows, j, emb, step_kw).log_prob.float()
+                out = _transition(model, traj, rows, j, emb, step_kw)
                 if mi < len(micro):
-                    old[rows, j] = lp
+                    old[rows, j] = out.log_prob.float()
+                    if means_out is not None:
+                        means_out[rows.to(means_out.device), j] = out.mean.float()
     mask = torch.zeros(traj.log_probs.shape, dtype=torch.bool, device=old.device)
     mask[keep[:, None].to(old.device), torch.as_tensor(steps, device=old.device)[None, :]] = True
     if not bool(mask.any()):
@@ -162,8 +195,9 @@ def _old_policy(cfg, model, traj, keep, steps, step_kw, timer, ctx: DistContext 
 
 
 @torch.no_grad()
-def _reference_means(model, states, traj, rows, steps, emb, step_kw, ref_cache, timer) -> dict[int, torch.Tensor]:
-    """Step means of the reference policy for one micro-batch at every trained step: {j: mean [b, C, (F,) h, w]}.
+def _reference_means(model, states, traj, rows, steps, emb, step_kw, ref_cache, timer) -> dict[int, tuple]:
+    """Step means and velocity norms of the reference policy for one micro-batch at every trained step:
+    {j: (mean [b, C, (F,) h, w], ||v_ref|| [b])}.
 
     All of a micro-batch's reference forwards run under ONE switch to the reference state (switching peft
     adapters walks every LoRA layer), before the policy's forward/backward passes; with `ref_cache` (several
@@ -178,28 +212,31 @@ def _reference_means(model, states, traj, rows, steps, emb, step_kw, ref_cache, 
     if todo:
         with states.use("ref"), timer("forward_backward"):
             for j in todo:
-                out[j] = _transition(model, traj, rows, j, emb, step_kw).mean
+                step = _transition(model, traj, rows, j, emb, step_kw)
+                out[j] = (step.mean, velocity_norms(step.velocity))
                 if ref_cache is not None:
-                    ref_cache.put(rows, j, out[j])
+                    ref_cache.put(rows, j, *out[j])
     return out
 
 
 class RefMeanCache:
-    """Reference-policy step means [B, K, C, (F,) h, w] of one rollout batch (K = trained steps), filled on first
-    use. The reference (adapters off, or a frozen snapshot) does not change during a step's inner epochs, so
-    epochs after the first skip the reference forward entirely."""
+    """Reference-policy step means [B, K, C, (F,) h, w] and velocity norms [B, K] of one rollout batch (K = trained
+    steps), filled on first use. The reference (adapters off, or a frozen snapshot) does not change during a step's
+    inner epochs, so epochs after the first skip the reference forward entirely."""
 
     def __init__(self, traj):
         self.index = {j: k for k, j in enumerate(traj.train_steps.tolist())}
         shape = (traj.latents.shape[0], len(self.index), *traj.latents.shape[2:])
         self.means = torch.empty(shape, dtype=torch.float32, device=traj.latents.device)
+        self.norms = torch.empty(shape[:2], dtype=torch.float32, device=traj.latents.device)
         self.filled = torch.zeros(shape[:2], dtype=torch.bool)
 
-    def get(self, rows: torch.Tensor, j: int) -> torch.Tensor | None:
-        k = self.index[j]
-        return self.means[rows.to(self.means.device), k] if bool(self.filled[rows, k].all()) else None
+    def get(self, rows: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        k, r = self.index[j], rows.to(self.means.device)
+        return (self.means[r, k], self.norms[r, k]) if bool(self.filled[rows, k].all()) else None
 
-    def put(self, rows: torch.Tensor, j: int, mean: torch.Tensor) -> None:
-        k = self.index[j]
-        self.means[rows.to(self.means.device), k] = mean.detach().float()
+    def put(self, rows: torch.Tensor, j: int, mean: torch.Tensor, norm: torch.Tensor) -> None:
+        k, r = self.index[j], rows.to(self.means.device)
+        self.means[r, k] = mean.detach().float()
+        self.norms[r, k] = norm.detach().float()
         self.filled[rows, k] = True

@@ -49,11 +49,13 @@ from mmrl.core.losses import nft_loss, nft_optimality_prob
 from mmrl.core.prompt_stats import PerPromptStatTracker
 from mmrl.diffusion import config as dc
 from mmrl.diffusion import old_policy
+from mmrl.diffusion.diagnostics import MAX_KEYS, VelocityNormConfig, velocity_reference_terms
 from mmrl.diffusion.old_policy import NFT_EMA_SCHEDULES
 from mmrl.diffusion.common import noise_latents
 from mmrl.distributed import DistConfig, DistContext
 from mmrl.runtime import Timer, seed_everything
 from mmrl.training import SKIPPED_KEY, KLConfig, UpdateConfig, UpdateGuard, clip_grads, merge_rank_lists
+from mmrl.training.run import closes_runs
 
 __all__ = ["Config", "train", "ema_decay", "EMA_SCHEDULES", "RENAMED_KEYS"]
 
@@ -119,6 +121,9 @@ class AlgoConfig:
     kl: NFTKLConfig = field(default_factory=NFTKLConfig)
     """`coef`: weight of the velocity-space KL ||v - v_ref||^2 to the reference (adapters off); 0 = no reference
     pass (`estimator`, `in_reward` are not used)."""
+    velocity_norm: VelocityNormConfig = field(default_factory=VelocityNormConfig)
+    """||v|| / ||v_ref|| at the training points (diag/velocity_norm_ratio, whenever the reference runs) and a hinge
+    penalty coef * mean max(0, ratio - 1)^2 (0 = off); `reference_pass` runs the reference for the diagnostic."""
 
     def __post_init__(self) -> None:
         if self.guidance_beta <= 0:
@@ -164,12 +169,15 @@ class Config(RunConfig):
 # ------------------------------------------------------------------------------------------ training
 
 
+@closes_runs  # the run directory's lock released however train() ends; a failed start leaves nothing
 def train(cfg: Config) -> dict:
-    from mmrl.diffusion.common import NoSamples, end_step, evaluate_ode, load_recipe_model, setup_training
+    from mmrl.diffusion.common import NoSamples, end_step, evaluator, load_recipe_model, setup_training
     from mmrl.diffusion.sampling import sample_groups
-    from mmrl.diffusion.scoring import global_advantages, load_reward_fn, score_rollout
+    from mmrl.diffusion.diagnostics import sample_statistics
+    from mmrl.diffusion.scoring import global_advantages, load_reward_fn, reward_weights, score_rollout_components
     from mmrl.pipelines.data import PromptSampler, load_prompts
     from mmrl.training import FullOptimizerState, restore_checkpoint, start_run, summarise
+    from mmrl.training.judges import build_judges, stop_for_hacking
 
     dc.check_common(cfg)
     s, a = cfg.rollout, cfg.algo
@@ -182,14 +190,18 @@ def train(cfg: Config) -> dict:
     reward_fn = load_reward_fn(cfg.reward.components, run.device, cfg.rollout.num_frames)
     model = load_recipe_model(cfg, run.device, run.dtype)
     # "default" trains, "old" = the EMA rollout policy, "ref" = adapters off (KL); DDP/FSDP; optimizer
-    states, evals, params, optimizer, lr_sched, guard, fsdp = setup_training(ctx, run, cfg, model, old=True,
-                                                                             ref=a.kl.coef > 0)
+    states, evals, params, optimizer, lr_sched, guard, fsdp = setup_training(
+        ctx, run, cfg, model, old=True, ref=a.kl.coef > 0 or a.velocity_norm.needs_reference())
     tracker = PerPromptStatTracker(cfg.reward.std_mode, cfg.reward.history)
     sampler = PromptSampler(train_items, seed=cfg.seed)
     counters = old_policy.UpdateCounter()
     stateful = {"optimizer": FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,
                 "tracker": tracker, "data": sampler, "counters": counters, "transformer_evals": evals}
+    judges = build_judges(cfg.log, run.device, stateful)  # log.judges: held-out judges + the hacking alarm
     start, _ = restore_checkpoint(ctx, run, states, stateful)
+    evaluate = evaluator(model, states, cfg.log.eval_state, reward_fn, eval_items, cfg, judges)
+    if judges is not None and start == 0 and (ctx.is_main or fsdp):  # the judges' baseline: before any update
+        evaluate(run if ctx.is_main else NoSamples(), 0)
 
     timer = Timer(sync_cuda=run.device.type == "cuda")
     bar = run.progress(cfg.train.max_steps, initial=start)
@@ -211,12 +223,14 @@ def train(cfg: Config) -> dict:
 
             # ---- 2. rewards and per-prompt advantages; 3. optimality probability r
             with timer("reward"):
-                scores, reward_metrics = score_rollout(ctx, reward_fn, traj.images, prompts, metadata,
-                                                       cfg.reward.on_nonfinite)
+                scores, reward_metrics, comps = score_rollout_components(ctx, reward_fn, traj.images, prompts,
+                                                                         metadata, cfg.reward.on_nonfinite)
             metrics.update(reward_metrics)  # several ranks: reward/mean and reward/std of all samples, below
+            metrics.update(sample_statistics(traj.images, traj.latents[:, -1]))  # diag/sample/*
             # per-prompt advantages over all ranks' rewards (unclipped here: nft_optimality_prob clips)
             adv, keep, adv_metrics = global_advantages(ctx, tracker, prompts, scores, float("inf"),
-                                                       cfg.reward.drop_zero_advantage)
+                                                       cfg.reward.drop_zero_advantage, None, comps,
+                                                       reward_weights(reward_fn), cfg.reward.aggregation)
             metrics.update(adv_metrics)
             r = nft_optimality_prob(adv, a.adv_clip_max)
 
@@ -238,14 +252,12 @@ def train(cfg: Config) -> dict:
                                                           or step in (1, cfg.train.max_steps))
         if (ctx.is_main or fsdp) and eval_now:  # FSDP: every rank runs the forwards, rank 0 writes
             with timer("eval"):
-                metrics.update(evaluate_ode(model, states, cfg.log.eval_state, reward_fn, eval_items,
-                                            run if ctx.is_main else NoSamples(), step,
-                                            num_steps=s.eval_num_steps, guidance_scale=s.eval_guidance_scale,
-                                            height=s.height, width=s.width, batch_size=cfg.update.micro_batch_size,
-                                            seed=cfg.seed, num_images=cfg.log.num_samples))
+                metrics.update(evaluate(run if ctx.is_main else NoSamples(), step))
         metrics["cost/transformer_evals"] = evals.sync(ctx)
         end_step(ctx, run, step, metrics, timer, bar, states, stateful, fsdp,
                  loss=f"{metrics.get('policy/loss', 0):.3g}")
+        if stop_for_hacking(ctx, run, step, judges, states, stateful, fsdp):  # log.hacking.stop
+            break
     bar.close()
     evals.remove()
     summary = summarise(run, "nft") if ctx.is_main else {}
@@ -275,6 +287,7 @@ def _train_on_rollout(cfg: Config, model, states, traj, r, keep, optimizer, lr_s
     train_sigmas = traj.sigmas[:k]
     b_all = len(traj)
     pad_rows = keep[:1] if len(keep) else torch.zeros(1, dtype=torch.long)  # any real row; weight 0
+    need_ref = n.kl.coef > 0 or n.velocity_norm.needs_reference()
     updates = 0
     for _ in range(u.epochs):
         # each sample visits the K timesteps in its own random order (as the official script)
@@ -304,13 +317,14 @@ def _train_on_rollout(cfg: Config, model, states, traj, r, keep, optimizer, lr_s
                         v = model.velocity(xt, sig, emb, guidance_scale=s.guidance_scale)
                         loss, m = nft_loss(v, v_old, x0, xt, sig, rr, n.guidance_beta,
                                            adaptive_weighting=n.adaptive_weighting, loss_scale=n.adv_clip_max)
-                        if n.kl.coef > 0:
+                        if need_ref:  # velocity KL and velocity-norm term against the reference (+ diagnostic)
                             with torch.no_grad(), states.use("ref"):
                                 v_ref = model.velocity(xt, sig, emb, guidance_scale=s.guidance_scale)
-                            kl = (v - v_ref).pow(2).mean(dim=tuple(range(1, v.dim()))).mean()
-                            loss = loss + n.kl.coef * kl
+                            term, ref_metrics = velocity_reference_terms(v, v_ref, n.kl.coef, n.velocity_norm.coef)
+                            loss = loss + term
                             if real:
-                                acc["kl/ref"].append(kl.item())
+                                for key, val in ref_metrics.items():
+                                    acc[key].append(val)
                         (loss * weight).backward()
                     if real:
                         for key in ("pos_loss", "neg_loss", "old_deviate", "nft_loss"):
@@ -324,7 +338,7 @@ def _train_on_rollout(cfg: Config, model, states, traj, r, keep, optimizer, lr_s
                 counters.updates += 1
             optimizer.zero_grad(set_to_none=True)
     vals = merge_rank_lists(ctx, acc)  # metrics of the whole batch: every rank's micro-step values
-    out = {key: sum(v) / len(v) for key, v in vals.items() if v}
+    out = {key: max(v) if key in MAX_KEYS else sum(v) / len(v) for key, v in vals.items() if v}
     out["train/updates"] = updates
     if ctx.enabled:
         out["policy/r_mean"] = float(ctx.all_reduce_sum(r[keep].double().sum()) / ctx.all_reduce_sum(len(keep)))

@@ -51,7 +51,8 @@ class Trajectory:
     sigmas [T+1]: the schedule (sigmas[T] = 0); sde_mask [T] bool: stochastic steps;
     train_steps [K] long: step indices the trainer uses; prompt_index [B] long: row in `embeds`
     (also the group id); embeds: one row per prompt; images [B, 3, H, W] in [0, 1] (videos: [B, F, 3, H, W]; None
-    when not decoded).
+    when not decoded); means [B, T, C, (F,) h, w] fp32: the Gaussian mean of every stochastic transition (0 on ODE
+    steps), recorded with `record_means=True` (GRPO-Guard's ratio needs the sampling policy's means), else None.
     """
 
     latents: Tensor
@@ -62,6 +63,7 @@ class Trajectory:
     prompt_index: Tensor
     embeds: PromptEmbeds
     images: Tensor | None = None
+    means: Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.latents.shape[0])
@@ -120,8 +122,10 @@ def step_log_prob(model: FlowModel, latents: Tensor, next_latents: Tensor | None
     cfg_grad ("both" | "cond_only"): which CFG branches the gradient flows through; values are identical.
     """
     v = guided_velocity(model, latents, sigma, embeds, guidance_scale=guidance_scale, cfg=cfg, cfg_grad=cfg_grad)
-    return sde_step_with_logprob(latents, v, sigma, sigma_next, noise_level=noise_level,
-                                 prev_sample=next_latents, noise=noise, sde_type=sde_type)
+    out = sde_step_with_logprob(latents, v, sigma, sigma_next, noise_level=noise_level,
+                                prev_sample=next_latents, noise=noise, sde_type=sde_type)
+    out.velocity = v  # (the velocity-norm diagnostic of the trainer)
+    return out
 
 
 @torch.no_grad()
@@ -146,6 +150,7 @@ def sample_groups(
     window_generator: torch.Generator | None = None,
     on_images: Callable[[int, int, torch.Tensor], None] | None = None,
     autocast_dtype: torch.dtype | None = None,
+    record_means: bool = False,
 ) -> Trajectory:
     """Roll out `group_size` samples for each of the P prompts in `embeds` (encoded once, reused).
 
@@ -158,6 +163,7 @@ def sample_groups(
     a reward can score them while the next micro-batch is sampled; the result does not change.
     autocast_dtype: run the transformer forwards under `torch.autocast` at this dtype (a lower-precision rollout
     engine, e.g. bfloat16); the SDE math, the log-probs and the VAE decode stay in float32 / the model's dtype.
+    record_means: also keep every stochastic step's Gaussian mean (`Trajectory.means`; memory as `latents`).
     """
     p = len(embeds)
     b = p * group_size
@@ -190,6 +196,7 @@ def sample_groups(
 
     latents = torch.empty((b, num_steps + 1, *x0.shape[1:]), dtype=torch.float32, device=device)
     log_probs = torch.zeros((b, num_steps), dtype=torch.float32, device=device)
+    means = torch.zeros((b, num_steps, *x0.shape[1:]), dtype=torch.float32, device=device) if record_means else None
     latents[:, 0] = x0
     mb = batch_size or b
     chunks = []
@@ -205,6 +212,8 @@ def sample_groups(
                                         noise_level=noise_level, sde_type=sde_type,
                                         noise=step_noise[rows, sde_steps.index(i)])
                     x, log_probs[rows, i] = out.prev_sample, out.log_prob
+                    if means is not None:
+                        means[rows, i] = out.mean
                 else:
                     v = model.velocity(x, s, emb, guidance_scale=guidance_scale)
                     x = ode_step(x, v, s, s_next)
@@ -215,4 +224,4 @@ def sample_groups(
                 on_images(rows.start, rows.stop, chunks[-1])
     images = torch.cat(chunks) if decode else None
     return Trajectory(latents=latents, log_probs=log_probs, sigmas=sigmas, sde_mask=sde_mask,
-                      train_steps=train_steps, prompt_index=prompt_index, embeds=embeds, images=images)
+                      train_steps=train_steps, prompt_index=prompt_index, embeds=embeds, images=images, means=means)

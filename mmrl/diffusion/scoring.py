@@ -3,7 +3,9 @@
 - `load_reward_fn(components, device)` + `score_images(...)`: the zoo reward of a config and its metrics.
 - `score_rollout(ctx, ...)`: `score_images` on this rank's images, metrics averaged over ranks.
 - `global_advantages(ctx, tracker, ...)`: per-prompt advantages (`mmrl.core.prompt_stats`) over every rank's
-  rewards, this rank's rows kept (Flow-GRPO and DiffusionNFT).
+  rewards, this rank's rows kept (Flow-GRPO, DiffusionNFT, AWM); with several reward components,
+  `reward.aggregation` chooses sum-then-normalise or per-reward normalisation (GDPO, `mmrl.core.multi_reward`).
+- `score_rollout_components(...)`: `score_rollout` plus every component's raw scores [b, K] (for that choice).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from mmrl.training import NONFINITE_KEY, finite_stats, group_keep
 
 Tensor = torch.Tensor
 
-__all__ = ["load_reward_fn", "score_images", "score_rollout", "global_advantages", "AsyncRewardScorer"]
+__all__ = ["load_reward_fn", "score_images", "score_rollout", "score_rollout_components", "component_scores",
+           "reward_weights", "global_advantages", "AsyncRewardScorer"]
 
 
 def load_reward_fn(components: dict[str, Any], device: Any, num_frames: int = 1):
@@ -52,9 +55,15 @@ class AsyncRewardScorer:
     def __init__(self, reward_fn: Any, workers: int = 1):
         from concurrent.futures import ThreadPoolExecutor
 
+        from mmrl.rewards.group import is_group_reward
+
         if getattr(reward_fn, "normalize", "none") != "none":
             raise ValueError("reward.async_scoring needs per-sample rewards; a composite with normalize: batch "
                              "scores the whole batch together (set reward.async_scoring=false)")
+        if is_group_reward(reward_fn):
+            raise ValueError("reward.async_scoring needs per-sample rewards; a group reward (group_rank, "
+                             "pickscore_rank, pairwise_winrate) scores each image against its whole group, which a "
+                             "rollout micro-batch can split (set reward.async_scoring=false)")
         self.reward_fn, self.pool, self.futures = reward_fn, ThreadPoolExecutor(max_workers=workers), []
 
     def submit(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> None:
@@ -112,8 +121,32 @@ def score_rollout(ctx: Any, reward_fn: Any, images: Tensor, prompts: list[str], 
     return scores, metrics
 
 
+def component_scores(reward_fn: Any, out: Any) -> Tensor:
+    """Raw scores [b, K] of every component of a composite reward (columns in `reward_fn.components` order), from
+    its output `out`; a single reward gives its scores as one column."""
+    names = list(getattr(reward_fn, "components", {}))
+    if not names:
+        return out.scores.detach().float().cpu()[:, None]
+    return torch.stack([torch.as_tensor(out.details[n]).detach().float().cpu().reshape(-1) for n in names], dim=1)
+
+
+def reward_weights(reward_fn: Any) -> list[float]:
+    """The weights of `component_scores`' columns ([1.0] for a single reward)."""
+    names = list(getattr(reward_fn, "components", {}))
+    return [float(reward_fn.weights[n]) for n in names] if names else [1.0]
+
+
+def score_rollout_components(ctx: Any, reward_fn: Any, images: Tensor, prompts: list[str], metadata: list[dict],
+                             on_nonfinite: str = "error", out: Any = None) -> tuple[Tensor, dict[str, float], Tensor]:
+    """`score_rollout` plus `component_scores` of the same single scoring call: (scores[b], metrics, comps[b, K])."""
+    out = reward_fn(images=images, prompts=prompts, metadata=metadata) if out is None else out
+    scores, metrics = score_rollout(ctx, reward_fn, images, prompts, metadata, on_nonfinite, out=out)
+    return scores, metrics, component_scores(reward_fn, out)
+
+
 def global_advantages(ctx: Any, tracker: Any, prompts: list[str], scores: Tensor, adv_clip_max: float,
-                      drop_zero_advantage: bool, reward_norm: Any = None) -> tuple[Tensor, Tensor, dict]:
+                      drop_zero_advantage: bool, reward_norm: Any = None, components: Tensor | None = None,
+                      weights: Any = None, aggregation: str = "sum_then_normalise") -> tuple[Tensor, Tensor, dict]:
     """(advantages of this rank's samples [b], indices of the samples to train on, metrics).
 
     Rewards and prompts of every rank are all-gathered (rank order), the tracker (`PerPromptStatTracker`)
@@ -123,12 +156,26 @@ def global_advantages(ctx: Any, tracker: Any, prompts: list[str], scores: Tensor
     Non-finite scores mark samples dropped by `reward.on_nonfinite: drop_sample`: they are never kept, and neither
     are the samples of a prompt left with fewer than 2 finite rewards (no relative signal).
     `reward_norm` (a `RunningRewardNorm`, reward.running_norm): updated with the global batch's finite rewards, then
-    the rewards are normalised before the tracker sees them (metrics `reward/running_*`; `reward/mean` stays raw)."""
+    the rewards are normalised before the tracker sees them (metrics `reward/running_*`; `reward/mean` stays raw).
+    `aggregation="normalise_then_sum"` (GDPO): `components` [b, K] (this rank's, `component_scores`) are each
+    normalised per prompt by the tracker (history 0: it keeps no state), summed with `weights` and batch-whitened
+    (`mmrl.core.multi_reward`); `sum_then_normalise` (default) normalises the weighted sum `scores`."""
     all_prompts = [p for part in ctx.all_gather_object(list(prompts)) for p in part]
     all_scores = ctx.all_gather_tensor(scores)
     sizes = list(ctx.last_gather_sizes)
-    normed = all_scores if reward_norm is None else reward_norm(all_scores)  # update, then normalise (as vlm_grpo)
-    adv_all = tracker.update(all_prompts, normed).clamp(-adv_clip_max, adv_clip_max)
+    if aggregation == "sum_then_normalise":
+        normed = all_scores if reward_norm is None else reward_norm(all_scores)  # update, then normalise (vlm_grpo)
+        adv_all = tracker.update(all_prompts, normed)
+    else:
+        from mmrl.core.multi_reward import multi_reward_advantages
+
+        if components is None or reward_norm is not None or getattr(tracker, "history", None) is not None:
+            raise ValueError("reward.aggregation=normalise_then_sum needs the reward components and neither "
+                             "reward.running_norm nor reward.history")
+        all_comps = ctx.all_gather_tensor(components)
+        adv_all = multi_reward_advantages(all_comps, weights, lambda r: tracker.update(all_prompts, r), aggregation,
+                                          mask=torch.isfinite(all_scores)).float()
+    adv_all = adv_all.clamp(-adv_clip_max, adv_clip_max)
     adv = ctx.local_slice(adv_all, sizes)
     prompt_ids = {p: i for i, p in enumerate(dict.fromkeys(all_prompts))}
     groups = torch.tensor([prompt_ids[p] for p in all_prompts])

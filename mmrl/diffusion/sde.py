@@ -40,7 +40,8 @@ class StepOutput:
     mean: the Gaussian's mean [B, ...] (carries the gradient of the velocity);
     std: Flow-GRPO's ``std_dev_t`` broadcastable to ``mean`` ([B, 1, ...]): the per-unit-time noise
       scale for ``sde``, the step's std itself for ``cps``; the KL term divides by ``2 std^2``;
-    step_std: the actual standard deviation of prev_sample given sample ([B, 1, ...]).
+    step_std: the actual standard deviation of prev_sample given sample ([B, 1, ...]);
+    velocity: the velocity the step used (set by `sampling.step_log_prob`, None from this module).
     """
 
     prev_sample: Tensor
@@ -48,6 +49,7 @@ class StepOutput:
     mean: Tensor
     std: Tensor
     step_std: Tensor
+    velocity: Tensor | None = None
 
 
 def _as_batch(sigma: Sigma, like: Tensor) -> Tensor:

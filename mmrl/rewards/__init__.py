@@ -18,5 +18,10 @@ register_lazy("mmrl.rewards.composite", "composite")
 register_lazy("mmrl.rewards.remote", "remote")
 register_lazy("mmrl.rewards.vlm_judge", "vlm_judge")
 register_lazy("mmrl.rewards.image.color_match", "prompt_color")
+register_lazy("mmrl.rewards.image.shapes_geneval", "shapes_geneval")
+
+# group-wise / pairwise rewards (a sample scored against the other samples of its group)
+register_lazy("mmrl.rewards.group", "group_rank", "pickscore_rank", "pairwise_winrate")
+
 # video rewards (videos [B, F, 3, H, W]): any image reward per frame, temporal consistency, motion amount
 register_lazy("mmrl.rewards.video", "video_frames", "temporal_consistency", "motion_amount")

@@ -55,6 +55,15 @@ class RewardModel:
             return self._chunked(n, lambda s: self.score_texts(list(completions[s]),
                                                               None if metadata is None else list(metadata[s]),
                                                               None if prompts is None else list(prompts[s])))
+        images, prompts, metadata = self._image_inputs(images, prompts, metadata)
+        n = images.shape[0]
+        return self._chunked(n, lambda s: self.score_images(images[s],
+                                                           None if prompts is None else list(prompts[s]),
+                                                           None if metadata is None else list(metadata[s])))
+
+    def _image_inputs(self, images: Any, prompts: Any, metadata: Any) -> tuple[torch.Tensor, Any, Any]:
+        """(images as a float NCHW tensor, prompts, metadata) checked: images given and non-empty, prompts when
+        needed, one prompt / metadata entry per image."""
         if images is None:
             raise ValueError(f"reward '{self.name}' scores images: pass images=...")
         if isinstance(images, torch.Tensor) and images.dim() == 5:
@@ -70,11 +79,7 @@ class RewardModel:
             raise ValueError(f"reward '{self.name}': empty batch (no images)")
         if self.needs_prompts and prompts is None:
             raise ValueError(f"reward '{self.name}' needs prompts (one per image)")
-        prompts = _check_len(prompts, n, "prompts", self.name)
-        metadata = _check_len(metadata, n, "metadata", self.name)
-        return self._chunked(n, lambda s: self.score_images(images[s],
-                                                           None if prompts is None else list(prompts[s]),
-                                                           None if metadata is None else list(metadata[s])))
+        return images, _check_len(prompts, n, "prompts", self.name), _check_len(metadata, n, "metadata", self.name)
 
     def score_images(self, images: torch.Tensor, prompts: list[str] | None, metadata: list[dict] | None) -> RewardOutput:
         raise NotImplementedError(f"{type(self).__name__} does not score images")

@@ -48,3 +48,62 @@ def create(name: str, **kwargs: Any) -> Any:
     if name not in _REGISTRY:
         raise ValueError(f"unknown reward '{name}'; available: {available()}")
     return _REGISTRY[name](**kwargs)
+
+
+def reward_arguments(name: str) -> list[str] | None:
+    """The keyword arguments the reward registered under `name` is built with (sorted), or None when it takes any
+    (`**kwargs`); unknown name -> ValueError listing the valid ones. Imports the reward's module, never a model."""
+    import inspect
+
+    if name not in _REGISTRY and name in _LAZY:
+        importlib.import_module(_LAZY[name])
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown reward '{name}'; available: {available()}")
+    obj = _REGISTRY[name]
+    try:
+        params = inspect.signature(obj).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check against
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return sorted(p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                       inspect.Parameter.KEYWORD_ONLY))
+
+
+def check_reward_arguments(name: str, kwargs: dict, where: str) -> None:
+    """ValueError naming `where.<arg>` for an argument the reward `name` does not take (valid ones listed), or
+    `where` for an unknown reward: what `create(name, **kwargs)` would fail on, found before any model loads."""
+    try:
+        valid = reward_arguments(name)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    unknown = [k for k in kwargs if valid is not None and k not in valid]
+    if unknown:
+        raise ValueError(f"{where}.{unknown[0]}: reward '{name}' has no argument '{unknown[0]}'; valid: {valid}")
+
+
+def check_reward_mapping(mapping: Any, where: str) -> None:
+    """Check a weighted-composite spec `{name: weight}` / `{name: {weight: w, reward: registered name, <args>}}`
+    (`mmrl.rewards.load(mapping)`): each component's reward exists, its weight is a number and its arguments are
+    ones that reward takes. ValueError naming the key (`where.<component>[.<arg>]`)."""
+    if not isinstance(mapping, dict):
+        raise ValueError(f"{where}: expected a mapping name -> weight or name -> {{weight: w, <arguments>}}, "
+                         f"got {mapping!r}")
+    if "components" in mapping and isinstance(mapping["components"], dict):  # {components: {...}, normalize: ...}
+        extra = sorted(set(mapping) - {"components", "normalize", "eps"})
+        if extra:
+            raise ValueError(f"{where}.{extra[0]}: unknown key of a composite spec; valid: components, normalize, eps")
+        return check_reward_mapping(mapping["components"], f"{where}.components")
+    for key, spec in mapping.items():
+        at = f"{where}.{key}"
+        if spec is None or (isinstance(spec, (int, float)) and not isinstance(spec, bool)):
+            check_reward_arguments(str(key), {}, at)
+            continue
+        if not isinstance(spec, dict):
+            raise ValueError(f"{at}: expected a weight (number) or a mapping {{weight: w, <arguments>}}, got {spec!r}")
+        args = dict(spec)
+        weight = args.pop("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise ValueError(f"{at}.weight: expected a number, got {weight!r}")
+        name = args.pop("reward", args.pop("name", key))
+        check_reward_arguments(str(name), args, at)

@@ -83,7 +83,12 @@ BUILDERS = {
 }
 
 
-def build_all(root, seed: int = 0) -> dict[str, Path]:
-    """Build every tiny model into ``root/<name>`` (names as in ``BUILDERS``); returns name -> path."""
+def build_all(root, seed: int = 0, vlm_head_dim: int = 16) -> dict[str, Path]:
+    """Build every tiny model into ``root/<name>`` (names as in ``BUILDERS``); returns name -> path.
+
+    vlm_head_dim: head size of the Qwen2-VL / Qwen2.5-VL text decoders (16 = the smallest; vLLM's CPU backend takes
+    32, 64, ...: ``mmrl.vlm.vllm_engine.CPU_HEAD_SIZES``)."""
     root = Path(root)
-    return {name: build(root / name, seed=seed) for name, build in BUILDERS.items()}
+    with_head = {"qwen2_vl", "qwen25_vl"}
+    return {name: build(root / name, seed=seed, **({"head_dim": vlm_head_dim} if name in with_head else {}))
+            for name, build in BUILDERS.items()}

@@ -21,16 +21,23 @@ def _qwen_token_ids(tok) -> dict[str, int]:
     return ids
 
 
-def _qwen_text_config(tok, ids: dict[str, int]) -> dict:
-    """Text decoder: hidden 64, 2 layers, 4 heads (head_dim 16), 2 kv heads, intermediate 128.
+def _qwen_text_config(tok, ids: dict[str, int], head_dim: int = 16) -> dict:
+    """Text decoder: 2 layers, 4 heads of `head_dim`, 2 kv heads, hidden 4 * head_dim, intermediate 2 * hidden.
 
-    mrope_section [2, 3, 3] sums to head_dim / 2 = 8 (same 2:3:3 split as Qwen2-VL's [16, 24, 24]).
+    The default head_dim 16 gives hidden 64. mrope_section sums to head_dim / 2 in Qwen2-VL's 2:3:3 split
+    ([16, 24, 24] at head_dim 128; [2, 3, 3] at 16).
     """
+    if head_dim < 16 or head_dim % 16:
+        raise ValueError(f"tiny Qwen-VL: head_dim must be a multiple of 16 (the 2:3:3 M-RoPE split of head_dim / 2), "
+                         f"got {head_dim}")
+    unit = head_dim // 16
+    hidden = 4 * head_dim
     return dict(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
         rms_norm_eps=1e-6, hidden_act="silu",
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                         "mrope_section": [2 * unit, 3 * unit, 3 * unit]},
         bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"], pad_token_id=ids["pad_token_id"],
     )
 
@@ -58,20 +65,23 @@ def _save_vlm(model, processor, ids: dict[str, int], path: Path) -> Path:
 
 
 @side_effect_free
-def build_tiny_qwen2_vl(path, seed: int = 0) -> Path:
+def build_tiny_qwen2_vl(path, seed: int = 0, head_dim: int = 16) -> Path:
     """Tiny ``Qwen2VLForConditionalGeneration`` + ``Qwen2VLProcessor`` at ``path``.
 
     Vision tower: depth 2, embed 32, 2 heads, patch 14, merge 2 (a 56x56 image = 4 image tokens).
-    Images are resized into [56*56, 224*224] pixels by the processor.
+    Images are resized into [56*56, 224*224] pixels by the processor. `head_dim`: of the text decoder (hidden
+    4 * head_dim); the default 16 is the smallest, vLLM's CPU backend needs one of
+    ``mmrl.vlm.vllm_engine.CPU_HEAD_SIZES`` (e.g. 32 or 64).
     """
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
 
     path = _prepare_dir(path)
     tok = _load_tokenizer("qwen")
     ids = _qwen_token_ids(tok)
+    text = _qwen_text_config(tok, ids, head_dim)
     cfg = Qwen2VLConfig(
-        text_config=_qwen_text_config(tok, ids),
-        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2,
+        text_config=text,
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=text["hidden_size"], num_heads=2, mlp_ratio=2,
                            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
         image_token_id=ids["image_token_id"], video_token_id=ids["video_token_id"],
         vision_start_token_id=ids["vision_start_token_id"], vision_end_token_id=ids["vision_end_token_id"],
@@ -83,21 +93,23 @@ def build_tiny_qwen2_vl(path, seed: int = 0) -> Path:
 
 
 @side_effect_free
-def build_tiny_qwen25_vl(path, seed: int = 0) -> Path:
+def build_tiny_qwen25_vl(path, seed: int = 0, head_dim: int = 16) -> Path:
     """Tiny ``Qwen2_5_VLForConditionalGeneration`` + ``Qwen2_5_VLProcessor`` at ``path``.
 
-    Same text decoder and tokenizer as :func:`build_tiny_qwen2_vl`; the Qwen2.5-VL vision tower
-    (RMSNorm, SwiGLU MLP, window attention) with depth 2, width 32, window 112, the last block full
-    attention, out_hidden_size 64.
+    Same text decoder (and `head_dim` option) and tokenizer as :func:`build_tiny_qwen2_vl`; the Qwen2.5-VL vision
+    tower (RMSNorm, SwiGLU MLP, window attention) with depth 2, width 32, window 112, the last block full
+    attention, out_hidden_size = the text hidden size (64 by default).
     """
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
 
     path = _prepare_dir(path)
     tok = _load_tokenizer("qwen")
     ids = _qwen_token_ids(tok)
+    text = _qwen_text_config(tok, ids, head_dim)
     cfg = Qwen2_5_VLConfig(
-        text_config=_qwen_text_config(tok, ids),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+        text_config=text,
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                           out_hidden_size=text["hidden_size"],
                            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
                            window_size=112, fullatt_block_indexes=[1], tokens_per_second=2),
         image_token_id=ids["image_token_id"], video_token_id=ids["video_token_id"],

@@ -30,14 +30,14 @@ from mmrl.training.config import (KLConfig, LoRAConfig, OptimConfig, RunningNorm
 from mmrl.training.guards import (NONFINITE_KEY, ON_NONFINITE, SKIPPED_KEY, NonFiniteError, OnNonfinite, UpdateGuard,
                                   check_finite_weights, check_rewards, finite_stats, group_keep, last_checkpoint)
 from mmrl.training.optim import build_optimizer, clip_grads, lr_factor
-from mmrl.training.run import merge_rank_lists, start_run
+from mmrl.training.run import closes_runs, merge_rank_lists, start_run
 from mmrl.training.summary import summarise
 
 __all__ = [
     "NONFINITE_KEY", "ON_NONFINITE", "SKIPPED_KEY", "NonFiniteError", "OnNonfinite", "UpdateGuard",
     "check_finite_weights", "check_rewards", "finite_stats", "group_keep", "last_checkpoint",
     "KLConfig", "LoRAConfig", "TrackersConfig", "OptimConfig", "UpdateConfig", "RunningNormFields", "peft_lora_config",
-    "build_optimizer", "clip_grads", "lr_factor", "start_run", "merge_rank_lists",
+    "build_optimizer", "clip_grads", "lr_factor", "start_run", "merge_rank_lists", "closes_runs",
     "FullOptimizerState", "checkpoint_due", "restore_checkpoint", "save_checkpoint", "summarise",
     "attach_flops_meter", "perf_metrics",
 ]

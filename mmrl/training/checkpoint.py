@@ -22,6 +22,9 @@ from typing import Any
 from mmrl.runtime import RunError, checkpoint_step, get_rng_state, set_rng_state
 from mmrl.training.sharded import OPTIMIZER_MARK, SHARDED_DIR, load_optimizer_sharded, optimizer_sharded_state
 
+# resumable objects that exist only while an option is on (`reward.running_norm`, `log.judges`): a checkpoint
+# written with the option off lacks them, and a resume that turns it on starts them empty
+FRESH_ON_RESUME = ("reward_norm", "judges")
 # flat state.pt keys of the VLM recipes' earlier layout -> stateful names of this one
 _LEGACY_STATEFUL = {"optimizer": "optimizer", "scheduler": "lr_scheduler", "data": "data"}
 
@@ -133,11 +136,17 @@ def restore_checkpoint(ctx: Any, run: Any, states: Any, stateful: dict[str, Any]
     else:
         raise RunError(f"checkpoint {ckpt} has neither adapters/ + state.pt['stateful'] (this version's layout) nor "
                        f"policy/ (the earlier VLM layout): not a checkpoint of an mmrl recipe")
-    missing = [k for k in stateful if k not in saved]
+    missing = [k for k in stateful if k not in saved and k not in FRESH_ON_RESUME]
     if missing:
         raise RunError(f"checkpoint {ckpt}: state.pt lacks {missing} (has {sorted(saved)}): written by another recipe?")
+    fresh = [k for k in stateful if k not in saved]
+    if fresh and ctx.is_main:
+        print(f"[{getattr(run.cfg, 'algorithm', 'train')}] {ckpt} holds no {fresh} (an option turned on at this "
+              f"resume): {', '.join(fresh)} start(s) empty at step {step}", flush=True)
     states.load(weights)  # sharded full fine-tuning weights: read from ckpt/sharded by every rank
     for k, obj in stateful.items():
+        if k not in saved:
+            continue
         if isinstance(saved[k], dict) and saved[k].get(OPTIMIZER_MARK):  # a sharded checkpoint's optimizer
             optimizer = _optimizer_of(obj)
             if optimizer is None:
@@ -146,6 +155,9 @@ def restore_checkpoint(ctx: Any, run: Any, states: Any, stateful: dict[str, Any]
             load_optimizer_sharded(optimizer, states.model, saved[k], ckpt / SHARDED_DIR, k)
         else:
             obj.load_state_dict(saved[k])
+    for obj in stateful.values():  # settings from the config, whatever order the state was loaded in (LRSchedule)
+        if hasattr(obj, "apply_config"):
+            obj.apply_config()
     set_rng_state(state["rng"])
     if ctx.is_main:
         run.truncate_metrics(step)

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -164,11 +165,17 @@ class RolloutCorrectionConfig:
     """Drop a whole sequence if any token's ratio is below this (0 = off)."""
 
     def __post_init__(self) -> None:
-        if self.is_threshold <= 1.0 or self.rs_threshold <= 1.0:
-            raise ValueError(f"algo.rollout_correction: is_threshold and rs_threshold must be > 1, got "
-                             f"{self.is_threshold}, {self.rs_threshold}")
-        if self.rs_threshold_lower < 0 or self.veto_threshold < 0:
-            raise ValueError("algo.rollout_correction: rs_threshold_lower and veto_threshold must be >= 0")
+        # the ranges mmrl.core.correction needs, checked when the config is read (not at the first step)
+        for key in ("is_threshold", "rs_threshold"):
+            value = getattr(self, key)
+            if not 1.0 < value < math.inf:
+                raise ValueError(f"algo.rollout_correction.{key}: expected a finite number > 1, got {value}")
+        if not (self.rs_threshold_lower == 0 or 0 < self.rs_threshold_lower <= 1):
+            raise ValueError(f"algo.rollout_correction.rs_threshold_lower: expected 0 (= 1 / rs_threshold) or a "
+                             f"number in (0, 1], got {self.rs_threshold_lower}")
+        if not 0 <= self.veto_threshold < 1:
+            raise ValueError(f"algo.rollout_correction.veto_threshold: expected 0 (off) or a number in (0, 1), got "
+                             f"{self.veto_threshold}")
 
     @property
     def enabled(self) -> bool:

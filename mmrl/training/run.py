@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import defaultdict
-from typing import Any
+from typing import Any, Callable
 
 
 def start_run(cfg: Any, global_sizes: dict[str, int] | None = None):
@@ -12,12 +13,13 @@ def start_run(cfg: Any, global_sizes: dict[str, int] | None = None):
 
     Checks: several processes with `dist.strategy: none` is an error (the ranks would train apart silently); every
     global size in `global_sizes` (config key -> value) must be divisible by the number of processes. Rank 0
-    creates the run directory and writes config.yaml first (the run-directory checks of `mmrl.runtime.Run` run on
-    every rank); the other ranks get no progress bar and use `ctx.device` (cuda:LOCAL_RANK). One process: exactly
+    takes the run directory's lock (`mmrl.run_lock`), creates it and writes config.yaml first; the other ranks then
+    run the run-directory checks of `mmrl.runtime.Run` without writing, or, when rank 0 failed, raise its error (no
+    rank is left waiting). They get no progress bar and use `ctx.device` (cuda:LOCAL_RANK). One process: exactly
     `Run(cfg)`. Also tunes glibc malloc for the run (``mmrl.runtime.tune_malloc``; opt out with
     MMRL_NO_MALLOC_TUNING=1): large CPU buffers stay in the heap between calls; no number changes."""
     from mmrl.distributed import DistContext
-    from mmrl.runtime import Run, tune_malloc
+    from mmrl.runtime import Run, RunError, tune_malloc
 
     tune_malloc()
     ctx = DistContext.init(cfg.dist.backend)
@@ -31,8 +33,20 @@ def start_run(cfg: Any, global_sizes: dict[str, int] | None = None):
                                  f"processes ({ctx.world_size})")
         if not ctx.is_main:
             os.environ["MMRL_NO_PROGRESS"] = "1"
-        with ctx.main_process_first():
-            run = Run(cfg, write_config=ctx.is_main)
+        failure: BaseException | None = None
+        if ctx.is_main:  # rank 0 first: it takes the directory's lock, clears and checks it, writes config.yaml
+            try:
+                run = Run(cfg, write_config=True)
+            except BaseException as exc:  # noqa: BLE001 - shared with the other ranks below, then raised
+                failure = exc
+        # every rank learns rank 0's outcome (a collective, so no rank waits for one that gave up)
+        reason = ctx.broadcast_object(None if failure is None else str(failure)) if ctx.enabled else None
+        if failure is not None:
+            raise failure
+        if reason is not None:
+            raise RunError(f"rank 0 could not start the run: {reason}")
+        if not ctx.is_main:
+            run = Run(cfg, write_config=False)
     except BaseException:
         ctx.close()
         raise
@@ -51,3 +65,24 @@ def merge_rank_lists(ctx: Any, lists: dict[str, list]) -> dict[str, list]:
         for k, v in part.items():
             merged[k] += list(v)
     return merged
+
+
+def closes_runs(train: Callable[[Any], dict]) -> Callable[[Any], dict]:
+    """Decorator for a recipe's `train(cfg)`: however it ends, the runs it opened are closed (`mmrl.runtime.Run.close`):
+    the directory lock released (on a return, an exception or Ctrl-C), and a run that failed before it wrote a
+    metrics row, checkpoint or sample leaves nothing of its start behind (a bad path, a bad size, a model that
+    does not load)."""
+    from mmrl.runtime import close_runs, open_runs
+
+    @functools.wraps(train)
+    def wrapper(cfg: Any) -> dict:
+        since = open_runs()
+        try:
+            out = train(cfg)
+        except BaseException:
+            close_runs(since, failed=True)
+            raise
+        close_runs(since)
+        return out
+
+    return wrapper

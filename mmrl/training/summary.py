@@ -28,4 +28,7 @@ def summarise(run: Any, name: str, key: str = "reward/mean", extra_keys: Sequenc
                 extra[f"{ek}_last5"] = sum(ev[-k:]) / min(k, len(ev))
         print(f"[{name}] {key}: first {k} steps {first:.4g} (per-sample std {first_std:.3g}) -> last {k} steps "
               f"{last:.4g}: rise {last - first:+.4g} = {extra['reward_rise_in_std']:.2f} std", flush=True)
+    from mmrl.training.judges import judge_summary  # log.judges: the reward-hacking line (nothing without judges)
+
+    extra.update(judge_summary(rows, name))
     return run.finish(extra)

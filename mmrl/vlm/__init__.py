@@ -18,6 +18,6 @@ from mmrl.vlm.rollout import (  # noqa: F401
     RolloutEngine,
     RolloutResult,
     SamplingParams,
-    VLLMRolloutEngine,
     make_engine,
 )
+from mmrl.vlm.vllm_engine import VLLMRolloutEngine  # noqa: F401  (vLLM itself is imported when an engine starts)

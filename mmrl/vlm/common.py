@@ -57,12 +57,15 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", dtype: tor
     rollout and training log-probs must agree)."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
+    from mmrl.checkpoint_files import refusing_pickled_weights
+
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model.path: no config.json in {str(path)!r}; expected a local checkpoint "
                                 "directory (e.g. from huggingface-cli download, or mmrl.tiny.build_tiny_qwen2_vl)")
     processor = AutoProcessor.from_pretrained(str(path), padding_side="left")
-    model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=dtype).to(device)
+    with refusing_pickled_weights("model.path", path):  # a pickled .bin: one line naming it, not 40
+        model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=dtype).to(device)
     model.eval()
     return model, processor
 

@@ -5,6 +5,7 @@ R = G_1 = sum_k gamma^(k-1) r_k (``algo.advantage``):
   grpo       A(turn k of episode i) = group_advantages(R)_i             (episodes of one task = a group)
   turn_grpo  A = group_advantages(G_k) over all turns of the group's episodes (AReaL's individual mode)
   gigpo      A = group_advantages(R)_i + omega * group_advantages(G_k | same group and same anchor)
+             (`episode_stats="step"`: the episode part's statistics over turn rows, verl-agent's default)
 DAPO dynamic sampling keeps only groups whose episode returns are not all equal (`informative_groups`).
 """
 
@@ -46,7 +47,7 @@ def episode_returns(episodes: Sequence[Episode], gamma: float) -> torch.Tensor:
 
 
 def turn_advantages(episodes: Sequence[Episode], mode: str, gamma: float, omega: float = 1.0,
-                    scale_by_std: bool = True, reward_norm: Any = None) -> torch.Tensor:
+                    scale_by_std: bool = True, reward_norm: Any = None, episode_stats: str = "episode") -> torch.Tensor:
     """Advantage of every turn, [E, K] (0 where an episode has no such turn); see the module docstring.
     `reward_norm` (a `RunningRewardNorm`, reward.running_norm): updated with every turn reward of `episodes`
     (pass the global batch), then the turn rewards are normalised before the returns and advantages."""
@@ -70,7 +71,7 @@ def turn_advantages(episodes: Sequence[Episode], mode: str, gamma: float, omega:
     anchors = [episodes[e].turns[k].anchor for e, k in zip(e_idx.tolist(), k_idx.tolist())]
     anchors = [("__no_anchor__", j) if a is None else ("anchor", a) for j, a in enumerate(anchors)]
     out[e_idx, k_idx] = gigpo_advantages(R, gid, returns[e_idx, k_idx], e_idx, hash_anchors(anchors), omega=omega,
-                                         scale_by_std=scale_by_std)
+                                         scale_by_std=scale_by_std, episode_stats=episode_stats)
     return out
 
 

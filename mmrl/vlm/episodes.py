@@ -14,8 +14,9 @@ gradient, see tests). Each turn's prompt is the whole trajectory so far, with th
 via ``mmrl.vlm.common.collate``), so the trainer's forward over the full trajectory sees exactly the
 prefixes the sampler saw and recomputed log-probs match the rollout's (``diag/logprob_drift``).
 
-What is simplified away: the HF engine re-prefills the whole history every turn (no cross-turn KV cache); the vLLM
-engine is not supported here (it takes text prompts, which would re-tokenise the policy's own tokens).
+Engines: the HF engine re-prefills the whole history every turn (no cross-turn KV cache); the vLLM engine takes the
+same token ids (``prompt_token_ids``) with every observation's images so far (``Episode.images``), and its prefix
+cache reuses the KV blocks of the earlier turns.
 """
 
 from __future__ import annotations
@@ -80,6 +81,10 @@ class RolloutConfig:
     """Optional system message for every episode ('' = the chat template's default)."""
     micro_batch_size: int = 64
     """Max sequences the HF engine decodes together."""
+    engine: Literal["hf", "vllm"] = "hf"
+    """`hf` (transformers sampling loop) or `vllm` (token-in/token-out prompts; old log-probs are then recomputed)."""
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra vllm.LLM(...) arguments (defaults: dtype of the policy, max_model_len = max_seq_len, seed)."""
 
     def __post_init__(self) -> None:
         for key, lo in (("prompts_per_step", 1), ("group_size", 1), ("micro_batch_size", 1), ("max_turns", 1),
@@ -116,6 +121,7 @@ class Episode:
     old_logprobs: list[float] = field(default_factory=list)
     prompt_len: int = 0
     mm: list[dict] = field(default_factory=list)  # one {"pixel_values", "image_grid_thw"} per observation
+    images: list = field(default_factory=list)  # every observation's images in order (what the vLLM engine is sent)
     turns: list[Turn] = field(default_factory=list)
     done: bool = False
     end_reason: str = ""  # "done" | "max_turns" | "truncated" | "error"
@@ -269,8 +275,8 @@ def rollout_episodes(engine: Any, fmt: ChatFormat, manager: EnvManager, specs: S
             calls[0] += 1
             t0 = time.perf_counter()
             enc = [EncodedPrompt(list(ep.ids), ep.merged_mm(), "") for ep in eps]
-            outs = engine.generate([GenRequest(prompt_text="", metadata={"episode": ep.index}) for ep in eps], sp,
-                                   encoded=enc)
+            outs = engine.generate([GenRequest(prompt_text="", images=list(ep.images), metadata={"episode": ep.index})
+                                    for ep in eps], sp, encoded=enc)
             stats.generation_s += time.perf_counter() - t0
             for ep, out in zip(eps, outs):
                 start = len(ep.ids)
@@ -343,6 +349,7 @@ def _apply_observation(ep: Episode, res: StepResult, fmt: ChatFormat, sampling: 
     ep.append(enc.input_ids, False)
     if enc.mm:
         ep.mm.append(enc.mm)
+    ep.images += list(res.observation.images)
     if first:
         ep.prompt_len = len(ep.ids)
     ep.anchor = res.observation.anchor
@@ -399,7 +406,7 @@ def episode_metrics(episodes: Sequence[Episode], returns: torch.Tensor, prefix: 
 def light(ep: Episode) -> Episode:
     """An episode without its vision tensors and log-probs (what other ranks need: turns, rewards, anchors, group,
     token counts, end reason), for all_gather_object."""
-    return dataclasses.replace(ep, mm=[], old_logprobs=[], _mm_memo=None)
+    return dataclasses.replace(ep, mm=[], images=[], old_logprobs=[], _mm_memo=None)
 
 
 def gather_episodes(ctx: Any, eps: list[Episode]) -> tuple[list[Episode], list[int]]:

@@ -26,6 +26,7 @@ import torch
 from mmrl.config import RunConfig, TrainConfig
 from mmrl.core import get_advantage_estimator, kl_estimate
 from mmrl.core.correction import weighted_advantages
+from mmrl.core.multi_reward import multi_reward_advantages
 from mmrl.distributed import DistConfig
 from mmrl.rewards import load as load_reward
 from mmrl.runtime import Timer, seed_everything
@@ -33,6 +34,8 @@ from mmrl.training import (FullOptimizerState, KLConfig, OnNonfinite, OptimConfi
                            build_optimizer, checkpoint_due, perf_metrics, restore_checkpoint, save_checkpoint,
                            start_run)
 from mmrl.training.config import RolloutCorrectionConfig, RunningNormFields, TrackersConfig
+from mmrl.training.judges import JudgeFields, build_judges, stop_for_hacking
+from mmrl.training.run import closes_runs
 from mmrl.vlm.batch import RolloutBatch
 from mmrl.vlm.common import (VisionCache, language_block_types, vision_has_adapters, vision_tower,
                              vision_tower_trainable)
@@ -40,8 +43,8 @@ from mmrl.vlm.grpo_checks import check_config, recompute_old_logprobs
 from mmrl.vlm.policy import VLMLoRAConfig, build_policy, rl_parameters
 from mmrl.vlm.rollout import SamplingParams
 from mmrl.vlm.rollout_collect import (DataConfig, build_data, check_fsdp_images, collect_rollouts, evaluate, finish,
-                                      make_rollout_engine, rollout_metrics, save_sample_grid, score,
-                                      shapes_warm_start_pairs, to_request)
+                                      make_rollout_engine, reward_components, rollout_metrics, save_sample_grid,
+                                      score, shapes_warm_start_pairs, to_request)
 from mmrl.vlm.update import (PairedForwards, PolicyGradientLoss, VLMUpdateConfig, contiguous_minibatches,
                              policy_update)
 from mmrl.vlm.warm_start import WarmStartConfig, format_warm_start
@@ -81,7 +84,7 @@ class ModelConfig:
 @dataclass
 class RolloutConfig:
     engine: Literal["hf", "vllm"] = "hf"
-    """`hf` (transformers sampling loop) or `vllm` (needs the [vllm] extra and a GPU)."""
+    """`hf` (transformers sampling loop) or `vllm` (needs vLLM: the [vllm] extra on a GPU, or vLLM's CPU build)."""
     prompts_per_step: int = 8
     """Prompts (groups) per RL step, over all processes."""
     group_size: int = 8
@@ -100,7 +103,7 @@ class RolloutConfig:
     micro_batch_size: int = 64
     """Max sequences decoded together by the HF engine."""
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra vllm.LLM(...) arguments (gpu_memory_utilization, tensor_parallel_size, ...)."""
+    """Extra vllm.LLM(...) arguments (gpu_memory_utilization, max_model_len, ...; dtype defaults to the policy's)."""
 
 
 @dataclass
@@ -108,7 +111,8 @@ class RewardConfig(RunningNormFields):  # + running_norm, running_norm_center, r
     name: str = "exact_match"
     """Reward from the zoo (mmrl.rewards.available()); scored on the response text with metadata['answer']."""
     kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments for mmrl.rewards.load(name, **kwargs)."""
+    """Keyword arguments for mmrl.rewards.load(name, **kwargs); each is reachable from the command line
+    (reward.kwargs.answer_key=solution)."""
     accuracy_key: str = ""
     """details key with 0/1 accuracy (e.g. `accuracy` for geo3k); empty: accuracy = score > 0.5."""
     overlong_buffer: int = 0
@@ -118,6 +122,20 @@ class RewardConfig(RunningNormFields):  # + running_norm, running_norm_center, r
     on_nonfinite: OnNonfinite = "error"
     """A NaN/inf reward: `error` (stop, naming the reward component and the response) or `drop_sample` (train
     without it; a group left with < 2 responses is not trained on; counted as reward/nonfinite_samples)."""
+    aggregation: Literal["sum_then_normalise", "normalise_then_sum"] = "sum_then_normalise"
+    """Several reward components (a `composite` reward; the overlong penalty counts as one): `sum_then_normalise`
+    runs algo.advantage on their weighted sum; `normalise_then_sum` runs it on each component, sums with the weights
+    and whitens over the batch (GDPO, arXiv 2601.05242; not with algo.kl.in_reward or running_norm)."""
+
+    def __post_init__(self) -> None:
+        from mmrl.rewards.registry import check_reward_arguments, reward_arguments
+
+        super().__post_init__()
+        try:
+            reward_arguments(self.name)
+        except ValueError as exc:
+            raise ValueError(f"reward.name: {exc}") from None
+        check_reward_arguments(self.name, self.kwargs, "reward.kwargs")  # before any model loads
 
 
 @dataclass
@@ -156,7 +174,7 @@ class AlgoConfig:
 
 
 @dataclass
-class LogConfig(TrackersConfig):
+class LogConfig(JudgeFields, TrackersConfig):  # + judges, hacking (the reward-hacking alarm on the eval prompts)
     sample_every: int = 25
     """Save a grid of (image, question, response, reward) to samples/ every this many steps (0 = off)."""
     num_samples: int = 16
@@ -194,6 +212,7 @@ class Config(RunConfig):
     find_unused_parameters)."""
 
 
+@closes_runs  # the run directory's lock released however train() ends; a failed start leaves nothing
 def train(cfg: Config) -> dict:
     check_config(cfg)
     ro, al, up = cfg.rollout, cfg.algo, cfg.update
@@ -234,7 +253,10 @@ def train(cfg: Config) -> dict:
     stateful = {"optimizer": FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,
                 "data": data}
     reward_norm = cfg.reward.build_running_norm(stateful)  # identical on every rank: updated with global rewards
+    judges = build_judges(cfg.log, run.device, stateful)  # log.judges: scored with the eval accuracy
     start, _ = restore_checkpoint(ctx, run, states, stateful)
+    if syncer is not None:  # the engine loaded model.path: send what the warm start or a resumed checkpoint changed
+        syncer.sync(full=True)
     # vision features: shared by the policy and reference passes only when no state can change the tower
     reuse = up.reuse_vision_features and not fsdp
     state_ids = {id(p) for p in states.trainable_parameters()}
@@ -247,7 +269,7 @@ def train(cfg: Config) -> dict:
                                  ro.max_new_tokens, al.entropy_coef, al.kl.coef, al.kl.estimator, al.kl.in_reward,
                                  correction=bypass_correction)  # bypass: pi / pi_rollout in every micro-batch
     if start == 0 and (ctx.is_main or fsdp):  # FSDP: every rank runs the eval forwards, rank 0 reports
-        first = evaluate(engine, processor, eval_items, reward_model, cfg)
+        first = evaluate(engine, processor, eval_items, reward_model, cfg, judges, 0)  # (the judges' baseline)
         summary.update({k.replace("eval/accuracy", "eval_accuracy_first"): v for k, v in first.items()})
         if ctx.is_main:
             print(f"[vlm_grpo] eval accuracy before RL: {first}", flush=True)
@@ -307,7 +329,14 @@ def train(cfg: Config) -> dict:
                     reward_norm.update(r_all)
                     r_all = reward_norm.normalize(r_all)
                     metrics.update(reward_norm.metrics())
-                adv = ctx.local_slice(estimator(r_all, g_all)) if kept else torch.zeros(1)  # (placeholder row: 0)
+                if cfg.reward.aggregation == "normalise_then_sum":  # GDPO: each component in its own groups
+                    comp, weights = reward_components(reward_model, rewards_t, roll.comps,
+                                                      cfg.reward.overlong_buffer > 0)
+                    adv_all = multi_reward_advantages(ctx.all_gather_tensor(comp), weights,
+                                                      lambda r: estimator(r, g_all), cfg.reward.aggregation)
+                else:
+                    adv_all = estimator(r_all, g_all)
+                adv = ctx.local_slice(adv_all) if kept else torch.zeros(1)  # (placeholder row: 0)
                 batch.advantages = adv.to(batch.device)
                 # ---- old log-probs
                 drift = None
@@ -352,7 +381,7 @@ def train(cfg: Config) -> dict:
                 save_sample_grid(run, step, roll, cfg.log.num_samples)
             if (ctx.is_main or fsdp) and ((cfg.log.eval_every and step % cfg.log.eval_every == 0)
                                           or step == cfg.train.max_steps):
-                metrics.update(evaluate(engine, processor, eval_items, reward_model, cfg))
+                metrics.update(evaluate(engine, processor, eval_items, reward_model, cfg, judges, step))
             if step == cfg.train.max_steps:
                 summary.update({k.replace("eval/accuracy", "eval_accuracy_last"): v for k, v in metrics.items()
                                 if k.startswith("eval/accuracy")})
@@ -365,6 +394,10 @@ def train(cfg: Config) -> dict:
         bar.set_postfix(reward=f"{float(metrics['reward/mean']):.3f}", acc=f"{float(metrics['reward/accuracy']):.2f}")
         if checkpoint_due(cfg, step):  # FSDP: a collective; rank 0 writes
             save_checkpoint(ctx, run, step, states, stateful, fsdp=fsdp)
+        if stop_for_hacking(ctx, run, step, judges, states, stateful, fsdp):  # log.hacking.stop
+            break
     bar.close()
+    if syncer is not None:
+        engine.close()  # vLLM's process-global state freed: another engine can start in this process
     ctx.close()
     return finish(run, summary) if ctx.is_main else {}

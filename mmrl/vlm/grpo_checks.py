@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import torch
@@ -20,6 +19,12 @@ def check_config(cfg: Any) -> None:
     get_advantage_estimator(al.advantage)
     get_policy_loss(al.policy_loss)
     nominal = ro.prompts_per_step * ro.group_size
+    if cfg.reward.aggregation == "normalise_then_sum" and (al.kl.in_reward or cfg.reward.running_norm):
+        raise ValueError("reward.aggregation=normalise_then_sum normalises each reward component in its groups: it "
+                         "cannot take algo.kl.in_reward or reward.running_norm (they change the summed reward only)")
+    if log.judges and (not d.eval_size or (d.kind == "geo3k" and not d.val_path)):
+        raise ValueError("log.judges are scored on the eval prompts: set data.eval_size > 0 (and data.val_path for "
+                         f"geo3k), got eval_size={d.eval_size}, val_path={d.val_path!r}")
     if cfg.dist.strategy == "fsdp" and ro.engine != "hf":
         raise ValueError("dist.strategy=fsdp: vlm_grpo supports FSDP with rollout.engine=hf only")
     if cfg.model.lora.init_path:
@@ -47,6 +52,7 @@ def check_config(cfg: Any) -> None:
                               ("log.num_samples", log.num_samples, 1 if log.sample_every else 0)):
         if value < least:
             raise ValueError(f"{key}: expected >= {least}, got {value}")
+    check_clip_ranges(al.clip_low, al.clip_high, al.dual_clip)
     up.updates_per_epoch(nominal)  # mini_batch_size must divide the nominal batch
     if not 0 < ro.top_p <= 1:
         raise ValueError(f"rollout.top_p: expected 0 < top_p <= 1, got {ro.top_p}")
@@ -60,9 +66,10 @@ def check_config(cfg: Any) -> None:
     if nominal < 2:
         raise ValueError(f"rollout.prompts_per_step * rollout.group_size = {nominal}: one response per step has "
                          f"advantage 0 under every estimator; use at least 2")
-    if ro.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ValueError("rollout.engine=vllm: vLLM is not installed (pip install 'mmrl[vllm]', CUDA GPU only); "
-                         "use rollout.engine=hf")
+    if ro.engine == "vllm":
+        from mmrl.vlm.vllm_engine import check_vllm_rollout
+
+        check_vllm_rollout(ro)  # installed, importable, built for a device this machine has; temperature <= 2
     if w.steps and d.kind != "shapes":
         raise ValueError("warm_start.steps > 0 needs data.kind=shapes (answer vocabularies are known there only)")
     try:
@@ -101,3 +108,13 @@ def recompute_old_logprobs(cfg: Any) -> bool:
     al, up, ro = cfg.algo, cfg.update, cfg.rollout
     return al.old_logprobs == "recompute" or (al.old_logprobs == "auto" and (
         up.epochs > 1 or up.mini_batch_size not in (0, ro.prompts_per_step * ro.group_size) or ro.engine == "vllm"))
+
+
+def check_clip_ranges(clip_low: float, clip_high: float, dual_clip: float = 0.0) -> None:
+    """The ranges the policy losses of mmrl.core need (a cpgd log(1 - clip_low) fails past them), named by key."""
+    if not 0 <= clip_low < 1:
+        raise ValueError(f"algo.clip_low: expected 0 <= clip_low < 1, got {clip_low}")
+    if clip_high < 0:
+        raise ValueError(f"algo.clip_high: expected >= 0, got {clip_high}")
+    if dual_clip and dual_clip <= 1:
+        raise ValueError(f"algo.dual_clip: expected 0 (off) or a constant > 1 (e.g. 3.0), got {dual_clip}")

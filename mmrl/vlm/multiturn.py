@@ -26,6 +26,8 @@ from mmrl.training import (NONFINITE_KEY, SKIPPED_KEY, FullOptimizerState, KLCon
                            OptimConfig, RunningNormFields, TrackersConfig, UpdateConfig, UpdateGuard, attach_flops_meter,
                            build_optimizer, checkpoint_due, finite_stats, peft_lora_config, perf_metrics,
                            restore_checkpoint, save_checkpoint, start_run, summarise)
+from mmrl.training.run import closes_runs
+from mmrl.vlm.grpo_checks import check_clip_ranges
 from mmrl.vlm.common import VisionCache, vision_has_adapters, vision_tower
 from mmrl.vlm.credit import Advantage, collect_groups, episode_returns, token_advantages, turn_advantages
 from mmrl.vlm.envs import EnvManager, make_env
@@ -103,7 +105,11 @@ class AlgoConfig:
     omega: float = 1.0
     """GiGPO weight of the step-level (anchor-group) advantage."""
     scale_by_std: bool = True
-    """Divide group advantages by the group std (False = Dr.GRPO-style mean-centring only)."""
+    """Divide group advantages by the group std (False = Dr.GRPO-style mean-centring only; with gigpo that is
+    verl-agent's `mode: mean_norm`, its default)."""
+    gigpo_episode_stats: Literal["episode", "step"] = "episode"
+    """GiGPO's episode-level statistics: `episode` (the paper: each episode counts once in its group's mean/std) or
+    `step` (verl-agent's default: every turn row counts, so long episodes weigh more)."""
     policy_loss: Literal["ppo_clip", "gspo", "cpgd", "reinforce"] = "ppo_clip"
     """Policy loss (mmrl.core.POLICY_LOSSES), token-mean over the policy tokens of a mini-batch: ppo_clip (token
     ratios), gspo (sequence ratio; use its small clip ranges, e.g. clip_low 3e-4, clip_high 4e-4), cpgd or reinforce
@@ -184,14 +190,24 @@ def check_config(cfg: Config) -> None:
         importlib.import_module(m)
     if not cfg.env.tasks:
         raise ValueError("env.tasks: expected at least one environment name, got none")
+    check_clip_ranges(cfg.algo.clip_low, cfg.algo.clip_high)
     for name in cfg.env.tasks:
-        make_env(name, **cfg.env.tasks[name])  # unknown names / bad kwargs fail here, with the valid names
+        try:
+            make_env(name, **(cfg.env.tasks[name] or {}))  # unknown names / bad kwargs fail here, with the valid names
+        except TypeError as exc:  # an argument the environment does not take (YAML or env.tasks.<name>.<arg>=...)
+            raise ValueError(f"env.tasks.{name}: {exc}") from None
     if cfg.rollout.group_size < 2 and cfg.algo.advantage != "turn_grpo":
         raise ValueError(f"rollout.group_size: group advantages need >= 2 episodes per task, "
                          f"got {cfg.rollout.group_size}")
     if cfg.model.lora.init_path:
         raise ValueError("model.lora.init_path: not supported by vlm_multiturn (it starts from model.path); use ''")
     cfg.update.updates_per_epoch(cfg.rollout.prompts_per_step * cfg.rollout.group_size)  # must divide the batch
+    if cfg.rollout.engine == "vllm":
+        if cfg.dist.strategy == "fsdp":
+            raise ValueError("dist.strategy=fsdp: vlm_multiturn supports FSDP with rollout.engine=hf only")
+        from mmrl.vlm.vllm_engine import check_vllm_rollout
+
+        check_vllm_rollout(cfg.rollout)
 
 
 def _load_model(cfg: Config, run: Any):
@@ -218,6 +234,7 @@ def evaluate(cfg: Config, engine: Any, fmt: ChatFormat, manager: EnvManager,
     return episode_metrics(eps, episode_returns(eps, cfg.algo.gamma), prefix="eval/")
 
 
+@closes_runs  # the run directory's lock released however train() ends; a failed start leaves nothing
 def train(cfg: Config) -> dict:
     from mmrl.adapters import PolicyStates
     from mmrl.vlm.rollout import HFRolloutEngine
@@ -226,7 +243,7 @@ def train(cfg: Config) -> dict:
     ro, upd, algo = cfg.rollout, cfg.update, cfg.algo
     ctx, run = start_run(cfg, {"rollout.prompts_per_step": ro.prompts_per_step})
     rank, fsdp = ctx.rank, ctx.enabled and cfg.dist.strategy == "fsdp"
-    manager = None
+    manager = engine = None
     try:
         with ctx.main_process_first():  # rank 0 builds the tiny demo model (model.build_tiny) before the others load it
             model, processor = _load_model(cfg, run)
@@ -252,7 +269,15 @@ def train(cfg: Config) -> dict:
             check_fsdp_rl_params(model, rl_params)
         opt, sched = build_optimizer(rl_params, cfg.optim, total_steps=cfg.train.max_steps)
         fmt = ChatFormat(processor, ro.system_prompt or None)
-        engine = HFRolloutEngine(model, processor, batch_size=ro.micro_batch_size)
+        syncer = None
+        if ro.engine == "vllm":  # token-in/token-out on the trajectory ids; weights pushed after every update
+            from mmrl.vlm.vllm_engine import make_vllm_rollout
+
+            engine, syncer = make_vllm_rollout(cfg.model.path, states, processor, ro.vllm_kwargs, cfg.seed,
+                                               max_model_len=ro.max_seq_len,
+                                               limit_mm_per_prompt={"image": max(ro.max_turns, 1)})
+        else:
+            engine = HFRolloutEngine(model, processor, batch_size=ro.micro_batch_size)
         manager = EnvManager(cfg.env.max_workers, cfg.env.backend, modules=cfg.env.modules)
         drop_grads = lambda: zero_grads(model, states.trainable_parameters())  # noqa: E731 (frozen ones too)
 
@@ -269,10 +294,12 @@ def train(cfg: Config) -> dict:
                 summary_extra["warm_start_loss"] = format_warm_start(
                     model, params, cfg.warm_start, pairs, pad_id, temperature=ro.temperature or 1.0,
                     weight_decay=0.01, zero_grad=drop_grads)  # (torch's AdamW default, as before)
-            if ctx.is_main or fsdp:
-                summary_extra["eval_before"] = ev = evaluate(cfg, engine, fmt, manager, lockstep)
-                if ctx.is_main:
-                    run.log(0, ev)
+        if syncer is not None:  # the engine loaded model.path: send what the warm start or a resumed checkpoint changed
+            syncer.sync(full=True)
+        if not start_step and (ctx.is_main or fsdp):
+            summary_extra["eval_before"] = ev = evaluate(cfg, engine, fmt, manager, lockstep)
+            if ctx.is_main:
+                run.log(0, ev)
 
         # only the optimizer's parameters get gradients from here on (DDP registers those that require grad now;
         # a frozen vision tower lets the training pass reuse cached image features)
@@ -323,7 +350,8 @@ def train(cfg: Config) -> dict:
             # ---- advantages (statistics and GiGPO anchor groups over the global batch), this rank's rows
             with timer("advantages"):
                 turn_adv = turn_advantages(glob_train, algo.advantage, algo.gamma, algo.omega, algo.scale_by_std,
-                                           reward_norm) if glob_train else torch.zeros(0, 1)
+                                           reward_norm, episode_stats=algo.gigpo_episode_stats) \
+                    if glob_train else torch.zeros(0, 1)
                 metrics.update(reward_norm.metrics() if reward_norm is not None and glob_train else {})
                 adv = token_advantages(train_eps, turn_adv[lo:lo + len(train_eps)])
                 vcache = VisionCache(model) if reuse and train_eps else None  # this step's images, "default" state
@@ -331,6 +359,10 @@ def train(cfg: Config) -> dict:
                 batch = episode_batch(model, train_eps, pad_id, adv, placeholder_from=got.local if glob_train else None)
                 if batch is not None:
                     upd.set_packing(batch)  # padding-free forwards (update.packing) or padded
+                if syncer is not None and train_eps:  # vLLM's log-probs are raw (T=1): the trainer's forward instead
+                    rollout_lp = batch.old_logprobs
+                    batch.old_logprobs = batch.logprobs(model, upd.micro_batch_size, temperature, vision_cache=vcache)
+                    rollout_drift = float(((batch.old_logprobs - rollout_lp).abs() * batch.loss_mask).max())
                 if use_ref and (train_eps or fsdp):
                     ref_cache = vcache if share_ref else (VisionCache(model) if reuse else None)
                     with states.use("ref"), lockstep():
@@ -348,7 +380,7 @@ def train(cfg: Config) -> dict:
                                     entropy_grad=algo.entropy_coef > 0, guard=guard, step=step, ctx=ctx,
                                     equal_micro_batches=fsdp, vision_cache=vcache, zero_grad=drop_grads)
             metrics.update(res.metrics(ctx))
-            drift = res.drift
+            drift = res.drift if syncer is None or not train_eps else rollout_drift  # vLLM: rollout vs trainer
             if ctx.enabled:  # mini-batches where a rank had no episode (it ran a zero-weight one), summed over ranks
                 n_empty = (upd.epochs if glob_train else 0) * sum(not mb for mb in minibatches)
                 metrics["dist/placeholder_minibatches"] = sum(ctx.all_gather_object(n_empty))
@@ -362,6 +394,8 @@ def train(cfg: Config) -> dict:
             metrics["diag/logprob_drift"] = drift
             if vcache is not None and vcache.vision_calls:
                 metrics["rollout/vision_cache/calls"] = vcache.vision_calls
+            if syncer is not None:  # the engine samples the next step with the updated weights
+                metrics.update(syncer.sync())
             metrics.update({"time/generation_s": stats.generation_s, "time/environment_s": stats.environment_s,
                             "time/preprocessing_s": stats.preprocessing_s, **timer.pop()})
             metrics["time/step_s"] = time.perf_counter() - t_step
@@ -387,6 +421,8 @@ def train(cfg: Config) -> dict:
     finally:
         if manager is not None:
             manager.close()
+        if engine is not None and hasattr(engine, "close"):
+            engine.close()  # a vLLM engine: its process-global state freed for the next one in this process
         ctx.close()
     if not ctx.is_main:
         return {}

@@ -15,10 +15,8 @@ one token per step with a ``DynamicCache``), not ``model.generate``: owning the 
 Greedy decoding (``temperature=0``) is token-for-token ``model.generate(do_sample=False)`` with the same
 banned tokens (tested).
 
-``VLLMRolloutEngine`` (``pip install mmrl[vllm]``) sends the same requests to ``vllm.LLM.generate`` as
-``{"prompt": text, "multi_modal_data": {"image": [PIL, ...]}}`` with ``vllm.SamplingParams(n, temperature,
-top_p, top_k, max_tokens, stop, logprobs=0)``. vLLM is imported lazily; only request building and result
-conversion are tested here (no GPU, vLLM not installed).
+``VLLMRolloutEngine`` (``mmrl.vlm.vllm_engine``) has the same interface on ``vllm.LLM``; vLLM is imported only when
+such an engine starts.
 """
 
 from __future__ import annotations
@@ -30,8 +28,8 @@ import torch
 
 from mmrl.vlm.common import EncodedPrompt, collate, encode_prompt, render_prompt, vision_token_ids
 
-__all__ = ["SamplingParams", "GenRequest", "RolloutResult", "RolloutEngine", "HFRolloutEngine",
-           "VLLMRolloutEngine", "make_engine", "apply_top_k_top_p", "ENGINES"]
+__all__ = ["SamplingParams", "GenRequest", "RolloutResult", "RolloutEngine", "HFRolloutEngine", "make_engine",
+           "apply_top_k_top_p", "ENGINES"]
 
 
 @dataclass
@@ -283,96 +281,15 @@ class HFRolloutEngine:
             t += 1
 
 
-# ---------------------------------------------------------------------------------------------- vLLM
-
-
-class VLLMRolloutEngine:
-    """The same interface on ``vllm.LLM`` (optional ``[vllm]`` extra; imported on first use).
-
-    Not exercised in this repository's tests (no GPU, vLLM not installed): the request building
-    (:meth:`build_inputs`, :meth:`sampling_kwargs`) and result conversion (:meth:`convert`) are unit-tested
-    with plain stand-ins shaped like vLLM's ``RequestOutput`` / ``CompletionOutput``.
-
-    Log-probs: vLLM (V1) returns ``raw_logprobs`` by default, i.e. log softmax(logits) at temperature 1,
-    before temperature and top-k/top-p. They fill ``response_logprobs``; ``sampling_logprobs`` is None.
-    With temperature != 1 they are not the trainer's convention, so the GRPO recipe always recomputes old
-    log-probs when this engine is used. ``mm`` (pixel values for the trainer's forward) is computed by
-    the HF processor, ``prompt_ids`` are vLLM's own (``RequestOutput.prompt_token_ids``). Pushing trained
-    weights into ``self.llm`` is ``mmrl.vlm.vllm_sync.VLLMWeightSyncer``'s job.
-    """
-
-    def __init__(self, model_path: str, processor: Any, llm: Any = None, ban_vision_tokens: bool = True,
-                 **llm_kwargs: Any):
-        self.processor = processor
-        self.tokenizer = getattr(processor, "tokenizer", processor)
-        self.banned = vision_token_ids(processor) if ban_vision_tokens else []
-        if llm is None:
-            try:
-                import vllm
-            except ImportError as exc:  # pragma: no cover - depends on the environment
-                raise ImportError("rollout.engine=vllm needs vLLM: pip install 'mmrl[vllm]'") from exc
-            llm_kwargs.setdefault("limit_mm_per_prompt", {"image": 4})
-            llm = vllm.LLM(model=str(model_path), **llm_kwargs)
-        self.llm = llm
-
-    def build_inputs(self, requests: Sequence[GenRequest]) -> list[dict]:
-        """vLLM prompt dicts: ``{"prompt": text, "multi_modal_data": {"image": [PIL, ...]}}``."""
-        from mmrl.pipelines.images import load_image
-
-        out = []
-        for r in requests:
-            text = _prompt_text(self.processor, r).replace("<image>", "<|vision_start|><|image_pad|><|vision_end|>")
-            item: dict[str, Any] = {"prompt": text}
-            if r.images:
-                item["multi_modal_data"] = {"image": [load_image(im) for im in r.images]}
-            out.append(item)
-        return out
-
-    def sampling_kwargs(self, sampling: SamplingParams, n: int) -> dict:
-        """Keyword arguments for ``vllm.SamplingParams`` (top_k -1 = off, as vLLM spells it)."""
-        kw = dict(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
-                  top_k=sampling.top_k if sampling.top_k and sampling.top_k > 0 else -1,
-                  max_tokens=sampling.max_new_tokens, stop=list(sampling.stop) or None, logprobs=0,
-                  include_stop_str_in_output=True, skip_special_tokens=True, seed=sampling.seed)
-        if self.banned:
-            kw["logit_bias"] = {int(t): -100.0 for t in self.banned}
-        return kw
-
-    def convert(self, outputs: Sequence[Any], requests: Sequence[GenRequest], encoded: Sequence[EncodedPrompt]
-                ) -> list[RolloutResult]:
-        """``RequestOutput``-shaped objects (``prompt_token_ids``, ``outputs[i].token_ids / .text / .logprobs /
-        .finish_reason / .stop_reason``) -> RolloutResults, request-major."""
-        results = []
-        for r, (o, req, e) in enumerate(zip(outputs, requests, encoded)):
-            for s, c in enumerate(sorted(o.outputs, key=lambda c: c.index)):
-                ids = list(c.token_ids)
-                if c.logprobs is None:
-                    raise ValueError("vLLM output has no logprobs; request them with SamplingParams(logprobs=0)")
-                lps = [float(d[t].logprob) for d, t in zip(c.logprobs, ids)]
-                finish = "stop" if c.finish_reason == "stop" else ("length" if c.finish_reason == "length"
-                                                                   else str(c.finish_reason))
-                results.append(RolloutResult(
-                    request_index=r, sample_index=s, prompt_ids=list(o.prompt_token_ids), response_ids=ids,
-                    response_logprobs=lps, sampling_logprobs=None, finish_reason=finish,
-                    stop_reason=c.stop_reason, text=c.text, prompt_text=e.text, mm=e.mm, metadata=req.metadata))
-        return results
-
-    def generate(self, requests: Sequence[GenRequest], sampling: SamplingParams) -> list[RolloutResult]:
-        import vllm  # noqa: F401  (pragma: no cover - needs a GPU)
-
-        encoded = [encode_prompt(self.processor, _prompt_text(self.processor, r), r.images) for r in requests]
-        params = [vllm.SamplingParams(**self.sampling_kwargs(sampling, r.n or sampling.n)) for r in requests]
-        outputs = self.llm.generate(self.build_inputs(requests), params, use_tqdm=False)
-        return self.convert(outputs, requests, encoded)
-
-
 ENGINES = ("hf", "vllm")
 
 
-def make_engine(name: str, model: Any, processor: Any, model_path: str | None = None, **kwargs: Any) -> RolloutEngine:
-    """``"hf"`` -> HFRolloutEngine(model, processor, **kwargs); ``"vllm"`` -> VLLMRolloutEngine(model_path, ...)."""
+def make_engine(name: str, model: Any, processor: Any, **kwargs: Any) -> RolloutEngine:
+    """``"hf"`` -> HFRolloutEngine(model, processor, **kwargs). vLLM engines start from a checkpoint directory with
+    their own weight syncer: ``mmrl.vlm.vllm_engine.make_vllm_rollout``."""
     if name == "hf":
         return HFRolloutEngine(model, processor, **kwargs)
     if name == "vllm":
-        return VLLMRolloutEngine(model_path, processor, **kwargs)
+        raise ValueError("make_engine('vllm'): start it with mmrl.vlm.vllm_engine.make_vllm_rollout(model_path, states, "
+                         "processor, vllm_kwargs, seed), which also returns its weight syncer")
     raise ValueError(f"unknown rollout engine {name!r}; valid: {list(ENGINES)}")

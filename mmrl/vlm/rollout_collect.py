@@ -170,16 +170,40 @@ def per_kind(acc: torch.Tensor, kinds: list, prefix: str) -> dict[str, float]:
 
 
 @torch.no_grad()
-def evaluate(engine: Any, processor: Any, items: list[VQAItem], reward_model: Any, cfg: Any) -> dict[str, float]:
-    """Greedy accuracy on the fixed eval items: {"eval/accuracy": ..., "eval/accuracy/<kind>": ...}."""
+def evaluate(engine: Any, processor: Any, items: list[VQAItem], reward_model: Any, cfg: Any, judges: Any = None,
+             step: int = 0) -> dict[str, float]:
+    """Greedy accuracy on the fixed eval items: {"eval/accuracy": ..., "eval/accuracy/<kind>": ...}; with a
+    `JudgePanel` (`log.judges`) every judge scores the same responses and the reward-hacking rule runs (`judge/*`)."""
     if not items:
         return {}
     reqs = [to_request(it, processor, cfg.data, n=1) for it in items]
     res = engine.generate(reqs, SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens,
                                                 stop=cfg.rollout.stop))
-    _, _, acc = score(reward_model, res, cfg)
+    scores, _, acc = score(reward_model, res, cfg)
     kinds = [it.metadata.get("kind") for it in items]
-    return {"eval/accuracy": float(acc.mean()), **per_kind(acc, kinds, "eval/accuracy")}
+    out = {"eval/accuracy": float(acc.mean()), **per_kind(acc, kinds, "eval/accuracy")}
+    if judges is not None:
+        out.update(judges.observe(step, scores, completions=[r.text for r in res],
+                                  metadata=[r.metadata for r in res]))
+    return out
+
+
+def reward_components(reward_model: Any, scores: torch.Tensor, comps: dict[str, torch.Tensor],
+                      overlong: bool = False) -> tuple[torch.Tensor, list[float]]:
+    """(raw scores [n, K] of every reward component, their weights) of the kept samples (`scores` [n] = the
+    rewards with the overlong penalty, `comps` their `Rollouts.comps`) for `reward.aggregation`: a composite's
+    components in order (a single reward: its score, weight 1), then with `overlong` (reward.overlong_buffer > 0)
+    the DAPO overlong penalty (weight 1). K is the same on every rank, also one that kept no sample."""
+    n = scores.shape[0]
+    names = list(getattr(reward_model, "components", {}))
+    pen = comps.get("overlong", torch.zeros(n)) if overlong else torch.zeros(n)
+    if names:
+        cols, weights = [comps.get(k, torch.zeros(n)) for k in names], [float(reward_model.weights[k]) for k in names]
+    else:
+        cols, weights = [scores - pen], [1.0]
+    if overlong:
+        cols, weights = cols + [pen], weights + [1.0]
+    return torch.stack([c.float().reshape(-1) for c in cols], dim=1).reshape(n, len(weights)), weights
 
 
 def check_fsdp_images(items: Sequence[Any]) -> None:
@@ -250,8 +274,13 @@ def shapes_warm_start_pairs(cfg: Any, processor: Any, eos_id: int):
 
 
 def finish(run: Any, summary: dict) -> dict:
-    """The run's summary: first/last eval accuracy (printed) and the first-5 / last-5 mean training accuracy."""
-    acc = [r["reward/accuracy"] for r in run.read_metrics() if r.get("reward/accuracy") is not None]
+    """The run's summary: first/last eval accuracy (printed), the first-5 / last-5 mean training accuracy and,
+    with `log.judges`, the reward-hacking line."""
+    from mmrl.training.judges import judge_summary
+
+    rows = run.read_metrics()
+    summary.update(judge_summary(rows, "vlm_grpo"))
+    acc = [r["reward/accuracy"] for r in rows if r.get("reward/accuracy") is not None]
     if acc:
         k = min(5, len(acc))
         summary.update(train_accuracy_first=sum(acc[:k]) / k, train_accuracy_last=sum(acc[-k:]) / k)
@@ -266,13 +295,12 @@ def finish(run: Any, summary: dict) -> dict:
 def make_rollout_engine(cfg: Any, states: Any, processor: Any, fsdp_ctx: Any = None) -> tuple[Any, Any]:
     """(engine, vLLM weight syncer or None) for the `rollout:` section. `fsdp_ctx`: under FSDP every rank runs the
     same number of decode forwards (finished ranks run masked ones until all are done)."""
-    ro, model = cfg.rollout, states.model
-    kw = {"batch_size": ro.micro_batch_size} if ro.engine == "hf" else dict(ro.vllm_kwargs)
+    ro = cfg.rollout
+    if ro.engine == "vllm":
+        from mmrl.vlm.vllm_engine import make_vllm_rollout
+
+        return make_vllm_rollout(cfg.model.path, states, processor, ro.vllm_kwargs, cfg.seed)
+    kw = {"batch_size": ro.micro_batch_size}
     if fsdp_ctx is not None:
         kw["step_sync"] = fsdp_ctx.any_rank
-    engine = make_engine(ro.engine, model, processor, model_path=cfg.model.path, **kw)
-    if ro.engine != "vllm":
-        return engine, None
-    from mmrl.vlm.vllm_sync import VLLMWeightSyncer
-
-    return engine, VLLMWeightSyncer(engine.llm, states, family=model.config.model_type)
+    return make_engine(ro.engine, states.model, processor, **kw), None

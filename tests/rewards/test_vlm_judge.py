@@ -1,8 +1,6 @@
 """VLM judge against a fake OpenAI-compatible server started on 127.0.0.1 inside the test."""
 
-import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -10,6 +8,7 @@ import torch
 from mmrl.rewards import load
 from mmrl.rewards.remote import RemoteRewardError, decode_image_base64
 from mmrl.rewards.vlm_judge import DEFAULT_JUDGE_PROMPT, VLMJudge, parse_final_score
+from mmrl.testing import chat_completions_server
 
 # caption -> the judge's fixed reply
 REPLIES = {
@@ -25,53 +24,35 @@ def _fake_openai(check_images, barrier=None, fail_first=0):
     state = {"calls": 0, "errors": [], "fail_left": fail_first, "auth": set()}
     lock = threading.Lock()
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
+    def handle(req, headers):
+        with lock:
+            state["calls"] += 1
+            state["auth"].add(headers.get("Authorization"))
+            failing = state["fail_left"] > 0
+            state["fail_left"] -= failing
+        if failing:
+            return 503, "overloaded"
+        try:
+            assert req["model"] == "judge-7b" and req["temperature"] == 0.0 and req["max_tokens"] == 64
+            (msg,) = req["messages"]
+            assert msg["role"] == "user"
+            img_part, text_part = msg["content"]
+            assert img_part["type"] == "image_url" and text_part["type"] == "text"
+            url = img_part["image_url"]["url"]
+            assert url.startswith("data:image/png;base64,")
+            check_images(decode_image_base64(url))
+            text = text_part["text"]
+            assert "Final Score: X" in text
+            caption = text.rsplit("Prompt: ", 1)[1]
+            if barrier is not None:
+                barrier.wait(timeout=10)  # only passes if requests arrive concurrently
+        except Exception as exc:  # noqa: BLE001
+            state["errors"].append(repr(exc))
+            return 400, repr(exc)
+        return 200, REPLIES[caption]
 
-        def _reply(self, status, obj):
-            body = json.dumps(obj).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_POST(self):  # noqa: N802
-            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            with lock:
-                state["calls"] += 1
-                state["auth"].add(self.headers.get("Authorization"))
-                failing = state["fail_left"] > 0
-                state["fail_left"] -= failing
-            if failing:
-                return self._reply(503, {"error": {"message": "overloaded"}})
-            try:
-                assert self.path == "/v1/chat/completions", self.path
-                assert req["model"] == "judge-7b" and req["temperature"] == 0.0 and req["max_tokens"] == 64
-                (msg,) = req["messages"]
-                assert msg["role"] == "user"
-                img_part, text_part = msg["content"]
-                assert img_part["type"] == "image_url" and text_part["type"] == "text"
-                url = img_part["image_url"]["url"]
-                assert url.startswith("data:image/png;base64,")
-                check_images(decode_image_base64(url))
-                text = text_part["text"]
-                assert "Final Score: X" in text
-                caption = text.rsplit("Prompt: ", 1)[1]
-                if barrier is not None:
-                    barrier.wait(timeout=10)  # only passes if requests arrive concurrently
-            except Exception as exc:  # noqa: BLE001
-                state["errors"].append(repr(exc))
-                return self._reply(400, {"error": {"message": repr(exc)}})
-            self._reply(200, {"id": "x", "object": "chat.completion", "model": req["model"],
-                              "choices": [{"index": 0, "finish_reason": "stop",
-                                           "message": {"role": "assistant", "content": REPLIES[caption]}}]})
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    return httpd, state, f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    httpd, url = chat_completions_server(handle)
+    return httpd, state, url
 
 
 def _images(n):

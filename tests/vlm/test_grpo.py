@@ -810,7 +810,7 @@ def test_rollout_correction_section_weights_masks_and_reaches_the_recipe(tiny_pa
     assert torch.allclose(w, torch.tensor([[2.0, 1.0, 1.0], [math.exp(-3.0), 1.0, 1.0]]))
     assert keep.tolist() == [[True] * 3, [False] * 3]  # a token with ratio e^-3 < 0.1 vetoes its row
     assert all(k.startswith("rollout/correction/") for k in m)
-    with pytest.raises(ValueError, match="is_threshold and rs_threshold must be > 1"):
+    with pytest.raises(ValueError, match=r"algo.rollout_correction.is_threshold: expected a finite number > 1, got 1.0"):
         RolloutCorrectionConfig(is_threshold=1.0)
     out = tmp_path / "rc"
     train(_cfg(tiny_path, out, "algo.rollout_correction.is_level=token", "algo.rollout_correction.rs_level=sequence",

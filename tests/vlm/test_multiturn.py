@@ -671,3 +671,22 @@ def test_nan_turn_reward_error_or_drop_sample(tiny, tmp_path):
     assert any(r["policy/grad_norm"] > 0 for r in rows[1:])  # trained on the group left whole
     weights = load_file(out / "checkpoints/step_2/adapters/default/model.safetensors")
     assert all(bool(torch.isfinite(v).all()) for v in weights.values())
+
+
+def test_gigpo_episode_statistics_per_step_row_in_the_recipe_credit():
+    """algo.gigpo_episode_stats=step (verl-agent's default): the episode part's mean/std run over turn rows. Same
+    episodes as above: rows carry R = [0.5, 0.5 | 0.25, 0.25, 0.25]; row mean 0.35, unbiased row std
+    sqrt((2 * 0.0225 + 3 * 0.01) / 4) = sqrt(0.01875); with scale_by_std=False (verl-agent's mean_norm) R - 0.35."""
+    eps = [_ep(0, 0, [0, 1], ["X", "Y"]), _ep(1, 0, [0, 0, 1], ["X", "X", "Y"])]
+    step_x = [1 / 12 * math.sqrt(48), -2 / 12 * math.sqrt(48), 1 / 12 * math.sqrt(48)]
+    sd = math.sqrt(0.01875)
+    a, b = 0.15 / sd, -0.1 / sd
+    rows = turn_advantages(eps, "gigpo", 0.5, omega=1.0, episode_stats="step")
+    want = torch.tensor([[a + step_x[0], a, 0], [b + step_x[1], b + step_x[2], b]])
+    assert torch.allclose(rows, want, atol=1e-5)
+    mean_norm = turn_advantages(eps, "gigpo", 0.5, omega=0.0, scale_by_std=False, episode_stats="step")
+    assert torch.allclose(mean_norm, torch.tensor([[0.15, 0.15, 0], [-0.1, -0.1, -0.1]]), atol=1e-6)
+    from mmrl.config import load_config
+
+    cfg = load_config({"algorithm": "vlm_multiturn", "algo": {"gigpo_episode_stats": "step", "scale_by_std": False}})
+    assert cfg.algo.gigpo_episode_stats == "step"

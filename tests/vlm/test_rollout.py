@@ -12,7 +12,8 @@ from PIL import Image
 from mmrl.pipelines.qwen_vl import mm_token_type_ids
 from mmrl.testing import assert_same_path
 from mmrl.vlm.common import compute_logprobs, load_policy, messages_from_text
-from mmrl.vlm.rollout import (GenRequest, HFRolloutEngine, SamplingParams, VLLMRolloutEngine, apply_top_k_top_p)
+from mmrl.vlm.rollout import GenRequest, HFRolloutEngine, SamplingParams, apply_top_k_top_p
+from mmrl.vlm.vllm_engine import VLLMRolloutEngine
 
 
 @pytest.fixture(scope="module")
@@ -226,6 +227,16 @@ def test_vllm_request_building_and_conversion(policy):
     assert res[0].prompt_ids == enc[0].input_ids and torch.equal(res[0].mm["image_grid_thw"], enc[0].mm["image_grid_thw"])
     with pytest.raises(ValueError, match="logprobs"):
         engine.convert([RequestOutput("0", "", [1], [CompletionOutput(0, "", [1], None, None, "stop")])], reqs[:1], enc[:1])
+    # token-in (multi-turn): each image's expanded placeholder goes in as one <|image_pad|> (vLLM expands it again)
+    pad = proc.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    token_in = engine.build_inputs(reqs, enc)
+    for t, e, r in zip(token_in, enc, reqs):
+        assert e.input_ids.count(pad) > len(r.images) and t["prompt_token_ids"].count(pad) == len(r.images)
+        assert [i for i in t["prompt_token_ids"] if i != pad] == [i for i in e.input_ids if i != pad]
+        assert len(t["multi_modal_data"]["image"]) == len(r.images)
+    # per-request seeds: equal prompts in one call still sample differently
+    assert [engine.sampling_kwargs(SamplingParams(seed=7), 1, i)["seed"] for i in range(3)] == [7, 8, 9]
+    assert engine.sampling_kwargs(SamplingParams(), 1, 2)["seed"] is None
 
 
 @pytest.mark.parametrize("kind", ["qwen25_vl", "qwen3_vl"])

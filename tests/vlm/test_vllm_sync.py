@@ -3,7 +3,7 @@
 The peer for the merge is peft itself: the same adapter loaded into ``get_peft_model`` on a copy of the
 base and merged with ``merge_and_unload()``. The "engine" receiving the weights is a second, plain HF
 Qwen2-VL (``load_state_dict(strict=False)`` per chunk): after a sync its logits equal the LoRA policy's.
-vLLM itself is not installed here; its calls (load_weights, sleep, wake_up) are not exercised.
+The engine calls themselves run against vLLM's CPU build in tests/vllm (`make test-vllm`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mmrl.vlm.vllm_sync import (VLLM_PREFIX_MAPS, VLLMWeightSyncer, checkpoint_name, chunk_by_bytes,
-                                iter_merged_weights, merged_lora_state_dict, to_vllm_name)
+                                iter_merged_weights, load_unit, merged_lora_state_dict, to_vllm_name)
 
 TARGETS = (r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
            r"|.*visual\.blocks.*\.(qkv|proj|fc1|fc2)")
@@ -159,8 +159,13 @@ def test_syncer_streams_changed_layers_into_a_receiving_model(policy):
     syncer = VLLMWeightSyncer(None, states, chunk_bytes=16 << 10, load_fn=load)
     ids = torch.tensor([[11, 12, 13, 14, 15]])
     m = syncer.sync()
-    assert m["rollout/weight_sync/tensors"] == 22 and m["rollout/weight_sync/chunks"] == len(received) > 1  # only the adapted layers
-    assert all(n.endswith(".weight") and "lora" not in n and "base_layer" not in n for c in received for n in c)
+    # the adapted layers as whole vLLM load units: per decoder layer q/k/v weights + biases (6), o, gate/up, down;
+    # per vision block qkv, proj, fc1, fc2 with their biases (8)
+    assert m["rollout/weight_sync/tensors"] == 2 * 10 + 2 * 8 == sum(map(len, received))
+    assert m["rollout/weight_sync/chunks"] == len(received) > 1
+    assert all("lora" not in n and "base_layer" not in n for c in received for n in c)
+    for c in received:  # no unit is split over two calls
+        assert not {load_unit(n) for n in c} & {load_unit(n) for o in received if o is not c for n in o}
     torch.testing.assert_close(_logits(receiver, ids), _logits(states.model, ids), rtol=0, atol=1e-5)
 
     # one training step, then sync again: the receiver follows
@@ -176,7 +181,7 @@ def test_syncer_streams_changed_layers_into_a_receiving_model(policy):
     with syncer.rollout(sleep_level=None) as m:
         assert m["rollout/weight_sync/tensors"] == len([n for n, _ in pristine.named_parameters()])
     assert syncer.asleep_level == 0 and syncer.engine_has_all
-    assert syncer.sync()["rollout/weight_sync/tensors"] == 22
+    assert syncer.sync()["rollout/weight_sync/tensors"] == 36
     with pytest.raises(ValueError, match="level"):
         syncer.sleep(3)
     with pytest.raises(ValueError, match="vllm.LLM or load_fn"):
@@ -200,6 +205,36 @@ def test_syncer_full_finetuning_sends_trainable_parameters(tiny_path):
     assert len(got) == len(list(model.parameters()))
     # the tensors are the live parameters (no copy) when nothing is merged
     assert got["language_model.model.norm.weight"].data_ptr() == model.model.language_model.norm.weight.data_ptr()
+
+
+def test_lora_on_q_and_v_only_sends_whole_qkv_and_gate_up_units(tiny_path):
+    """vLLM loads q/k/v into one fused parameter (and gate/up): a layer is sent with all its tensors, so LoRA on q and
+    v alone still sends k (unchanged) and the biases; untouched layers are not sent."""
+    from peft import LoraConfig
+
+    from mmrl.adapters import PolicyStates
+
+    states = PolicyStates(_load(tiny_path), LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0,
+                                                       target_modules=r".*language_model.*\.(q_proj|v_proj|up_proj)"))
+    _randomise_default(states, 3)
+    sent = dict(iter_merged_weights(states.model, only_lora_layers=True, whole_units=True))
+    for i in range(2):
+        pre = f"model.language_model.layers.{i}."
+        expect = {pre + f"self_attn.{m}_proj.{k}" for m in "qkv" for k in ("weight", "bias")}
+        expect |= {pre + f"mlp.{m}_proj.weight" for m in ("gate", "up")}
+        assert {n for n in sent if n.startswith(pre)} == expect
+    assert len(sent) == 2 * 8
+    merged = merged_lora_state_dict(states.model)  # the same tensors as the full merge: k is the base weight
+    assert all(torch.equal(sent[n], merged[n]) for n in sent)
+    # units stay together in order and are never split by a byte budget
+    names = list(sent)
+    units = [load_unit(n) for n in names]
+    assert all(units.index(u) == i or units[i - 1] == u for i, u in enumerate(units))
+    for chunk in chunk_by_bytes(iter(sent.items()), 1, unit=load_unit):
+        assert len({load_unit(n) for n, _ in chunk}) == 1
+    assert load_unit("model.language_model.layers.0.mlp.down_proj.weight") == "model.language_model.layers.0.mlp.down_proj"
+    assert load_unit("language_model.model.layers.0.self_attn.v_proj.weight") == \
+        "language_model.model.layers.0.self_attn.q_proj|k_proj|v_proj"  # vLLM-prefixed names too
 
 
 def test_iter_merged_weights_errors(policy):

@@ -279,6 +279,8 @@ def load_flow_model(path: str | Path, device: str | torch.device = "cpu", dtype:
     """
     import diffusers
 
+    from mmrl.checkpoint_files import refusing_pickled_weights
+
     path = Path(path)
     index = path / "model_index.json"
     if not path.is_dir() or not index.is_file():
@@ -294,7 +296,8 @@ def load_flow_model(path: str | Path, device: str | torch.device = "cpu", dtype:
     model_cls = MODEL_FAMILIES[cls_name]
     if int(num_frames) != 1 and not model_cls.is_video:  # fail before loading the weights
         raise _image_only_error(cls_name, int(num_frames))
-    pipe = getattr(diffusers, cls_name).from_pretrained(str(path), dtype=dtype)
+    with refusing_pickled_weights("model.path", path):  # a pickled .bin: one line naming it, not 40
+        pipe = getattr(diffusers, cls_name).from_pretrained(str(path), dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     for name, module in pipe.components.items():
         if isinstance(module, torch.nn.Module):

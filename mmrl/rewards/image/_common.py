@@ -50,6 +50,13 @@ def load_state_dict_file(path: Path, what: str, trust_pickle: bool = False) -> d
     try:
         obj = torch.load(str(path), map_location="cpu", weights_only=not trust_pickle)
     except Exception as exc:  # pickle with non-tensor objects, truncated file, ...
+        from mmrl.checkpoint_files import pickle_refusal
+
+        refused = pickle_refusal(exc, path)
+        if refused is not None:
+            raise ValueError(f"{what}: '{path}' was refused for safety: it is a pickle holding {refused}, which "
+                             f"torch.load(weights_only=True) does not load (unpickling it could run code; nothing of "
+                             f"it ran); pass trust_pickle=True only if you trust its source") from None
         raise ValueError(f"{what}: cannot read '{path}' as a torch state dict ({type(exc).__name__}: "
                          f"{str(exc).splitlines()[0][:200]}); if the file holds more than tensors and you trust "
                          "its source, pass trust_pickle=True") from None
@@ -231,8 +238,11 @@ class HFClip:
     def __init__(self, model_dir: Path, processor_dir: Path, what: str, processor_download: str):
         from transformers import AutoTokenizer, CLIPModel
 
+        from mmrl.checkpoint_files import refusing_pickled_weights
+
         try:
-            self.model = CLIPModel.from_pretrained(str(model_dir), local_files_only=True)
+            with refusing_pickled_weights(what, model_dir):  # a pickled .bin: one line naming it
+                self.model = CLIPModel.from_pretrained(str(model_dir), local_files_only=True)
         except OSError as exc:
             raise FileNotFoundError(f"{what}: '{model_dir}' is not a transformers CLIP directory (config.json + weights): "
                                     f"{str(exc).splitlines()[0][:200]}") from None

@@ -1,0 +1,115 @@
+"""Judges and the reward-hacking alarm (`mmrl.training.judges`) with real zoo rewards on synthetic images: the
+baseline, the rule, patience, the checkpointed state, the summary line, the stop decision, config errors."""
+
+import pytest
+import torch
+
+from mmrl.config import ConfigError, load_config
+from mmrl.distributed import DistContext
+from mmrl.pipelines.shapes import COLORS
+from mmrl.rewards import load
+from mmrl.training.judges import HackingConfig, JudgePanel, judge_summary, stop_for_hacking
+
+PROMPTS = [f"a {c} circle on a {bg} background" for c, bg in
+           [("red", "blue"), ("green", "white"), ("yellow", "black"), ("white", "red"), ("blue", "green"),
+            ("orange", "purple")]]
+
+
+def _scenes(noise_level: float, seed: int = 0) -> torch.Tensor:
+    """Each prompt's background colour everywhere, mixed with uniform noise (a texture): prompt i gets
+    noise_level + 0.04 i of it, so the scores spread over the prompts as a real evaluation's do."""
+    g = torch.Generator().manual_seed(seed)
+    bg = torch.stack([torch.tensor(COLORS[p.split()[-2]], dtype=torch.float32).view(3, 1, 1).expand(3, 32, 32) / 255
+                      for p in PROMPTS])
+    w = (noise_level + 0.04 * torch.arange(len(PROMPTS), dtype=torch.float32)).view(-1, 1, 1, 1)
+    return (1 - w) * bg + w * torch.rand(bg.shape, generator=g)
+
+
+def _panel(**kw) -> JudgePanel:
+    return JudgePanel({"colour": load("prompt_color")}, HackingConfig(**kw))
+
+
+def test_baseline_then_alarm_when_the_reward_rises_and_a_judge_falls():
+    panel, jpeg = _panel(), load("jpeg_incompressibility")
+    clean = _scenes(0.0)
+    m0 = panel.observe(0, jpeg(clean).scores, images=clean, prompts=PROMPTS)
+    assert panel.baseline_step == 0 and "eval/hacking" not in m0 and m0["eval/judge/colour"] > 0.9
+    texture = _scenes(0.6, seed=1)  # busy textures: JPEG size up, the prompt's colour down
+    m1 = panel.observe(5, jpeg(texture).scores, images=texture, prompts=PROMPTS)
+    assert m1["eval/judge/reward/delta"] > m1["eval/judge/reward/noise"] > 0
+    assert m1["eval/judge/colour/delta"] < -m1["eval/judge/colour/noise"] < 0
+    assert m1["eval/hacking"] == 1.0 and m1["eval/hacking_alarm"] == 1.0 and panel.alarm_step == 5
+    assert panel.alarm_judges == ["colour"] and not panel.stop_requested  # stop is off by default
+
+
+def test_quiet_when_the_judge_holds_or_the_reward_does_not_rise():
+    panel, jpeg = _panel(), load("jpeg_incompressibility")
+    clean = _scenes(0.0)
+    panel.observe(0, jpeg(clean).scores, images=clean, prompts=PROMPTS)
+    # the reward rises (by one JPEG kB on every prompt) while the judged images keep their colours: quiet
+    m = panel.observe(5, jpeg(clean).scores + 1.0, images=clean, prompts=PROMPTS)
+    assert m["eval/judge/reward/delta"] == pytest.approx(1.0) and m["eval/judge/colour/delta"] == 0.0
+    assert m["eval/hacking"] == 0.0
+    # a little extra grain costs the colour consistently (the paired test alone would count it: se ~ 0) but by
+    # 0.4 baseline spreads only, under the min_effect floor of 0.5 spreads: not a fall
+    slight = _scenes(0.02, seed=2)
+    m = panel.observe(6, jpeg(slight).scores, images=slight, prompts=PROMPTS)
+    d, noise = m["eval/judge/colour/delta"], m["eval/judge/colour/noise"]
+    assert -noise < d < 0 and noise == pytest.approx(0.5 * torch.tensor(panel.baseline["colour"]).std().item())
+    assert m["eval/judge/reward/delta"] > m["eval/judge/reward/noise"] and m["eval/hacking"] == 0.0
+    # the judge falls but the reward falls too: not hacking (the reward did not rise)
+    m = panel.observe(10, -jpeg(_scenes(0.6)).scores, images=_scenes(0.6), prompts=PROMPTS)
+    assert m["eval/judge/colour/delta"] < -m["eval/judge/colour/noise"] and m["eval/hacking"] == 0.0
+    assert m["eval/hacking_alarm"] == 0.0 and panel.alarm_step is None
+
+
+def test_patience_state_dict_and_changed_judges():
+    panel, jpeg = _panel(patience=2, stop=True), load("jpeg_incompressibility")
+    clean, tex = _scenes(0.0), _scenes(0.6, seed=1)
+    panel.observe(0, jpeg(clean).scores, images=clean, prompts=PROMPTS)
+    assert panel.observe(5, jpeg(tex).scores, images=tex, prompts=PROMPTS)["eval/hacking_alarm"] == 0.0
+    state = panel.state_dict()
+    resumed = _panel(patience=2, stop=True)
+    resumed.load_state_dict(state)  # a resumed run: same baseline, same count
+    m = resumed.observe(10, jpeg(tex).scores, images=tex, prompts=PROMPTS)
+    assert m["eval/hacking_alarm"] == 1.0 and resumed.alarm_step == 10 and resumed.stop_requested
+    other = JudgePanel({"shape": load("prompt_color", target="shape")})
+    with pytest.raises(ValueError, match="log.judges changed"):
+        other.load_state_dict(state)
+    with pytest.raises(ValueError, match="must not be 'reward'"):
+        JudgePanel({"reward": load("prompt_color")})
+
+
+def test_summary_line_and_stop(tmp_path, capsys):
+    rows = [{"step": 1, "reward/mean": 1.0},
+            {"step": 5, "eval/hacking": 0.0, "eval/hacking_alarm": 0.0, "eval/judge/reward/delta": 0.1,
+             "eval/judge/reward/noise": 0.2, "eval/judge/colour/delta": -0.1, "eval/judge/colour/noise": 0.2},
+            {"step": 10, "eval/hacking": 1.0, "eval/hacking_alarm": 1.0, "eval/judge/reward/delta": 0.9,
+             "eval/judge/reward/noise": 0.2, "eval/judge/colour/delta": -0.5, "eval/judge/colour/noise": 0.2}]
+    assert judge_summary(rows, "flow_grpo") == {"hacking_alarm": True, "hacking_alarm_step": 10}
+    assert "reward hacking alarm at step 10: reward +0.9 (noise 0.2), while colour -0.5" in capsys.readouterr().out
+    assert judge_summary(rows[:2], "nft") == {"hacking_alarm": False, "hacking_alarm_step": None}
+    assert "judges quiet" in capsys.readouterr().out
+    assert judge_summary([{"step": 1}], "x") == {}  # no judges: nothing
+    panel = _panel(stop=True)
+    assert not stop_for_hacking(DistContext(), None, 3, panel, None, {}, False)  # nothing requested yet
+    assert not stop_for_hacking(DistContext(), None, 3, None, None, {}, False)
+
+
+def test_config_keys_and_errors(tmp_path):
+    base = {"algorithm": "flow_grpo", "output_dir": str(tmp_path)}
+    cfg = load_config({**base, "data": {"eval_prompts": "assets/prompts/shapes_eval.txt"},
+                       "log": {"eval_every": 5,
+                               "judges": {"colour": {"reward": "prompt_color"}, "shapes_geneval": None},
+                               "hacking": {"z": 3.0, "stop": True}}})
+    assert cfg.log.judges["shapes_geneval"] is None and cfg.log.hacking.z == 3.0 and cfg.log.hacking.stop
+    with pytest.raises(ValueError, match="has no weight"):
+        load_config({**base, "log": {"judges": {"colour": {"weight": 1.0}}}})
+    with pytest.raises(ValueError, match="patience"):
+        load_config({**base, "log": {"hacking": {"patience": 0}}})
+    with pytest.raises(ConfigError, match="unknown config key 'log.hacking.sigma'"):
+        load_config({**base, "log": {"hacking": {"sigma": 1}}})
+    from mmrl.diffusion.flow_grpo import train
+
+    with pytest.raises(ValueError, match="log.judges are scored at every evaluation"):
+        train(load_config({**base, "log": {"judges": {"colour": {"reward": "prompt_color"}}}}))
