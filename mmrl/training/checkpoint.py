@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from mmrl.runtime import RunError, checkpoint_step, get_rng_state, set_rng_state
-from mmrl.training.sharded import OPTIMIZER_MARK, SHARDED_DIR, load_optimizer_sharded, optimizer_sharded_state
+from mmrl.training.sharded import (OPTIMIZER_MARK, SHARDED_DIR, load_optimizer_sharded, optimizer_sharded_state,
+                                   reshard_fsdp)
 
 # resumable objects that exist only while an option is on (`reward.running_norm`, `log.judges`): a checkpoint
 # written with the option off lacks them, and a resume that turns it on starts them empty
@@ -96,6 +97,7 @@ def _save_sharded(ctx: Any, run: Any, step: int, states: Any, stateful: dict[str
     from mmrl.adapters.files import SHARDED_KEY
     from mmrl.distributed import dcp_save
 
+    reshard_fsdp(states.model)  # the sharded parameters, whatever forward ran last (sharded.reshard_fsdp)
     with ctx.checkpoint(run, step, all_ranks=True) as d:
         d = Path(d)
         if ctx.is_main or (fsdp and states.mode == "lora"):  # LoRA under FSDP: gathered (small), a collective

@@ -36,12 +36,25 @@ OPTIMIZER_MARK = "sharded"  # key of a state.pt optimizer entry whose tensors ar
 def _param_names(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[int, str]:
     """id(parameter) -> its name in `model` for every parameter the optimizer holds (ValueError if one is not
     a parameter of `model`: names are what make the state independent of the number of ranks)."""
+    reshard_fsdp(model)
     names = {id(p): n for n, p in model.named_parameters()}
-    missing = [i for g in optimizer.param_groups for i, p in enumerate(g["params"]) if id(p) not in names]
+    missing = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in names]
     if missing:
         raise ValueError(f"sharded checkpoint: {len(missing)} optimizer parameter(s) are not parameters of the policy "
-                         f"model, so they have no name to be saved under")
+                         f"model, so they have no name to be saved under (shapes {[tuple(p.shape) for p in missing[:3]]}"
+                         f"{' ...' if len(missing) > 3 else ''})")
     return names
+
+
+def reshard_fsdp(model: nn.Module) -> None:
+    """Put every FSDP2 module back in its sharded state. A module whose forward ran outside autograd (generation,
+    evaluation: no backward hook reshards it) and that keeps its parameters after forward (the root, by FSDP2's
+    default) has its unsharded parameters registered until its next forward; the optimizer holds the sharded ones."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def optimizer_sharded_state(optimizer: torch.optim.Optimizer, model: nn.Module) -> tuple[dict, dict]:
