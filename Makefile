@@ -13,7 +13,15 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+# TORCH=cpu (`make demo TORCH=cpu` on a machine without an NVIDIA GPU): the CPU build of torch first, about 200 MB,
+# instead of the CUDA build pip installs by default on Linux (6.6 GB). Takes effect when .venv is created.
+TORCH ?=
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+
 $(STAMP): pyproject.toml | $(BIN)/python
+ifeq ($(TORCH),cpu)
+	$(BIN)/pip install -q "torch<=2.14.1" "torchvision<=0.29.1" --index-url $(TORCH_CPU_INDEX)
+endif
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
 

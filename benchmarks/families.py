@@ -1,9 +1,9 @@
 """Model families on CPU: each family's tiny model, the Flow-GRPO step split and the rollout against diffusers.
 
-    .venv/bin/python benchmarks/families.py [--families wan21,wan22_a14b,z_image,flux2,flux2_klein] [--steps 4]
-        [--repeats 5] [--threads 1]
+    .venv/bin/python benchmarks/families.py [--families wan21,qwen_image,...] [--steps 4] [--repeats 5] [--threads 1]
 
-For every family's tiny checkpoint (`mmrl.tiny`, the real diffusers / transformers classes):
+For every family's tiny checkpoint (`mmrl.tiny`, the real diffusers / transformers classes); every family the
+registry holds (`mmrl.diffusion.models.available_families()`) must have an entry in FAMILIES:
 
 1. Flow-GRPO step split: `mmrl.diffusion.flow_grpo.train` for `--steps` steps (the first, with one-off warm-up,
    left out), measured as in `flow_grpo_step.py` (whose `bench` this reuses): transformer forward time (hooks on the
@@ -13,7 +13,9 @@ For every family's tiny checkpoint (`mmrl.tiny`, the real diffusers / transforme
    samples from the same initial noise, with the family's guidance (CFG where it has one), no decode (the pipeline
    with `output_type="latent"`); interleaved (`_timing.interleaved`), min / median / max; and the max |difference|
    of the final latents (0 = bitwise equal). The pipeline encodes its negative prompt on every call, the family
-   once per model: the one text-encoder pass this saves is part of what is measured.
+   once per model: the one text-encoder pass this saves is part of what is measured. Edit families: one instruction
+   with one source image (shapes edit task) and 4 samples; both sides encode the instruction with the image and VAE-
+   encode the image (the Qwen-Image-Edit pipelines always condition on a ~1024^2 copy, so both get a 1024x1024 source).
 
 Prints Markdown tables and the command line.
 """
@@ -35,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 PROMPTS = ["a red circle on a blue background", "a green square on a white background"]
+INSTRUCTION = "make the circle red"
 VIDEO_REWARD = "reward.components={motion_amount: 1.0, f: {reward: video_frames, image_reward: jpeg_compressibility}}"
 
 
@@ -50,22 +53,51 @@ def _builder(name):
     return lambda root: getattr(tiny, f"build_tiny_{name}")(root / name)
 
 
-# family -> (build(root) -> path, size, frames, guidance scale); what the rollout comparison and the step run use
+# family -> (build(root) -> path, size, frames, guidance scale, pipeline class); what the rollout comparison and the
+# step run use
 FAMILIES = {
-    "wan21": (lambda root: _wan(root, "2.1"), 32, 5, 5.0),
-    "wan22_a14b": (lambda root: _wan(root, "2.2_a14b"), 32, 5, 5.0),
-    "z_image": (_builder("z_image"), 64, 1, 4.0),
-    "flux2": (_builder("flux2"), 64, 1, 4.0),
-    "flux2_klein": (_builder("flux2_klein"), 64, 1, 4.0),
+    "wan21": (lambda root: _wan(root, "2.1"), 32, 5, 5.0, "WanPipeline"),
+    "wan22_a14b": (lambda root: _wan(root, "2.2_a14b"), 32, 5, 5.0, "WanPipeline"),
+    "z_image": (_builder("z_image"), 64, 1, 4.0, "ZImagePipeline"),
+    "flux2": (_builder("flux2"), 64, 1, 4.0, "Flux2Pipeline"),
+    "flux2_klein": (_builder("flux2_klein"), 64, 1, 4.0, "Flux2KleinPipeline"),
+    "sd3": (_builder("sd3"), 64, 1, 4.5, "StableDiffusion3Pipeline"),
+    "flux": (_builder("flux"), 64, 1, 3.5, "FluxPipeline"),
+    "qwen_image": (_builder("qwen_image"), 64, 1, 4.0, "QwenImagePipeline"),  # true CFG, norm rescale
+    "qwen_image_edit": (_builder("qwen_image_edit"), 64, 1, 4.0, "QwenImageEditPipeline"),
+    "qwen_image_edit_plus": (_builder("qwen_image_edit_plus"), 64, 1, 4.0, "QwenImageEditPlusPipeline"),
+    "flux_kontext": (_builder("flux_kontext"), 64, 1, 2.5, "FluxKontextPipeline"),  # guidance embedding
 }
+# edit pipelines that condition on a fixed-area copy of the source whatever the target size: that side, for both
+SOURCE_SIDE = {"QwenImageEditPipeline": 1024, "QwenImageEditPlusPipeline": 1024}
+PACKED = ("FluxPipeline", "FluxKontextPipeline", "QwenImagePipeline", "QwenImageEditPipeline",
+          "QwenImageEditPlusPipeline")  # 2x2-packed latents in and out of the pipeline
 
 
-def pipeline_call(model, x0, size, frames, gs, steps):
+def _packed(model, x):
+    b, c, h, w = x.shape
+    return model.pipe._pack_latents(x.clone(), b, c, h, w)
+
+
+def pipeline_call(model, x0, size, frames, gs, steps, source=None):
     """Diffusers' own pipeline of the family on the same initial noise (its latent layout), latents out."""
     prompts = [p for p in PROMPTS for _ in range(2)]  # a fresh list per call (Z-Image writes into it)
     kw = dict(prompt=prompts, num_inference_steps=steps, guidance_scale=gs, height=size, width=size,
               output_type="latent", max_sequence_length=model.max_sequence_length)
     name = type(model.pipe).__name__
+    if name in ("QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline"):  # "true CFG"
+        kw["true_cfg_scale"] = kw.pop("guidance_scale")
+        if name == "QwenImagePipeline":
+            return model.pipe(latents=_packed(model, x0), negative_prompt=[""] * 4, **kw).images
+        kw.update(prompt=INSTRUCTION, image=source, negative_prompt="", num_images_per_prompt=4)
+        return model.pipe(latents=_packed(model, x0), **kw).images
+    if name == "FluxKontextPipeline":  # its defaults resize target and source to ~1024^2: keep both as given
+        kw.update(prompt=INSTRUCTION, image=source, num_images_per_prompt=4, max_area=size * size, _auto_resize=False)
+        return model.pipe(latents=_packed(model, x0), **kw).images
+    if name == "FluxPipeline":
+        return model.pipe(latents=_packed(model, x0), **kw).images
+    if name == "StableDiffusion3Pipeline":
+        return model.pipe(latents=x0.clone(), negative_prompt=[""] * 4, **kw).images
     if name == "WanPipeline":
         return model.pipe(latents=x0.clone(), num_frames=frames, negative_prompt=[""] * 4, **kw).frames
     if name == "Flux2Pipeline":
@@ -76,6 +108,8 @@ def pipeline_call(model, x0, size, frames, gs, steps):
 def our_latents_like_pipeline(model, latents):
     """Our final latents in the layout the pipeline's latent output has."""
     name = type(model.pipe).__name__
+    if name in PACKED:
+        return _packed(model, latents)
     if name == "Flux2Pipeline":
         return model.pipe._pack_latents(latents)
     if name == "Flux2KleinPipeline":
@@ -85,22 +119,36 @@ def our_latents_like_pipeline(model, latents):
 
 
 def rollout_vs_pipeline(path, size, frames, gs, repeats, steps=8):
+    import random
+
+    from mmrl.diffusion.conditioning import encode_items
     from mmrl.diffusion.models import load_flow_model
     from mmrl.diffusion.sampling import sample_groups
+    from mmrl.pipelines.data import PromptItem
+    from mmrl.pipelines.edits import shapes_edit_example
 
-    model = load_flow_model(path, num_frames=frames, max_sequence_length=32)
+    from mmrl.diffusion.models import flow_model_class
+
+    edit = flow_model_class(path).needs_source_image  # an edit pipeline keeps every token: no cut on either side
+    model = load_flow_model(path, num_frames=frames, max_sequence_length=None if edit else 32)
     gen = torch.Generator().manual_seed(0)
     x0 = model.initial_noise(4, size, size, gen)
     result = {}
+    items, group, source, side = [PromptItem(p) for p in PROMPTS], 2, None, size
+    if edit:  # one instruction, one source image, 4 samples (the pipelines take one image)
+        side = SOURCE_SIDE.get(type(model.pipe).__name__, size)
+        source = shapes_edit_example(random.Random(0), side)["source"]
+        items, group = [PromptItem(INSTRUCTION, {"source_image": source})], 4
 
     def ours():
         g = torch.Generator().manual_seed(0)
         with torch.no_grad():
-            result["ours"] = sample_groups(model, model.encode_prompts(PROMPTS), 2, num_steps=steps, height=size,
-                                           width=size, guidance_scale=gs, noise_level=0.0, generator=g, decode=False)
+            result["ours"] = sample_groups(model, encode_items(model, items, side, side), group, num_steps=steps,
+                                           height=size, width=size, guidance_scale=gs, noise_level=0.0, generator=g,
+                                           decode=False)
 
     def theirs():
-        result["pipe"] = pipeline_call(model, x0, size, frames, gs, steps)
+        result["pipe"] = pipeline_call(model, x0, size, frames, gs, steps, source)
 
     times = interleaved({"mmrl": ours, "diffusers": theirs}, repeats=repeats, warmup=1)
     assert torch.equal(result["ours"].latents[:, 0], x0)  # the same noise went into both
@@ -112,9 +160,14 @@ def rollout_vs_pipeline(path, size, frames, gs, repeats, steps=8):
 def step_split(name, path, size, frames, steps, out):
     from flow_grpo_step import bench
 
+    from mmrl.diffusion.models import flow_model_class
+    from mmrl.pipelines.edits import make_shapes_edit_file
+
     overrides = ["model.max_sequence_length=32", "rollout.num_steps=4"]
     if frames > 1:
         overrides += [f"rollout.num_frames={frames}", VIDEO_REWARD]
+    if flow_model_class(path).needs_source_image:  # edit rows (source image, instruction), shapes edit task
+        overrides.append(f"data.train_prompts={make_shapes_edit_file(out.parent / f'edits_{name}', n=32)}")
     return bench(name, path, size, steps, out, overrides=overrides)
 
 
@@ -131,6 +184,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"--families: unknown {unknown}; valid: {list(FAMILIES)}")
     if args.steps < 2:
         raise SystemExit("--steps must be >= 2 (the first step is left out)")
+    from mmrl.diffusion.models import available_families
+
+    missing = sorted(set(available_families()) - {f[4] for f in FAMILIES.values()})
+    if missing:
+        raise SystemExit(f"registered model families without an entry in benchmarks/families.py FAMILIES: {missing}")
     torch.set_num_threads(args.threads)
     print(f"`python benchmarks/families.py {' '.join(argv if argv is not None else sys.argv[1:])}` - "
           f"{machine(args.threads)}\n", flush=True)
@@ -138,7 +196,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         for name in names:
-            build, size, frames, gs = FAMILIES[name]
+            build, size, frames, gs, _ = FAMILIES[name]
             path = build(root)
             times, diff, params = rollout_vs_pipeline(path, size, frames, gs, args.repeats)
             what = f"{size}px" + (f" x {frames} frames" if frames > 1 else "")

@@ -133,7 +133,7 @@ def bench(name: str, path: Path, size: int, steps: int, out: Path, prompts: int 
 
     prompt_file = REPO / "assets/prompts/shapes_train.txt"
     if prompts:  # a fixed set of the first N prompts (steady state of the prompt-embedding cache)
-        lines = prompt_file.read_text().splitlines()[:prompts]
+        lines = [ln for ln in prompt_file.read_text().splitlines() if ln.strip() and not ln.startswith("#")][:prompts]
         prompt_file = out.parent / f"prompts_{prompts}.txt"
         prompt_file.write_text("\n".join(lines) + "\n")
     cfg = load_config({

@@ -31,7 +31,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "flow_grpo_step": ["--threads", "1"],
     # the steady state of the prompt-embedding cache (every step of a run after its first epoch over the prompts):
     # a fixed set of 4 prompts, encoded in the unmeasured first step
-    "flow_grpo_step:cached_prompts": ["--threads", "1", "--models", "tiny", "--prompts", "4", "--decode-repeats", "0"],
+    "flow_grpo_step:cached_prompts": ["--threads", "1", "--models", "tiny", "--prompts", "2", "--decode-repeats", "0"],
     "adapter_states": ["--threads", "1"],
     "rope_index": ["--threads", "1"],
     "rewards_throughput": ["--threads", "1"],

@@ -24,20 +24,14 @@ def to_pil_images(images: Any) -> list:
     return [im.convert("RGB") for im in images]
 
 
-def save_image_grid(images: Any, captions: list[str] | None, path: str | Path, cols: int | None = None,
-                    min_cell: int = 128) -> Path:
-    """Save a grid of float NCHW [0,1] images with a caption under each (prompt, reward...)."""
-    grid = image_grid(to_pil_images(images), captions, cols, min_cell)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    grid.save(path)
-    return path
-
-
-def image_grid(pils: list, captions: list[str] | None, cols: int | None = None, min_cell: int = 128):
-    """RGB PIL images -> one PIL grid image, cells scaled up to at least `min_cell` px, a caption under each."""
+def make_image_grid(images: Any, captions: list[str] | None = None, cols: int | None = None, min_cell: int = 128,
+                    max_caption_lines: int = 6):
+    """A grid of images (float NCHW [0,1] or PIL) as one PIL image, each with its caption under it, word-wrapped to
+    the cell width (whole words; a word longer than a line is split), at most `max_caption_lines` lines (the last
+    one ends in "..." when cut). Put what must stay visible (the reward) at the start of a caption."""
     from PIL import Image, ImageDraw, ImageFont
 
+    pils = to_pil_images(images)
     n = len(pils)
     if n == 0:
         raise ValueError("save_image_grid: no images")
@@ -48,27 +42,48 @@ def image_grid(pils: list, captions: list[str] | None, cols: int | None = None, 
     w, h = pils[0].size
     scale = max(1, math.ceil(min_cell / max(w, h)))
     cw, ch = w * scale, h * scale
-    cap_h = 28 if captions else 0
+    chars = max(4, cw // 6)  # the default bitmap font is 6 px wide
+    wrapped = [caption_lines(str(c), chars, max_caption_lines) for c in captions] if captions else []
+    line_h = 12
+    cap_h = (max(len(x) for x in wrapped) * line_h + 4) if wrapped else 0
     grid = Image.new("RGB", (cols * cw, rows * (ch + cap_h)), "white")
     draw = ImageDraw.Draw(grid)
     font = ImageFont.load_default()
     for i, im in enumerate(pils):
         r, c = divmod(i, cols)
         grid.paste(im.resize((cw, ch), Image.NEAREST), (c * cw, r * (ch + cap_h)))
-        if captions:
-            text = str(captions[i])
-            chars = max(4, cw // 6)
-            lines = [text[:chars], text[chars:2 * chars]]
-            for j, line in enumerate(lines):
-                draw.text((c * cw + 2, r * (ch + cap_h) + ch + 2 + 12 * j), line, fill="black", font=font)
+        for j, line in enumerate(wrapped[i] if wrapped else []):
+            draw.text((c * cw + 2, r * (ch + cap_h) + ch + 2 + line_h * j), line, fill="black", font=font)
     return grid
+
+
+def caption_lines(text: str, width: int, max_lines: int) -> list[str]:
+    """`text` wrapped at word boundaries into lines of at most `width` characters, at most `max_lines` of them."""
+    import textwrap
+
+    lines = textwrap.wrap(text, width=width, break_long_words=True, break_on_hyphens=False) or [""]
+    if len(lines) > max_lines:
+        lines = lines[:max_lines]
+        lines[-1] = (lines[-1][: max(0, width - 3)] + "...")
+    return lines
+
+
+def save_image_grid(images: Any, captions: list[str] | None, path: str | Path, cols: int | None = None,
+                    min_cell: int = 128) -> Path:
+    """Save a grid of float NCHW [0,1] images with a caption under each (reward first, then the prompt ...)."""
+    grid = make_image_grid(images, captions, cols=cols, min_cell=min_cell)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    grid.save(path)
+    return path
 
 
 def write_samples(directory: Path, trackers: list, step: int, images: torch.Tensor, captions: list[str] | None = None,
                   name: str | None = None) -> Path:
     """`Run.save_samples`: images [N, 3, H, W] -> a PNG grid (`directory/<name or step_N.png>`); videos
-    [N, F, 3, H, W] -> an MP4 grid (same name, `.mp4`; `mmrl.videos`). Each tracker gets the samples one by one
-    with their captions (prompt, reward): images, or videos where the tracker takes them."""
+    [N, F, 3, H, W] -> an MP4 grid (same name, `.mp4`; `mmrl.videos`). Each tracker gets the samples with their
+    captions (reward, prompt): images (TensorBoard draws them as one grid per step), or videos where the tracker
+    takes them."""
     kind = "eval" if (name or "").startswith("eval") else "rollout"
     path = Path(directory) / (name or f"step_{step:06d}.png")
     if isinstance(images, torch.Tensor) and images.dim() == 5:
@@ -87,14 +102,62 @@ def write_samples(directory: Path, trackers: list, step: int, images: torch.Tens
     return path
 
 
-def plot_reward_curve(rows: list[dict], path: str | Path, keys: tuple[str, ...] = ("reward/mean",)) -> Path | None:
-    """Reward (mean +- std band) against step; eval rewards too when logged."""
+def reward_axis(cfg: Any) -> dict:
+    """`{"unit", "value_range"}` of a run config's reward, for the reward curve: the registered reward classes'
+    `unit` and `score_range` (a weighted sum: the weighted bounds when every component is bounded). A run whose
+    rewards come from environments (no reward names) gets `"episode return"`, unbounded."""
+    from mmrl.rewards.registry import lookup
+
+    if getattr(cfg, "algorithm", "") == "dpo" and getattr(getattr(cfg, "algo", None), "mode", "") == "offline":
+        return {"unit": "implicit reward margin of the preference pairs", "value_range": (None, None)}  # no reward
+    reward = getattr(cfg, "reward", None)
+    components = getattr(reward, "components", None)
+    if components is None and getattr(reward, "name", None):
+        kwargs = getattr(reward, "kwargs", None) or {}
+        components = dict(kwargs.get("components") or {}) if reward.name == "composite" else {reward.name: 1.0}
+    if not components:
+        return {"unit": "episode return", "value_range": (None, None)}
+    parts, lo, hi = [], 0.0, 0.0
+    for key, spec in components.items():
+        weight = float(spec.get("weight", 1.0)) if isinstance(spec, dict) else float(1.0 if spec is None else spec)
+        name = (spec.get("reward") or spec.get("name") or key) if isinstance(spec, dict) else key
+        try:
+            cls = lookup(str(name))
+        except ImportError:  # an optional extra not installed: the curve is drawn without the reward's facts
+            cls = None
+        unit = getattr(cls, "unit", "score")
+        c_lo, c_hi = getattr(cls, "score_range", (None, None))
+        if weight < 0:
+            c_lo, c_hi = c_hi, c_lo
+        lo = None if lo is None or c_lo is None else lo + weight * c_lo
+        hi = None if hi is None or c_hi is None else hi + weight * c_hi
+        parts.append((weight, str(key), unit))
+    if len(parts) == 1:
+        weight, key, unit = parts[0]
+        label = f"{key}: {unit}" if weight == 1 else f"{weight:g} x {key} ({unit})"
+    else:
+        label = "weighted sum: " + " + ".join(f"{w:g}*{k}" for w, k, _ in parts)
+    return {"unit": label, "value_range": (lo, hi)}
+
+
+# eval metrics drawn on their own [0, 1] axis, with what they are
+_EVAL_RATES = {"eval/accuracy": "eval accuracy (greedy)", "eval/success_rate": "eval success rate"}
+
+
+def plot_reward_curve(rows: list[dict], path: str | Path, keys: tuple[str, ...] = ("reward/mean",),
+                      unit: str = "score", value_range: tuple[float | None, float | None] = (None, None)
+                      ) -> Path | None:
+    """The training reward (mean of the sampled rollouts, +- std band clipped to `value_range`, the reward's possible
+    scores) against step, the eval reward when logged, and eval accuracy / success rate on a right-hand [0, 1] axis.
+    The y axis names the reward and its `unit`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    fig, ax = plt.subplots(figsize=(7, 3.8), dpi=100)
+    lo, hi = (-np.inf if value_range[0] is None else value_range[0]), (np.inf if value_range[1] is None
+                                                                        else value_range[1])
     plotted = False
     for key in keys:
         pts = [(r["step"], r[key], r.get(key.replace("/mean", "/std"))) for r in rows if r.get(key) is not None]
@@ -102,22 +165,36 @@ def plot_reward_curve(rows: list[dict], path: str | Path, keys: tuple[str, ...] 
             continue
         steps = np.array([p[0] for p in pts])
         mean = np.array([p[1] for p in pts], dtype=float)
-        ax.plot(steps, mean, label=key)
+        label = "train reward (sampled rollouts)" if key == "reward/mean" else key
+        ax.plot(steps, mean, label=label)
         if all(p[2] is not None for p in pts):
             std = np.array([p[2] for p in pts], dtype=float)
-            ax.fill_between(steps, mean - std, mean + std, alpha=0.2)
+            ax.fill_between(steps, np.clip(mean - std, lo, hi), np.clip(mean + std, lo, hi), alpha=0.2,
+                            label="+- 1 std over samples")
         plotted = True
     evals = [(r["step"], r["eval/reward/mean"]) for r in rows if r.get("eval/reward/mean") is not None]
     if evals:
-        ax.plot([e[0] for e in evals], [e[1] for e in evals], "o-", label="eval/reward/mean")
+        ax.plot([e[0] for e in evals], [e[1] for e in evals], "o-", label="eval reward")
+        plotted = True
+    handles, labels = ax.get_legend_handles_labels()
+    rates = {k: [(r["step"], r[k]) for r in rows if r.get(k) is not None] for k in _EVAL_RATES}
+    rates = {k: v for k, v in rates.items() if v}
+    if rates:
+        ax2 = ax.twinx()
+        for k, pts in rates.items():
+            ax2.plot([p[0] for p in pts], [p[1] for p in pts], "s--", color="tab:green", label=_EVAL_RATES[k])
+        ax2.set_ylim(-0.02, 1.02)
+        ax2.set_ylabel(" / ".join(_EVAL_RATES[k] for k in rates))
+        h2, l2 = ax2.get_legend_handles_labels()
+        handles, labels = handles + h2, labels + l2
         plotted = True
     if not plotted:
         plt.close(fig)
         return None
     ax.set_xlabel("step")
-    ax.set_ylabel("reward")
+    ax.set_ylabel(f"reward ({unit})" if len(unit) <= 40 else f"reward\n({unit})")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(handles, labels, fontsize="small", loc="best")
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -129,11 +206,11 @@ def plot_reward_curve(rows: list[dict], path: str | Path, keys: tuple[str, ...] 
 def save_video_grid(videos: torch.Tensor, captions: Sequence[str] | None, path: str | Path,
                     fps: int | None = None, cols: int | None = None) -> Path:
     """Videos [N, F, 3, H, W] in [0, 1] -> one MP4 (or GIF) whose every frame is the grid of the N videos' frames,
-    with a caption under each (as `plots.save_image_grid` draws them)."""
+    with a caption under each (as `make_image_grid` draws them)."""
     from mmrl.videos import DEFAULT_FPS, write_video
 
     if videos.dim() != 5 or videos.shape[2] != 3:
         raise ValueError(f"save_video_grid: expected videos [N, F, 3, H, W], got {tuple(videos.shape)}")
-    frames = [np.asarray(image_grid(to_pil_images(videos[:, t]), list(captions) if captions else None, cols))
+    frames = [np.asarray(make_image_grid(videos[:, t], list(captions) if captions else None, cols))
               for t in range(videos.shape[1])]
     return write_video(np.stack(frames), path, fps or DEFAULT_FPS)

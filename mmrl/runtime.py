@@ -254,12 +254,12 @@ class Run:
         _OPEN_RUNS[:] = [r for r in _OPEN_RUNS if r() is not None and r() is not self]
 
     def _make_trackers(self) -> list:
-        """`log.trackers` (tensorboard, wandb) of the config; jsonl is always on (mmrl.trackers)."""
+        """`log.trackers` (tensorboard, wandb) of the config and the active callbacks; jsonl is always on
+        (mmrl.trackers)."""
         log = getattr(self.cfg, "log", None)
         names = [n for n in (getattr(log, "trackers", None) or []) if n != "jsonl"]
-        if not names:
-            return []
-        self.start.note(self.dir / "tensorboard", self.dir / "wandb", self.dir / "wandb_id.txt")
+        if names:  # what a failed start removes again (callbacks write nothing into the run directory)
+            self.start.note(self.dir / "tensorboard", self.dir / "wandb", self.dir / "wandb_id.txt")
         from mmrl.config import to_dict
         from mmrl.trackers import make_trackers
 
@@ -437,7 +437,9 @@ class Run:
         rows = self.read_metrics()
         summary: dict[str, Any] = {"output_dir": str(self.dir), "steps_logged": len(rows)}
         if rows:
-            plot_reward_curve(rows, self.plots_dir / "reward_curve.png")
+            from mmrl.plots import reward_axis
+
+            plot_reward_curve(rows, self.plots_dir / "reward_curve.png", **reward_axis(self.cfg))
             rewards = [r["reward/mean"] for r in rows if r.get("reward/mean") is not None]
             if rewards:
                 k = min(5, len(rewards))

@@ -5,8 +5,9 @@ resolved config once, every metrics row (`Run.log`) and every sample grid's imag
 reward: `Run.save_samples`). Only the main process reports. The PNG reward curve of `plots/` stays the offline
 default; a tracker draws its own curves.
 
-- tensorboard: event files in `<run>/tensorboard/` (torch.utils.tensorboard): scalars, images
-  (`samples/<name>`, captions as text; video samples as animated GIFs), the config as text. Extra `[trackers]`.
+- tensorboard: event files in `<run>/tensorboard/` (torch.utils.tensorboard): scalars, one sample grid per step
+  (`samples/<name>`; video samples: one animated GIF of the grid), captions also as text, the config as text.
+  Extra `[trackers]`.
 - wandb: `wandb.init(project=log.wandb_project, mode=log.wandb_mode, dir=<run>, id=<stable id>, resume="allow")`;
   the id is kept in `<run>/wandb_id.txt` so a resumed run continues the same W&B run (video samples: MP4s).
   `wandb_mode: offline` (the default) writes `<run>/wandb/offline-run-*` for a later `wandb sync`; `online` needs
@@ -18,8 +19,9 @@ from __future__ import annotations
 import math
 import os
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 TRACKERS = ("jsonl", "tensorboard", "wandb")
 
@@ -54,33 +56,46 @@ class TensorBoardTracker:
         self.writer.flush()
 
     def images(self, step: int, name: str, images: Sequence[Any], captions: Sequence[str] | None) -> None:
+        """One grid image per step under `samples/<name>` (TensorBoard's step slider pages through them), the
+        captions also as text."""
         import numpy as np
 
-        for i, im in enumerate(images):
-            arr = np.asarray(im.convert("RGB"))
-            self.writer.add_image(f"samples/{name}/{i}", arr, step, dataformats="HWC")
+        from mmrl.plots import make_image_grid
+
+        grid = make_image_grid(list(images), list(captions) if captions else None)
+        self.writer.add_image(f"samples/{name}", np.asarray(grid.convert("RGB")), step, dataformats="HWC")
         if captions:
             self.writer.add_text(f"samples/{name}", "\n\n".join(f"{i}: {c}" for i, c in enumerate(captions)), step)
         self.writer.flush()
 
     def videos(self, step: int, name: str, videos: Sequence[Any], captions: Sequence[str] | None, fps: int) -> None:
-        """uint8 [F, H, W, 3] clips as animated GIFs in the image tab (what torch's add_video writes, without
-        needing moviepy)."""
+        """uint8 [F, H, W, 3] clips as one animated GIF of their grid per step under `samples/<name>` (frame t: the
+        grid of every clip's frame t, as the run's MP4 grid; what torch's add_video writes, without needing
+        moviepy), the captions also as text."""
+        import numpy as np
         from torch.utils.tensorboard.summary import Summary
 
+        from mmrl.plots import make_image_grid
         from mmrl.videos import gif_bytes
 
-        for i, clip in enumerate(videos):
-            image = Summary.Image(height=clip.shape[1], width=clip.shape[2], colorspace=3,
-                                  encoded_image_string=gif_bytes(clip, fps))
-            self.writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=f"samples/{name}/{i}",
-                                                                                     image=image)]), step)
+        frames = np.stack([np.asarray(make_image_grid(_frames_at(videos, t))) for t in range(len(videos[0]))])
+        image = Summary.Image(height=frames.shape[1], width=frames.shape[2], colorspace=3,
+                              encoded_image_string=gif_bytes(frames, fps))
+        self.writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=f"samples/{name}", image=image)]),
+                                                   step)
         if captions:
             self.writer.add_text(f"samples/{name}", "\n\n".join(f"{i}: {c}" for i, c in enumerate(captions)), step)
         self.writer.flush()
 
     def close(self) -> None:
         self.writer.close()
+
+
+def _frames_at(videos: Sequence[Any], t: int) -> list:
+    """Frame `t` of every uint8 [F, H, W, 3] clip, as PIL images."""
+    from PIL import Image
+
+    return [Image.fromarray(clip[t]) for clip in videos]
 
 
 class WandbTracker:
@@ -118,6 +133,54 @@ class WandbTracker:
         self.run.finish()
 
 
+# In-process listeners (the Python trainer API's `callbacks`): each gets every metrics row and sample grid like a
+# tracker does, on the main process. Set for the duration of a run by `callbacks_active`.
+_CALLBACKS: list = []
+
+
+class CallbackTracker:
+    """A callback as a tracker: a function `f(step, metrics)`, or an object with any of `on_log(step, metrics)`,
+    `on_samples(step, name, images, captions)` (PIL images), `on_videos(step, name, videos, captions, fps)` (uint8
+    [F, H, W, 3] clips)."""
+
+    def __init__(self, callback: Any):
+        self.callback = callback
+
+    def log(self, step: int, row: dict) -> None:
+        only_media = hasattr(self.callback, "on_samples") or hasattr(self.callback, "on_videos")
+        fn = getattr(self.callback, "on_log", None if only_media else self.callback)
+        if fn is not None:
+            fn(step, dict(row))
+
+    def images(self, step: int, name: str, images: Sequence[Any], captions: Sequence[str] | None) -> None:
+        fn = getattr(self.callback, "on_samples", None)
+        if fn is not None:
+            fn(step, name, list(images), list(captions or []))
+
+    def videos(self, step: int, name: str, videos: Sequence[Any], captions: Sequence[str] | None, fps: int) -> None:
+        fn = getattr(self.callback, "on_videos", None)
+        if fn is not None:
+            fn(step, name, list(videos), list(captions or []), fps)
+
+    def close(self) -> None:
+        pass
+
+
+@contextmanager
+def callbacks_active(callbacks: Sequence[Any]) -> Iterator[None]:
+    """Every run started inside the block reports to `callbacks` too (see CallbackTracker)."""
+    for cb in callbacks:
+        if not (callable(cb) or any(hasattr(cb, k) for k in ("on_log", "on_samples", "on_videos"))):
+            raise TypeError(f"callback {cb!r}: expected a function f(step, metrics) or an object with on_log / "
+                            f"on_samples / on_videos")
+    before = list(_CALLBACKS)
+    _CALLBACKS[:] = before + list(callbacks)
+    try:
+        yield
+    finally:
+        _CALLBACKS[:] = before
+
+
 def _check_writable(name: str, directory: Path) -> None:
     """ValueError naming the tracker and the folder when the tracker could not write there (read-only, a file in
     the way, no permission): found before the tracker starts, whose own writer threads would print tracebacks."""
@@ -133,10 +196,10 @@ def _check_writable(name: str, directory: Path) -> None:
 
 def make_trackers(names: Sequence[str], run_dir: Path, config: dict, project: str = "mmrl",
                   wandb_mode: str = "offline") -> list:
-    """Trackers for `log.trackers` (unknown names -> ValueError with the valid list; jsonl is always on). A folder a
-    tracker cannot write into is a ValueError naming it, before anything trains; trackers already started are
-    closed."""
-    out: list = []
+    """Trackers for `log.trackers` (unknown names -> ValueError with the valid list; jsonl is always on), plus the
+    active callbacks. A folder a tracker cannot write into is a ValueError naming it, before anything trains;
+    trackers already started are closed."""
+    out: list = [CallbackTracker(cb) for cb in _CALLBACKS]
     try:
         for name in names:
             if name not in TRACKERS:

@@ -93,6 +93,29 @@ def test_a_failed_start_leaves_nothing_behind(config, overrides, message, existi
         assert not out.exists()
 
 
+def test_a_failed_offline_dpo_start_leaves_no_latent_cache(tmp_path, monkeypatch, capsys):
+    """Offline DPO keeps VAE latents in <output_dir>/latent_cache/: the folder is made with the first shard, so a
+    start that fails on its first batch (a missing preference image) leaves the user's directory as it was."""
+    import json
+
+    from mmrl.diffusion.dpo import make_shapes_preference_file
+
+    monkeypatch.chdir(REPO)
+    pairs = make_shapes_preference_file(tmp_path / "pairs", 4)
+    rows = [json.loads(ln) for ln in Path(pairs).read_text().splitlines()]
+    rows[0]["chosen"] = "missing.png"
+    bad = tmp_path / "pairs" / "bad.jsonl"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    out.mkdir()
+    argv = ["train", "configs/diffusion/dpo_tiny_offline.yaml", f"output_dir={out}", f"data.preference_file={bad}",
+            "train.max_steps=1", "data.pairs_per_step=4", "update.micro_batch_size=4"]
+    assert cli.main(argv) == 2
+    line = _one_error_line(capsys)
+    assert f"preference image not found: {tmp_path / 'pairs' / 'missing.png'}" in line, line
+    assert list(out.iterdir()) == []
+
+
 def test_a_failed_resume_keeps_the_run_as_it_was(tmp_path, capsys):
     """A resumed run that fails at start (here: its reward server is down) leaves the run's files untouched."""
     cfg_path = REPO / FLOW

@@ -38,7 +38,7 @@ def _vqa_messages(text="Which colour is the square?"):
 # ----------------------------------------------------------------------------------------------
 def test_tokenizer_assets_regenerate_identically(tmp_path):
     tiny.build_tokenizer_assets(tmp_path)
-    for name in ("clip", "t5", "qwen"):
+    for name in ("clip", "t5", "qwen", "qwen_image"):
         stored = sorted(p.name for p in (tiny.ASSETS_DIR / name).iterdir())
         fresh = sorted(p.name for p in (tmp_path / name).iterdir())
         assert stored == fresh, name

@@ -59,6 +59,7 @@ def test_tensorboard_and_wandb_get_metrics_images_and_config(tmp_path, monkeypat
     run = Run(_cfg(tmp_path, ["jsonl", "tensorboard", "wandb"]))
     for step in (1, 2, 3):
         run.log(step, {"reward/mean": float(step), "reward/std": 0.5, "diag/x": float("nan")})
+    run.save_samples(2, torch.rand(2, 3, 8, 8), ["r=0.5 a red circle", "r=0.4 a blue square"])
     run.save_samples(3, torch.rand(2, 3, 8, 8), ["r=0.1 a red circle", "r=0.9 a blue square"])
     run.finish()
     assert [r["reward/mean"] for r in run.read_metrics()] == [1.0, 2.0, 3.0]  # jsonl is always on
@@ -68,7 +69,14 @@ def test_tensorboard_and_wandb_get_metrics_images_and_config(tmp_path, monkeypat
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [(1, 1.0), (2, 2.0), (3, 3.0)]
     assert "diag/x" not in acc.Tags()["scalars"]  # a null (non-finite) value is not a point
-    assert sorted(acc.Tags()["images"]) == ["samples/rollout/0", "samples/rollout/1"]
+    # one grid per step under one tag (not one tag per sample), the same grid the run directory holds
+    assert acc.Tags()["images"] == ["samples/rollout"]
+    grids = acc.Images("samples/rollout")
+    assert [g.step for g in grids] == [2, 3]
+    from PIL import Image
+    import io
+    saved = Image.open(run.samples_dir / "step_000003.png")
+    assert Image.open(io.BytesIO(grids[-1].encoded_image_string)).size == saved.size
     assert "config/text_summary" in acc.Tags()["tensors"] and "samples/rollout/text_summary" in acc.Tags()["tensors"]
     history, config = _wandb_records(run.dir)
     assert [h["reward/mean"] for h in history if "reward/mean" in h] == ["1", "2", "3"]

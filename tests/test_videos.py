@@ -63,15 +63,15 @@ def test_video_grid_tiles_every_frame(tmp_path):
     videos = torch.stack([sample_video(frames=3, size=16, seed=s) for s in range(3)])
     path = save_video_grid(videos, ["a", "b", "c"], tmp_path / "grid.mp4")
     frames = read_video(path)
-    assert frames.shape == (3, 128 + 28, 3 * 128, 3)
+    assert frames.shape == (3, 128 + 12 + 4, 3 * 128, 3)  # one 12-px caption line under the cells
     cell = frames[1, :128, 128:256].astype(float)  # video 1, frame 1, scaled x8 with nearest neighbours
     expected = np.kron(to_uint8_frames(videos[1])[1].astype(float), np.ones((8, 8, 1)))
     assert np.abs(cell - expected).mean() < 6.0
 
 
 def test_run_saves_video_samples_and_sends_them_to_trackers(tmp_path, monkeypatch):
-    """Run.save_samples with videos [N, F, 3, H, W]: samples/step_N.mp4; TensorBoard gets one animated GIF per
-    sample in its image tab, W&B one MP4 video per sample."""
+    """Run.save_samples with videos [N, F, 3, H, W]: samples/step_N.mp4; TensorBoard gets one animated GIF of the
+    grid per step in its image tab, W&B one MP4 video per sample."""
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = _Cfg(algorithm="toy", output_dir=str(tmp_path / "run"), train=TrainConfig(),
                log=TrackersConfig(trackers=["tensorboard", "wandb"]))
@@ -85,11 +85,14 @@ def test_run_saves_video_samples_and_sends_them_to_trackers(tmp_path, monkeypatc
 
     acc = EventAccumulator(str(run.dir / "tensorboard"), size_guidance={"images": 0})
     acc.Reload()
-    assert sorted(acc.Tags()["images"]) == ["samples/eval/0", "samples/eval/1", "samples/rollout/0",
-                                            "samples/rollout/1"]
+    assert sorted(acc.Tags()["images"]) == ["samples/eval", "samples/rollout"]
     from PIL import Image
 
-    gif = Image.open(io.BytesIO(acc.Images("samples/rollout/1")[0].encoded_image_string))
-    assert gif.format == "GIF" and gif.n_frames == 4 and gif.size == (16, 16)
+    gif = Image.open(io.BytesIO(acc.Images("samples/rollout")[0].encoded_image_string))
+    assert gif.format == "GIF" and gif.n_frames == 4 and gif.size == (2 * 128, 128)  # 2 cells scaled x8
+    gif.seek(1)  # frame 1 of the grid: the second clip's frame 1 in the right-hand cell
+    cell = np.asarray(gif.convert("RGB"))[:, 128:].astype(float)
+    expected = np.kron(to_uint8_frames(videos[1])[1].astype(float), np.ones((8, 8, 1)))
+    assert np.abs(cell - expected).mean() < 12.0  # GIF: a 256-colour palette
     media = list((run.dir / "wandb").glob("offline-run-*/files/media/videos/samples/rollout_*.mp4"))
     assert len(media) == 2 and all(read_video(m).shape == (4, 16, 16, 3) for m in media)

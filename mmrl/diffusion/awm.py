@@ -186,7 +186,9 @@ def _step_range(cfg: Config) -> tuple[int, int]:
 
 @closes_runs  # the run directory's lock released however train() ends; a failed start leaves nothing
 def train(cfg: Config) -> dict:
-    from mmrl.diffusion.common import NoSamples, end_step, evaluator, load_recipe_model, setup_training
+    from mmrl.diffusion.common import (NoSamples, end_step, evaluator, grid_due, grid_prompts, load_recipe_model,
+                                       sample_grid, setup_training)
+    from mmrl.diffusion.conditioning import check_data, encode_items
     from mmrl.diffusion.sampling import sample_groups
     from mmrl.diffusion.diagnostics import sample_statistics
     from mmrl.diffusion.scoring import global_advantages, load_reward_fn, reward_weights, score_rollout_components
@@ -202,6 +204,7 @@ def train(cfg: Config) -> dict:
     ctx, run = start_run(cfg, {"rollout.prompts_per_step": s.prompts_per_step})
     train_items = load_prompts(cfg.data.train_prompts)
     eval_items = load_prompts(cfg.data.eval_prompts)[: cfg.log.eval_max_prompts] if cfg.data.eval_prompts else []
+    check_data(cfg.model.path, train_prompts=train_items, eval_prompts=eval_items)  # edit models need source images
     reward_fn = load_reward_fn(cfg.reward.components, run.device, cfg.rollout.num_frames)
     model = load_recipe_model(cfg, run.device, run.dtype)
     # "default" trains, "old" = the EMA anchor (and sampler if rollout_state: old), "ref" = adapters off
@@ -219,6 +222,9 @@ def train(cfg: Config) -> dict:
         evaluate(run if ctx.is_main else NoSamples(), 0)
 
     timer = Timer(sync_cuda=run.device.type == "cuda")
+    grid = grid_prompts(cfg, eval_items, train_items)  # every sample grid: these prompts, the same noise
+    if start == 0 and grid_due(cfg, 0) and (ctx.is_main or fsdp):  # FSDP: every rank runs the forwards
+        sample_grid(model, states, cfg.log.eval_state, reward_fn, grid, run if ctx.is_main else NoSamples(), 0, cfg)
     bar = run.progress(cfg.train.max_steps, initial=start)
     for step in range(start + 1, cfg.train.max_steps + 1):
         metrics: dict[str, Any] = {}
@@ -228,7 +234,7 @@ def train(cfg: Config) -> dict:
             # ---- 1. rollout (this rank's share of the prompts), deterministic ODE
             with timer("rollout"):
                 items = ctx.shard(sampler.next(s.prompts_per_step))
-                embeds = model.encode_prompts([it.prompt for it in items])
+                embeds = encode_items(model, items, s.height, s.width)  # + source images (edit models)
                 with torch.no_grad(), states.use(a.rollout_state):
                     traj = sample_groups(model, embeds, s.group_size, num_steps=s.num_steps, height=s.height,
                                          width=s.width, guidance_scale=s.guidance_scale, noise_level=0.0,
@@ -263,9 +269,9 @@ def train(cfg: Config) -> dict:
             metrics["policy/old_decay"] = decay
 
         metrics["policy/lr"] = optimizer.param_groups[0]["lr"]
-        if ctx.is_main and cfg.log.sample_every and (step % cfg.log.sample_every == 0 or step == 1):
-            n = min(cfg.log.num_samples, len(prompts))
-            run.save_samples(step, traj.images[:n], [f"{prompts[i][:48]} | r={scores[i]:.3g}" for i in range(n)])
+        if grid_due(cfg, step) and (ctx.is_main or fsdp):
+            sample_grid(model, states, cfg.log.eval_state, reward_fn, grid, run if ctx.is_main else NoSamples(), step,
+                        cfg)
         eval_now = eval_items and cfg.log.eval_every and (step % cfg.log.eval_every == 0
                                                           or step in (1, cfg.train.max_steps))
         if (ctx.is_main or fsdp) and eval_now:  # FSDP: every rank runs the forwards, rank 0 writes

@@ -9,7 +9,8 @@
 - `sample_sigmas(...)`, `noise_latents(...)`, `flow_matching_mse(...)`: training points of the
   rectified-flow objective `x_s = (1 - s) x0 + s eps`, target velocity `eps - x0`.
 - `evaluate_ode(...)`: deterministic sampling on held-out prompts with fixed noise, scored (training reward,
-  `log.judges`, sample statistics) and saved; `NoSamples` (ranks > 0 in an evaluation every rank runs under FSDP).
+  `log.judges`, sample statistics) and saved; `sample_grid(...)`: the run's sample grids (fixed prompts and noise,
+  step 0 onwards, `grid_due`); `NoSamples` (ranks > 0 in an evaluation every rank runs under FSDP).
 - `TransformerEvalCounter`: transformer evaluations (sample rows through the network), for cost plots.
 - `end_step(...)`: the tail of every recipe step: timings, metrics.jsonl, checkpoint.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -34,8 +36,8 @@ Tensor = torch.Tensor
 
 __all__ = [
     "load_recipe_model", "build_policy_states", "vae_encode", "LatentCache", "sample_sigmas", "noise_latents",
-    "flow_matching_mse", "evaluate_ode", "evaluator", "TransformerEvalCounter", "TIMING_PREFIX", "NoSamples", "end_step",
-    "setup_training",
+    "flow_matching_mse", "ode_images", "evaluate_ode", "evaluator", "grid_prompts", "grid_due", "sample_grid",
+    "TransformerEvalCounter", "not_counted", "TIMING_PREFIX", "NoSamples", "end_step", "setup_training",
 ]
 
 TIMING_PREFIX = "time/"  # metrics that legitimately differ between two identical runs
@@ -68,8 +70,10 @@ def build_policy_states(model: Any, model_cfg: Any, *, old: bool, ref: bool):
 
     lora = model_cfg.lora
     if lora.enabled:
-        states = PolicyStates(model.transformer, peft_lora_config(lora, model.lora_target_modules), old=old,
-                              ref_adapter_path=lora.init_path or None)
+        # the saved adapter_config.json names the pipeline it applies to (peft's base_model_name_or_path)
+        lora_cfg = peft_lora_config(lora, model.lora_target_modules,
+                                    base_model_name_or_path=str(Path(model_cfg.path).resolve()))
+        states = PolicyStates(model.transformer, lora_cfg, old=old, ref_adapter_path=lora.init_path or None)
     else:
         model.transformer.requires_grad_(True)
         states = PolicyStates(model.transformer, None, old=old, keep_ref_copy=ref)
@@ -90,8 +94,10 @@ def setup_training(ctx: Any, run: Run, cfg: Any, model: Any, *, old: bool, ref: 
     states = build_policy_states(model, cfg.model, old=old, ref=ref)
     evals = TransformerEvalCounter(model.transformer)
     # DDP keeps PolicyStates' parameter objects ("old"/"ref" switching and the EMA work); one process: unchanged
-    model.transformer = ctx.wrap_model(states.model, cfg.dist.strategy,
-                                       find_unused_parameters=cfg.dist.find_unused_parameters)
+    # a family whose transformer has parameters no output depends on (Qwen-Image: its last block's text stream) needs
+    # DDP to look for them, or the second backward fails
+    unused = cfg.dist.find_unused_parameters or getattr(model, "has_unused_parameters", False)
+    model.transformer = ctx.wrap_model(states.model, cfg.dist.strategy, find_unused_parameters=unused)
     fsdp = ctx.enabled and cfg.dist.strategy == "fsdp"
     if fsdp:  # fully_shard replaced every parameter by a DTensor shard: follow them before building the optimizer
         states.refresh()
@@ -132,8 +138,7 @@ class LatentCache:
         self.enabled = enabled
         self.latents: dict[str, Tensor] = {}
         self._shards = 0
-        if enabled:
-            self.dir.mkdir(parents=True, exist_ok=True)
+        if enabled and self.dir.is_dir():  # made with the first shard: a start that fails before leaves nothing
             for shard in sorted(self.dir.glob("shard_*.pt")):
                 self.latents.update(torch.load(shard, map_location="cpu", weights_only=True))
                 self._shards += 1
@@ -169,6 +174,7 @@ class LatentCache:
             self.encoded += len(fresh)
             if self.enabled:
                 self.latents.update(fresh)
+                self.dir.mkdir(parents=True, exist_ok=True)
                 path = self.dir / f"shard_{self._shards:06d}{self.shard_suffix}.pt"
                 tmp = path.with_suffix(".pt.tmp")
                 torch.save(fresh, tmp)
@@ -212,14 +218,12 @@ def flow_matching_mse(v_pred: Tensor, x0: Tensor, noise: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def evaluate_ode(model: Any, states: Any, state: str, reward_fn: Any, items: Sequence[Any], run: Run, step: int, *,
-                 num_steps: int, guidance_scale: float, height: int, width: int, batch_size: int = 8,
-                 seed: int = 0, num_images: int = 16, judges: Any = None) -> dict[str, float]:
-    """Deterministic (ODE) sampling of one image per held-out prompt with the same initial noise at
-    every evaluation, computed with policy state `state`; saves samples/eval_step_<N>.png. Metrics: the reward
-    (`eval/reward/*`), the images' statistics (`eval/sample/*`, `mmrl.diffusion.diagnostics`) and, with a
-    `JudgePanel` (`log.judges`), every judge and the reward-hacking rule (`judge/*`)."""
-    from mmrl.diffusion.diagnostics import sample_statistics
+def ode_images(model: Any, states: Any, state: str, reward_fn: Any, items: Sequence[Any], *, num_steps: int,
+               guidance_scale: float, height: int, width: int, batch_size: int = 8, seed: int = 0):
+    """(images [N, 3, H, W] (videos [N, F, 3, H, W]), final latents [N, ...], scores [N] or None without a reward,
+    component scores {name: [N]}): one deterministic (ODE) image per item with policy state `state`, from the same
+    initial noise every time it is called."""
+    from mmrl.diffusion.conditioning import encode_items
     from mmrl.diffusion.sampling import sample_groups
 
     gen = torch.Generator(device=model.device).manual_seed(seed + 12345)
@@ -227,26 +231,49 @@ def evaluate_ode(model: Any, states: Any, state: str, reward_fn: Any, items: Seq
     with states.use(state):
         for lo in range(0, len(items), max(1, batch_size)):
             chunk = items[lo:lo + batch_size]
-            emb = model.encode_prompts([it.prompt for it in chunk])
+            emb = encode_items(model, chunk, height, width)  # + source images (edit models)
             traj = sample_groups(model, emb, 1, num_steps=num_steps, height=height, width=width,
                                  guidance_scale=guidance_scale, noise_level=0.0, generator=gen)
-            out = reward_fn(images=traj.images, prompts=[it.prompt for it in chunk],
-                            metadata=[it.metadata for it in chunk])
             images.append(traj.images)
             finals.append(traj.latents[:, -1])
+            if reward_fn is None:
+                continue
+            out = reward_fn(images=traj.images, prompts=[it.prompt for it in chunk],
+                            metadata=[it.metadata for it in chunk])
             scores.append(out.scores.detach().float().cpu())
             for name in getattr(reward_fn, "components", {}):
                 details[name].append(torch.as_tensor(out.details[name]).float().cpu())
-    s = torch.cat(scores)
+    return (torch.cat(images), torch.cat(finals), torch.cat(scores) if scores else None,
+            {k: torch.cat(v) for k, v in details.items()})
+
+
+def _captions(items: Sequence[Any], scores: torch.Tensor | None) -> list[str]:
+    """Reward first (a wrapped caption never hides it), then the whole prompt."""
+    return [(f"r={scores[i]:.3g} | " if scores is not None else "") + items[i].prompt for i in range(len(items))]
+
+
+def evaluate_ode(model: Any, states: Any, state: str, reward_fn: Any, items: Sequence[Any], run: Run, step: int, *,
+                 num_steps: int, guidance_scale: float, height: int, width: int, batch_size: int = 8,
+                 seed: int = 0, num_images: int = 16, judges: Any = None) -> dict[str, float]:
+    """Deterministic (ODE) sampling of one image per held-out prompt with the same initial noise at
+    every evaluation, computed with policy state `state`; saves samples/eval_step_<N>.png (edit rows: source, edit,
+    instruction panels). Metrics: the reward (`eval/reward/*`), the images' statistics (`eval/sample/*`,
+    `mmrl.diffusion.diagnostics`) and, with a `JudgePanel` (`log.judges`), every judge and the reward-hacking rule
+    (`judge/*`)."""
+    from mmrl.diffusion.conditioning import sample_panels
+    from mmrl.diffusion.diagnostics import sample_statistics
+
+    images, finals, s, details = ode_images(model, states, state, reward_fn, items, num_steps=num_steps,
+                                            guidance_scale=guidance_scale, height=height, width=width,
+                                            batch_size=batch_size, seed=seed)
     n = min(num_images, len(items))
-    run.save_samples(step, torch.cat(images)[:n], [f"{items[i].prompt[:48]} | r={s[i]:.3g}" for i in range(n)],
+    run.save_samples(step, *sample_panels(images[:n], _captions(items[:n], s), [it.metadata for it in items[:n]]),
                      name=f"eval_step_{step:06d}.png")
     metrics = {"eval/reward/mean": s.mean().item(), "eval/reward/std": s.std().item() if len(s) > 1 else 0.0}
-    metrics.update({f"eval/reward/{k}": torch.cat(v).mean().item() for k, v in details.items()})
-    all_images = torch.cat(images)
-    metrics.update(sample_statistics(all_images, torch.cat(finals), prefix="eval/sample/"))
+    metrics.update({f"eval/reward/{k}": v.mean().item() for k, v in details.items()})
+    metrics.update(sample_statistics(images, finals, prefix="eval/sample/"))
     if judges is not None:
-        metrics.update(judges.observe(step, s, images=all_images, prompts=[it.prompt for it in items],
+        metrics.update(judges.observe(step, s, images=images, prompts=[it.prompt for it in items],
                                       metadata=[it.metadata for it in items]))
     return metrics
 
@@ -264,12 +291,57 @@ def evaluator(model: Any, states: Any, state: str, reward_fn: Any, items: Sequen
                    judges=judges)
 
 
+def grid_prompts(cfg: Any, eval_items: Sequence[Any], train_items: Sequence[Any]) -> list:
+    """The prompts of every sample grid of a run: the first `log.num_samples` eval prompts (else training prompts)."""
+    return list(eval_items or train_items)[: cfg.log.num_samples]
+
+
+def grid_due(cfg: Any, step: int) -> bool:
+    """A sample grid at step 0 (the starting policy, before any update), every `log.sample_every` steps and at
+    the last step."""
+    every = cfg.log.sample_every
+    return bool(every) and (step % every == 0 or step == cfg.train.max_steps)
+
+
+def sample_grid(model: Any, states: Any, state: str, reward_fn: Any, items: Sequence[Any], run: Any, step: int,
+                cfg: Any) -> None:
+    """samples/step_<N>.png: one image per grid prompt (`grid_prompts`), ODE with the eval settings
+    (`rollout.eval_num_steps`, `rollout.eval_guidance_scale`) and the same initial noise in every grid, so the grids
+    of a run show one policy changing; captions "r=<reward> | <prompt>", word-wrapped (edit rows: each result after
+    its source image)."""
+    if not items:
+        return
+    s = cfg.rollout
+    with not_counted():  # cost/transformer_evals counts training work only
+        images, _, scores, _ = ode_images(model, states, state, reward_fn, items, num_steps=s.eval_num_steps,
+                                          guidance_scale=s.eval_guidance_scale, height=s.height, width=s.width,
+                                          batch_size=max(1, cfg.update.micro_batch_size), seed=cfg.seed)
+    from mmrl.diffusion.conditioning import sample_panels
+
+    run.save_samples(step, *sample_panels(images, _captions(items, scores), [it.metadata for it in items]))
+
+
 # ------------------------------------------------------------------------------------------ cost accounting
+
+
+_UNCOUNTED = [0]  # > 0 inside `not_counted()`: transformer forwards that are not training cost
+
+
+@contextmanager
+def not_counted():
+    """Transformer forwards inside the block are left out of every TransformerEvalCounter (the sample grids: what
+    a run shows, not what it trains with)."""
+    _UNCOUNTED[0] += 1
+    try:
+        yield
+    finally:
+        _UNCOUNTED[0] -= 1
 
 
 class TransformerEvalCounter:
     """Counts transformer evaluations, one per sample row of every forward call (a CFG forward on a
-    doubled batch counts twice), through a forward pre-hook. Resumable (`state_dict`)."""
+    doubled batch counts twice), through a forward pre-hook; forwards inside `not_counted()` are left out.
+    Resumable (`state_dict`)."""
 
     def __init__(self, module: torch.nn.Module):
         self.count = 0
@@ -278,7 +350,7 @@ class TransformerEvalCounter:
 
     def _hook(self, module, args, kwargs):
         x = kwargs.get("hidden_states", args[0] if args else None)
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, torch.Tensor) and not _UNCOUNTED[0]:
             self.count += int(x.shape[0])
         elif isinstance(x, (list, tuple)):  # a list of per-sample latents (Z-Image's transformer)
             self.count += len(x)

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Literal
 from mmrl.training import LoRAConfig, OnNonfinite, OptimConfig, TrackersConfig
 from mmrl.training.judges import JudgeFields
 
-# old key (before issue 12) -> new key, common to flow_grpo, dpo and nft (each recipe adds its own)
+# old key (earlier mmrl versions) -> new key, common to flow_grpo, dpo and nft (each recipe adds its own)
 RENAMED_KEYS: dict[str, str] = {
     "sample": "rollout",
     "sample.batch_size": "rollout.micro_batch_size",
@@ -166,9 +166,11 @@ class AdvantageRewardConfig(AggregationFields, RewardConfig):
 @dataclass
 class LogConfig(JudgeFields, TrackersConfig):  # + judges, hacking (log.judges: the reward-hacking alarm)
     sample_every: int = 10
-    """Save a grid of rollout images (with prompt and reward) every this many steps (0 = never)."""
+    """Save samples/step_<N>.png every this many steps, at step 0 (the starting policy) and at the last step (0 =
+    never): one ODE image per grid prompt (the first num_samples eval prompts, else training prompts) from the same
+    noise every time, captioned with its reward and prompt, so grids of different steps compare."""
     num_samples: int = 16
-    """Images in each grid (rollout samples and evaluation)."""
+    """Images in each grid (sample grids and evaluation)."""
     eval_every: int = 0
     """ODE evaluation on data.eval_prompts every this many steps and at the end (0 = never)."""
     eval_max_prompts: int = 64
@@ -193,9 +195,9 @@ def check_common(cfg: Any, online: bool = True) -> None:
     if log.num_samples < 1 and ((online and log.sample_every) or (log.eval_every and cfg.data.eval_prompts)):
         raise ValueError(f"log.num_samples: expected >= 1, got {log.num_samples}")
     if online:
-        require_path("data.train_prompts", cfg.data.train_prompts, "prompt file")
+        require_path("data.train_prompts", cfg.data.train_prompts, "prompt file", kind="data")
     if cfg.data.eval_prompts:
-        require_path("data.eval_prompts", cfg.data.eval_prompts, "prompt file")
+        require_path("data.eval_prompts", cfg.data.eval_prompts, "prompt file", kind="data")
     reward = getattr(cfg, "reward", None)
     if getattr(reward, "aggregation", "sum_then_normalise") == "normalise_then_sum" and (
             getattr(reward, "history", 0) or getattr(reward, "running_norm", False)):

@@ -63,7 +63,7 @@ from mmrl.training.run import closes_runs
 
 __all__ = ["Config", "train", "make_shapes_preference_file", "RENAMED_KEYS"]
 
-# keys before issue 12 -> their names now (an old key in a YAML or override fails naming the new one)
+# keys of earlier mmrl versions -> their names now (an old key in a YAML or override fails naming the new one)
 RENAMED_KEYS = {**dc.RENAMED_KEYS, "dpo": "algo"}
 
 # ------------------------------------------------------------------------------------------ config
@@ -203,14 +203,17 @@ def _check(cfg: Config) -> None:
 
 @closes_runs  # the run directory's lock released however train() ends; a failed start leaves nothing
 def train(cfg: Config) -> dict:
-    from mmrl.diffusion.common import LatentCache, NoSamples, end_step, evaluator, load_recipe_model, setup_training
+    from mmrl.diffusion.common import (LatentCache, NoSamples, end_step, evaluator, grid_due, grid_prompts,
+                                       load_recipe_model, sample_grid, setup_training)
+    from mmrl.diffusion.conditioning import check_data, encode_items
     from mmrl.diffusion.dpo_update import dpo_update, offline_eval
+    from mmrl.diffusion.models import flow_model_class
     from mmrl.diffusion.sampling import sample_groups
     from mmrl.core.multi_reward import multi_reward_advantages
     from mmrl.core.prompt_stats import group_normalize
     from mmrl.diffusion.diagnostics import sample_statistics
     from mmrl.diffusion.scoring import load_reward_fn, reward_weights, score_rollout_components
-    from mmrl.pipelines.data import PromptSampler, load_preference_pairs, load_prompts
+    from mmrl.pipelines.data import PromptItem, PromptSampler, load_preference_pairs, load_prompts
     from mmrl.training import FullOptimizerState, restore_checkpoint, start_run, summarise
     from mmrl.training.judges import build_judges, stop_for_hacking
 
@@ -220,13 +223,18 @@ def train(cfg: Config) -> dict:
     ctx, run = start_run(cfg, {"rollout.prompts_per_step": s.prompts_per_step} if online
                          else {"data.pairs_per_step": cfg.data.pairs_per_step})
     eval_items = load_prompts(cfg.data.eval_prompts)[: cfg.log.eval_max_prompts] if cfg.data.eval_prompts else []
+    train_items = load_prompts(cfg.data.train_prompts) if online else []
+    check_data(cfg.model.path, train_prompts=train_items, eval_prompts=eval_items)  # edit models need source images
+    if not online and flow_model_class(cfg.model.path).needs_source_image:
+        raise ValueError(f"algo.mode=offline: preference pairs carry no source images, so the edit model at "
+                         f"model.path={cfg.model.path} cannot be trained offline; use algo.mode=online with edit rows")
     reward_fn = (load_reward_fn(cfg.reward.components, run.device, cfg.rollout.num_frames)
                  if (online or eval_items) else None)
     model = load_recipe_model(cfg, run.device, run.dtype)
     shift = d.sigma_shift or model.sigma_shift
 
     if online:
-        sampler = PromptSampler(load_prompts(cfg.data.train_prompts), seed=cfg.seed)
+        sampler = PromptSampler(train_items, seed=cfg.seed)
     else:
         pairs = load_preference_pairs(cfg.data.preference_file, cfg.data.image_root or None, cfg.data.min_score_gap)
         cache = LatentCache(run.dir / "latent_cache", s.height, s.width, enabled=cfg.data.cache_latents,
@@ -234,6 +242,7 @@ def train(cfg: Config) -> dict:
         if ctx.is_main:
             print(f"[dpo] {len(pairs)} preference pairs; {cache.loaded_from_disk} image latents already cached")
         sampler = PromptSampler(list(range(len(pairs))), seed=cfg.seed)  # the stream of pair indices
+        train_items = [PromptItem(p) for p in dict.fromkeys(pair.prompt for pair in pairs)]
 
     # "default" trains, "ref" = adapters off (or a snapshot in full fine-tuning); DDP/FSDP; optimizer
     states, evals, params, optimizer, lr_sched, guard, fsdp = setup_training(ctx, run, cfg, model, old=False,
@@ -247,10 +256,13 @@ def train(cfg: Config) -> dict:
         evaluate(run if ctx.is_main else NoSamples(), 0)
 
     timer = Timer(sync_cuda=run.device.type == "cuda")
+    grid = grid_prompts(cfg, eval_items, train_items)  # every sample grid: these prompts, the same noise
+    if start == 0 and grid_due(cfg, 0) and (ctx.is_main or fsdp):  # FSDP: every rank runs the forwards
+        sample_grid(model, states, "default", reward_fn, grid, run if ctx.is_main else NoSamples(), 0, cfg)
     bar = run.progress(cfg.train.max_steps, initial=start)
     for step in range(start + 1, cfg.train.max_steps + 1):
         metrics: dict[str, Any] = {}
-        images = captions = pad = None
+        pad = None
         if ctx.enabled:  # rank-local noise, a pure function of (seed, rank, step): nothing per rank to checkpoint
             seed_everything(ctx.rank_seed(cfg.seed, step))
         with timer("step"):
@@ -258,7 +270,7 @@ def train(cfg: Config) -> dict:
             if online:
                 with timer("rollout"):
                     items = ctx.shard(sampler.next(s.prompts_per_step))  # whole groups per rank
-                    embeds = model.encode_prompts([it.prompt for it in items])
+                    embeds = encode_items(model, items, s.height, s.width)  # + source images (edit models)
                     with torch.no_grad():
                         traj = sample_groups(model, embeds, s.group_size, num_steps=s.num_steps, height=s.height,
                                              width=s.width, guidance_scale=s.guidance_scale,
@@ -296,7 +308,6 @@ def train(cfg: Config) -> dict:
                                                if len(w_all) else 0.0)
                 if ctx.enabled:  # the whole batch's reward statistics (score_images gave this rank's)
                     metrics.update(finite_stats(all_scores))
-                images, captions = traj.images, [f"{p[:48]} | r={v:.3g}" for p, v in zip(prompts, scores.tolist())]
             else:
                 idx = ctx.shard(sampler.next(cfg.data.pairs_per_step))  # this rank's share of the global pairs
                 batch = [pairs[i] for i in idx]
@@ -318,10 +329,8 @@ def train(cfg: Config) -> dict:
                 metrics["reward/std"] = m["policy/reward_margin_std"]
 
         metrics["policy/lr"] = optimizer.param_groups[0]["lr"]
-        if ctx.is_main and cfg.log.sample_every and images is not None and (
-                step % cfg.log.sample_every == 0 or step == 1):
-            n = min(cfg.log.num_samples, len(images))
-            run.save_samples(step, images[:n], captions[:n])
+        if grid_due(cfg, step) and (ctx.is_main or fsdp):
+            sample_grid(model, states, "default", reward_fn, grid, run if ctx.is_main else NoSamples(), step, cfg)
         eval_step = cfg.log.eval_every and (step % cfg.log.eval_every == 0 or step in (1, cfg.train.max_steps))
         if (ctx.is_main or fsdp) and not online and eval_step:  # FSDP: every rank runs the forwards
             with timer("eval"):

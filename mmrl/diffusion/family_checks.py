@@ -6,6 +6,8 @@
   the path every recipe trains through) gives the same numbers. Latents of any rank (images, videos).
 - `assert_lora_targets_exist`: every default LoRA target module of the family names at least one module of its
   transformer (peft's suffix match), so no target silently matches nothing.
+- `packed(model, latents)`: [B, C, h, w] latents in the 2x2-packed token layout the FLUX.1 / Kontext / Qwen-Image
+  pipelines take and return, for comparing rollouts with the pipeline's `output_type="latent"`.
 """
 
 from __future__ import annotations
@@ -55,3 +57,9 @@ def assert_lora_targets_exist(model):
     names = [n for n, _ in model.transformer.named_modules()]
     for target in model.lora_target_modules:
         assert any(n == target or n.endswith("." + target) for n in names), f"LoRA target {target!r} matches nothing"
+
+
+def packed(model, latents):
+    """[B, C, h, w] -> the pipeline's packed tokens [B, (h/2)(w/2), 4C] (a copy)."""
+    b, c, h, w = latents.shape
+    return model.pipe._pack_latents(latents.clone(), b, c, h, w)

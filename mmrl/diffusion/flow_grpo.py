@@ -27,7 +27,7 @@ the same transformer forwards (equal prompts per rank, zero-weight padding micro
 evaluation on every rank), and checkpoints gather full tensors (all ranks) that rank 0 writes: they resume with
 any strategy and any number of processes.
 
-Rollout precision and correction (issue 13): `rollout.precision: bf16` samples under torch.autocast(bfloat16) (a
+Rollout precision and correction: `rollout.precision: bf16` samples under torch.autocast(bfloat16) (a
 faster engine on GPUs); the rollout's log-probs then differ from the fp32 trainer's by more than the 1e-4 clip range.
 `algo.old_logprobs: recompute` takes pi_old from one no-grad trainer forward per (kept sample, trained step) before the
 update (decoupled PPO), and `algo.rollout_correction` weights (TIS) or masks (MIS, veto) each denoising step
@@ -60,7 +60,7 @@ from mmrl.training.run import closes_runs
 
 __all__ = ["Config", "train", "RENAMED_KEYS"]
 
-# keys before issue 12 -> their names now (an old key in a YAML or override fails naming the new one)
+# keys of earlier mmrl versions -> their names now (an old key in a YAML or override fails naming the new one)
 RENAMED_KEYS = {
     **dc.RENAMED_KEYS,
     "train.num_inner_epochs": "update.epochs",
@@ -101,7 +101,8 @@ class RolloutConfig(dc.RolloutConfig):
     prompt_cache_size: int = 1024
     """Keep the text embeddings of every training prompt (CPU, LRU by prompt text) when the prompt file has at
     most this many distinct prompts: the text encoders then run once per prompt instead of every step. Larger
-    prompt sets (shuffled epochs never revisit a prompt soon) and 0 encode each step's prompts."""
+    prompt sets (shuffled epochs never revisit a prompt soon) and 0 encode each step's prompts. Edit models encode
+    each step's rows with their source images (the cache is keyed by text only)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -206,7 +207,9 @@ _WINDOW_RANK = 1_000_002
 
 @closes_runs  # the run directory's lock released however train() ends; a failed start leaves nothing
 def train(cfg: Config) -> dict:
-    from mmrl.diffusion.common import NoSamples, end_step, evaluator, load_recipe_model, setup_training
+    from mmrl.diffusion.common import (NoSamples, end_step, evaluator, grid_due, grid_prompts, load_recipe_model,
+                                       sample_grid, setup_training)
+    from mmrl.diffusion.conditioning import check_data, encode_items
     from mmrl.diffusion.grpo_update import train_on_rollout
     from mmrl.diffusion.models import PromptEmbedCache
     from mmrl.diffusion.sampling import sample_groups
@@ -226,6 +229,7 @@ def train(cfg: Config) -> dict:
     ctx, run = start_run(cfg, {"rollout.prompts_per_step": s.prompts_per_step})
     train_items = load_prompts(cfg.data.train_prompts)
     eval_items = load_prompts(cfg.data.eval_prompts)[: cfg.log.eval_max_prompts] if cfg.data.eval_prompts else []
+    check_data(cfg.model.path, train_prompts=train_items, eval_prompts=eval_items)  # edit models need source images
     reward_fn = load_reward_fn(cfg.reward.components, run.device, cfg.rollout.num_frames)
     scorer = AsyncRewardScorer(reward_fn) if cfg.reward.async_scoring else None  # rewards overlap the next rollout
     model = load_recipe_model(cfg, run.device, run.dtype)
@@ -254,6 +258,10 @@ def train(cfg: Config) -> dict:
     if judges is not None and start == 0 and (ctx.is_main or fsdp):  # the judges' baseline: before any update
         evaluate(run if ctx.is_main else NoSamples(), 0)
     timer = Timer(sync_cuda=run.device.type == "cuda")
+    grid = grid_prompts(cfg, eval_items, train_items)  # every sample grid: these prompts, the same noise
+    grid_state = "old" if a.ema else "default"
+    if start == 0 and grid_due(cfg, 0) and (ctx.is_main or fsdp):  # FSDP: every rank runs the forwards
+        sample_grid(model, states, grid_state, reward_fn, grid, run if ctx.is_main else NoSamples(), 0, cfg)
     bar = run.progress(cfg.train.max_steps, initial=start)
     for step in range(start + 1, cfg.train.max_steps + 1):
         metrics: dict[str, Any] = {}
@@ -265,7 +273,7 @@ def train(cfg: Config) -> dict:
             # ---- 1. rollout: G samples per prompt, prompts encoded once (this rank's share of the prompts)
             with timer("rollout"):
                 items = ctx.shard(sampler.next(s.prompts_per_step))
-                embeds = encode([it.prompt for it in items])
+                embeds = encode_items(model, items, s.height, s.width, encode)  # + source images (edit models)
                 rows = [i for i in range(len(items)) for _ in range(s.group_size)]  # sample -> prompt (traj order)
                 prompts, metadata = [items[i].prompt for i in rows], [items[i].metadata for i in rows]
                 on_images = (lambda lo, hi, im: scorer.submit(im, prompts[lo:hi], metadata[lo:hi])) if scorer else None
@@ -296,9 +304,8 @@ def train(cfg: Config) -> dict:
         # ---- logging, samples, evaluation, checkpoints (rank 0)
         metrics["policy/lr"] = optimizer.param_groups[0]["lr"]
         metrics["cost/transformer_evals"] = evals.sync(ctx)
-        if ctx.is_main and cfg.log.sample_every and (step % cfg.log.sample_every == 0 or step == 1):
-            n = min(cfg.log.num_samples, len(prompts))
-            run.save_samples(step, traj.images[:n], [f"r={scores[i]:.3g} {prompts[i]}" for i in range(n)])
+        if grid_due(cfg, step) and (ctx.is_main or fsdp):
+            sample_grid(model, states, grid_state, reward_fn, grid, run if ctx.is_main else NoSamples(), step, cfg)
         eval_now = eval_items and cfg.log.eval_every and (step % cfg.log.eval_every == 0 or step == cfg.train.max_steps)
         if (ctx.is_main or fsdp) and eval_now:  # FSDP: every rank runs the forwards, rank 0 writes
             with timer("eval"):
@@ -317,15 +324,14 @@ def train(cfg: Config) -> dict:
 
 
 def _summarise(run) -> dict:
-    """`mmrl.training.summarise` plus Flow-GRPO's pass mark: the reward rose by more than 2 per-image std of the
-    first steps, and the largest logprob drift of the run (must be ~0)."""
+    """`mmrl.training.summarise` plus the largest logprob drift of the run (must be ~0: rollout and training
+    compute the same log-probs). Whether the reward rose enough is the demo's check (`mmrl demo`), not a verdict on
+    every run."""
     from mmrl.training import summarise
 
     drift = max((r.get("diag/logprob_drift") or 0.0 for r in run.read_metrics()), default=0.0)
     summary = summarise(run, "flow_grpo")
     if "reward_rise" in summary:
-        summary["reward_rose"] = summary["reward_rise"] > 2 * summary["reward_first_std"]
         summary["max_logprob_drift"] = drift
-        print(f"[flow_grpo] {'PASS' if summary['reward_rose'] else 'no clear rise'} (needs a rise > 2 std); "
-              f"max logprob drift {drift:.2e}", flush=True)
+        print(f"[flow_grpo] max logprob drift {drift:.2e} (rollout vs training log-probs; ~0 expected)", flush=True)
     return summary

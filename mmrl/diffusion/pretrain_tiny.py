@@ -125,6 +125,22 @@ def _encode_pool(vae, images, chunk=256):
     return torch.cat(means), torch.cat(stds)
 
 
+def _update(opt, loss, params, ema, model, step, ema_decay, hist, bar) -> None:
+    """One optimizer step (gradient norm clipped to 1), then the EMA of the weights (decay warmed up as
+    min(decay, (1 + step) / (10 + step))); the loss goes to `hist` and, every 10 steps, the progress bar."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    with torch.no_grad():
+        d = min(ema_decay, (1 + step) / (10 + step))
+        for pe, p in zip(ema.parameters(), model.parameters()):
+            pe.lerp_(p, 1 - d)
+    hist.append(loss.item())
+    if step % 10 == 0:
+        bar.set_postfix(loss=f"{sum(hist[-50:]) / len(hist[-50:]):.4f}")
+
+
 def _train_transformer(transformer, lat_mean, lat_std, shift, scale, cap_index, text, null_index,
                        steps, batch_size, lr, caption_dropout, flow_shift, ema_decay, gen, progress):
     transformer.train()
@@ -152,17 +168,7 @@ def _train_transformer(transformer, lat_mean, lat_std, shift, scale, cap_index, 
         pred = transformer(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=embeds[cond],
                            pooled_projections=pooled[cond], return_dict=False)[0]
         loss = F.mse_loss(pred, noise - x0)  # rectified-flow velocity target
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        with torch.no_grad():
-            d = min(ema_decay, (1 + step) / (10 + step))
-            for pe, p in zip(ema.parameters(), transformer.parameters()):
-                pe.lerp_(p, 1 - d)
-        hist.append(loss.item())
-        if step % 10 == 0:
-            bar.set_postfix(loss=f"{sum(hist[-50:]) / len(hist[-50:]):.4f}")
+        _update(opt, loss, params, ema, transformer, step, ema_decay, hist, bar)
     transformer.load_state_dict(ema.state_dict())
     transformer.eval()
     tail = max(1, min(100, steps))

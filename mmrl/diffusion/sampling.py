@@ -106,7 +106,7 @@ def guided_velocity(model: FlowModel, latents: Tensor, sigma: Tensor | float, em
         return model.velocity(latents, sigma, embeds, guidance_scale=guidance_scale, cfg=cfg)
     b = latents.shape[0]
     s = torch.as_tensor(sigma, dtype=torch.float32, device=model.device).expand(b)
-    both = PromptEmbeds.cat([model.negative_embeds(b), embeds])
+    both = PromptEmbeds.cat([model.negative_rows(embeds), embeds])  # an edit model's negative keeps its source image
     v = model.velocity(torch.cat([latents, latents]), torch.cat([s, s]), both, guidance_scale=guidance_scale, cfg=False)
     v_uncond, v_cond = v.chunk(2)
     return model.combine_cfg(v_uncond.detach(), v_cond, guidance_scale, sigma=s)

@@ -19,7 +19,7 @@ from torch import nn
 from mmrl.distributed.launch import _env_int
 from mmrl.distributed.sharded import clip_grad_norm, full_tensor
 
-STRATEGIES = ("none", "ddp", "fsdp")
+STRATEGIES = ("auto", "none", "ddp", "fsdp")
 BACKENDS = ("auto", "gloo", "nccl")
 CHECKPOINT_FORMATS = ("auto", "sharded", "full")
 
@@ -28,8 +28,9 @@ CHECKPOINT_FORMATS = ("auto", "sharded", "full")
 class DistConfig:
     """The `dist:` section recipes embed (`dist: DistConfig = field(default_factory=DistConfig)`)."""
 
-    strategy: str = "none"
-    """Gradient synchronisation across processes: `none` (single process, or no wrapping), `ddp`
+    strategy: str = "auto"
+    """Gradient synchronisation across processes: `auto` (`ddp` when a launcher started several processes, `none`
+    in one process; the start-up log says which), `none` (no wrapping: several processes are then refused), `ddp`
     (torch DistributedDataParallel: every rank holds the whole model, LoRA gradients are all-reduced) or
     `fsdp` (torch FSDP2 `fully_shard`: weights sharded per transformer block; for models that do not fit
     one GPU). Processes come from `torchrun` / `accelerate launch`; with one process every strategy is a no-op."""
@@ -326,6 +327,12 @@ class DistContext:
         return x_all[start:start + sizes[self.rank]]
 
     # ------------------------------------------------------------------ models
+    def resolve_strategy(self, strategy: str) -> str:
+        """`auto` -> `ddp` when several processes were launched, else `none`; any other strategy unchanged."""
+        if strategy == "auto":
+            return "ddp" if self.enabled else "none"
+        return strategy
+
     def wrap_model(self, module: nn.Module, strategy: str = "ddp", *, find_unused_parameters: bool = False,
                    fsdp_block_types: Sequence[str] | None = None, **kwargs: Any) -> nn.Module:
         """Wrap for gradient synchronisation.
@@ -347,6 +354,7 @@ class DistContext:
         kwargs go to DistributedDataParallel / fully_shard."""
         if strategy not in STRATEGIES:
             raise ValueError(f"dist.strategy: expected one of {list(STRATEGIES)}, got {strategy!r}")
+        strategy = self.resolve_strategy(strategy)
         if strategy == "none" or not self.enabled:
             return module
         if strategy == "ddp":

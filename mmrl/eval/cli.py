@@ -47,7 +47,8 @@ def add_eval_subparser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
     ev.add_argument("--state", default="default", choices=["default", "old"],
                     help="policy state of the checkpoint (old = the EMA / old policy, when the run kept one)")
     ev.add_argument("--prompts", help="prompt file (.txt / .jsonl); default: the config's data.eval_prompts")
-    ev.add_argument("--out", help="output directory; default: <output_dir>/eval/<step_N|base>[_old]")
+    ev.add_argument("--out", help="output directory; default: <run>/eval/<step_N>[_old] in the checkpoint's run "
+                                  "directory (the base model: <output_dir>/eval/base)")
     ev.add_argument("--seed", type=int, help="noise seed (default: the config's seed)")
     ev.add_argument("--samples-per-prompt", type=int, default=1, help="images per prompt (default 1)")
     ev.add_argument("--max-prompts", type=int, default=0, help="only the first N prompts (default 0 = all)")

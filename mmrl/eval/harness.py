@@ -22,7 +22,8 @@ What it does, top to bottom:
   5. `<out>/eval_report.json` and `<out>/eval_grid.png` (the first `grid_images` images with prompt, reward, check;
      videos: `eval_grid.mp4`).
 
-Default `<out>`: `<output_dir>/eval/<step_N | base>[_<state>]`. Statistics: mean and unbiased std (as the
+Default `<out>`: `<run>/eval/<step_N>[_<state>]` inside the checkpoint's run directory; for the base model
+`<output_dir>/eval/base`. Statistics: mean and unbiased std (as the
 training metrics `reward/mean`, `reward/std`).
 """
 
@@ -40,7 +41,8 @@ import torch
 from mmrl.config import RECIPES, to_dict
 from mmrl.eval.shapes_check import accuracy, check_images
 
-__all__ = ["run_eval", "resolve_checkpoint", "state_dir", "apply_checkpoint", "prompt_seed", "reward_stats"]
+__all__ = ["run_eval", "resolve_checkpoint", "state_dir", "apply_checkpoint", "copy_full_weights", "prompt_seed",
+           "reward_stats", "sha256_file"]
 
 _STATES = ("default", "old")
 
@@ -50,28 +52,29 @@ def prompt_seed(seed: int, index: int) -> int:
     return int(seed) * 1_000_003 + int(index)
 
 
-def resolve_checkpoint(path: str | Path) -> tuple[Path, int | None]:
+def resolve_checkpoint(path: str | Path, what: str = "--checkpoint") -> tuple[Path, int | None]:
     """(adapters directory, step or None) from a run directory (its newest complete checkpoint), a
-    `checkpoints/step_N/` directory, or that directory's `adapters/`. Errors name what is missing."""
+    `checkpoints/step_N/` directory, or that directory's `adapters/`. Errors name what is missing (`what`: the
+    option or command the path came from)."""
     from mmrl.adapters import INDEX_NAME
     from mmrl.runtime import checkpoint_step, list_checkpoints, verify_checkpoint
 
     p = Path(path)
     if not p.exists():
-        raise FileNotFoundError(f"--checkpoint {p}: not found")
+        raise FileNotFoundError(f"{what} {p}: not found")
     if not p.is_dir():
-        raise ValueError(f"--checkpoint {p}: expected a directory (a run directory or checkpoints/step_N/), got a file")
+        raise ValueError(f"{what} {p}: expected a directory (a run directory or checkpoints/step_N/), got a file")
     if (p / "checkpoints").is_dir():  # a run directory: its newest complete checkpoint
         found = list_checkpoints(p / "checkpoints")
         if not found:
-            raise FileNotFoundError(f"--checkpoint {p}: the run directory has no complete checkpoint in checkpoints/")
+            raise FileNotFoundError(f"{what} {p}: the run directory has no complete checkpoint in checkpoints/")
         p = found[-1][1]
     if (p / INDEX_NAME).is_file() or (p / "default").is_dir():
         adapters, step_dir = p, p.parent
     elif (p / "adapters").is_dir():
         adapters, step_dir = p / "adapters", p
     else:
-        raise FileNotFoundError(f"--checkpoint {p}: no adapters/ in it (expected a run directory, checkpoints/step_N/ "
+        raise FileNotFoundError(f"{what} {p}: no adapters/ in it (expected a run directory, checkpoints/step_N/ "
                                 f"or its adapters/, as `mmrl train` writes them)")
     step = None
     if step_dir.name.startswith("step_"):
@@ -96,7 +99,7 @@ def state_dir(adapters: Path, state: str) -> Path:
     return sub
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     """sha256 of a file, or of a directory's files (relative names and contents, sorted by name)."""
     h = hashlib.sha256()
     files = sorted(p for p in Path(path).rglob("*") if p.is_file()) if Path(path).is_dir() else [Path(path)]
@@ -123,26 +126,36 @@ def apply_checkpoint(model: Any, adapters: Path, state: str = "default") -> dict
         model.transformer = states.model
         weights, mode = sub / PEFT_WEIGHTS_NAME, "lora"
     elif shards is not None or (sub / FULL_WEIGHTS_NAME).is_file():
-        from safetensors.torch import load_file
-
         weights, mode = (shards, "full") if shards is not None else (sub / FULL_WEIGHTS_NAME, "full")
-        saved = load_sharded_state(adapters, state) if shards is not None else load_file(str(weights))
-        own = dict(model.transformer.named_parameters())
-        unexpected = [k for k in saved if k not in own]  # parameters frozen in training were not saved: kept as base
-        if unexpected or not saved:
-            raise ValueError(f"{weights} does not fit the transformer of model.path: {len(unexpected)} of its "
-                             f"{len(saved)} tensors are not model parameters (e.g. {unexpected[:3]})")
-        bad = [k for k, v in saved.items() if v.shape != own[k].shape]
-        if bad:
-            raise ValueError(f"{weights}: {bad[0]} has shape {tuple(saved[bad[0]].shape)}, the model's is "
-                             f"{tuple(own[bad[0]].shape)} ({len(bad)} tensors differ)")
-        with torch.no_grad():
-            for k, v in saved.items():
-                own[k].copy_(v.to(own[k].device, own[k].dtype))
+        copy_full_weights(model.transformer, weights,
+                          load_sharded_state(adapters, state) if shards is not None else None)
     else:
         raise FileNotFoundError(f"checkpoint state {sub}: neither {PEFT_WEIGHTS_NAME} (LoRA) nor {FULL_WEIGHTS_NAME} "
                                 f"(full fine-tuning) in it")
-    return {"mode": mode, "state": state, "weights": str(weights), "sha256": _sha256(weights)}
+    return {"mode": mode, "state": state, "weights": str(weights), "sha256": sha256_file(weights)}
+
+
+def copy_full_weights(module: torch.nn.Module, weights: Path, saved: dict | None = None) -> None:
+    """Copy a full fine-tuning state (`model.safetensors`: parameter name -> tensor, as PolicyStates saves it; or
+    `saved`, the same read from a sharded checkpoint's directory `weights`) into `module`'s parameters. Parameters
+    that were frozen in training are not in the file and keep the base weights; a tensor that is not a parameter of
+    `module`, or of another shape, is an error naming it."""
+    from safetensors.torch import load_file
+
+    if saved is None:
+        saved = load_file(str(weights))
+    own = dict(module.named_parameters())
+    unexpected = [k for k in saved if k not in own]
+    if unexpected or not saved:
+        raise ValueError(f"{weights} does not fit the model of model.path: {len(unexpected)} of its "
+                         f"{len(saved)} tensors are not model parameters (e.g. {unexpected[:3]})")
+    bad = [k for k, v in saved.items() if v.shape != own[k].shape]
+    if bad:
+        raise ValueError(f"{weights}: {bad[0]} has shape {tuple(saved[bad[0]].shape)}, the model's is "
+                         f"{tuple(own[bad[0]].shape)} ({len(bad)} tensors differ)")
+    with torch.no_grad():
+        for k, v in saved.items():
+            own[k].copy_(v.to(own[k].device, own[k].dtype))
 
 
 def reward_stats(values: Sequence[float]) -> dict:
@@ -163,11 +176,20 @@ def _write_json(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+def default_out_dir(cfg: Any, adapters: Path | None, label: str) -> Path:
+    """`<run>/eval/<label>` of the checkpoint's own run directory (the run it belongs to, wherever the config's
+    output_dir points); the base model, or adapters outside a run directory: `<output_dir>/eval/<label>`."""
+    if adapters is not None and adapters.parent.parent.name == "checkpoints":
+        return adapters.parent.parent.parent / "eval" / label
+    return Path(cfg.output_dir) / "eval" / label
+
+
 def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "default", prompts: str | None = None,
              out: str | Path | None = None, seed: int | None = None, samples_per_prompt: int = 1,
              max_prompts: int = 0, batch_size: int = 8, grid_images: int = 32, config_file: str | None = None,
              overrides: Sequence[str] = ()) -> dict:
     """Evaluate the diffusion policy of `cfg` (see the module docstring); returns the report (also written)."""
+    from mmrl.diffusion.conditioning import check_data, encode_items, sample_panels
     from mmrl.diffusion.common import load_recipe_model
     from mmrl.diffusion.scoring import load_reward_fn
     from mmrl.diffusion.sampling import sample_groups
@@ -191,13 +213,14 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
     if not prompt_file:
         raise ValueError("no evaluation prompts: pass --prompts FILE or set data.eval_prompts in the config")
     items = load_prompts(prompt_file)[: max_prompts or None]
+    check_data(cfg.model.path, eval_prompts=items)  # edit models need source images (and text models take none)
     adapters, step = resolve_checkpoint(checkpoint) if checkpoint is not None else (None, None)
     if adapters is not None:
         state_dir(adapters, state)  # before the model loads: a missing state fails fast
     seed = cfg.seed if seed is None else int(seed)
     label = ("base" if adapters is None else f"step_{step}" if step is not None else "checkpoint") + \
         ("" if state == "default" else f"_{state}")
-    out = Path(out) if out is not None else Path(cfg.output_dir) / "eval" / label
+    out = Path(out) if out is not None else default_out_dir(cfg, adapters, label)
     (out / "images").mkdir(parents=True, exist_ok=True)
     for old in (out / "images").glob("p*_s*.*"):  # a rerun in the same directory leaves no stale image behind
         old.unlink()
@@ -226,7 +249,8 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
     bar = tqdm(total=len(items), desc="mmrl eval", unit="prompt", disable=os.environ.get("MMRL_NO_PROGRESS") == "1")
     for i, item in enumerate(items):
         gen = torch.Generator(device=model.device).manual_seed(prompt_seed(seed, i))
-        traj = sample_groups(model, model.encode_prompts([item.prompt]), samples_per_prompt, num_steps=s.eval_num_steps,
+        traj = sample_groups(model, encode_items(model, [item], s.height, s.width), samples_per_prompt,
+                             num_steps=s.eval_num_steps,
                              height=s.height, width=s.width, guidance_scale=s.eval_guidance_scale, noise_level=0.0,
                              generator=gen, batch_size=batch_size)
         u8 = (traj.images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu()
@@ -288,7 +312,7 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
     if video:
         save_video_grid(x[:n], captions, out / "eval_grid.mp4")
     else:
-        save_image_grid(x[:n], captions, out / "eval_grid.png")
+        save_image_grid(*sample_panels(x[:n], captions, all_meta[:n]), out / "eval_grid.png")  # edits: source | result
     _write_json(out / "eval_report.json", report)
     return report
 

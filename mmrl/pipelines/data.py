@@ -40,20 +40,49 @@ def read_text(path: str | Path) -> str:
     return text
 
 
-def require_path(key: str, path: str | Path, what: str = "file", kind: str = "file") -> None:
-    """Fail fast (before any model loads) when the file (`kind="file"`) or folder (`"dir"`) a config key names is
-    missing: FileNotFoundError "<key>: <what> not found: <path>"."""
+def is_saved_dataset(path: str | Path) -> bool:
+    """True for a directory written by Hugging Face datasets' `save_to_disk` (a Dataset or a DatasetDict)."""
     p = Path(path)
-    if p.is_file() if kind == "file" else p.is_dir():
+    return p.is_dir() and any((p / f).is_file() for f in ("state.json", "dataset_dict.json"))
+
+
+def require_path(key: str, path: str | Path, what: str = "file", kind: str = "file") -> None:
+    """Fail fast (before any model loads) when the file (`kind="file"`), folder (`"dir"`) or data source (`"data"`:
+    a file or a `save_to_disk` directory) a config key names is missing: FileNotFoundError "<key>: <what> not
+    found: <path>"."""
+    p = Path(path)
+    if p.is_file() if kind == "file" else p.is_dir() if kind == "dir" else (p.is_file() or is_saved_dataset(p)):
         return
-    problem = (f"{what} not found: {p}" if not p.exists()
-               else f"{what} {p} is not a {'file' if kind == 'file' else 'folder'}")
+    expected = {"file": "file", "dir": "folder", "data": "file or a directory saved with datasets' save_to_disk"}
+    problem = f"{what} not found: {p}" if not p.exists() else f"{what} {p} is not a {expected[kind]}"
     raise FileNotFoundError(f"{key}: {problem} (relative paths are taken from the current directory, {Path.cwd()})")
 
 
-def read_records(path: str | Path) -> list[dict]:
-    """Rows of a .jsonl / .json (list) / .parquet file as dicts."""
+def read_saved_dataset(path: str | Path) -> list[dict]:
+    """Rows of a `save_to_disk` directory (`datasets.load_from_disk`); of a DatasetDict, its `train` split or its only
+    split. Image columns come back as PIL images."""
     path = Path(path)
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"{path} is a directory saved with Hugging Face datasets' save_to_disk; reading it needs the "
+                        f"datasets package: pip install 'mmrl[datasets]'") from None
+    data = datasets.load_from_disk(str(path))
+    if isinstance(data, datasets.DatasetDict):
+        splits = sorted(data)
+        if "train" not in data and len(splits) != 1:
+            raise DataError(f"{path}: a DatasetDict with splits {splits} and no 'train' split; save the split to use "
+                            f"(e.g. ds['{splits[0]}'].save_to_disk(...))")
+        data = data["train" if "train" in data else splits[0]]
+    return [dict(row) for row in data]
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """Rows of a .jsonl / .json (list) / .parquet file, or of a directory saved with datasets' `save_to_disk`, as
+    dicts."""
+    path = Path(path)
+    if is_saved_dataset(path):
+        return read_saved_dataset(path)
     if not path.is_file():
         raise FileNotFoundError(f"data file not found: {path} (relative paths are taken from the current directory, {Path.cwd()})")
     suffix = path.suffix.lower()
@@ -104,20 +133,32 @@ class PromptItem:
     metadata: dict = field(default_factory=dict)
 
 
-def load_prompts(path: str | Path) -> list[PromptItem]:
-    """A .txt file (one prompt per line, blank lines and `#` comments skipped) or .jsonl/.json/.parquet
-    with a `prompt` key (other keys become metadata, e.g. the OCR target text)."""
+def load_prompts(path: str | Path, image_root: str | Path | None = None) -> list[PromptItem]:
+    """A .txt file (one prompt per line, blank lines and `#` comments skipped) or .jsonl/.json/.parquet (or a
+    `save_to_disk` directory) with a `prompt` key (other keys become metadata, e.g. the OCR target text).
+
+    Edit rows (`mmrl.pipelines.edits`): a `source_image` (and optional `mask`) makes a row an edit of that image;
+    `instruction` may stand for `prompt`; image paths are taken relative to `image_root` (default: the file's
+    folder) and a row whose image is missing or unreadable is skipped with a warning naming the file."""
+    from mmrl.pipelines.edits import is_edit_row, resolve_edit_row
+
     path = Path(path)
-    if not path.is_file():
+    if not path.is_file() and not is_saved_dataset(path):
         raise FileNotFoundError(f"prompt file not found: {path} (relative paths are taken from the current directory, {Path.cwd()})")
     if path.suffix.lower() == ".txt":
         items = [PromptItem(line.strip()) for line in read_text(path).splitlines()
                  if line.strip() and not line.lstrip().startswith("#")]
     else:
         items = []
+        root = Path(image_root) if image_root else path.parent
         for i, row in enumerate(read_records(path)):
-            prompt = _require(row, "prompt", path, i)
-            meta = {k: v for k, v in row.items() if k != "prompt"}
+            if is_edit_row(row):
+                row = resolve_edit_row(row, root, path, i)
+                if row is None:
+                    continue
+            key = "instruction" if "prompt" not in row and "instruction" in row else "prompt"
+            prompt = _require(row, key, path, i)
+            meta = {k: v for k, v in row.items() if k != key}
             items.append(PromptItem(str(prompt), meta))
     if not items:
         raise DataError(f"prompt file {path} contains no prompts")

@@ -7,8 +7,8 @@ and converted to RGB the way ``qwen_vl_utils`` does (RGBA is composited on white
 through ``Image.convert("RGB")``), so pixels match what the Qwen-VL reference preprocessing feeds the
 model. URLs are not fetched: download first (training data should not depend on the network).
 
-``smart_resize`` is ``qwen_vl_utils.smart_resize`` (same defaults, same rounding, same error for extreme
-aspect ratios); ``resize_for_qwen`` is the resize half of ``qwen_vl_utils.fetch_image``.
+``to_rgb``, ``smart_resize`` and ``resize_for_qwen`` call ``qwen_vl_utils`` (``to_rgb``, ``smart_resize``,
+``fetch_image``), the Qwen-VL reference preprocessing, with mmrl's argument checks and input forms around them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import math
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -37,11 +36,6 @@ __all__ = [
     "IMAGE_MAX_TOKEN_NUM",
     "MAX_RATIO",
 ]
-
-# source: qwen_vl_utils/vision_process.py (0.0.14) constants
-IMAGE_MIN_TOKEN_NUM = 4
-IMAGE_MAX_TOKEN_NUM = 16384
-MAX_RATIO = 200
 
 
 class ImageLoadError(ValueError):
@@ -67,15 +61,9 @@ def _describe(x: Any, limit: int = 80) -> str:
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
-    """RGB conversion as ``qwen_vl_utils.to_rgb``: RGBA pasted on white using alpha, else ``convert("RGB")``."""
-    # source: qwen_vl_utils/vision_process.py::to_rgb
-    if image.mode == "RGBA":
-        background = Image.new("RGB", image.size, (255, 255, 255))
-        background.paste(image, mask=image.split()[3])
-        return background
-    if image.mode == "RGB":
-        return image.copy()
-    return image.convert("RGB")
+    """``qwen_vl_utils.to_rgb``: RGBA pasted on white using alpha, every other mode through ``convert("RGB")`` (a
+    new image in every case)."""
+    return _qwen_vision_process().to_rgb(image)
 
 
 def _open_bytes(data: bytes, source: str) -> Image.Image:
@@ -231,19 +219,21 @@ def load_image(x: Any, *, exif_transpose: bool = True) -> Image.Image:
 
 
 # --------------------------------------------------------------------------------------------- resizing
-# source: qwen_vl_utils/vision_process.py::round_by_factor / ceil_by_factor / floor_by_factor / smart_resize
+# The arithmetic is qwen_vl_utils' own (imported on first use: it pulls in torchvision); mmrl adds the argument
+# checks with one-line errors (qwen_vl_utils asserts or divides by zero) and any input form of load_image.
 
 
-def _round_by_factor(number: float, factor: int) -> int:
-    return round(number / factor) * factor
+def _qwen_vision_process():
+    from qwen_vl_utils import vision_process
+
+    return vision_process
 
 
-def _ceil_by_factor(number: float, factor: int) -> int:
-    return math.ceil(number / factor) * factor
-
-
-def _floor_by_factor(number: float, factor: int) -> int:
-    return math.floor(number / factor) * factor
+def __getattr__(name: str) -> Any:
+    """IMAGE_MIN_TOKEN_NUM, IMAGE_MAX_TOKEN_NUM, MAX_RATIO: qwen_vl_utils' constants (read on first use)."""
+    if name in ("IMAGE_MIN_TOKEN_NUM", "IMAGE_MAX_TOKEN_NUM", "MAX_RATIO"):
+        return getattr(_qwen_vision_process(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def smart_resize(
@@ -252,41 +242,35 @@ def smart_resize(
     factor: int = 28,
     min_pixels: int | None = None,
     max_pixels: int | None = None,
-    max_ratio: float = MAX_RATIO,
+    max_ratio: float | None = None,
 ) -> tuple[int, int]:
     """Target ``(height, width)``: multiples of ``factor``, area in ``[min_pixels, max_pixels]``, aspect kept.
 
-    Identical to ``qwen_vl_utils.smart_resize`` (defaults ``min_pixels = 4 * factor**2``,
-    ``max_pixels = 16384 * factor**2``). ``factor`` is ``patch_size * spatial_merge_size``: 28 for
-    Qwen2/2.5-VL, 32 for Qwen3-VL.
+    ``qwen_vl_utils.smart_resize`` (defaults ``min_pixels = IMAGE_MIN_TOKEN_NUM * factor**2``, ``max_pixels =
+    IMAGE_MAX_TOKEN_NUM * factor**2``). ``factor`` is ``patch_size * spatial_merge_size``: 28 for Qwen2/2.5-VL, 32
+    for Qwen3-VL. ``max_ratio`` may only tighten qwen_vl_utils' ``MAX_RATIO`` (200; transformers' Qwen-VL image
+    processors refuse wider images too).
 
     Raises:
-        ValueError: aspect ratio above ``max_ratio`` (same message as qwen_vl_utils), non-positive
-            sizes, or ``max_pixels < min_pixels``.
+        ValueError: aspect ratio above the limit (qwen_vl_utils' message), non-positive sizes or factor,
+            ``max_pixels < min_pixels``, or ``max_ratio`` above qwen_vl_utils' limit.
     """
+    vp = _qwen_vision_process()
     if height <= 0 or width <= 0:
         raise ValueError(f"smart_resize needs positive height and width, got height={height}, width={width}")
     if factor <= 0:
         raise ValueError(f"smart_resize factor must be positive, got {factor}")
-    max_pixels = max_pixels if max_pixels is not None else IMAGE_MAX_TOKEN_NUM * factor**2
-    min_pixels = min_pixels if min_pixels is not None else IMAGE_MIN_TOKEN_NUM * factor**2
-    if max_pixels < min_pixels:
-        raise ValueError(f"max_pixels ({max_pixels}) must be >= min_pixels ({min_pixels})")
-    if max(height, width) / min(height, width) > max_ratio:
-        raise ValueError(
-            f"absolute aspect ratio must be smaller than {max_ratio}, got {max(height, width) / min(height, width)}"
-        )
-    h_bar = max(factor, _round_by_factor(height, factor))
-    w_bar = max(factor, _round_by_factor(width, factor))
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = _floor_by_factor(height / beta, factor)
-        w_bar = _floor_by_factor(width / beta, factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = _ceil_by_factor(height * beta, factor)
-        w_bar = _ceil_by_factor(width * beta, factor)
-    return h_bar, w_bar
+    if max_ratio is not None and max_ratio > vp.MAX_RATIO:
+        raise ValueError(f"smart_resize max_ratio={max_ratio} is above qwen_vl_utils' MAX_RATIO ({vp.MAX_RATIO}); "
+                         f"Qwen-VL's image processors refuse such images as well")
+    lo = min_pixels if min_pixels is not None else vp.IMAGE_MIN_TOKEN_NUM * factor**2
+    hi = max_pixels if max_pixels is not None else vp.IMAGE_MAX_TOKEN_NUM * factor**2
+    if hi < lo:
+        raise ValueError(f"max_pixels ({hi}) must be >= min_pixels ({lo})")
+    ratio = max(height, width) / min(height, width)
+    if max_ratio is not None and ratio > max_ratio:
+        raise ValueError(f"absolute aspect ratio must be smaller than {max_ratio}, got {ratio}")
+    return vp.smart_resize(height, width, factor, min_pixels=min_pixels, max_pixels=max_pixels)
 
 
 def resize_for_qwen(
@@ -295,18 +279,22 @@ def resize_for_qwen(
     max_pixels: int | None = None,
     factor: int = 28,
 ) -> Image.Image:
-    """Load ``image`` (any ``load_image`` input) and resize it to ``smart_resize`` dimensions.
-
-    Same result as ``qwen_vl_utils.fetch_image({"image": pil, "min_pixels": ..., "max_pixels": ...},
-    image_patch_size=factor // 2)`` on an RGB image (PIL's default resampling, bicubic), plus EXIF
-    rotation, which fetch_image does not apply.
-    """
+    """Load ``image`` (any ``load_image`` input: EXIF rotation applied, which fetch_image does not) and resize it with
+    ``qwen_vl_utils.fetch_image({"image": pil, "min_pixels": ..., "max_pixels": ...}, image_patch_size=factor // 2)``
+    (smart_resize dimensions, PIL's default bicubic resampling). An image already of those dimensions is returned
+    as loaded."""
     image = load_image(image)
+    if factor % 2:
+        raise ValueError(f"resize_for_qwen factor must be patch_size * 2 (Qwen-VL's spatial merge), got {factor}")
     width, height = image.size
-    new_h, new_w = smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
-    if (new_w, new_h) == (width, height):
-        return image
-    return image.resize((new_w, new_h))
+    if smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels) == (height, width):
+        return image  # checks the arguments too, with mmrl's errors, before qwen_vl_utils sees them
+    element: dict[str, Any] = {"image": image}
+    if min_pixels is not None:
+        element["min_pixels"] = min_pixels
+    if max_pixels is not None:
+        element["max_pixels"] = max_pixels
+    return _qwen_vision_process().fetch_image(element, image_patch_size=factor // 2)
 
 
 # ------------------------------------------------------------------------------------ tensor round trip

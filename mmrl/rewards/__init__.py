@@ -1,6 +1,7 @@
 """Reward-model zoo: `load(name, **kw)`, `available()`; every model returns RewardOutput(scores[B], details)."""
 
 from mmrl.rewards.base import RewardModel, RewardOutput, load, to_image_list, to_image_tensor  # noqa: F401
+from mmrl.rewards.callable import FunctionReward, from_callable  # noqa: F401  (plain functions as rewards)
 from mmrl.rewards.registry import available, register, register_lazy  # noqa: F401
 
 # image rewards (mmrl/rewards/image/*), imported on first use
@@ -16,8 +17,9 @@ register_lazy("mmrl.rewards.text", "math_accuracy", "multiple_choice", "number_m
               "iou", "accuracy_format", "geo3k")
 register_lazy("mmrl.rewards.composite", "composite")
 register_lazy("mmrl.rewards.remote", "remote")
-register_lazy("mmrl.rewards.vlm_judge", "vlm_judge")
+register_lazy("mmrl.rewards.vlm_judge", "vlm_judge", "vlm_edit_judge")
 register_lazy("mmrl.rewards.image.color_match", "prompt_color")
+register_lazy("mmrl.rewards.image.edit", "edit_preservation", "clip_direction", "edit_region_color")
 register_lazy("mmrl.rewards.image.shapes_geneval", "shapes_geneval")
 
 # group-wise / pairwise rewards (a sample scored against the other samples of its group)

@@ -41,6 +41,8 @@ class RewardModel:
     differentiable: bool = False
     batch_size: int = 32
     needs_prompts: bool = False
+    unit: str = "score"  # what one score means, for plot axes (e.g. "JPEG kB", "1 = correct")
+    score_range: tuple[float | None, float | None] = (None, None)  # (lowest, highest) possible score; None: unbounded
 
     def __call__(self, images: Any = None, prompts: Sequence[str] | None = None,
                  metadata: Sequence[dict] | None = None, completions: Sequence[str] | None = None) -> RewardOutput:
@@ -55,6 +57,10 @@ class RewardModel:
             return self._chunked(n, lambda s: self.score_texts(list(completions[s]),
                                                               None if metadata is None else list(metadata[s]),
                                                               None if prompts is None else list(prompts[s])))
+        if images is not None and not isinstance(images, torch.Tensor):
+            images = to_image_list(images)
+            if len({tuple(t.shape) for t in images}) > 1:  # mixed sizes: each size is its own batch
+                return score_by_size(self, images, prompts, metadata)
         images, prompts, metadata = self._image_inputs(images, prompts, metadata)
         n = images.shape[0]
         return self._chunked(n, lambda s: self.score_images(images[s],
@@ -113,6 +119,35 @@ def concat_outputs(outs: list[RewardOutput]) -> RewardOutput:
         else:
             details[key] = vals[-1]
     return RewardOutput(scores, details)
+
+
+def score_by_size(reward: Any, images: list[torch.Tensor], prompts: Sequence[str] | None,
+                  metadata: Sequence[dict] | None) -> RewardOutput:
+    """`reward` on images of different sizes (CHW tensors): one call per size, results back in input order
+    (scores and per-sample details; other details come from the last call)."""
+    n = len(images)
+    name = getattr(reward, "name", "reward")
+    prompts, metadata = _check_len(prompts, n, "prompts", name), _check_len(metadata, n, "metadata", name)
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(images):
+        groups.setdefault(tuple(t.shape), []).append(i)
+    outs, order = [], []
+    for idx in groups.values():
+        outs.append(reward(images=torch.stack([images[i] for i in idx]),
+                           prompts=None if prompts is None else [prompts[i] for i in idx],
+                           metadata=None if metadata is None else [metadata[i] for i in idx]))
+        order += idx
+    joined = concat_outputs(outs)
+    back = torch.argsort(torch.tensor(order))  # position in `joined` of input i
+    details = {}
+    for k, v in joined.details.items():
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == n:
+            details[k] = v[back.to(v.device)]
+        elif isinstance(v, list) and len(v) == n:
+            details[k] = [v[j] for j in back.tolist()]
+        else:
+            details[k] = v
+    return RewardOutput(joined.scores[back.to(joined.scores.device)], details)
 
 
 def _check_len(seq: Sequence | None, n: int, what: str, name: str):
@@ -235,6 +270,8 @@ class JpegIncompressibility(RewardModel):
 
     name = "jpeg_incompressibility"
     sign = 1.0
+    unit = "JPEG kB"
+    score_range = (0.0, None)
 
     def __init__(self, quality: int = 95, batch_size: int = 64, device: Any = None):
         self.quality = int(quality)
@@ -252,3 +289,5 @@ class JpegCompressibility(JpegIncompressibility):
 
     name = "jpeg_compressibility"
     sign = -1.0
+    unit = "-JPEG kB"
+    score_range = (None, 0.0)

@@ -1,12 +1,15 @@
 """`mmrl reward ...` subcommands (wired into the main `mmrl` CLI by `add_reward_subparsers`).
 
     mmrl reward list
-    mmrl reward score --reward NAME_OR_YAML [--weights P] [--kw k=v ...] --images DIR_OR_FILES... \
+    mmrl reward score NAME_OR_YAML [--weights P] [--kw k=v ...] --images DIR_OR_FILES... \
                       [--prompts FILE] [--out scores.csv|scores.jsonl|DIR] [--on-error skip|raise] \
                       [--batch-size N] [--max-pixels N] [--device auto]
-    mmrl reward score --reward geo3k --prompts answers.jsonl       # text rewards: rows with a 'completion'
+    mmrl reward score geo3k --prompts answers.jsonl                # text rewards: rows with a 'completion'
     mmrl reward serve NAME_OR_YAML [--weights P] [--kw k=v ...] [--host 127.0.0.1] --port P [--max-batch N] \
                       [--max-pixels N] [--max-request-pixels N] [--read-timeout S] [--token T]
+
+Both name the reward the same way, first. `score --reward NAME` (the earlier spelling) still works and prints a
+deprecation note.
 
 `--prompts` is a text file (one prompt per line; blank lines skipped) or a ``.jsonl`` file whose rows hold
 ``prompt`` and optionally ``metadata`` (an object; without it, the row's other keys are the metadata) and
@@ -29,6 +32,7 @@ import csv
 import importlib
 import json
 import math
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -56,7 +60,8 @@ def add_reward_subparsers(subparsers: argparse._SubParsersAction) -> argparse.Ar
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("score", help="score images (and prompts) with a reward, write a CSV")
-    p.add_argument("--reward", required=True, help="registered name or a YAML file with a {name: weight} mapping")
+    p.add_argument("reward", nargs="?", help="registered name or a YAML file with a {name: weight} mapping")
+    p.add_argument("--reward", dest="reward_option", help=argparse.SUPPRESS)  # deprecated spelling of the above
     _add_load_args(p)
     p.add_argument("--images", nargs="+", metavar="DIR_OR_FILE",
                    help="image files and/or directories (their images, sorted by name); "
@@ -282,6 +287,14 @@ def cmd_list(args: argparse.Namespace) -> int:
 @_exit_on_error
 def cmd_score(args: argparse.Namespace) -> int:
     """Score images (or, for text rewards, the .jsonl completions) and write path,prompt,score(,details) rows."""
+    if getattr(args, "reward_option", None) is not None:
+        if args.reward is not None and args.reward != args.reward_option:
+            _fail(f"two rewards given: {args.reward!r} and --reward {args.reward_option!r}; give one")
+        args.reward = args.reward_option
+        print(f"mmrl reward: note: `--reward NAME` is deprecated; write `mmrl reward score {args.reward} ...` (the "
+              f"reward first, as `mmrl reward serve {args.reward}`)", file=sys.stderr)
+    if not args.reward:
+        _fail("which reward? mmrl reward score NAME_OR_YAML --images ... (mmrl reward list shows the names)")
     paths = collect_images(args.images) if args.images else None
     prompts = metadata = completions = None
     if args.prompts:
@@ -398,7 +411,8 @@ def _score_to(f, fmt: str, args: argparse.Namespace, reward, paths, prompts, met
     skipped: list[str] = []
     total = 0.0
     where = f" -> {out_path}" if out_path is not None else ""
-    bar = tqdm(total=n, desc=f"reward {args.reward}", unit="sample", disable=args.no_progress, file=sys.stderr)
+    bar = tqdm(total=n, desc=f"reward {args.reward}", unit="sample", file=sys.stderr,
+               disable=args.no_progress or os.environ.get("MMRL_NO_PROGRESS") == "1")
     try:
         for start in range(0, n, args.batch_size):
             idx = list(range(start, min(n, start + args.batch_size)))

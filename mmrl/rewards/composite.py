@@ -23,7 +23,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from mmrl.rewards.base import RewardModel, RewardOutput, load, register, to_image_tensor
+from mmrl.rewards.base import (RewardModel, RewardOutput, load, register, score_by_size, to_image_list,
+                               to_image_tensor)
 
 NORMALIZE_MODES = ("none", "batch")
 
@@ -115,7 +116,10 @@ class CompositeReward(RewardModel):
     def __call__(self, images: Any = None, prompts: Sequence[str] | None = None,
                  metadata: Sequence[dict] | None = None, completions: Sequence[str] | None = None) -> RewardOutput:
         if images is not None and not isinstance(images, torch.Tensor) and "image" in self.kinds.values():
-            images = to_image_tensor(images)  # decode once, not once per component
+            images = to_image_list(images)  # decode once, not once per component
+            if len({tuple(t.shape) for t in images}) > 1:  # mixed sizes: each size is its own batch
+                return score_by_size(self, images, prompts, metadata)
+            images = torch.stack(images) if images else to_image_tensor([])
         raw: dict[str, RewardOutput] = {}
         for key, comp in self.components.items():
             if comp.kind == "text":

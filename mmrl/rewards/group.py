@@ -105,6 +105,8 @@ class GroupRank(GroupRewardModel):
     (the other kwargs load the scorer; `scorer`, not `reward`, so the spec fits in a composite's mapping)."""
 
     name = "group_rank"
+    unit = "rank within the group"
+    score_range = (0.0, 1.0)
 
     def __init__(self, scorer: Any = "pickscore", device: Any = None, **scorer_kwargs: Any):
         self.base = load(scorer, **({"device": device} if device is not None else {}), **scorer_kwargs)
@@ -229,6 +231,8 @@ class PairwiseWinRate(GroupRewardModel):
     load("pairwise_winrate", judge="vlm_pairwise", base_url=..., model=...) or judge="bradley_terry", scorer=..."""
 
     name = "pairwise_winrate"
+    unit = "win rate within the group"
+    score_range = (0.0, 1.0)
 
     def __init__(self, judge: str = "bradley_terry", both_orders: bool = False, device: Any = None,
                  **judge_kwargs: Any):

@@ -41,10 +41,21 @@ def available() -> list[str]:
     return sorted(set(_REGISTRY) | set(_LAZY))
 
 
+def lookup(name: str) -> Any:
+    """The class (or factory) registered under `name`, importing its module on first use; None when unknown."""
+    if name not in _REGISTRY and name in _LAZY:
+        importlib.import_module(_LAZY[name])
+    return _REGISTRY.get(name)
+
+
 def create(name: str, **kwargs: Any) -> Any:
     """The reward registered under `name`, built with `kwargs`; unknown name -> ValueError listing the valid ones."""
     if name not in _REGISTRY and name in _LAZY:
         importlib.import_module(_LAZY[name])
+    if name not in _REGISTRY and name.startswith("python:"):
+        raise ValueError(f"reward '{name}' was a Python function passed to mmrl.Trainer; it exists only while that "
+                         f"Trainer runs: train or evaluate through mmrl.Trainer with the function, or name a zoo reward "
+                         f"({available()})")
     if name not in _REGISTRY:
         raise ValueError(f"unknown reward '{name}'; available: {available()}")
     return _REGISTRY[name](**kwargs)
@@ -57,6 +68,8 @@ def reward_arguments(name: str) -> list[str] | None:
 
     if name not in _REGISTRY and name in _LAZY:
         importlib.import_module(_LAZY[name])
+    if name not in _REGISTRY and name.startswith("python:"):
+        return None  # a function given to mmrl.Trainer (registered while it runs): a run's config.yaml still loads
     if name not in _REGISTRY:
         raise ValueError(f"unknown reward '{name}'; available: {available()}")
     obj = _REGISTRY[name]

@@ -210,6 +210,8 @@ class TextReward(RewardModel):
     kind = "text"
     needs_ground_truth = True
     batch_size = 1024
+    unit = "1 = correct"
+    score_range = (0.0, 1.0)
 
     def __init__(self, answer_key: str | None = None, device: Any = None):
         self.answer_key = answer_key

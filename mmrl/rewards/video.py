@@ -155,6 +155,8 @@ class TemporalConsistency(VideoRewardModel):
     """Mean cosine similarity of adjacent frames' features (see the module docstring)."""
 
     name = "temporal_consistency"
+    unit = "adjacent-frame cosine similarity"
+    score_range = (-1.0, 1.0)
 
     def __init__(self, features: str = "pixels", weights: Any = None, processor: Any = None, size: int = 32,
                  batch_size: int = 8, device: Any = None):
@@ -202,6 +204,8 @@ class MotionAmount(VideoRewardModel):
     """Mean absolute change between adjacent frames, in [0, 1] (see the module docstring)."""
 
     name = "motion_amount"
+    unit = "mean frame-to-frame change"
+    score_range = (0.0, 1.0)
 
     def __init__(self, batch_size: int = 8, device: Any = None):
         self.batch_size = int(batch_size)

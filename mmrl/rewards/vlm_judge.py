@@ -28,7 +28,7 @@ import torch
 from mmrl.rewards.base import RewardModel, RewardOutput, register
 from mmrl.rewards.remote import RemoteRewardError, encode_image_base64, request_json
 
-__all__ = ["VLMJudge", "DEFAULT_JUDGE_PROMPT", "parse_final_score"]
+__all__ = ["VLMJudge", "VLMEditJudge", "DEFAULT_JUDGE_PROMPT", "DEFAULT_EDIT_JUDGE_PROMPT", "parse_final_score"]
 
 # Own wording of the UnifiedReward pointwise protocol (alignment + quality, "Final Score" on 1-5).
 DEFAULT_JUDGE_PROMPT = (
@@ -72,6 +72,8 @@ class VLMJudge(RewardModel):
     """VLM judge over an OpenAI-compatible chat API: UnifiedReward-style 'Final Score: x' (1-5) -> x/5."""
 
     name = "vlm_judge"
+    unit = "judge score / max score"
+    score_range = (0.0, 1.0)
     needs_prompts = True
 
     def __init__(self, base_url: str, model: str, api_key: str | None = None, api_key_env: str = "OPENAI_API_KEY",
@@ -98,12 +100,14 @@ class VLMJudge(RewardModel):
         self.extra_body = dict(extra_body or {})
         self.batch_size = int(batch_size)
 
-    def request_body(self, image: torch.Tensor, prompt: str) -> dict:
-        """The chat-completions request for one image (image first, then the instruction)."""
+    def request_body(self, image: torch.Tensor, prompt: str, source: torch.Tensor | None = None) -> dict:
+        """The chat-completions request for one image (image first, then the instruction); with `source` (edit
+        judging) the source image comes first, then the edited one."""
+        images = [image] if source is None else [source, image]
         return {
             "model": self.model,
             "messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": encode_image_base64(image, data_url=True)}},
+                *({"type": "image_url", "image_url": {"url": encode_image_base64(im, data_url=True)}} for im in images),
                 {"type": "text", "text": self.prompt_template.format(prompt=prompt)},
             ]}],
             "max_tokens": self.max_tokens,
@@ -111,10 +115,10 @@ class VLMJudge(RewardModel):
             **self.extra_body,
         }
 
-    def _judge(self, image: torch.Tensor, prompt: str) -> tuple[float, float, str, str]:
+    def _judge(self, image: torch.Tensor, prompt: str, source: torch.Tensor | None = None) -> tuple[float, float, str, str]:
         """(score in [0,1], raw score or nan, reply text, parse error or "")."""
         try:
-            reply = request_json(self.url, self.request_body(image, prompt), timeout=self.timeout,
+            reply = request_json(self.url, self.request_body(image, prompt, source), timeout=self.timeout,
                                  retries=self.retries, backoff=self.backoff, headers=self.headers)
             text = _reply_text(reply)
         except (RemoteRewardError, ValueError) as exc:
@@ -130,6 +134,45 @@ class VLMJudge(RewardModel):
         prompts = prompts if prompts is not None else [""] * images.shape[0]
         with ThreadPoolExecutor(max_workers=min(self.max_workers, images.shape[0])) as pool:
             results = list(pool.map(self._judge, images.unbind(0), prompts))
+        scores = torch.tensor([r[0] for r in results], dtype=torch.float32)
+        return RewardOutput(scores, {
+            "raw_score": torch.tensor([r[1] for r in results], dtype=torch.float32),
+            "response": [r[2] for r in results],
+            "parse_error": [r[3] for r in results],
+        })
+
+
+# Own wording of an edit-judging protocol (instruction following + preservation + quality, "Final Score" on 1-5),
+# in the spirit of the edit judges the anchors use (RationalRewards-Edit, EditReward): the judge sees both images.
+DEFAULT_EDIT_JUDGE_PROMPT = (
+    "The first image is a source image; the second is the result of editing it with the instruction below. Judge "
+    "the edit on three things:\n"
+    "1. Instruction following: does the second image make exactly the change the instruction asks for?\n"
+    "2. Preservation: is everything the instruction does not mention unchanged from the source image?\n"
+    "3. Quality: is the edited image sharp and coherent, free of artifacts?\n"
+    "First say for each point what you see. Then give one overall score from 1 (poor) to 5 (excellent) on the last "
+    "line, written exactly as 'Final Score: X'.\n"
+    "Instruction: {prompt}"
+)
+
+
+@register("vlm_edit_judge")
+class VLMEditJudge(VLMJudge):
+    """VLM judge of an edit: the source image (metadata["source_image"]), the edited image and the instruction go
+    to the judge; 'Final Score: x' (1-5) -> x/5. Options as `vlm_judge`."""
+
+    name = "vlm_edit_judge"
+
+    def __init__(self, base_url: str, model: str, prompt_template: str = DEFAULT_EDIT_JUDGE_PROMPT, **kwargs):
+        super().__init__(base_url, model, prompt_template=prompt_template, **kwargs)
+
+    def score_images(self, images, prompts, metadata):
+        from mmrl.rewards.image.edit import source_and_mask
+
+        sources, _ = source_and_mask(metadata, images, self.name)
+        prompts = prompts if prompts is not None else [""] * images.shape[0]
+        with ThreadPoolExecutor(max_workers=min(self.max_workers, images.shape[0])) as pool:
+            results = list(pool.map(self._judge, images.unbind(0), prompts, sources.unbind(0)))
         scores = torch.tensor([r[0] for r in results], dtype=torch.float32)
         return RewardOutput(scores, {
             "raw_score": torch.tensor([r[1] for r in results], dtype=torch.float32),

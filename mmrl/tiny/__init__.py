@@ -15,7 +15,8 @@ What is simplified away: the weights are random (see ``CALIBRATION.md``), the vo
 few hundred to a thousand tokens instead of 49k-152k.
 
 Modules: ``vocab.py`` (corpus, BPE, tokenizers), ``components.py`` (shared encoders and helpers),
-``diffusion_models.py`` (SD3, FLUX), ``family_models.py`` (Wan, Z-Image, FLUX.2 [dev] / [klein]),
+``diffusion_models.py`` (SD3, FLUX, FLUX Kontext), ``qwen_image_models.py`` (Qwen-Image, -Edit, -Edit Plus),
+``family_models.py`` (Wan, Z-Image, FLUX.2 [dev] / [klein]),
 ``vlm_models.py`` (Qwen2/2.5/3-VL), ``clip_models.py`` (CLIP, open_clip);
 every name is importable from ``mmrl.tiny``.
 """
@@ -33,12 +34,17 @@ from mmrl.tiny.clip_models import (  # noqa: F401
     load_open_clip,
 )
 from mmrl.tiny.components import count_parameters  # noqa: F401
-from mmrl.tiny.diffusion_models import build_tiny_flux, build_tiny_sd3
+from mmrl.tiny.diffusion_models import build_tiny_flux, build_tiny_flux_kontext, build_tiny_sd3
 from mmrl.tiny.family_models import (  # noqa: F401
     build_tiny_flux2,
     build_tiny_flux2_klein,
     build_tiny_wan,
     build_tiny_z_image,
+)
+from mmrl.tiny.qwen_image_models import (  # noqa: F401
+    build_tiny_qwen_image,
+    build_tiny_qwen_image_edit,
+    build_tiny_qwen_image_edit_plus,
 )
 from mmrl.tiny.vlm_models import (  # noqa: F401
     QWEN_MAX_PIXELS,
@@ -71,6 +77,10 @@ from mmrl.tiny.vocab import (  # noqa: F401
 BUILDERS = {
     "sd3": build_tiny_sd3,
     "flux": build_tiny_flux,
+    "flux_kontext": build_tiny_flux_kontext,
+    "qwen_image": build_tiny_qwen_image,
+    "qwen_image_edit": build_tiny_qwen_image_edit,
+    "qwen_image_edit_plus": build_tiny_qwen_image_edit_plus,
     "wan": build_tiny_wan,
     "z_image": build_tiny_z_image,
     "flux2": build_tiny_flux2,
@@ -92,3 +102,19 @@ def build_all(root, seed: int = 0, vlm_head_dim: int = 16) -> dict[str, Path]:
     with_head = {"qwen2_vl", "qwen25_vl"}
     return {name: build(root / name, seed=seed, **({"head_dim": vlm_head_dim} if name in with_head else {}))
             for name, build in BUILDERS.items()}
+
+
+# The tiny pipeline of every diffusion model family, by the pipeline class `load_flow_model` registers it under
+# (mmrl.diffusion.models.MODEL_FAMILIES): what the family tests and `benchmarks/families.py` build.
+FAMILY_BUILDERS = {
+    "StableDiffusion3Pipeline": build_tiny_sd3,
+    "FluxPipeline": build_tiny_flux,
+    "FluxKontextPipeline": build_tiny_flux_kontext,
+    "QwenImagePipeline": build_tiny_qwen_image,
+    "QwenImageEditPipeline": build_tiny_qwen_image_edit,
+    "QwenImageEditPlusPipeline": build_tiny_qwen_image_edit_plus,
+    "WanPipeline": build_tiny_wan,
+    "ZImagePipeline": build_tiny_z_image,
+    "Flux2Pipeline": build_tiny_flux2,
+    "Flux2KleinPipeline": build_tiny_flux2_klein,
+}

@@ -1,4 +1,5 @@
-"""Tiny diffusion pipelines: ``StableDiffusion3Pipeline`` and ``FluxPipeline`` (FLUX.1-dev layout)."""
+"""Tiny diffusion pipelines: ``StableDiffusion3Pipeline``, ``FluxPipeline`` (FLUX.1-dev layout) and
+``FluxKontextPipeline`` (FLUX.1 Kontext-dev layout)."""
 
 from __future__ import annotations
 
@@ -57,26 +58,41 @@ def build_tiny_flux(path, seed: int = 0) -> Path:
     32 = CLIP hidden, ``guidance_embeds=True`` like FLUX.1-dev (the guidance-distilled model RL papers
     fine-tune; pass ``guidance_scale``). Scheduler: FLUX.1-dev's dynamic-shift flow-matching Euler.
     """
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers import FluxPipeline
 
     path = _prepare_dir(path)
+    FluxPipeline(**_flux_parts(seed)).save_pretrained(path)
+    return path
+
+
+@side_effect_free
+def build_tiny_flux_kontext(path, seed: int = 0) -> Path:
+    """Tiny ``FluxKontextPipeline`` (FLUX.1 Kontext-dev layout: the FLUX.1-dev parts, the source image's latents
+    appended to the sequence) at ``path``; the same sizes as :func:`build_tiny_flux`, no image encoder."""
+    from diffusers import FluxKontextPipeline
+
+    path = _prepare_dir(path)
+    FluxKontextPipeline(**_flux_parts(seed)).save_pretrained(path)
+    return path
+
+
+def _flux_parts(seed: int, vae=None, num_layers: int = 1, num_single_layers: int = 1, heads: int = 2) -> dict:
+    """The components of a tiny FLUX.1 pipeline (keyword arguments of FluxPipeline / FluxKontextPipeline)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+
     tok, t5_tok = _load_tokenizer("clip"), _load_tokenizer("t5")
     seed_weights(seed)
     transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
-        axes_dims_rope=(4, 6, 6),
+        patch_size=1, in_channels=16, num_layers=num_layers, num_single_layers=num_single_layers,
+        attention_head_dim=16, num_attention_heads=heads, joint_attention_dim=32, pooled_projection_dim=32,
+        guidance_embeds=True, axes_dims_rope=(4, 6, 6),
     )
-    # source: black-forest-labs/FLUX.1-dev scheduler/scheduler_config.json
+    # source: black-forest-labs/FLUX.1-dev scheduler/scheduler_config.json (Kontext-dev ships the same)
     scheduler = FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
         base_image_seq_len=256, max_image_seq_len=4096,
     )
-    pipe = FluxPipeline(
-        scheduler=scheduler, vae=_tiny_vae(seed + 1),
-        text_encoder=_tiny_clip_text(tok, seed + 2, 32, None, with_projection=False), tokenizer=tok,
-        text_encoder_2=_tiny_t5_encoder(t5_tok, seed + 3, d_model=32), tokenizer_2=t5_tok,
-        transformer=transformer,
-    )
-    pipe.save_pretrained(path)
-    return path
+    return dict(scheduler=scheduler, vae=vae if vae is not None else _tiny_vae(seed + 1),
+                text_encoder=_tiny_clip_text(tok, seed + 2, 32, None, with_projection=False), tokenizer=tok,
+                text_encoder_2=_tiny_t5_encoder(t5_tok, seed + 3, d_model=32), tokenizer_2=t5_tok,
+                transformer=transformer)

@@ -6,6 +6,7 @@ byte for byte.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Iterable
@@ -209,11 +210,66 @@ def make_qwen_tokenizer():
     return tok
 
 
+# The prompt templates of diffusers' Qwen-Image pipelines. The pipelines drop a fixed number of leading tokens of
+# the text encoder's output (34 for text-to-image, 64 for the edit pipelines): the real Qwen2 tokenizer turns the
+# template's system turn into exactly that many tokens, so a tiny tokenizer must too, or template tokens leak into
+# the prompt embeddings. Every pre-token of these texts becomes one token of the `qwen_image` tokenizer.
+# source: diffusers 0.42 pipelines/qwenimage/pipeline_qwenimage.py, pipeline_qwenimage_edit.py,
+# pipeline_qwenimage_edit_plus.py (`prompt_template_encode`)
+QWEN_IMAGE_TEMPLATE_TEXTS = [
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
+    "relationships of the objects and background:<|im_end|>\n<|im_start|>user\n",
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+    "background), then explain how the user's text instruction should alter or modify the image. Generate a new "
+    "image that meets the user's requirements while maintaining consistency with the original input where "
+    "appropriate.<|im_end|>\n<|im_start|>user\n",
+    "Picture 1: ", "<|im_end|>\n<|im_start|>assistant\n",
+]
+# edit instructions of the synthetic shapes edit task ("make the circle red", ...)
+EDIT_WORDS = ["make", "turn", "change", "paint", "recolor", "recolour", "into", "keep", "everything", "else",
+              "edit", "instruction", "Make", "Turn", "Change", "Paint"]
+
+
+def _qwen_pre_tokens(tok, text: str) -> list[str]:
+    """`text` split as the Qwen2 tokenizer splits it before BPE: special tokens out, then the Qwen2 regex
+    pre-tokenizer; byte-level strings (spaces as 'Ġ')."""
+    pieces = re.split("(" + "|".join(re.escape(t) for t in QWEN_SPECIAL_TOKENS) + ")", text)
+    pre = tok.backend_tokenizer.pre_tokenizer
+    return [p for piece in pieces if piece and piece not in QWEN_SPECIAL_TOKENS
+            for p, _ in pre.pre_tokenize_str(piece)]
+
+
+def make_qwen_image_tokenizer():
+    """The Qwen2-style tokenizer of the tiny Qwen-Image pipelines: ``make_qwen_tokenizer``'s corpus plus every
+    pre-token of ``QWEN_IMAGE_TEMPLATE_TEXTS`` and the edit words as single tokens, so the templates' system turns
+    tokenize to the 34 / 64 tokens the pipelines drop (as the real tokenizer's do)."""
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+
+    b2u = _bytes_to_unicode()
+    forms = [w for w in CORPUS_WORDS + EDIT_WORDS] + [" " + w for w in CORPUS_WORDS + EDIT_WORDS]
+    forms += [x.capitalize() for x in CAPITALISED] + [" " + x.capitalize() for x in CAPITALISED]
+    forms += ["\n\n", " \n", ".\n", "?\n"]
+    words = [tuple(b2u[b] for b in f.encode("utf-8")) for f in forms]
+    probe = make_qwen_tokenizer()  # only its pre-tokenizer (the Qwen2 regex) is used
+    words += [tuple(p) for text in QWEN_IMAGE_TEMPLATE_TEXTS for p in _qwen_pre_tokens(probe, text)]
+    merges = train_bpe(words)
+    vocab = _vocab_from_merges([b2u[b] for b in range(256)], merges)
+    for t in QWEN_SPECIAL_TOKENS + QWEN_NORMAL_ADDED_TOKENS:
+        vocab[t] = len(vocab)
+    tok = Qwen2Tokenizer(vocab=vocab, merges=list(merges), eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                         unk_token=None, model_max_length=32768, errors="replace")
+    tok.add_special_tokens({"additional_special_tokens": QWEN_SPECIAL_TOKENS[1:]})
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN_NORMAL_ADDED_TOKENS])
+    tok.chat_template = QWEN_CHAT_TEMPLATE
+    return tok
+
+
 def build_tokenizer_assets(root: str | os.PathLike = ASSETS_DIR) -> Path:
-    """(Re)generate ``clip/``, ``t5/`` and ``qwen/`` tokenizer files under ``root``; returns root."""
+    """(Re)generate ``clip/``, ``t5/``, ``qwen/`` and ``qwen_image/`` tokenizer files under ``root``; returns root."""
     root = Path(root)
     for name, make in (("clip", make_clip_tokenizer), ("t5", make_t5_tokenizer),
-                       ("qwen", make_qwen_tokenizer)):
+                       ("qwen", make_qwen_tokenizer), ("qwen_image", make_qwen_image_tokenizer)):
         out = root / name
         if out.exists():
             shutil.rmtree(out)
@@ -228,5 +284,6 @@ def _load_tokenizer(name: str):
     d = ASSETS_DIR / name
     if (d / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(d)
-    make = {"clip": make_clip_tokenizer, "t5": make_t5_tokenizer, "qwen": make_qwen_tokenizer}[name]
+    make = {"clip": make_clip_tokenizer, "t5": make_t5_tokenizer, "qwen": make_qwen_tokenizer,
+            "qwen_image": make_qwen_image_tokenizer}[name]
     return make()

@@ -11,6 +11,7 @@ from typing import Any, Callable
 def start_run(cfg: Any, global_sizes: dict[str, int] | None = None):
     """(DistContext, Run) for a recipe config with a `dist:` section, under torchrun / accelerate or plain python.
 
+    `dist.strategy: auto` becomes `ddp` when several processes were launched, `none` in one (printed by rank 0).
     Checks: several processes with `dist.strategy: none` is an error (the ranks would train apart silently); every
     global size in `global_sizes` (config key -> value) must be divisible by the number of processes. Rank 0
     takes the run directory's lock (`mmrl.run_lock`), creates it and writes config.yaml first; the other ranks then
@@ -22,11 +23,17 @@ def start_run(cfg: Any, global_sizes: dict[str, int] | None = None):
     from mmrl.runtime import Run, RunError, tune_malloc
 
     tune_malloc()
+    hide_hf_progress_bars()
     ctx = DistContext.init(cfg.dist.backend)
     try:
         if ctx.enabled and cfg.dist.strategy == "none":
-            raise ValueError(f"{ctx.world_size} processes were launched but dist.strategy is 'none': add "
-                             f"dist.strategy=ddp (gradients are then averaged across processes)")
+            raise ValueError(f"{ctx.world_size} processes were launched but dist.strategy is 'none': use "
+                             f"dist.strategy=auto or ddp (gradients are then averaged across processes)")
+        if cfg.dist.strategy == "auto":  # as accelerate / TRL: several launched processes mean data parallel
+            cfg.dist.strategy = ctx.resolve_strategy("auto")
+            if ctx.is_main:
+                n = f"{ctx.world_size} processes launched" if ctx.enabled else "one process"
+                print(f"[mmrl] dist.strategy: auto -> {cfg.dist.strategy} ({n})", flush=True)
         for key, n in (global_sizes or {}).items():
             if n % ctx.world_size:
                 raise ValueError(f"{key}={n} (global, over all processes) must be divisible by the number of "
@@ -53,6 +60,25 @@ def start_run(cfg: Any, global_sizes: dict[str, int] | None = None):
     if ctx.enabled:
         run.device = ctx.device  # cuda:LOCAL_RANK (models and rewards load there)
     return ctx, run
+
+
+def hide_hf_progress_bars() -> None:
+    """With MMRL_NO_PROGRESS=1 the loading bars of diffusers, transformers and huggingface_hub are off too."""
+    if os.environ.get("MMRL_NO_PROGRESS") != "1":
+        return
+    import importlib
+
+    for module in ("diffusers.utils.logging", "transformers.utils.logging"):
+        try:
+            importlib.import_module(module).disable_progress_bar()
+        except ImportError:  # pragma: no cover - both are dependencies
+            pass
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    except ImportError:  # pragma: no cover
+        pass
 
 
 def merge_rank_lists(ctx: Any, lists: dict[str, list]) -> dict[str, list]:

@@ -86,10 +86,10 @@ def check_config(cfg: Any) -> None:
         ShapesQA(d, cfg.seed).item(0)  # a dry draw: bad colours, counts, sizes fail now, not after the model load
     else:  # geo3k
         if not d.path:
-            raise ValueError("data.path: geo3k data needs a .jsonl/.json/.parquet file")
-        require_path("data.path", d.path, "data file")
+            raise ValueError("data.path: geo3k data needs a .jsonl/.json/.parquet file or a save_to_disk directory")
+        require_path("data.path", d.path, "data file", kind="data")
         if d.val_path:
-            require_path("data.val_path", d.val_path, "data file")
+            require_path("data.val_path", d.val_path, "data file", kind="data")
         if d.image_root:
             require_path("data.image_root", d.image_root, "image folder", kind="dir")
 

@@ -251,7 +251,8 @@ def train(cfg: Config) -> dict:
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         eos_id = tok.convert_tokens_to_ids("<|im_end|>")
         use_ref = algo.kl.coef > 0
-        lora = peft_lora_config(cfg.model.lora, lora_dropout=0.0, bias="none")
+        lora = peft_lora_config(cfg.model.lora, lora_dropout=0.0, bias="none",
+                                base_model_name_or_path=str(Path(cfg.model.path).resolve()))
         states = PolicyStates(model, lora, old=False, **({"keep_ref_copy": use_ref} if lora is None else {}))
         if fsdp:  # shard the decoder layers (the vision tower stays in the root unit: text-only and image forwards
             # then run the same collectives), follow the shards, and build the optimizer from them (below)

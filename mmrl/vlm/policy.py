@@ -58,7 +58,7 @@ def build_policy(m: Any, device: torch.device, dtype: torch.dtype, keep_ref: boo
         pattern += "|" + VISION_LORA_PATTERN
     init: Any = {"true": True, "false": False}.get(str(m.lora.init).lower(), m.lora.init)
     lora = LoraConfig(r=m.lora.rank, lora_alpha=m.lora.alpha, target_modules=pattern, lora_dropout=0.0,
-                      init_lora_weights=init)
+                      init_lora_weights=init, base_model_name_or_path=str(path.resolve()))
     return PolicyStates(model, lora), processor
 
 

@@ -189,7 +189,8 @@ class HFRolloutEngine:
         # 1. prefill each distinct prompt once (vision tower included)
         batch, P, _ = collate(model, [e.input_ids for e in enc], [[] for _ in enc], [e.mm for e in enc], self.pad_id)
         out = model(**batch, use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values
+        cache_kw = cache_argument(model)
+        cache = returned_cache(out, cache_kw)
         # 2. copy it to the n samples of each prompt
         rows = torch.repeat_interleave(torch.arange(len(enc), device=device), torch.tensor(ns, device=device))
         cache.batch_select_indices(rows)
@@ -248,9 +249,9 @@ class HFRolloutEngine:
                 self.step_sync(True)
             attn = torch.cat([attn, torch.ones(N, 1, dtype=attn.dtype, device=device)], 1)
             pos = (next_pos + t).view(1, N, 1).expand(3, N, 1)
-            out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos, past_key_values=cache,
-                        use_cache=True)
-            cache = out.past_key_values
+            out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos, use_cache=True,
+                        **{cache_kw: cache})
+            cache = returned_cache(out, cache_kw)
             logits = out.logits[:, -1]
         results = []
         tokens, lp_model, lp_samp, length = tokens.cpu(), lp_model.cpu(), lp_samp.cpu(), length.cpu()
@@ -276,9 +277,25 @@ class HFRolloutEngine:
         while t < max_new_tokens - 1 and self.step_sync(False):
             attn = torch.cat([attn, torch.ones(N, 1, dtype=attn.dtype, device=device)], 1)
             pos = (next_pos + t).view(1, N, 1).expand(3, N, 1)
-            cache = model(input_ids=pad, attention_mask=attn, position_ids=pos, past_key_values=cache,
-                          use_cache=True).past_key_values
+            kw = cache_argument(model)
+            cache = returned_cache(model(input_ids=pad, attention_mask=attn, position_ids=pos, use_cache=True,
+                                         **{kw: cache}), kw)
             t += 1
+
+
+def cache_argument(model: Any) -> str:
+    """The forward argument that takes the KV cache: `cache` in transformers versions that renamed it, else
+    `past_key_values` (transformers deprecates that name, with removal in 5.40, and warns on every use). Read from the
+    forward signature of the model itself (under a DDP / FSDP wrapper: the wrapped module)."""
+    import inspect
+
+    inner = getattr(model, "module", model)
+    return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
+
+
+def returned_cache(out: Any, name: str) -> Any:
+    """The KV cache a forward returned, read by the name `cache_argument` chose (the old attribute warns)."""
+    return out.get("cache") if name == "cache" else out.past_key_values
 
 
 ENGINES = ("hf", "vllm")

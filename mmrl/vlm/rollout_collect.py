@@ -23,7 +23,7 @@ class DataConfig:
     kind: Literal["shapes", "geo3k"] = "shapes"
     """`shapes` (synthetic scenes, exact answers, infinite, seeded) or `geo3k` (jsonl/parquet via load_visual_qa)."""
     path: str = ""
-    """geo3k: training file (.jsonl/.json/.parquet) with images/problem/answer."""
+    """geo3k: training file (.jsonl/.json/.parquet, or a datasets save_to_disk directory) with images/problem/answer."""
     val_path: str = ""
     """geo3k: optional held-out file for greedy eval accuracy (first `eval_size` rows)."""
     image_root: str = ""
@@ -64,7 +64,7 @@ def build_data(cfg: Any) -> tuple[Any, list[VQAItem]]:
         return ShapesQA(d, cfg.seed), ShapesQA(d, cfg.seed + 7919).next(d.eval_size)
     if d.kind == "geo3k":
         if not d.path:
-            raise ValueError("data.path: geo3k data needs a .jsonl/.json/.parquet file")
+            raise ValueError("data.path: geo3k data needs a .jsonl/.json/.parquet file or a save_to_disk directory")
         kw = dict(image_root=d.image_root or None, template=d.template, on_error=d.on_error)
         items = load_visual_qa(d.path, limit=d.limit or None, **kw)
         evals = load_visual_qa(d.val_path, limit=d.eval_size, **kw) if d.val_path and d.eval_size else []

@@ -45,6 +45,22 @@ def tiny_flux_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_family(tmp_path_factory):
+    """`tiny_family("QwenImagePipeline")` -> the path of that family's tiny pipeline (`mmrl.tiny.FAMILY_BUILDERS`),
+    built once per session."""
+    from mmrl.tiny import FAMILY_BUILDERS
+
+    built = {}
+
+    def get(class_name):
+        if class_name not in built:
+            built[class_name] = FAMILY_BUILDERS[class_name](tmp_path_factory.mktemp(class_name) / "pipe")
+        return built[class_name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def tiny_wan_path(tmp_path_factory):
     from mmrl.tiny.family_models import build_tiny_wan
 

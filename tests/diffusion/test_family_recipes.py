@@ -1,15 +1,22 @@
 """Every diffusion recipe (Flow-GRPO, DiffusionNFT, AWM, online DPO) on every model family: 2 steps of training,
-then a run interrupted after step 1 and resumed gives the same metrics as the uninterrupted one, with LoRA and with
-full fine-tuning. Video families train on [B, C, F, h, w] latents with video rewards through the same code."""
+then a run interrupted after step 1 and resumed gives the same metrics and weights as the uninterrupted one, with
+LoRA and with full fine-tuning; 2-rank DDP (torchrun) for Qwen-Image. Video families train on [B, C, F, h, w]
+latents with video rewards, edit families on shapes edit rows with edit rewards, through the same code.
+
+FAMILIES below is the one list of families the recipes are tested on: a family registered in
+`mmrl.diffusion.models` and missing here fails `test_every_registered_family_is_tested`."""
 
 import importlib
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
+from safetensors.torch import load_file
 
 from mmrl.config import load_config
-from mmrl.testing import RESUMED_RUN, assert_same_path, metrics_rows, without_time
+from mmrl.diffusion.models import available_families
+from mmrl.testing import RESUMED_RUN, assert_same_path, child_env, metrics_rows, run_torchrun, without_time
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = str(REPO / "assets" / "prompts" / "shapes_train.txt")
@@ -17,15 +24,33 @@ PROMPTS = str(REPO / "assets" / "prompts" / "shapes_train.txt")
 IMAGE_REWARD = {"jpeg_compressibility": 1.0}
 VIDEO_REWARD = {"motion_amount": 1.0,
                 "frames": {"reward": "video_frames", "image_reward": "jpeg_compressibility", "weight": 0.1}}
+EDIT_REWARD = {"edit_region_color": 1.0, "edit_preservation": 0.5}  # read the source image and mask of each row
 
-# family -> (tiny checkpoint fixture, rollout settings, reward). Sizes are the smallest each latent grid takes.
+# family -> (pipeline class, tiny checkpoint fixture (a path, or `tiny_family` called with the class), rollout
+# settings, reward). Sizes are the smallest each latent grid takes; edit families (EDIT_REWARD) train on edit rows.
 FAMILIES = {
-    "wan21": ("tiny_wan_path", {"height": 32, "width": 32, "num_frames": 5, "guidance_scale": 3.0}, VIDEO_REWARD),
-    "wan22_a14b": ("tiny_wan22_path", {"height": 32, "width": 32, "num_frames": 5, "guidance_scale": 3.0},
-                   VIDEO_REWARD),
-    "z_image": ("tiny_z_image_path", {"height": 32, "width": 32, "guidance_scale": 2.0}, IMAGE_REWARD),
-    "flux2": ("tiny_flux2_path", {"height": 32, "width": 32, "guidance_scale": 3.5}, IMAGE_REWARD),
-    "flux2_klein": ("tiny_flux2_klein_path", {"height": 32, "width": 32, "guidance_scale": 3.0}, IMAGE_REWARD),
+    "sd3": ("StableDiffusion3Pipeline", "tiny_sd3_path", {"height": 64, "width": 64, "guidance_scale": 1.0},
+            IMAGE_REWARD),
+    "flux": ("FluxPipeline", "tiny_flux_path", {"height": 64, "width": 64, "guidance_scale": 3.5}, IMAGE_REWARD),
+    "wan21": ("WanPipeline", "tiny_wan_path", {"height": 32, "width": 32, "num_frames": 5, "guidance_scale": 3.0},
+              VIDEO_REWARD),
+    "wan22_a14b": ("WanPipeline", "tiny_wan22_path",
+                   {"height": 32, "width": 32, "num_frames": 5, "guidance_scale": 3.0}, VIDEO_REWARD),
+    "z_image": ("ZImagePipeline", "tiny_z_image_path", {"height": 32, "width": 32, "guidance_scale": 2.0},
+                IMAGE_REWARD),
+    "flux2": ("Flux2Pipeline", "tiny_flux2_path", {"height": 32, "width": 32, "guidance_scale": 3.5}, IMAGE_REWARD),
+    "flux2_klein": ("Flux2KleinPipeline", "tiny_flux2_klein_path", {"height": 32, "width": 32, "guidance_scale": 3.0},
+                    IMAGE_REWARD),
+    # true CFG with the norm rescale
+    "qwen_image": ("QwenImagePipeline", "tiny_family", {"height": 32, "width": 32, "guidance_scale": 4.0},
+                   IMAGE_REWARD),
+    "qwen_image_edit": ("QwenImageEditPipeline", "tiny_family", {"height": 32, "width": 32, "guidance_scale": 4.0},
+                        EDIT_REWARD),
+    "qwen_image_edit_plus": ("QwenImageEditPlusPipeline", "tiny_family",
+                             {"height": 32, "width": 32, "guidance_scale": 4.0}, EDIT_REWARD),
+    # guidance embedding
+    "flux_kontext": ("FluxKontextPipeline", "tiny_family", {"height": 32, "width": 32, "guidance_scale": 2.5},
+                     EDIT_REWARD),
 }
 
 RECIPES = {
@@ -37,12 +62,25 @@ RECIPES = {
 }
 
 
-def _cfg(recipe, family, path, out, lora: bool, max_steps: int):
-    _, rollout, reward = FAMILIES[family]
+@pytest.fixture(scope="module")
+def edit_file(tmp_path_factory):
+    from mmrl.pipelines.edits import make_shapes_edit_file
+
+    return make_shapes_edit_file(tmp_path_factory.mktemp("edits"), n=8, seed=1)
+
+
+def _path(family, request):
+    cls, fixture, _, _ = FAMILIES[family]
+    value = request.getfixturevalue(fixture)
+    return value(cls) if fixture == "tiny_family" else value
+
+
+def _config_dict(recipe, family, path, out, lora: bool, max_steps: int, edit_file=None) -> dict:
+    _, _, rollout, reward = FAMILIES[family]
     d = {
         "algorithm": recipe, "output_dir": str(out), "seed": 11, "device": "cpu",
         "model": {"path": str(path), "max_sequence_length": 16, "lora": {"rank": 4 if lora else 0, "alpha": 8}},
-        "data": {"train_prompts": PROMPTS},
+        "data": {"train_prompts": str(edit_file) if reward is EDIT_REWARD else PROMPTS},
         "rollout": {"prompts_per_step": 2, "num_steps": 2, "group_size": 2, "eval_num_steps": 2, **rollout},
         "train": {"max_steps": max_steps, "save_every": 1},
         "optim": {"lr": 1e-3 if lora else 1e-5},
@@ -51,32 +89,71 @@ def _cfg(recipe, family, path, out, lora: bool, max_steps: int):
     }
     for key, section in RECIPES[recipe].items():
         d[key] = {**d.get(key, {}), **section}
-    return load_config(d)
+    return d
+
+
+def _weights(out: Path, step: int) -> dict:
+    files = sorted((out / "checkpoints" / f"step_{step}" / "adapters").rglob("*.safetensors"))
+    assert files, f"no weights in {out}"
+    return {f"{f.parent.name}/{k}": v for f in files for k, v in load_file(str(f)).items()}
+
+
+def assert_resume_is_exact(full: Path, split: Path) -> list[dict]:
+    a, b = metrics_rows(full), metrics_rows(split)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
+    assert_same_path([without_time(r) for r in a], [without_time(r) for r in b], why=RESUMED_RUN)
+    assert_same_path(_weights(full, 2), _weights(split, 2), why=RESUMED_RUN)
+    return a
+
+
+def test_every_registered_family_is_tested():
+    assert sorted({cls for cls, *_ in FAMILIES.values()}) == available_families()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
 @pytest.mark.parametrize("recipe", list(RECIPES))
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_recipe_trains_and_resumes_exactly(family, recipe, lora, tmp_path, request):
-    path = request.getfixturevalue(FAMILIES[family][0])
+def test_recipe_trains_and_resumes_exactly(family, recipe, lora, tmp_path, request, edit_file):
+    path = _path(family, request)
     train = importlib.import_module(f"mmrl.diffusion.{recipe}").train
     torch.manual_seed(0)
-    full = tmp_path / "full"
-    train(_cfg(recipe, family, path, full, lora, 2))
-    split = tmp_path / "split"
-    train(_cfg(recipe, family, path, split, lora, 1))
-    train(_cfg(recipe, family, path, split, lora, 2))  # resume=auto picks step_1
-    a, b = metrics_rows(full), metrics_rows(split)
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
-    assert_same_path([without_time(r) for r in a], [without_time(r) for r in b], why=RESUMED_RUN)
+    full, split = tmp_path / "full", tmp_path / "split"
+    train(load_config(_config_dict(recipe, family, path, full, lora, 2, edit_file)))
+    train(load_config(_config_dict(recipe, family, path, split, lora, 1, edit_file)))
+    train(load_config(_config_dict(recipe, family, path, split, lora, 2, edit_file)))  # resume=auto picks step_1
+    a = assert_resume_is_exact(full, split)
     assert all(r["policy/grad_norm"] > 0 for r in a)  # it trained (a LoRA's first step: B = 0, A moves)
     if recipe == "flow_grpo":
         assert max(r["diag/logprob_drift"] for r in a) < 1e-4
-    video = FAMILIES[family][1].get("num_frames", 1) > 1
+    video = FAMILIES[family][2].get("num_frames", 1) > 1
     assert (full / "samples" / f"step_000001.{'mp4' if video else 'png'}").is_file()
     ckpt = full / "checkpoints" / "step_2" / "adapters" / "default"
     assert (ckpt / ("adapter_model.safetensors" if lora else "model.safetensors")).is_file()
+    if FAMILIES[family][3] is EDIT_REWARD:  # the edit rewards read each row's source image and mask
+        assert all(0 <= r["reward/edit_region_color"] <= 1 and 0 <= r["reward/edit_preservation"] <= 1 for r in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe, lora", [("flow_grpo", True), ("flow_grpo", False)])
+def test_qwen_image_two_rank_ddp_resumes_exactly(recipe, lora, tiny_family, tmp_path):
+    """torchrun, 2 CPU processes (gloo), one prompt group per rank: 2 steps in one run equal 1 step then a resumed
+    second step (metrics of both ranks' samples and the weights rank 0 saved). Qwen-Image's last block has parameters
+    no output uses (the family's `has_unused_parameters`): without DDP looking for them the second backward fails.
+    Flow-GRPO only (3 torchrun starts each): the other recipes' DDP paths are the shared ones the SD3 tests run."""
+    path = tiny_family("QwenImagePipeline")
+    env = child_env()
+    for name, steps in (("full", [2]), ("split", [1, 2])):
+        for max_steps in steps:
+            d = _config_dict(recipe, "qwen_image", path, tmp_path / name, lora, max_steps)
+            d["dist"] = {"strategy": "ddp", "backend": "gloo"}
+            cfg_file = tmp_path / f"{name}_{max_steps}.yaml"
+            cfg_file.write_text(yaml.safe_dump(d))
+            proc = run_torchrun(["-m", "mmrl.cli", "train", str(cfg_file)], cwd=REPO, env=env)
+            assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    assert "resumed from" in proc.stdout
+    rows = assert_resume_is_exact(tmp_path / "full", tmp_path / "split")
+    assert all(r["policy/grad_norm"] > 0 for r in rows)
 
 
 def test_offline_dpo_refuses_video_in_one_line(tmp_path):

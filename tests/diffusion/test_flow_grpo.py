@@ -164,7 +164,7 @@ def test_short_run_logs_drift_and_writes_checkpoint(tmp_path, tiny_sd3_path):
     assert (ckpt / "adapters" / "old" / "adapter_model.safetensors").is_file()  # the EMA
     assert (out / "samples" / "step_000001.png").is_file() and (out / "samples" / "eval_step_000002.png").is_file()
     assert (out / "plots" / "reward_curve.png").is_file()
-    assert summary["max_logprob_drift"] < 1e-4 and "reward_rose" in summary
+    assert summary["max_logprob_drift"] < 1e-4 and "reward_rose" not in summary  # the demo's check, not the recipe's
 
 
 def test_resume_reproduces_metrics_exactly(tmp_path, tiny_sd3_path):
@@ -271,7 +271,6 @@ def test_tiny_demo_reward_rises(tmp_path):
                       [f"output_dir={tmp_path / 'demo'}", f"model.path={REPO / 'assets' / 'tiny_sd3_shapes'}",
                        f"data.train_prompts={PROMPTS}", f"data.eval_prompts={REPO / 'assets/prompts/shapes_eval.txt'}"])
     summary = train(cfg)
-    assert summary["reward_rose"], summary
     assert summary["reward_rise_in_std"] > 2 and summary["max_logprob_drift"] < 1e-4
     rows = metrics_rows(tmp_path / "demo")
     assert len(rows) == cfg.train.max_steps and all(r["diag/logprob_drift"] < 1e-4 for r in rows)

@@ -33,8 +33,10 @@ def test_unknown_pipeline_class_names_the_valid_families(tmp_path):
         load_flow_model(tmp_path)
     assert "'HunyuanVideoPipeline' is not supported" in str(err.value)
     assert f"supported: {available_families()}" in str(err.value)
+    assert available_families() == sorted(MODEL_FAMILIES)
     assert {"FluxPipeline", "StableDiffusion3Pipeline", "WanPipeline", "ZImagePipeline", "Flux2Pipeline",
-            "Flux2KleinPipeline"} <= set(available_families()) and available_families() == sorted(available_families())
+            "Flux2KleinPipeline", "QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline",
+            "FluxKontextPipeline"} <= set(available_families())
 
 
 @pytest.mark.parametrize("class_name, fixture, family", [("StableDiffusion3Pipeline", "tiny_sd3_path", SD3Model),
@@ -68,20 +70,20 @@ def test_a_new_family_file_registers_itself(tmp_path, monkeypatch):
     """Adding a family = one new module in the package: the package imports it and it registers itself."""
     import mmrl.diffusion.models as models
 
-    (tmp_path / "qwen_image_example.py").write_text(
+    (tmp_path / "sana_example.py").write_text(
         "from mmrl.diffusion.models.base import FlowModel, register_family\n\n\n"
-        "@register_family('QwenImagePipeline')\n"
-        "class QwenImageModel(FlowModel):\n"
-        "    family = 'qwen_image'\n")
+        "@register_family('SanaPipeline')\n"
+        "class SanaModel(FlowModel):\n"
+        "    family = 'sana'\n")
     monkeypatch.setattr(models, "__path__", [*models.__path__, str(tmp_path)])
-    assert "QwenImagePipeline" not in MODEL_FAMILIES
+    assert "SanaPipeline" not in MODEL_FAMILIES
     try:
-        assert "qwen_image_example" in models.import_family_modules()
-        assert MODEL_FAMILIES["QwenImagePipeline"].family == "qwen_image"
-        assert "QwenImagePipeline" in available_families()
+        assert "sana_example" in models.import_family_modules()
+        assert MODEL_FAMILIES["SanaPipeline"].family == "sana"
+        assert "SanaPipeline" in available_families()
     finally:
-        MODEL_FAMILIES.pop("QwenImagePipeline", None)
-        sys.modules.pop("mmrl.diffusion.models.qwen_image_example", None)
+        MODEL_FAMILIES.pop("SanaPipeline", None)
+        sys.modules.pop("mmrl.diffusion.models.sana_example", None)
 
 
 def test_prompt_embeds_select_repeats_rows():

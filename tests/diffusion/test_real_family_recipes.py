@@ -1,11 +1,13 @@
 """The real-model recipes of the newer families (configs/diffusion/flow_grpo_wan21_t2v.yaml,
-flow_grpo_z_image_pickscore.yaml): their published settings as written, and each one run for a step on a tiny
-checkpoint of the same layout (same pipeline, scheduler and component classes) with tiny reward models, only the
-paths and sizes changed."""
+flow_grpo_z_image_pickscore.yaml, flow_grpo_qwen_image_ocr.yaml, flow_grpo_qwen_image_edit_pickscore.yaml): their
+published settings as written, their model / LoRA / guidance settings on a tiny pipeline directory of the same layout,
+and each one run for a step on a tiny checkpoint of the same layout (same pipeline, scheduler and component classes)
+with tiny reward models, only the paths and sizes changed (the real weights never ran here)."""
 
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from mmrl.config import load_config
@@ -41,33 +43,104 @@ def test_z_image_pickscore_published_settings():
     assert list(cfg.reward.components) == ["pickscore"] and cfg.algo.kl.coef == 0.0
 
 
-def _tiny_wan(tmp_path):
-    from mmrl.tiny.family_models import build_tiny_wan
+def _loads_on_a_tiny_directory(cfg, tiny_path, items):
+    """The recipe's model section on a tiny directory of the same pipeline class: load in the recipe's dtype, wrap
+    with its LoRA (the family's default targets: every one must match), one guided velocity."""
+    from mmrl.diffusion.common import build_policy_states
+    from mmrl.diffusion.conditioning import encode_items
+    from mmrl.diffusion.models import load_flow_model
+    from mmrl.runtime import resolve_dtype
 
-    return build_tiny_wan(tmp_path / "wan", scheduler="unipc"), {"height": 32, "width": 32}
+    model = load_flow_model(tiny_path, "cpu", resolve_dtype(cfg.dtype), cfg.model.max_sequence_length or None)
+    build_policy_states(model, cfg.model, old=False, ref=False)
+    trainable = [n for n, p in model.transformer.named_parameters() if p.requires_grad]
+    for target in model.lora_target_modules:
+        assert any(f".{target}.lora_A" in n for n in trainable), target
+    emb = encode_items(model, items, 64, 64)
+    x = model.initial_noise(len(items), 64, 64, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        v = model.velocity(x, 0.5, emb, guidance_scale=cfg.rollout.guidance_scale)
+    assert v.shape == x.shape and torch.isfinite(v).all()
+    return model
 
 
-def _tiny_z_image(tmp_path):
-    from mmrl.tiny.family_models import build_tiny_z_image
+def test_qwen_image_ocr_published_settings(tiny_family):
+    from mmrl.pipelines.data import PromptItem
 
-    return build_tiny_z_image(tmp_path / "z_image"), {"height": 32, "width": 32}
+    cfg = load_config(CONFIGS / "flow_grpo_qwen_image_ocr.yaml")
+    s, lora = cfg.rollout, cfg.model.lora
+    # source: verl-omni run_qwen_image_ocr_lora.sh + its rollout / actor config defaults
+    assert (s.prompts_per_step, s.group_size, s.height, s.num_steps, s.guidance_scale) == (32, 16, 512, 10, 4.0)
+    assert (s.noise_level, s.window_size, list(s.window_range)) == (1.2, 2, [0, 5])
+    assert (lora.rank, lora.alpha, cfg.optim.lr, cfg.optim.weight_decay) == (64, 128, 3e-4, 1e-4)
+    assert (cfg.algo.clip_range, cfg.algo.kl.coef, cfg.update.updates_per_epoch(s.batch)) == (1e-4, 0.0, 2)
+    assert cfg.model.max_sequence_length == 256 and list(cfg.reward.components) == ["ocr"]
+    model = _loads_on_a_tiny_directory(cfg, tiny_family("QwenImagePipeline"), [PromptItem('a sign that says "HELLO"')])
+    assert model.dtype == torch.bfloat16 and model.max_sequence_length == 256
+
+
+def test_qwen_image_edit_published_settings(tiny_family, tmp_path):
+    from mmrl.pipelines.data import load_prompts
+    from mmrl.pipelines.edits import make_shapes_edit_file
+    from mmrl.rewards import available
+
+    cfg = load_config(CONFIGS / "flow_grpo_qwen_image_edit_pickscore.yaml")
+    s = cfg.rollout
+    # source: verl-omni run_qwen_image_edit_lora.sh
+    assert (s.prompts_per_step, s.group_size, s.height, s.num_steps, s.guidance_scale) == (32, 16, 512, 12, 4.0)
+    assert (s.noise_level, s.window_size, list(s.window_range), s.eval_num_steps) == (0.7, 3, [0, 6], 40)
+    assert (cfg.model.lora.rank, cfg.optim.lr, cfg.algo.clip_range, cfg.reward.std_mode) == (64, 3e-4, 1e-4, "group")
+    assert set(cfg.reward.components) <= set(available())
+    items = load_prompts(make_shapes_edit_file(tmp_path, n=2))
+    _loads_on_a_tiny_directory(cfg, tiny_family("QwenImageEditPlusPipeline"), items)
+
+
+# recipe file -> (tiny pipeline: a FAMILY_BUILDERS class or a builder with its options, rollout size, model overrides,
+# prompts: shapes text prompts, OCR prompts or shapes edit rows)
+STEP_CASES = {
+    "flow_grpo_wan21_t2v.yaml": (("build_tiny_wan", {"scheduler": "unipc"}), {"num_steps": 4},
+                                 {"max_sequence_length": 16}, "shapes"),
+    "flow_grpo_z_image_pickscore.yaml": (("build_tiny_z_image", {}), {"num_steps": 4}, {"max_sequence_length": 16},
+                                         "shapes"),
+    "flow_grpo_qwen_image_ocr.yaml": ("QwenImagePipeline", {}, {}, "ocr"),
+    "flow_grpo_qwen_image_edit_pickscore.yaml": ("QwenImageEditPlusPipeline", {}, {}, "edits"),
+}
+
+
+def _prompts(kind: str, tmp_path: Path) -> Path:
+    if kind == "edits":
+        from mmrl.pipelines.edits import make_shapes_edit_file
+
+        return make_shapes_edit_file(tmp_path / "edits", n=4)
+    if kind == "ocr":
+        path = tmp_path / "ocr.jsonl"
+        path.write_text('{"prompt": "a sign that says \\"OPEN\\""}\n{"prompt": "a mug with \\"MMRL\\" on it"}\n')
+        return path
+    return REPO / "assets" / "prompts" / "shapes_train.txt"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, build", [("flow_grpo_wan21_t2v.yaml", _tiny_wan),
-                                         ("flow_grpo_z_image_pickscore.yaml", _tiny_z_image)])
-def test_real_recipe_runs_on_a_tiny_model_of_the_same_layout(name, build, tmp_path):
+@pytest.mark.parametrize("name", list(STEP_CASES))
+def test_real_recipe_runs_on_a_tiny_model_of_the_same_layout(name, tiny_family, tmp_path):
+    """The recipe file as written, only paths and sizes changed (tiny CLIP for CLIP / PickScore, the real PP-OCRv4 for
+    the OCR reward): one Flow-GRPO step with its CFG, SDE window and LoRA on a tiny directory of the same layout."""
+    import mmrl.tiny.family_models as family_models
     from mmrl.tiny import build_tiny_clip
 
-    model_path, size = build(tmp_path)
+    pipe, rollout, model, prompts = STEP_CASES[name]
+    if isinstance(pipe, str):
+        model_path = tiny_family(pipe)
+    else:
+        model_path = getattr(family_models, pipe[0])(tmp_path / "pipe", **pipe[1])
     clip = str(build_tiny_clip(tmp_path / "clip"))
     d = yaml.safe_load((CONFIGS / name).read_text())
     for comp in d["reward"]["components"].values():  # every reward model path -> the tiny CLIP
-        comp.update({k: clip for k in ("weights", "processor") if k in comp})
+        if isinstance(comp, dict):
+            comp.update({k: clip for k in ("weights", "processor") if k in comp})
     d.update(output_dir=str(tmp_path / "run"), device="cpu", dtype="float32")
-    d["model"].update(path=str(model_path), max_sequence_length=16)
-    d["data"] = {"train_prompts": str(REPO / "assets" / "prompts" / "shapes_train.txt")}
-    d["rollout"].update(prompts_per_step=2, group_size=2, num_steps=4, eval_num_steps=2, **size)
+    d["model"].update(path=str(model_path), **model)
+    d["data"] = {"train_prompts": str(_prompts(prompts, tmp_path))}
+    d["rollout"].update(prompts_per_step=2, group_size=2, height=32, width=32, eval_num_steps=2, **rollout)
     d["update"].update(mini_batch_size=0, micro_batch_size=2)
     d["train"].update(max_steps=1, save_every=1)
     d["log"].update(eval_every=0, sample_every=1, num_samples=4)
@@ -75,7 +148,9 @@ def test_real_recipe_runs_on_a_tiny_model_of_the_same_layout(name, build, tmp_pa
     cfg = load_config(d)
     train(cfg)
     row = metrics_rows(cfg.output_dir)[0]
-    assert row["diag/logprob_drift"] < 1e-4 and row["train/updates"] == 1
+    assert row["diag/logprob_drift"] < 1e-4
+    # random tiny images: the real OCR reads nothing in any of them (all rewards 0, every advantage 0) -> no update
+    assert row["train/updates"] == (1 if prompts != "ocr" or row["train/kept_fraction"] > 0 else 0)
     assert set(k.split("/")[1] for k in row if k.startswith("reward/") and k.count("/") == 1) >= \
         set(d["reward"]["components"]) | {"mean", "std"}
     video = d["rollout"].get("num_frames", 1) > 1

@@ -182,8 +182,14 @@ def test_smart_resize_extreme_aspect_ratio_and_bad_arguments():
     with pytest.raises(ValueError) as ours:
         smart_resize(10, 2500, 28)
     assert str(ours.value) == str(theirs.value) == "absolute aspect ratio must be smaller than 200, got 250.0"
-    # by hand with the limit raised: h -> max(28, round(10/28)*28) = 28, w -> round(2500/28)*28 = 2492
-    assert smart_resize(10, 2500, 28, max_ratio=300) == (28, 2492)
+    # the limit can be tightened (one line, qwen_vl_utils' wording), not raised past qwen_vl_utils' (the processors
+    # of transformers refuse such images too)
+    with pytest.raises(ValueError, match="absolute aspect ratio must be smaller than 50, got 100.0"):
+        smart_resize(10, 1000, 28, max_ratio=50)
+    with pytest.raises(ValueError, match=r"max_ratio=300 is above qwen_vl_utils' MAX_RATIO \(200\)"):
+        smart_resize(10, 2500, 28, max_ratio=300)
+    with pytest.raises(ValueError, match="factor must be positive"):
+        smart_resize(10, 10, 0)
     with pytest.raises(ValueError, match="max_pixels .* must be >= min_pixels"):
         smart_resize(100, 100, 28, min_pixels=10_000, max_pixels=100)
     with pytest.raises(ValueError, match="positive height and width, got height=0"):

@@ -69,6 +69,38 @@ def test_bad_inputs_clear_errors(tmp_path):
         load("nope")
 
 
+def test_a_batch_of_images_of_different_sizes_is_scored_per_size_in_input_order():
+    """PIL images / paths of several sizes (what the CLI accepts): each size is one call, results in input order,
+    equal to scoring each image alone; per-sample details follow the same order."""
+    calls = []
+
+    @register("_test_sized")
+    class Sized(RewardModel):
+        name = "_test_sized"
+
+        def score_images(self, images, prompts, metadata):
+            calls.append(tuple(images.shape))
+            s = images.mean(dim=(1, 2, 3)) + images.shape[-1]  # depends on the pixels and on the width
+            return RewardOutput(s, {"width": [images.shape[-1]] * len(s), "seen": torch.arange(len(s)),
+                                    "prompt": list(prompts)})
+
+    r = load("_test_sized")
+    ims = [Image.new("RGB", (8, 8), (i * 40, 0, 0)) if i % 2 == 0 else Image.new("RGB", (9, 6), (0, i * 40, 0))
+           for i in range(5)]
+    prompts = [f"p{i}" for i in range(5)]
+    out = r(ims, prompts=prompts)
+    assert sorted(calls) == [(2, 3, 6, 9), (3, 3, 8, 8)]
+    alone = torch.cat([r([im], prompts=[p]).scores for im, p in zip(ims, prompts)])
+    assert torch.allclose(out.scores, alone)
+    assert out.details["width"] == [8, 9, 8, 9, 8] and out.details["prompt"] == prompts
+    assert out.details["seen"].tolist() == [0, 0, 1, 1, 2]  # each image's index within its own size group
+    with pytest.raises(ValueError, match="got 5 inputs but 2 prompts"):
+        r(ims, prompts=["a", "b"])
+    comp = load({"_test_sized": 1.0, "jpeg_incompressibility": 0.5})  # a composite takes them too
+    both = comp(ims, prompts=prompts)
+    assert both.scores.shape == (5,) and both.details["_test_sized/width"] == [8, 9, 8, 9, 8]
+
+
 def test_registry_and_chunking():
     @register("_test_mean_brightness")
     class Bright(RewardModel):

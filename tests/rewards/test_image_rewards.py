@@ -587,10 +587,31 @@ def test_ocr_real_model(ocr):
 def test_ocr_tensor_input_and_errors(ocr):
     t = torch.from_numpy(np.array(_render("HELLO MMRL"))).permute(2, 0, 1).float()[None] / 255
     assert ocr(t, ['"hello mmrl"']).scores.item() >= 0.9
-    with pytest.raises(ValueError, match="no quoted text"):
-        ocr(t, ["a sign without quotes"])
     with pytest.raises(ValueError, match="no target text"):
         ocr(t)
+
+
+def test_ocr_prompt_without_quoted_text_is_not_applicable():
+    """No quoted text and no metadata text: NaN ("does not apply"; trainers apply reward.on_nonfinite), one warning,
+    the other samples scored as usual; no_target="zero" scores 0 instead."""
+    import warnings
+
+    from mmrl.rewards import load as load_reward
+
+    pytest.importorskip("rapidocr_onnxruntime")
+    hello = _render("HELLO MMRL")
+    ocr = load_reward("ocr")  # a new object: the warning is once per reward object
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = ocr([hello, hello], ["a sign without quotes", 'a sign that says "HELLO MMRL"'])
+        ocr([hello], ["a cat"])  # warned once per reward object
+    assert torch.isnan(out.scores[0]) and out.scores[1] >= 0.9 and out.details["target"] == ["", "HELLO MMRL"]
+    warned = [str(w.message) for w in caught if "no quoted text" in str(w.message)]
+    assert len(warned) == 1 and warned[0].startswith("ocr: prompt 'a sign without quotes' has no quoted text")
+    zero = load_reward("ocr", no_target="zero")
+    assert zero([hello], ["a cat"]).scores.tolist() == [0.0]
+    with pytest.raises(ValueError, match=r"no_target must be one of \['nan', 'zero'\], got 'skip'"):
+        load_reward("ocr", no_target="skip")
 
 
 def test_edit_distance_and_similarity():

@@ -61,7 +61,7 @@ def test_score_directory_with_prompts_matches_local(image_dir, tmp_path, capsys)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a grey square\n\nnoisy, a bit\npure noise\n")  # blank lines are skipped
     out = tmp_path / "out" / "scores.csv"
-    assert run(["reward", "score", "--reward", "jpeg_compressibility", "--images", str(image_dir),
+    assert run(["reward", "score", "jpeg_compressibility", "--images", str(image_dir),
                 "--prompts", str(prompts), "--out", str(out), "--batch-size", "2", "--device", "cpu",
                 "--no-progress"]) == 0
     rows = read_csv(out)
@@ -78,7 +78,7 @@ def test_score_files_of_mixed_sizes_kw_and_stdout(image_dir, capsys):
     small = image_dir / "small.png"
     Image.new("RGB", (8, 8), (10, 200, 30)).save(small)
     files = [str(image_dir / "img_2.png"), str(small), str(image_dir / "img_0.png")]
-    assert run(["reward", "score", "--reward", "jpeg_incompressibility", "--kw", "quality=50",
+    assert run(["reward", "score", "jpeg_incompressibility", "--kw", "quality=50",
                 "--images", *files, "--no-progress"]) == 0
     rows = list(csv.DictReader(capsys.readouterr().out.splitlines()))
     assert [r["path"] for r in rows] == files  # order kept although sizes were scored in separate calls
@@ -90,7 +90,7 @@ def test_score_yaml_composite_has_component_columns(image_dir, tmp_path):
     spec = tmp_path / "mix.yaml"
     spec.write_text("jpeg_compressibility: 1.0\njpeg_incompressibility:\n  weight: 2.0\n")
     out = tmp_path / "s.csv"
-    assert run(["reward", "score", "--reward", str(spec), "--images", str(image_dir), "--out", str(out),
+    assert run(["reward", "score", str(spec), "--images", str(image_dir), "--out", str(out),
                 "--no-progress"]) == 0
     rows = read_csv(out)
     assert {"jpeg_compressibility", "jpeg_incompressibility", "jpeg_compressibility/jpeg_kb"} <= set(rows[0])
@@ -105,23 +105,23 @@ def test_score_text_reward_from_jsonl(tmp_path):
             {"prompt": "3*3?", "completion": "<think>x</think> \\boxed{6}", "answer": "9"}]
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out = tmp_path / "t.csv"
-    assert run(["reward", "score", "--reward", "geo3k", "--prompts", str(data), "--out", str(out), "--no-progress"]) == 0
+    assert run(["reward", "score", "geo3k", "--prompts", str(data), "--out", str(out), "--no-progress"]) == 0
     got = read_csv(out)
     assert [float(r["score"]) for r in got] == pytest.approx([1.0, 0.9, 0.1])
     assert [r["accuracy/extracted"] for r in got] == ["2", "0.5", "6"]
 
 
 @pytest.mark.parametrize("argv,msg", [
-    (["--reward", "jpeg_compressibility", "--images", "/no/such/dir"], "not found: '/no/such/dir'"),
-    (["--reward", "no_such_reward", "--images", "{img}"], "unknown reward 'no_such_reward'"),
-    (["--reward", "jpeg_compressibility", "--images", "{img}", "--prompts", "{prompts}"], "3 images but 2 prompts"),
-    (["--reward", "jpeg_compressibility", "--images", "{img}", "--kw", "oops"], "KEY=VALUE"),
-    (["--reward", "jpeg_compressibility", "--images", "{img}", "--weights", "/no/weights"], "--weights path not found"),
-    (["--reward", "/tmp/definitely_missing_mmrl.yaml", "--images", "{img}"], "reward YAML not found"),
-    (["--reward", "geo3k", "--images", "{img}"], "scores text"),
-    (["--reward", "jpeg_compressibility"], "pass --images"),
-    (["--reward", "jpeg_compressibility", "--images", "{img}", "--device", "tpu"], "unknown device 'tpu'"),
-    (["--reward", "{bad_yaml}", "--images", "{img}"], "is not valid YAML"),
+    (["jpeg_compressibility", "--images", "/no/such/dir"], "not found: '/no/such/dir'"),
+    (["no_such_reward", "--images", "{img}"], "unknown reward 'no_such_reward'"),
+    (["jpeg_compressibility", "--images", "{img}", "--prompts", "{prompts}"], "3 images but 2 prompts"),
+    (["jpeg_compressibility", "--images", "{img}", "--kw", "oops"], "KEY=VALUE"),
+    (["jpeg_compressibility", "--images", "{img}", "--weights", "/no/weights"], "--weights path not found"),
+    (["/tmp/definitely_missing_mmrl.yaml", "--images", "{img}"], "reward YAML not found"),
+    (["geo3k", "--images", "{img}"], "scores text"),
+    (["jpeg_compressibility"], "pass --images"),
+    (["jpeg_compressibility", "--images", "{img}", "--device", "tpu"], "unknown device 'tpu'"),
+    (["{bad_yaml}", "--images", "{img}"], "is not valid YAML"),
 ])
 def test_score_errors_exit_2(image_dir, tmp_path, capsys, argv, msg):
     prompts = tmp_path / "p.txt"
@@ -133,6 +133,24 @@ def test_score_errors_exit_2(image_dir, tmp_path, capsys, argv, msg):
         run(["reward", "score", *argv, "--no-progress"])
     assert ei.value.code == 2
     assert msg in capsys.readouterr().err
+
+
+def test_score_and_serve_name_the_reward_the_same_way_and_the_old_flag_still_works(image_dir, capsys):
+    """`mmrl reward score NAME` like `mmrl reward serve NAME`; `score --reward NAME` (the earlier spelling) scores
+    the same with one deprecation note; no reward, or two different ones, is a one-line error."""
+    assert run(["reward", "score", "jpeg_compressibility", "--images", str(image_dir), "--no-progress"]) == 0
+    new = capsys.readouterr()
+    assert "deprecated" not in new.err
+    assert run(["reward", "score", "--reward", "jpeg_compressibility", "--images", str(image_dir),
+                "--no-progress"]) == 0
+    old = capsys.readouterr()
+    assert old.out == new.out
+    assert "note: `--reward NAME` is deprecated; write `mmrl reward score jpeg_compressibility ...`" in old.err
+    for argv, msg in ((["--images", str(image_dir)], "which reward? mmrl reward score NAME_OR_YAML"),
+                      (["ocr", "--reward", "jpeg_compressibility", "--images", str(image_dir)], "two rewards given")):
+        with pytest.raises(SystemExit) as ei:
+            run(["reward", "score", *argv, "--no-progress"])
+        assert ei.value.code == 2 and msg in capsys.readouterr().err
 
 
 def test_serve_bad_port_exits_2(capsys):
@@ -157,12 +175,12 @@ def test_python_m_mmrl_cli_reward_list_and_score(image_dir, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "jpeg_compressibility" in r.stdout and "geo3k" in r.stdout
     out = tmp_path / "cli.csv"
-    r = subprocess.run([PY, "-m", "mmrl.cli", "reward", "score", "--reward", "jpeg_compressibility", "--images",
+    r = subprocess.run([PY, "-m", "mmrl.cli", "reward", "score", "jpeg_compressibility", "--images",
                         str(image_dir), "--out", str(out)], capture_output=True, text=True, env=ENV, cwd=ROOT,
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert len(read_csv(out)) == 3
-    r = subprocess.run([PY, "-m", "mmrl.cli", "reward", "score", "--reward", "jpeg_compressibility", "--images",
+    r = subprocess.run([PY, "-m", "mmrl.cli", "reward", "score", "jpeg_compressibility", "--images",
                         str(tmp_path / "missing")], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=120)
     assert r.returncode == 2 and "not found" in r.stderr
 
@@ -209,7 +227,7 @@ def dir_with_truncated(image_dir):
 
 def test_score_skips_unreadable_images_and_keeps_the_rest(dir_with_truncated, tmp_path, capsys):
     out = tmp_path / "s.csv"
-    assert run(["reward", "score", "--reward", "jpeg_compressibility", "--images", str(dir_with_truncated),
+    assert run(["reward", "score", "jpeg_compressibility", "--images", str(dir_with_truncated),
                 "--out", str(out), "--batch-size", "2", "--no-progress"]) == 0
     rows = read_csv(out)
     good = [dir_with_truncated / f"img_{i}.png" for i in range(3)]
@@ -227,7 +245,7 @@ def test_score_skip_keeps_prompts_aligned(dir_with_truncated, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("zero\none\nbad one\ntwo\n")  # sorted names: img_0, img_1, img_1b, img_2
     out = tmp_path / "s.jsonl"
-    assert run(["reward", "score", "--reward", "jpeg_compressibility", "--images", str(dir_with_truncated),
+    assert run(["reward", "score", "jpeg_compressibility", "--images", str(dir_with_truncated),
                 "--prompts", str(prompts), "--out", str(out), "--no-progress"]) == 0
     rows = [json.loads(ln) for ln in out.read_text().splitlines()]
     assert [(Path(r["path"]).name, r["prompt"]) for r in rows] == \
@@ -240,7 +258,7 @@ def test_score_on_error_raise_stops_naming_the_file_and_keeps_rows_written(dir_w
                                                                            batch_size):
     out = tmp_path / "s.csv"
     with pytest.raises(SystemExit) as ei:
-        run(["reward", "score", "--reward", "jpeg_compressibility", "--images", str(dir_with_truncated),
+        run(["reward", "score", "jpeg_compressibility", "--images", str(dir_with_truncated),
              "--out", str(out), "--batch-size", batch_size, "--on-error", "raise", "--no-progress"])
     assert ei.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -251,7 +269,7 @@ def test_score_on_error_raise_stops_naming_the_file_and_keeps_rows_written(dir_w
 def test_score_csv_header_comes_from_the_first_scored_rows(image_dir, tmp_path):
     (image_dir / "a_bad.png").write_bytes(b"not a png")  # sorted first: its chunk scores nothing
     out = tmp_path / "s.csv"
-    assert run(["reward", "score", "--reward", "jpeg_compressibility", "--images", str(image_dir),
+    assert run(["reward", "score", "jpeg_compressibility", "--images", str(image_dir),
                 "--out", str(out), "--batch-size", "1", "--no-progress"]) == 0
     rows = read_csv(out)
     assert list(rows[0]) == ["path", "prompt", "score", "jpeg_kb"] and len(rows) == 3
@@ -261,7 +279,7 @@ def test_score_all_unreadable_is_one_line_error(tmp_path, capsys):
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n garbage")
     with pytest.raises(SystemExit) as ei:
-        run(["reward", "score", "--reward", "jpeg_compressibility", "--images", str(bad), "--no-progress"])
+        run(["reward", "score", "jpeg_compressibility", "--images", str(bad), "--no-progress"])
     assert ei.value.code == 2
     assert "none of the 1 image(s) could be read; skipped 1 unreadable image(s)" in capsys.readouterr().err
 
@@ -289,7 +307,7 @@ def test_score_writes_rows_as_they_are_scored_and_an_abort_keeps_them(image_dir,
     wrapped = _InterruptOnSecondCall(load("jpeg_compressibility"), out)
     monkeypatch.setattr(cli, "load_reward_from_args", lambda *a, **k: wrapped)
     with pytest.raises(SystemExit) as ei:
-        run(["reward", "score", "--reward", "jpeg_compressibility", "--images", str(image_dir),
+        run(["reward", "score", "jpeg_compressibility", "--images", str(image_dir),
              "--out", str(out), "--batch-size", "1", "--no-progress"])
     assert ei.value.code == 130
     assert wrapped.seen.splitlines()[0] == "path,prompt,score,jpeg_kb" and len(wrapped.seen.splitlines()) == 2
@@ -300,14 +318,14 @@ def test_score_writes_rows_as_they_are_scored_and_an_abort_keeps_them(image_dir,
 def test_score_out_directory_writes_scores_csv_inside(image_dir, tmp_path, capsys):
     d = tmp_path / "results"
     d.mkdir()
-    assert run(["reward", "score", "--reward", "jpeg_compressibility", "--images", str(image_dir),
+    assert run(["reward", "score", "jpeg_compressibility", "--images", str(image_dir),
                 "--out", str(d), "--no-progress"]) == 0
     assert len(read_csv(d / "scores.csv")) == 3
     assert str(d / "scores.csv") in capsys.readouterr().err
     (d / "scores.csv").unlink()
     (d / "scores.csv").mkdir()
     with pytest.raises(SystemExit) as ei:
-        run(["reward", "score", "--reward", "jpeg_compressibility", "--images", str(image_dir), "--out", str(d)])
+        run(["reward", "score", "jpeg_compressibility", "--images", str(image_dir), "--out", str(d)])
     assert ei.value.code == 2 and "is a directory too" in capsys.readouterr().err
 
 
@@ -315,7 +333,7 @@ def test_score_out_under_a_file_is_one_line_error(image_dir, tmp_path, capsys):
     f = tmp_path / "afile"
     f.write_text("x")
     with pytest.raises(SystemExit) as ei:
-        run(["reward", "score", "--reward", "jpeg_compressibility", "--images", str(image_dir),
+        run(["reward", "score", "jpeg_compressibility", "--images", str(image_dir),
              "--out", str(f / "s.csv"), "--no-progress"])
     assert ei.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -356,7 +374,7 @@ def test_score_skips_images_over_max_pixels_from_the_header(image_dir, tmp_path,
     image over a small --max-pixels is skipped the same way; the others are scored."""
     (image_dir / "huge.png").write_bytes(png_claiming_size(12000, 12000))
     out = tmp_path / "s.csv"
-    assert run(["reward", "score", "--reward", "jpeg_compressibility", "--images", str(image_dir), "--out", str(out),
+    assert run(["reward", "score", "jpeg_compressibility", "--images", str(image_dir), "--out", str(out),
                 "--no-progress"]) == 0
     rows = read_csv(out)
     assert [Path(r["path"]).name for r in rows] == ["img_0.png", "img_1.png", "img_2.png"]
@@ -367,17 +385,17 @@ def test_score_skips_images_over_max_pixels_from_the_header(image_dir, tmp_path,
     assert "skipped 1 unreadable image(s)" in err
     (image_dir / "huge.png").unlink()
     Image.new("RGB", (40, 20)).save(image_dir / "wide.png")  # 800 pixels (the others: 16x16 = 256)
-    assert run(["reward", "score", "--reward", "jpeg_compressibility", "--images", str(image_dir), "--out", str(out),
+    assert run(["reward", "score", "jpeg_compressibility", "--images", str(image_dir), "--out", str(out),
                 "--max-pixels", "800", "--no-progress"]) == 0
     assert [Path(r["path"]).name for r in read_csv(out)] == ["img_0.png", "img_1.png", "img_2.png", "wide.png"]
     capsys.readouterr()
-    assert run(["reward", "score", "--reward", "jpeg_compressibility", "--images", str(image_dir), "--out", str(out),
+    assert run(["reward", "score", "jpeg_compressibility", "--images", str(image_dir), "--out", str(out),
                 "--max-pixels", "799", "--no-progress"]) == 0
     assert [Path(r["path"]).name for r in read_csv(out)] == ["img_0.png", "img_1.png", "img_2.png"]
     (line,) = [ln for ln in capsys.readouterr().err.splitlines() if "warning" in ln]
     assert line.endswith("wide.png: 40x20 = 800 pixels, more than --max-pixels=799 (not decoded)")
     with pytest.raises(SystemExit) as ei:
-        run(["reward", "score", "--reward", "jpeg_compressibility", "--images", str(image_dir), "--max-pixels", "0"])
+        run(["reward", "score", "jpeg_compressibility", "--images", str(image_dir), "--max-pixels", "0"])
     assert ei.value.code == 2 and "--max-pixels must be >= 1, got 0" in capsys.readouterr().err
 
 

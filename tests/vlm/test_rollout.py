@@ -359,3 +359,33 @@ def test_vision_cache_bypassed_when_vision_trains_and_cleared_on_update(policy):
         model.zero_grad(set_to_none=True)
         for p in model.parameters():
             p.requires_grad_(True)
+
+
+def test_decoding_uses_the_cache_argument_and_prints_no_deprecation(policy, monkeypatch, caplog):
+    """The loop passes the KV cache as `cache` where transformers renamed it (it deprecates `past_key_values`, removal
+    in 5.40, with a warning on every use); the results equal those of the old argument name, token for token."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    from mmrl.vlm import rollout
+
+    model, proc = policy
+    sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3)
+
+    def run():
+        hf_logging.warning_once.cache_clear()  # warning_once: once per process; every run here must be able to warn
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            results = HFRolloutEngine(model, proc).generate(_requests(), sp)
+        return results, [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+
+    new, warned = run()
+    assert warned == []
+    if rollout.cache_argument(model) == "past_key_values":
+        pytest.skip("this transformers version has no `cache` argument yet")
+    monkeypatch.setattr(rollout, "cache_argument", lambda m: "past_key_values")
+    old, warned_old = run()
+    assert warned_old, "the deprecated name warns (so the check above can fail)"
+    assert [r.response_ids for r in new] == [r.response_ids for r in old]
+    assert [r.response_logprobs for r in new] == [r.response_logprobs for r in old]

@@ -1,6 +1,6 @@
-"""Flow-matching text-to-image models behind one small interface, loaded from a local diffusers directory.
+"""Flow-matching image / video / editing models behind one small interface, loaded from a local diffusers directory.
 
-    model = load_flow_model("path/to/sd3.5-medium")          # StableDiffusion3Pipeline or FluxPipeline dir
+    model = load_flow_model("path/to/sd3.5-medium")          # any registered pipeline directory
     emb = model.encode_prompts(["a red circle"])              # once per prompt; `emb.select(idx)` repeats it
     x = model.initial_noise(4, height, width, generator)       # [B, C, h, w] for every family
     sigmas = model.sigmas(num_steps, height, width)           # [num_steps + 1] in fp32, last one 0
@@ -12,12 +12,17 @@
 and assign the wrapped module back to `model.transformer`.
 
 Families (one file each, registered by the pipeline class in model_index.json): `sd3.py`
-(StableDiffusion3Pipeline), `flux.py` (FluxPipeline). Adding one (Qwen-Image, Wan, ...) = a new file here
-with a `@register_family("<PipelineClass>")` FlowModel subclass implementing `encode_prompts`, `_forward`,
-`initial_noise`, `sigmas`, `decode` (see base.py); this package imports every module in it.
+(StableDiffusion3Pipeline), `flux.py` (FluxPipeline), `flux2.py` (Flux2Pipeline, Flux2KleinPipeline), `z_image.py`
+(ZImagePipeline), `wan.py` (WanPipeline), `qwen_image.py` (QwenImagePipeline), `qwen_image_edit.py`
+(QwenImageEditPipeline, QwenImageEditPlusPipeline), `flux_kontext.py` (FluxKontextPipeline). Edit families
+(`needs_source_image`) take `encode_prompts(prompts, images=...)` and carry the source image's latents in the
+returned PromptEmbeds. Adding one = a new file here with a `@register_family("<PipelineClass>")` FlowModel
+subclass implementing `encode_prompts`, `_forward`, `initial_noise`, `sigmas`, `decode` (see base.py and
+docs/adding-a-family.md); this package imports every module in it.
 
-What is simplified away: no negative prompts other than "" (the empty prompt is the unconditional
-branch of classifier-free guidance), no IP-adapters / ControlNets, no skip-layer guidance.
+What is simplified away: no negative prompts other than "" (the empty prompt, or the empty instruction with the
+same source image, is the unconditional branch of classifier-free guidance), no IP-adapters / ControlNets, no
+skip-layer guidance, one source image per edit.
 """
 
 import importlib
@@ -25,7 +30,7 @@ import pkgutil
 
 from mmrl.diffusion.models.base import (  # noqa: F401
     ATTENTION_LORA_TARGETS, MODEL_FAMILIES, FlowModel, PromptEmbedCache, PromptEmbeds, available_families,
-    load_flow_model, register_family,
+    flow_model_class, load_flow_model, register_family,
 )
 from mmrl.diffusion.models.flux import FluxModel  # noqa: F401
 from mmrl.diffusion.models.sd3 import SD3Model  # noqa: F401

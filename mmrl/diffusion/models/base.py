@@ -40,8 +40,12 @@ ATTENTION_LORA_TARGETS = [
 
 
 class PromptEmbeds(dict):
-    """Text conditioning of a batch: name -> tensor with the batch on dim 0 (e.g. `prompt_embeds`
-    [N, L, D], `pooled_prompt_embeds` [N, D]). `select(idx)` picks / repeats rows."""
+    """Conditioning of a batch: name -> tensor with the batch on dim 0 (e.g. `prompt_embeds` [N, L, D],
+    `pooled_prompt_embeds` [N, D], an edit model's source-image latents `image_latents` [N, C, h, w]).
+    `select(idx)` picks / repeats rows; `cat` stacks batches.
+
+    Variable-length text: a tensor `<key>` [N, L, ...] with a mask `<key>_mask` [N, L] (1 = token, 0 = padding)
+    may differ in L between the batches `cat` stacks; the shorter ones are zero-padded (mask 0) to the longest."""
 
     def select(self, index: Sequence[int] | Tensor) -> "PromptEmbeds":
         idx = torch.as_tensor(index, dtype=torch.long)
@@ -52,17 +56,37 @@ class PromptEmbeds(dict):
 
     @staticmethod
     def cat(parts: Sequence["PromptEmbeds"]) -> "PromptEmbeds":
-        return PromptEmbeds({k: torch.cat([p[k] for p in parts]) for k in parts[0].keys()})
+        out = {}
+        for k in parts[0].keys():
+            tensors = [p[k] for p in parts]
+            shapes = {tuple(t.shape[1:]) for t in tensors}
+            if len(shapes) > 1:
+                masked = (k.endswith("_mask") and k[: -len("_mask")] in parts[0]) or f"{k}_mask" in parts[0]
+                if not masked or len({s[1:] for s in shapes}) > 1:
+                    raise ValueError(f"PromptEmbeds.cat: '{k}' has different shapes {sorted(shapes)} across the "
+                                     f"batches (only a text tensor with a '<key>_mask' may differ in length; an edit "
+                                     f"model's source images of one batch must share one size)")
+                n = max(s[0] for s in shapes)  # zero padding (mask 0) up to the longest row
+                tensors = [torch.nn.functional.pad(t, [0, 0] * (t.dim() - 2) + [0, n - t.shape[1]]) for t in tensors]
+            out[k] = torch.cat(tensors)
+        return PromptEmbeds(out)
 
 
 class FlowModel:
     """A diffusers flow-matching pipeline seen as encode / velocity / decode. Subclasses set
-    `lora_target_modules` and implement the abstract methods below."""
+    `lora_target_modules` and implement the abstract methods below.
+
+    Conditioning beyond text (edit models) travels inside `PromptEmbeds`: `encode_prompts(prompts, images=...)`
+    returns rows that also hold the source image's latents (and whatever else the family's transformer needs),
+    so every sampler and recipe passes it along untouched; `negative_rows(embeds)` builds the unconditional CFG
+    branch of the same rows (an edit model keeps the source image there)."""
 
     lora_target_modules: list[str] = ATTENTION_LORA_TARGETS
     family: str = "flow"
     default_max_sequence_length: int = 512  # text tokens when load_flow_model is not given one
     has_guidance_embedding: bool = False  # FLUX-dev: guidance goes into the transformer, not CFG
+    needs_source_image: bool = False  # edit models: encode_prompts(prompts, images) needs one source image per prompt
+    has_unused_parameters: bool = False  # parameters no output depends on: DDP must find unused parameters
     is_video: bool = False  # latents [B, C, F, h, w]; decode gives [B, F, 3, H, W] when num_frames > 1
     num_frames: int = 1  # frames per sample (> 1 only for video families; set_num_frames)
     option_names: tuple[str, ...] = ()  # the keywords `configure` takes (model.family_options)
@@ -82,7 +106,9 @@ class FlowModel:
         self._cfg_memo: tuple[PromptEmbeds, PromptEmbeds] | None = None  # (embeds, [negative; embeds])
 
     # ------------------------------------------------------------------ text
-    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
+    def encode_prompts(self, prompts: list[str], images: Tensor | None = None) -> PromptEmbeds:
+        """Conditioning rows of `prompts`. Edit models (`needs_source_image`) take `images` float [N, 3, H, W] in
+        [0, 1], one source image per prompt, already at the size to condition on; text-to-image models take none."""
         raise NotImplementedError
 
     def negative_embeds(self, n: int) -> PromptEmbeds:
@@ -121,6 +147,11 @@ class FlowModel:
         scale convention; Wan 2.2 A14B's second scale for the low-noise expert, chosen by sigma [B])."""
         return v_uncond + guidance_scale * (v_cond - v_uncond)
 
+    def negative_rows(self, embeds: PromptEmbeds) -> PromptEmbeds:
+        """The unconditional CFG branch for each row of `embeds`: the empty prompt (encoded once) for text-to-image
+        families; edit families override it to keep each row's source image."""
+        return self.negative_embeds(len(embeds))
+
     def _with_negative(self, embeds: PromptEmbeds) -> PromptEmbeds:
         """[empty-prompt rows; embeds] for the CFG batch. Samplers and trainers call `velocity` many times in
         a row with the same `embeds` object (every step of a rollout, every trained step of a micro-batch), so
@@ -128,7 +159,7 @@ class FlowModel:
         memo = self._cfg_memo
         if memo is not None and memo[0] is embeds:
             return memo[1]
-        both = PromptEmbeds.cat([self.negative_embeds(len(embeds)), embeds])
+        both = PromptEmbeds.cat([self.negative_rows(embeds), embeds])
         self._cfg_memo = (embeds, both)
         return both
 
@@ -168,6 +199,49 @@ class FlowModel:
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         return FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
+
+    # --- families whose transformer sees 2x2 latent patches as tokens (FLUX.1, Kontext, Qwen-Image): latents stay
+    # [B, C, h, w] outside, so samplers and log-probs see one layout for every family
+    def _pack_tokens(self, *latents: Tensor) -> Tensor:
+        """[B, C, h, w] latents (the noisy ones, then any condition latents) -> [B, sum of (h/2)(w/2), 4C] tokens in
+        the model dtype, concatenated on the sequence dim (the pipelines' `_pack_latents`)."""
+        out = []
+        for x in latents:
+            b, c, h, w = x.shape
+            out.append(self.pipe._pack_latents(x.to(self.dtype), b, c, h, w))
+        return torch.cat(out, dim=1) if len(out) > 1 else out[0]
+
+    @staticmethod
+    def _unpack_tokens(out: Tensor, c: int, h: int, w: int) -> Tensor:
+        """The first (h/2)(w/2) tokens of a prediction [B, N, 4C] back to [B, C, h, w] (inverse of `_pack_tokens`; any
+        condition tokens after them are dropped, as the edit pipelines slice)."""
+        b = out.shape[0]
+        return out[:, : (h // 2) * (w // 2)].reshape(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(
+            b, c, h, w)
+
+    def _packed_noise(self, n: int, height: int, width: int, generator: torch.Generator | None) -> Tensor:
+        h, w = self._latent_hw(height, width, 2)
+        c = self.transformer.config.in_channels // 4
+        return torch.randn((n, c, h, w), generator=generator, device=self.device, dtype=torch.float32)
+
+    def _packed_sigmas(self, num_steps: int, height: int, width: int) -> Tensor:
+        """`_shifted_sigmas` with the shift computed from the target's tokens (the pipelines use the noisy latents'
+        sequence length, condition tokens excluded)."""
+        h, w = self._latent_hw(height, width, 2)
+        return self._shifted_sigmas(num_steps, (h // 2) * (w // 2))
+
+    def _shifted_sigmas(self, num_steps: int, image_seq_len: int) -> Tensor:
+        """The FLUX / Qwen-Image pipelines' schedule: sigmas linspace(1, 1/N, N) through the scheduler with the
+        resolution-dependent shift mu = calculate_shift(image tokens) (`use_dynamic_shifting` configs)."""
+        import numpy as np
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        c = self.scheduler_config
+        mu = calculate_shift(image_seq_len, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                             c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+        sched = self._new_scheduler()
+        sched.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), device="cpu", mu=mu)
+        return sched.sigmas.float()
 
     def _latent_hw(self, height: int, width: int, multiple: int = 1) -> tuple[int, int]:
         f = self.vae_scale_factor * multiple
@@ -258,13 +332,33 @@ def available_families() -> list[str]:
 def _text_only(model: FlowModel, images: Any) -> None:
     """Text-to-image / -video families take no source image: one given anyway is a mistake, not ignored."""
     if images is not None:
-        raise ValueError(f"{type(model.pipe).__name__} generates from text only: it takes no source images")
+        edit = sorted(k for k, v in MODEL_FAMILIES.items() if v.needs_source_image)
+        raise ValueError(f"{type(model.pipe).__name__} generates from text only: it takes no source images (edit "
+                         f"pipelines: {edit})")
 
 
 def _image_only_error(class_name: str, num_frames: int) -> ValueError:
     video = sorted(k for k, v in MODEL_FAMILIES.items() if v.is_video)
     return ValueError(f"rollout.num_frames={num_frames}: {class_name} generates images, so num_frames must be 1 "
                       f"(video pipelines: {video})")
+
+
+def flow_model_class(path: str | Path) -> type[FlowModel]:
+    """The FlowModel subclass of a local pipeline directory (its model_index.json `_class_name`), without loading
+    any weights; clear errors for a missing directory or an unknown pipeline class (naming the supported ones)."""
+    path = Path(path)
+    index = path / "model_index.json"
+    if not path.is_dir() or not index.is_file():
+        what = "does not exist" if not path.exists() else "has no model_index.json"
+        raise FileNotFoundError(
+            f"model.path '{path}' {what}: expected a local diffusers pipeline directory (with model_index.json, "
+            f"e.g. written by StableDiffusion3Pipeline.save_pretrained, a downloaded "
+            f"stabilityai/stable-diffusion-3.5-medium snapshot, or mmrl.tiny.build_tiny_sd3(path))")
+    cls_name = json.loads(index.read_text()).get("_class_name", "")
+    if cls_name not in MODEL_FAMILIES:
+        raise ValueError(f"model.path '{path}': pipeline class '{cls_name}' is not supported; "
+                         f"supported: {available_families()}")
+    return MODEL_FAMILIES[cls_name]
 
 
 def load_flow_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -282,18 +376,8 @@ def load_flow_model(path: str | Path, device: str | torch.device = "cpu", dtype:
     from mmrl.checkpoint_files import refusing_pickled_weights
 
     path = Path(path)
-    index = path / "model_index.json"
-    if not path.is_dir() or not index.is_file():
-        what = "does not exist" if not path.exists() else "has no model_index.json"
-        raise FileNotFoundError(
-            f"model.path '{path}' {what}: expected a local diffusers pipeline directory (with model_index.json, "
-            f"e.g. written by StableDiffusion3Pipeline.save_pretrained, a downloaded "
-            f"stabilityai/stable-diffusion-3.5-medium snapshot, or mmrl.tiny.build_tiny_sd3(path))")
-    cls_name = json.loads(index.read_text()).get("_class_name", "")
-    if cls_name not in MODEL_FAMILIES:
-        raise ValueError(f"model.path '{path}': pipeline class '{cls_name}' is not supported; "
-                         f"supported: {available_families()}")
-    model_cls = MODEL_FAMILIES[cls_name]
+    model_cls = flow_model_class(path)
+    cls_name = next(name for name, cls in MODEL_FAMILIES.items() if cls is model_cls)
     if int(num_frames) != 1 and not model_cls.is_video:  # fail before loading the weights
         raise _image_only_error(cls_name, int(num_frames))
     with refusing_pickled_weights("model.path", path):  # a pickled .bin: one line naming it, not 40

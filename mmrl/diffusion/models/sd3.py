@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, register_family
+from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, _text_only, register_family
 
 
 @register_family("StableDiffusion3Pipeline")
@@ -14,7 +14,8 @@ class SD3Model(FlowModel):
     family = "sd3"
     default_max_sequence_length = 128  # T5 tokens (the pipeline's own default is 256)
 
-    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
+    def encode_prompts(self, prompts: list[str], images=None) -> PromptEmbeds:
+        _text_only(self, images)
         with torch.no_grad():
             pe, _, pooled, _ = self.pipe.encode_prompt(
                 prompt=list(prompts), prompt_2=None, prompt_3=None, device=self.device,

@@ -18,6 +18,8 @@ from mmrl.rewards.base import RewardModel, RewardOutput, register
 class PromptColorReward(RewardModel):
     name = "prompt_color"
     needs_prompts = True
+    unit = "fraction of pixels in the prompt's colour"
+    score_range = (0.0, 1.0)
 
     def __init__(self, target: str = "background", sigma: float = 0.25, hard: bool = False,
                  differentiable: bool = True, batch_size: int = 256, device=None):

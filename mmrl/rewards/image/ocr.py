@@ -14,6 +14,7 @@ it runs offline with no weight path. Not differentiable.
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any, Sequence
 
 import numpy as np
@@ -48,8 +49,9 @@ def normalize_text(s: str) -> str:
     return s.replace(" ", "").lower()
 
 
-def target_text(prompt: str | None, meta: dict | None) -> str:
-    """The text an image should show: metadata["text"], else the first double-quoted, else single-quoted span."""
+def target_text(prompt: str | None, meta: dict | None) -> str | None:
+    """The text an image should show: metadata["text"], else the first double-quoted, else single-quoted span;
+    None when there is none (the prompt asks for no text)."""
     if meta is not None and not isinstance(meta, dict):
         raise ValueError(f"ocr: metadata entries must be dicts (e.g. {{'text': 'HELLO'}}), got {type(meta).__name__}")
     if meta and meta.get("text") is not None:
@@ -60,8 +62,7 @@ def target_text(prompt: str | None, meta: dict | None) -> str:
         m = pattern.search(prompt)
         if m:
             return next(g for g in m.groups() if g is not None)
-    raise ValueError(f"ocr: prompt {prompt!r} has no quoted text; put the text to render in quotes "
-                     "(\"...\" or '...') or pass metadata=[{'text': ...}]")
+    return None
 
 
 def ocr_similarity(pred: str, target: str) -> float:
@@ -75,13 +76,23 @@ def ocr_similarity(pred: str, target: str) -> float:
     return 1.0 - min(dist, len(t)) / len(t)
 
 
+NO_TARGET = ("nan", "zero")
+
+
 @register("ocr")
 class OcrReward(RewardModel):
+    """`no_target`: the score of an image whose prompt has no quoted text and no metadata["text"]: "nan" (default:
+    the reward does not apply; trainers handle it as any non-finite reward, `reward.on_nonfinite`) or "zero"."""
+
     name = "ocr"
     differentiable = False
+    unit = "1 - edit distance / target length"
+    score_range = (0.0, 1.0)
 
     def __init__(self, *, min_confidence: float = 0.0, batch_size: int = 16, engine_kwargs: dict | None = None,
-                 device: Any = None, dtype: Any = None):
+                 no_target: str = "nan", device: Any = None, dtype: Any = None):
+        if no_target not in NO_TARGET:
+            raise ValueError(f"ocr: no_target must be one of {list(NO_TARGET)}, got {no_target!r}")
         try:
             from rapidocr_onnxruntime import RapidOCR
         except ImportError:
@@ -89,6 +100,8 @@ class OcrReward(RewardModel):
         self.engine = RapidOCR(**(engine_kwargs or {}))
         self.min_confidence = float(min_confidence)
         self.batch_size = int(batch_size)
+        self.no_target = no_target
+        self._warned = False
 
     def read(self, image_rgb: np.ndarray) -> str:
         """Recognised text of one HxWx3 uint8 RGB image (lines joined in the engine's reading order)."""
@@ -102,5 +115,13 @@ class OcrReward(RewardModel):
         targets = [target_text(None if prompts is None else prompts[i], None if metadata is None else metadata[i])
                    for i in range(n)]
         preds = [self.read(np.asarray(pil)) for pil in to_pil_list(images)]
-        scores = torch.tensor([ocr_similarity(p, t) for p, t in zip(preds, targets)], dtype=torch.float32)
-        return RewardOutput(scores, {"ocr_text": preds, "target": targets})
+        missing = float("nan") if self.no_target == "nan" else 0.0
+        scores = torch.tensor([missing if t is None else ocr_similarity(p, t) for p, t in zip(preds, targets)],
+                              dtype=torch.float32)
+        first = next((i for i, t in enumerate(targets) if t is None), None)
+        if first is not None and not self._warned:
+            self._warned = True
+            warnings.warn(f"ocr: prompt {prompts[first]!r} has no quoted text and no metadata['text']: scored "
+                          f"{missing} (no_target={self.no_target!r}); put the text to render in quotes, or in "
+                          f"training drop such samples with reward.on_nonfinite=drop_sample", stacklevel=2)
+        return RewardOutput(scores, {"ocr_text": preds, "target": ["" if t is None else t for t in targets]})

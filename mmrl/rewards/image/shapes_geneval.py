@@ -26,6 +26,8 @@ _CHECKS = ("object", "color", "count", "position", "background")
 @register("shapes_geneval")
 class ShapesGenEval(RewardModel):
     name = "shapes_geneval"
+    unit = "share of the prompt's checks passed"
+    score_range = (0.0, 1.0)
     needs_prompts = True
 
     def __init__(self, mode: str = "fraction", tol: float = 0.3, min_area: float = 0.004, batch_size: int = 64,
