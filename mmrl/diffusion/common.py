@@ -77,6 +77,8 @@ def build_policy_states(model: Any, model_cfg: Any, *, old: bool, ref: bool):
     else:
         model.transformer.requires_grad_(True)
         states = PolicyStates(model.transformer, None, old=old, keep_ref_copy=ref)
+    if model_cfg.gradient_checkpointing:
+        states.model.enable_gradient_checkpointing()  # blocks recomputed in backward (no-grad passes: unchanged)
     model.transformer = states.model
     return states
 
@@ -87,7 +89,7 @@ def setup_training(ctx: Any, run: Run, cfg: Any, model: Any, *, old: bool, ref: 
     wrapper (`dist.strategy`; FSDP: `states.refresh()` follows the new DTensor shards), then the optimizer and
     schedule over the trainable parameters (`optim`, `mmrl.training.build_optimizer`) and the `UpdateGuard`
     (`update.max_skipped_updates`: a NaN/inf loss or gradient never reaches the weights)."""
-    from mmrl.training import UpdateGuard, build_optimizer
+    from mmrl.training import UpdateGuard, attach_flops_meter, build_optimizer
 
     states = build_policy_states(model, cfg.model, old=old, ref=ref)
     evals = TransformerEvalCounter(model.transformer)
@@ -99,6 +101,7 @@ def setup_training(ctx: Any, run: Run, cfg: Any, model: Any, *, old: bool, ref: 
     fsdp = ctx.enabled and cfg.dist.strategy == "fsdp"
     if fsdp:  # fully_shard replaced every parameter by a DTensor shard: follow them before building the optimizer
         states.refresh()
+    attach_flops_meter(states.model)  # perf/tflops_per_step, perf/mfu (end_step)
     params = states.trainable_parameters()
     optimizer, lr_sched = build_optimizer(params, cfg.optim, total_steps=cfg.train.max_steps)
     guard = UpdateGuard(cfg.update.max_skipped_updates, ctx, run)
@@ -387,10 +390,11 @@ def end_step(ctx: Any, run: Run, step: int, metrics: dict, timer: Any, bar: Any,
     """The tail of a recipe step on every rank: timings (`time/*`, `time/step_s` last), one metrics.jsonl row
     (rank 0), the progress bar, and the checkpoint when due (`train.save_every` or the last step; collective,
     rank 0 writes)."""
-    from mmrl.training import checkpoint_due, save_checkpoint
+    from mmrl.training import checkpoint_due, perf_metrics, save_checkpoint
 
     metrics.update(timer.pop(TIMING_PREFIX))
     metrics["time/step_s"] = metrics.pop("time/step_s")
+    metrics.update(perf_metrics(ctx, states.model, metrics["time/step_s"], run.device))  # a collective
     if ctx.is_main:
         run.log(step, metrics)
     bar.update(1)
