@@ -121,6 +121,18 @@ COMMANDS: dict[str, object] = {
     "data.eval_prompts=data/pickscore/test.txt": ByTest(
         "tests/joint/test_rewriter.py::test_real_recipe_runs_on_tiny_models_of_the_same_layout",
         _NO_GPU.split(":")[0] + ": the test runs a step of this config on tiny models of the same layout"),
+    # docs/performance.md (GPU check), docs/scaling.md (sharded checkpoints)
+    "python benchmarks/gpu_check.py --out runs/gpu_check --steps 3": ByTest(
+        "tests/test_scale_benchmarks.py::test_gpu_check_small_runs_every_recipe",
+        "needs a CUDA device: the test runs the same script with --small on CPU"),
+    "python benchmarks/gpu_check.py --small --steps 1 --out runs/gpu_check_small": ByTest(
+        "tests/test_scale_benchmarks.py::test_gpu_check_small_runs_every_recipe", "the test runs this command"),
+    "python -m mmrl.training.consolidate runs/nft/checkpoints/step_40 runs/nft-full/step_40": ByTest(
+        "tests/test_sharded_checkpoint.py::test_sharded_and_gathered_checkpoints_resume_on_another_number_of_ranks",
+        "needs a sharded run: the test consolidates the checkpoint of a 2-rank run and resumes from it"),
+    "python -m mmrl.training.consolidate runs/nft/checkpoints/step_40 runs/nft-weights/step_40 --weights-only": ByTest(
+        "tests/test_sharded_checkpoint.py::test_sharded_full_weights_load_into_diffusers_and_mmrl_eval",
+        "needs a sharded run: the test consolidates one with --weights-only and loads the weights into diffusers"),
     # docs/dpo-nft.md
     "mmrl train configs/diffusion/nft_tiny.yaml": Short(
         f"mmrl train configs/diffusion/nft_tiny.yaml train.max_steps=1 {_TINY_DIFF}", "minutes: 1 small step"),
