@@ -30,6 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from mmrl.perf.meter import counting_paused, not_counted
 from mmrl.runtime import Run
 
 Tensor = torch.Tensor
@@ -317,7 +318,7 @@ def sample_grid(model: Any, states: Any, state: str, reward_fn: Any, items: Sequ
     if not items:
         return
     s = cfg.rollout
-    with not_counted():  # cost/transformer_evals counts training work only
+    with not_counted():  # cost/transformer_evals and perf/tflops_per_step count training work only
         images, _, scores, _ = ode_images(model, states, state, reward_fn, items, num_steps=s.eval_num_steps,
                                           guidance_scale=s.eval_guidance_scale, height=s.height, width=s.width,
                                           batch_size=max(1, cfg.update.micro_batch_size), seed=cfg.seed)
@@ -327,20 +328,6 @@ def sample_grid(model: Any, states: Any, state: str, reward_fn: Any, items: Sequ
 
 
 # ------------------------------------------------------------------------------------------ cost accounting
-
-
-_UNCOUNTED = [0]  # > 0 inside `not_counted()`: transformer forwards that are not training cost
-
-
-@contextmanager
-def not_counted():
-    """Transformer forwards inside the block are left out of every TransformerEvalCounter (the sample grids: what
-    a run shows, not what it trains with)."""
-    _UNCOUNTED[0] += 1
-    try:
-        yield
-    finally:
-        _UNCOUNTED[0] -= 1
 
 
 class TransformerEvalCounter:
@@ -355,7 +342,9 @@ class TransformerEvalCounter:
 
     def _hook(self, module, args, kwargs):
         x = kwargs.get("hidden_states", args[0] if args else None)
-        if isinstance(x, torch.Tensor) and not _UNCOUNTED[0]:
+        if counting_paused():
+            return
+        if isinstance(x, torch.Tensor):
             self.count += int(x.shape[0])
         elif isinstance(x, (list, tuple)):  # a list of per-sample latents (Z-Image's transformer)
             self.count += len(x)

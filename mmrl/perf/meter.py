@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,23 @@ PEAK_BF16_TFLOPS: list[tuple[str, float]] = [
     ("L40S", 362.0),   # L40S datasheet: 733 TFLOPS with sparsity
 ]
 _METER_ATTR = "_mmrl_flops_meter"
+_PAUSED = [0]  # > 0 inside `not_counted()`
+
+
+@contextmanager
+def not_counted():
+    """Forwards inside the block are not training cost (the sample grids: what a run shows, not what it trains
+    with): left out of every FlopsMeter and of the diffusion recipes' transformer-evaluation counters, so
+    `perf/tflops_per_step` and `cost/*` do not depend on how often a run draws samples."""
+    _PAUSED[0] += 1
+    try:
+        yield
+    finally:
+        _PAUSED[0] -= 1
+
+
+def counting_paused() -> bool:
+    return _PAUSED[0] > 0
 
 
 def device_peak_tflops(device: torch.device | str) -> float | None:
@@ -85,10 +103,12 @@ class FlopsMeter:
         pending: list[Pass] = []
 
         def pre(mod, args, kwargs):
-            pending.append(est.shapes(args, kwargs))
+            pending.append(None if _PAUSED[0] else est.shapes(args, kwargs))
 
         def post(mod, args, kwargs, out):
             shape = pending.pop()
+            if shape is None:  # inside not_counted()
+                return
             self.flops += est.forward_flops(shape)
             t = _first_tensor(out)
             if t is not None and t.requires_grad and torch.is_grad_enabled():
