@@ -143,9 +143,14 @@ def metrics_rows(out_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+# measurements of the machine rather than of the training (mmrl.perf.meter): throughput and memory
+MACHINE_KEYS = ("perf/tflops_per_s", "perf/mfu", "perf/peak_memory_gib")
+
+
 def without_time(row: dict) -> dict:
-    """A metrics row without its wall-clock keys (``time/...``): what two equal runs must agree on."""
-    return {k: v for k, v in row.items() if not k.startswith("time/")}
+    """A metrics row without its wall-clock and machine keys (``time/...``, ``MACHINE_KEYS``): what two equal runs
+    must agree on (``perf/tflops_per_step`` stays: it is a function of the work done)."""
+    return {k: v for k, v in row.items() if not k.startswith("time/") and k not in MACHINE_KEYS}
 
 
 # the CPU features that decide which float kernels torch (and oneDNN / MKL) run: AVX2 vs AVX-512 vs AMX round

@@ -462,10 +462,17 @@ def test_dist_config_embeds_in_a_recipe_config():
     assert cfg.dist.strategy == "ddp" and cfg.dist.backend == "auto"
     apply_overrides(cfg, ["dist.backend=gloo"])
     assert cfg.dist.backend == "gloo"
-    assert set(field_docs(DistConfig)) == {"strategy", "backend", "find_unused_parameters"}
+    assert set(field_docs(DistConfig)) == {"strategy", "backend", "find_unused_parameters", "checkpoint"}
     assert "# torch.distributed backend" in to_yaml(cfg)
     with pytest.raises(ValueError, match="dist.strategy"):
         from_dict(Cfg, {"dist": {"strategy": "deepspeed"}})
+    with pytest.raises(ValueError, match=r"dist.checkpoint: expected one of \['auto', 'sharded', 'full'\], got 'dcp'"):
+        from_dict(Cfg, {"dist": {"checkpoint": "dcp"}})
+    # sharded by default only under FSDP with several processes; explicit values hold everywhere
+    assert [DistConfig(strategy=s).sharded_checkpoints(w) for s, w in (("fsdp", 2), ("fsdp", 1), ("ddp", 2))] == \
+        [True, False, False]
+    assert DistConfig(checkpoint="sharded").sharded_checkpoints(1) and not DistConfig(
+        strategy="fsdp", checkpoint="full").sharded_checkpoints(4)
 
 
 @pytest.mark.skipif(not (Path(sys.executable).parent / "torchrun").exists(), reason="torchrun not in the venv")

@@ -97,6 +97,42 @@ COMMANDS: dict[str, object] = {
     ".venv/bin/mkdocs build --strict": RUN,
     ".venv/bin/mkdocs serve": ByTest("tests/test_docs_commands.py::test_mkdocs_serve_serves_the_site",
                                      "a server: started on a free port, fetched, stopped"),
+    # docs/async.md
+    "mmrl train configs/vlm/grpo_tiny_shapes.yaml rollout.worker=process rollout.max_staleness=1": ByTest(
+        "tests/vlm/test_grpo_async.py::test_stale_batches_resume_exactly_with_in_flight_batches_saved",
+        "the test runs the tiny VLM with a rollout process and stale batches, then resumes it"),
+    "mmrl train configs/diffusion/flow_grpo_tiny.yaml rollout.worker=process rollout.max_staleness=1 "
+    "algo.old_logprobs=recompute algo.rollout_correction.is_level=token": ByTest(
+        "tests/test_async_rollout.py::test_docs_async_commands_short_forms", "the command for 3 small steps"),
+    "torchrun --standalone --nproc_per_node 2 -m mmrl.cli train configs/vlm/grpo_tiny_shapes.yaml dist.strategy=ddp "
+    "rollout.worker=process rollout.max_staleness=1": ByTest(
+        "tests/vlm/test_grpo_async.py::test_torchrun_ddp_each_rank_with_its_rollout_process",
+        "the same launch on 2 ranks, each with its rollout process"),
+    "python benchmarks/async_rollout.py --recipes vlm_grpo,flow_grpo --steps 60,30 --repeats 3": ByTest(
+        "tests/test_benchmarks.py::test_async_rollout_quick_mode_runs_every_variant",
+        "the full pass takes an hour: the quick mode runs every variant"),
+    "python benchmarks/async_rollout.py --recipes flow_grpo --steps 6 --repeats 3 --skip 1 "
+    "--set rollout.prompts_per_step=2 --set rollout.group_size=4": ByTest(
+        "tests/test_benchmarks.py::test_async_rollout_quick_mode_runs_every_variant",
+        "minutes: the quick mode runs every variant"),
+    # docs/real-recipes.md (prompt rewriter)
+    "mmrl train configs/joint/rewriter_qwen25vl_3b_sd35_pickscore.yaml model.path=/models/Qwen2.5-VL-3B-Instruct "
+    "renderer.path=/models/stable-diffusion-3.5-medium data.train_prompts=data/pickscore/train.txt "
+    "data.eval_prompts=data/pickscore/test.txt": ByTest(
+        "tests/joint/test_rewriter.py::test_real_recipe_runs_on_tiny_models_of_the_same_layout",
+        _NO_GPU.split(":")[0] + ": the test runs a step of this config on tiny models of the same layout"),
+    # docs/performance.md (GPU check), docs/scaling.md (sharded checkpoints)
+    "python benchmarks/gpu_check.py --out runs/gpu_check --steps 3": ByTest(
+        "tests/test_scale_benchmarks.py::test_gpu_check_small_runs_every_recipe",
+        "needs a CUDA device: the test runs the same script with --small on CPU"),
+    "python benchmarks/gpu_check.py --small --steps 1 --out runs/gpu_check_small": ByTest(
+        "tests/test_scale_benchmarks.py::test_gpu_check_small_runs_every_recipe", "the test runs this command"),
+    "python -m mmrl.training.consolidate runs/nft/checkpoints/step_40 runs/nft-full/step_40": ByTest(
+        "tests/test_sharded_checkpoint.py::test_sharded_and_gathered_checkpoints_resume_on_another_number_of_ranks",
+        "needs a sharded run: the test consolidates the checkpoint of a 2-rank run and resumes from it"),
+    "python -m mmrl.training.consolidate runs/nft/checkpoints/step_40 runs/nft-weights/step_40 --weights-only": ByTest(
+        "tests/test_sharded_checkpoint.py::test_sharded_full_weights_load_into_diffusers_and_mmrl_eval",
+        "needs a sharded run: the test consolidates one with --weights-only and loads the weights into diffusers"),
     # docs/dpo-nft.md
     "mmrl train configs/diffusion/nft_tiny.yaml": Short(
         f"mmrl train configs/diffusion/nft_tiny.yaml train.max_steps=1 {_TINY_DIFF}", "minutes: 1 small step"),

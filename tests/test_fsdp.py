@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from mmrl.testing import child_env, run_torchrun
+from mmrl.training.consolidate import checkpoint_optimizer_state
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -250,8 +251,8 @@ def test_flow_grpo_fsdp_equals_ddp_and_resumes(tmp_path):
         # FSDP re-runs the reference forwards of inner epoch 2 (no cache: equal forwards on every rank)
         assert mf["cost/transformer_evals"] > md["cost/transformer_evals"]
     assert abs(m_f[1]["eval/reward/mean"] - m_d[1]["eval/reward/mean"]) < 1e-6
-    opt_f = torch.load(ck_f / "state.pt", weights_only=False)["stateful"]["optimizer"]
-    opt_d = torch.load(ck_d / "state.pt", weights_only=False)["stateful"]["optimizer"]
+    opt_f = checkpoint_optimizer_state(ck_f)  # FSDP: sharded by default (dist.checkpoint: auto), read whole
+    opt_d = checkpoint_optimizer_state(ck_d)
     assert sorted(opt_f["state"]) == sorted(opt_d["state"])
     for i, st in opt_f["state"].items():  # full (gathered) optimizer tensors, as DDP / one process writes them
         assert type(st["exp_avg"]) is torch.Tensor and st["exp_avg"].shape == opt_d["state"][i]["exp_avg"].shape

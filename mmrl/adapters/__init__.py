@@ -37,7 +37,10 @@ or ``set_peft_model_state_dict``. For diffusers models the same weights are also
 ``transformer.``, or ``unet.`` for UNets; LoRA config in the safetensors metadata), so
 ``pipe.load_lora_weights(dir/<name>)`` works; diffusers picks that file by name, peft picks
 ``adapter_model.safetensors``. A "ref" that is the base model is not written. Full fine-tuning writes
-``dir/<name>/model.safetensors`` (parameter names as in ``model.named_parameters()``) per state.
+``dir/<name>/model.safetensors`` (parameter names as in ``model.named_parameters()``) per state, or, for sharded
+checkpoints (``save(dir, sharded_dir=...)``), only ``policy_states.json`` pointing at the torch.distributed.checkpoint
+directory where every rank wrote its shards (``load`` reads them back on any number of ranks;
+``load_sharded_state(dir, name)`` gives one state's whole tensors in one process).
 
 FSDP2 (``DistContext.wrap_model(model, "fsdp")`` / ``fully_shard``) replaces every parameter by a DTensor
 shard: call :meth:`PolicyStates.refresh` right after wrapping (and build the optimizer after it). Then
@@ -74,7 +77,10 @@ from mmrl.adapters.files import (  # noqa: F401 - the file names are part of the
     INDEX_NAME,
     PEFT_CONFIG_NAME,
     PEFT_WEIGHTS_NAME,
+    SHARDED_KEY,
+    load_sharded_state,
+    sharded_weights_dir,
 )
 from mmrl.adapters.states import STATE_NAMES, PolicyStates
 
-__all__ = ["PolicyStates", "STATE_NAMES"]
+__all__ = ["PolicyStates", "STATE_NAMES", "load_sharded_state", "sharded_weights_dir"]

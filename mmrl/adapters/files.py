@@ -22,7 +22,37 @@ PEFT_CONFIG_NAME = "adapter_config.json"
 DIFFUSERS_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 FULL_WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "policy_states.json"
+SHARDED_KEY = "policy"  # top-level key of the policy-state tensors in a torch.distributed.checkpoint state dict
 _PEFT_PREFIX = "base_model.model."
+
+
+def sharded_weights_dir(directory: str | os.PathLike) -> Path | None:
+    """The torch.distributed.checkpoint directory holding the full fine-tuning weights of a ``save(.., sharded_dir)``
+    output `directory` (an ``adapters/`` dir), or None when its weights are whole files."""
+    index = Path(directory) / INDEX_NAME
+    if not index.is_file():
+        return None
+    info = json.loads(index.read_text())
+    return Path(directory) / info["sharded_dir"] if info.get("weights") == "sharded" else None
+
+
+def load_sharded_state(directory: str | os.PathLike, state: str) -> dict[str, torch.Tensor]:
+    """One policy state of a sharded full fine-tuning checkpoint as whole CPU tensors ``{parameter name: tensor}``
+    (what ``model.safetensors`` of a gathered checkpoint holds), read in this process from every rank's shards.
+    Memory: that one state, nothing more."""
+    from mmrl.distributed import dcp_load, dcp_tensor_metadata
+
+    path = sharded_weights_dir(directory)
+    if path is None:
+        raise ValueError(f"{directory}: not a sharded checkpoint's adapters/ ({INDEX_NAME} says the weights are files)")
+    written = json.loads((Path(directory) / INDEX_NAME).read_text()).get("written", [])
+    if state not in written:
+        raise FileNotFoundError(f"checkpoint {directory}: no policy state {state!r} (saved: {written})")
+    prefix = f"{SHARDED_KEY}.{state}."
+    tensors = {k[len(prefix):]: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+               for k, m in dcp_tensor_metadata(path).items() if k.startswith(prefix)}
+    dcp_load({SHARDED_KEY: {state: tensors}}, path)
+    return tensors
 
 
 def _is_diffusers_model(model: nn.Module) -> bool:
@@ -65,6 +95,13 @@ class _StateFiles:
         for name in expected:
             self._copy_into(name, got[name], where=f"state_dict['states'][{name!r}]")
 
+    def sharded_state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """``{state: {key: live tensor}}`` of every kept state (keys as in :meth:`state_dict`) for
+        ``torch.distributed.checkpoint``: no gather, no copy -- under FSDP2 these are this rank's DTensor shards, so
+        each rank writes only its own slice, and a load writes into them in place (:meth:`load` does that for a
+        :meth:`save` made with ``sharded_dir``)."""
+        return {name: dict(zip(self._keys(name), self._tensors(name))) for name in self._written_states()}
+
     def _written_states(self) -> list[str]:
         if self.mode == "lora":
             return list(self._adapters)
@@ -105,14 +142,28 @@ class _StateFiles:
                     bad.append(f"{name}:{k}")
         return bad
 
-    def save(self, directory: str | os.PathLike) -> None:
+    def save(self, directory: str | os.PathLike, sharded_dir: str | None = None) -> None:
         """Write every kept state (layout: see the ``mmrl.adapters`` docstring). Weights holding NaN/inf are refused
         (ValueError naming the tensors) before anything is written.
 
         FSDP2-sharded model (after :meth:`refresh`): a collective -- every rank must call it (the shards are
-        gathered into full tensors); only rank 0 writes, other ranks may pass ``directory=None``."""
+        gathered into full tensors); only rank 0 writes, other ranks may pass ``directory=None``.
+
+        sharded_dir (full fine-tuning): the weights are written by the caller with ``torch.distributed.checkpoint``
+        (:meth:`sharded_state_dict` under the key ``SHARDED_KEY``) into ``sharded_dir``, a path relative to
+        `directory`; nothing is gathered, no ``model.safetensors`` is written, and the index records where the
+        weights are, so :meth:`load` reads them back on any number of ranks. LoRA adapters are small and are
+        always written whole (`sharded_dir` is then ignored)."""
         from safetensors.torch import save_file
 
+        if sharded_dir is not None and self.mode == "full":
+            bad = self.nonfinite_tensors()  # this rank's shards (mmrl.training checks every rank's before saving)
+            if bad:
+                raise ValueError(f"PolicyStates.save: {len(bad)} tensor(s) hold NaN/inf (first: {bad[0]}); "
+                                 f"nothing was written to {directory}")
+            if _main_rank():
+                self._write_index(Path(directory), [], sharded_dir)
+            return
         if self._sharded():
             gathered = {name: {k: _full(t).to("cpu").contiguous()
                                for k, t in zip(self._keys(name), self._tensors(name))}
@@ -148,8 +199,14 @@ class _StateFiles:
                 tensors = gathered[name] if gathered is not None else \
                     {k: t.detach().to("cpu").contiguous() for k, t in zip(self._full_names, self._tensors(name))}
                 save_file(tensors, str(sub / FULL_WEIGHTS_NAME), metadata={"format": "pt"})
+        self._write_index(directory, written)
+
+    def _write_index(self, directory: Path, written: list[str], sharded_dir: str | None = None) -> None:
         index = {"mode": self.mode, "states": list(self.states), "written": written,
                  "ref": "base_model" if self._ref_is_base else ("adapter" if self.mode == "lora" else "snapshot")}
+        if sharded_dir is not None:
+            index.update(written=self._written_states(), weights="sharded", sharded_dir=str(sharded_dir))
+        directory.mkdir(parents=True, exist_ok=True)
         (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
     def _peft_state_dict(self, name: str) -> dict[str, torch.Tensor]:
@@ -164,12 +221,14 @@ class _StateFiles:
         if not directory.is_dir():
             raise FileNotFoundError(f"PolicyStates.load: directory {str(directory)!r} not found")
         index_path = directory / INDEX_NAME
-        if index_path.is_file():
-            index = json.loads(index_path.read_text())
-            if index.get("mode") != self.mode:
-                raise ValueError(
-                    f"PolicyStates.load: {str(index_path)!r} has mode {index.get('mode')!r}, expected {self.mode!r}"
-                )
+        index = json.loads(index_path.read_text()) if index_path.is_file() else {}
+        if index and index.get("mode") != self.mode:
+            raise ValueError(
+                f"PolicyStates.load: {str(index_path)!r} has mode {index.get('mode')!r}, expected {self.mode!r}"
+            )
+        if index.get("weights") == "sharded":
+            self._load_sharded(directory / index["sharded_dir"], list(index.get("written", [])), str(index_path))
+            return
         for name in self._written_states():
             if self.mode == "lora":
                 self._load_adapter_file(name, directory / name)
@@ -180,6 +239,24 @@ class _StateFiles:
                 if not path.is_file():
                     raise FileNotFoundError(f"PolicyStates.load: {str(path)!r} not found (state {name!r})")
                 self._copy_into(name, load_file(str(path)), where=str(path))
+
+    def _load_sharded(self, path: Path, written: list[str], where: str) -> None:
+        """Read the full fine-tuning weights of a ``save(.., sharded_dir=..)`` back in place with
+        torch.distributed.checkpoint (each rank reads the slices it holds, whatever the number of ranks that wrote
+        them; a collective when a process group exists)."""
+        from mmrl.distributed import dcp_load
+
+        expected = self._written_states()
+        if sorted(written) != sorted(expected):
+            raise ValueError(f"PolicyStates.load: {where} holds states {sorted(written)}, this PolicyStates keeps "
+                             f"{sorted(expected)} (old=/keep_ref_copy= differ from the run that wrote it)")
+        if not (path / ".metadata").is_file():
+            raise FileNotFoundError(f"PolicyStates.load: {where} says the weights are sharded in {str(path)!r}, which "
+                                    f"has no torch.distributed.checkpoint .metadata file")
+        if self._sharded():
+            _reshard_fsdp(self.model)
+        with torch.no_grad():
+            dcp_load({SHARDED_KEY: self.sharded_state_dict()}, path)
 
     def _load_adapter_file(self, name: str, sub: Path) -> None:
         from peft import set_peft_model_state_dict

@@ -30,6 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from mmrl.perf.meter import counting_paused, not_counted
 from mmrl.runtime import Run
 
 Tensor = torch.Tensor
@@ -77,6 +78,8 @@ def build_policy_states(model: Any, model_cfg: Any, *, old: bool, ref: bool):
     else:
         model.transformer.requires_grad_(True)
         states = PolicyStates(model.transformer, None, old=old, keep_ref_copy=ref)
+    if model_cfg.gradient_checkpointing:
+        states.model.enable_gradient_checkpointing()  # blocks recomputed in backward (no-grad passes: unchanged)
     model.transformer = states.model
     return states
 
@@ -87,7 +90,7 @@ def setup_training(ctx: Any, run: Run, cfg: Any, model: Any, *, old: bool, ref: 
     wrapper (`dist.strategy`; FSDP: `states.refresh()` follows the new DTensor shards), then the optimizer and
     schedule over the trainable parameters (`optim`, `mmrl.training.build_optimizer`) and the `UpdateGuard`
     (`update.max_skipped_updates`: a NaN/inf loss or gradient never reaches the weights)."""
-    from mmrl.training import UpdateGuard, build_optimizer
+    from mmrl.training import UpdateGuard, attach_flops_meter, build_optimizer
 
     states = build_policy_states(model, cfg.model, old=old, ref=ref)
     evals = TransformerEvalCounter(model.transformer)
@@ -99,6 +102,7 @@ def setup_training(ctx: Any, run: Run, cfg: Any, model: Any, *, old: bool, ref: 
     fsdp = ctx.enabled and cfg.dist.strategy == "fsdp"
     if fsdp:  # fully_shard replaced every parameter by a DTensor shard: follow them before building the optimizer
         states.refresh()
+    attach_flops_meter(states.model)  # perf/tflops_per_step, perf/mfu (end_step)
     params = states.trainable_parameters()
     optimizer, lr_sched = build_optimizer(params, cfg.optim, total_steps=cfg.train.max_steps)
     guard = UpdateGuard(cfg.update.max_skipped_updates, ctx, run)
@@ -314,7 +318,7 @@ def sample_grid(model: Any, states: Any, state: str, reward_fn: Any, items: Sequ
     if not items:
         return
     s = cfg.rollout
-    with not_counted():  # cost/transformer_evals counts training work only
+    with not_counted():  # cost/transformer_evals and perf/tflops_per_step count training work only
         images, _, scores, _ = ode_images(model, states, state, reward_fn, items, num_steps=s.eval_num_steps,
                                           guidance_scale=s.eval_guidance_scale, height=s.height, width=s.width,
                                           batch_size=max(1, cfg.update.micro_batch_size), seed=cfg.seed)
@@ -324,20 +328,6 @@ def sample_grid(model: Any, states: Any, state: str, reward_fn: Any, items: Sequ
 
 
 # ------------------------------------------------------------------------------------------ cost accounting
-
-
-_UNCOUNTED = [0]  # > 0 inside `not_counted()`: transformer forwards that are not training cost
-
-
-@contextmanager
-def not_counted():
-    """Transformer forwards inside the block are left out of every TransformerEvalCounter (the sample grids: what
-    a run shows, not what it trains with)."""
-    _UNCOUNTED[0] += 1
-    try:
-        yield
-    finally:
-        _UNCOUNTED[0] -= 1
 
 
 class TransformerEvalCounter:
@@ -352,7 +342,9 @@ class TransformerEvalCounter:
 
     def _hook(self, module, args, kwargs):
         x = kwargs.get("hidden_states", args[0] if args else None)
-        if isinstance(x, torch.Tensor) and not _UNCOUNTED[0]:
+        if counting_paused():
+            return
+        if isinstance(x, torch.Tensor):
             self.count += int(x.shape[0])
         elif isinstance(x, (list, tuple)):  # a list of per-sample latents (Z-Image's transformer)
             self.count += len(x)
@@ -387,10 +379,11 @@ def end_step(ctx: Any, run: Run, step: int, metrics: dict, timer: Any, bar: Any,
     """The tail of a recipe step on every rank: timings (`time/*`, `time/step_s` last), one metrics.jsonl row
     (rank 0), the progress bar, and the checkpoint when due (`train.save_every` or the last step; collective,
     rank 0 writes)."""
-    from mmrl.training import checkpoint_due, save_checkpoint
+    from mmrl.training import checkpoint_due, perf_metrics, save_checkpoint
 
     metrics.update(timer.pop(TIMING_PREFIX))
     metrics["time/step_s"] = metrics.pop("time/step_s")
+    metrics.update(perf_metrics(ctx, states.model, metrics["time/step_s"], run.device))  # a collective
     if ctx.is_main:
         run.log(step, metrics)
     bar.update(1)

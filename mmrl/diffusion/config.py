@@ -65,6 +65,10 @@ class ModelConfig:
     lora: DiffusionLoRAConfig = field(default_factory=DiffusionLoRAConfig)
     """LoRA on the transformer (`rank: 0` = full fine-tuning; empty target_modules = the family's attention
     projections)."""
+    gradient_checkpointing: bool = False
+    """Recompute each transformer block's activations in the backward pass instead of keeping them (diffusers'
+    `enable_gradient_checkpointing`): much less activation memory for about one more forward of compute
+    (docs/scaling.md, memory at real width); the same gradients."""
 
     def __post_init__(self) -> None:
         if self.max_sequence_length < 0:

@@ -28,9 +28,11 @@ Rules that make results independent of the number of ranks (documented once, her
   global data position (+ trackers), written by rank 0 (:meth:`DistContext.checkpoint`); any number of
   ranks can resume from it. A resumed run with a different world size draws different noise than the
   uninterrupted run would have (same distribution, not the same numbers).
-* **Checkpoints.** Only rank 0 writes; the other ranks wait at a barrier so nobody reads a half-written
-  directory. With FSDP the adapters are sharded: gather them first with :meth:`DistContext.full_state_dict`
-  (a collective every rank must call).
+* **Checkpoints.** Gathered format: only rank 0 writes; the other ranks wait at a barrier so nobody reads a
+  half-written directory (with FSDP gather first: :meth:`DistContext.full_state_dict`, a collective). Sharded
+  format (``dist.checkpoint``, default under FSDP): every rank writes its own shards with
+  torch.distributed.checkpoint (:func:`dcp_save`) into the temp dir rank 0 made (``DistContext.checkpoint(..,
+  all_ranks=True)``); loads read whichever slices the new layout needs (:func:`dcp_load`).
 
 What is simplified away: no tensor/pipeline parallelism, no mixed-precision policy for FSDP (the
 trainable LoRA weights stay float32, as PolicyStates keeps them), no multi-node launcher config
@@ -46,6 +48,9 @@ from mmrl.distributed.launch import exit_launched_process
 from mmrl.distributed.lockstep import LockstepForwards
 from mmrl.distributed.sharded import (
     clip_grad_norm,
+    dcp_load,
+    dcp_save,
+    dcp_tensor_metadata,
     full_optimizer_state_dict,
     full_tensor,
     load_full_optimizer_state_dict,
@@ -53,4 +58,4 @@ from mmrl.distributed.sharded import (
 
 __all__ = ["DistConfig", "DistContext", "rank_seed", "STRATEGIES", "BACKENDS", "full_optimizer_state_dict",
            "load_full_optimizer_state_dict", "LockstepForwards", "full_tensor", "clip_grad_norm",
-           "exit_launched_process"]
+           "exit_launched_process", "dcp_save", "dcp_load", "dcp_tensor_metadata"]

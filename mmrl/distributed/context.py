@@ -9,6 +9,7 @@ import datetime
 import inspect
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -20,6 +21,7 @@ from mmrl.distributed.sharded import clip_grad_norm, full_tensor
 
 STRATEGIES = ("auto", "none", "ddp", "fsdp")
 BACKENDS = ("auto", "gloo", "nccl")
+CHECKPOINT_FORMATS = ("auto", "sharded", "full")
 
 
 @dataclass
@@ -37,12 +39,26 @@ class DistConfig:
     find_unused_parameters: bool = False
     """DDP only: set true when some trainable parameters get no gradient in a step (e.g. a vision-tower LoRA
     on a text-only batch); costs an extra graph traversal per backward."""
+    checkpoint: str = "auto"
+    """How checkpoints hold the optimizer state and full fine-tuning weights: `sharded` (every rank writes its own
+    shards with torch.distributed.checkpoint into `checkpoints/step_N/sharded/`; nothing is gathered, so no rank
+    ever holds the whole model or optimizer), `full` (gathered into whole tensors and written by rank 0, as one
+    process writes them) or `auto` (sharded under FSDP with several processes, full otherwise). Either format
+    resumes on any number of processes and under any strategy; LoRA adapters are always written whole (peft and
+    diffusers files). `python -m mmrl.training.consolidate` turns a sharded checkpoint into the full one."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"dist.strategy: expected one of {list(STRATEGIES)}, got {self.strategy!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"dist.backend: expected one of {list(BACKENDS)}, got {self.backend!r}")
+        if self.checkpoint not in CHECKPOINT_FORMATS:
+            raise ValueError(f"dist.checkpoint: expected one of {list(CHECKPOINT_FORMATS)}, got {self.checkpoint!r}")
+
+    def sharded_checkpoints(self, world_size: int) -> bool:
+        """True when checkpoints are written sharded (torch.distributed.checkpoint) with `world_size` processes."""
+        return self.checkpoint == "sharded" or (self.checkpoint == "auto" and self.strategy == "fsdp"
+                                                 and world_size > 1)
 
 
 def rank_seed(seed: int, rank: int = 0, step: int = 0) -> int:
@@ -413,14 +429,21 @@ class DistContext:
 
     # ------------------------------------------------------------------ checkpoints
     @contextlib.contextmanager
-    def checkpoint(self, run: Any, step: int) -> Iterator[Any]:
-        """Rank 0 gets ``run.checkpoint(step)``'s temp dir to write into (atomic rename on exit); the other
-        ranks get None and wait at a barrier until it is complete."""
+    def checkpoint(self, run: Any, step: int, all_ranks: bool = False) -> Iterator[Any]:
+        """Rank 0 gets ``run.checkpoint(step)``'s temp dir to write into (manifest, COMPLETE marker and atomic
+        rename on exit); the other ranks get None and wait at a barrier until it is complete.
+
+        all_ranks=True (sharded checkpoints): every rank gets the same temp dir (rank 0 creates it and broadcasts
+        its path; the run directory must be on a file system every rank sees) to write its own shards into. The
+        body must end in a collective that returns only once every rank has written (``dcp.save`` does), so rank 0
+        lists every file in the manifest."""
         try:
             if self.is_main:
                 with run.checkpoint(step) as d:
+                    if all_ranks:
+                        self.broadcast_object(str(d))
                     yield d
             else:
-                yield None
+                yield Path(self.broadcast_object(None)) if all_ranks else None
         finally:
             self.barrier()

@@ -1,9 +1,12 @@
 """FSDP2 DTensor values gathered and used with plain, synchronous c10d collectives: whole tensors, gradient
 clipping over sharded gradients, and optimizer states written and read as full tensors (so a checkpoint does not
-depend on the strategy or the number of ranks)."""
+depend on the strategy or the number of ranks); and torch.distributed.checkpoint calls for sharded checkpoints."""
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -102,3 +105,39 @@ def load_full_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict:
 
                     st[k] = distribute_tensor(v.to(p.device, p.dtype), p.device_mesh, p.placements,
                                               src_data_rank=None)
+
+
+# ---------------------------------------------------------------------------------------------- sharded checkpoints
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns on every call without a process group that it assumes one process, which is what is meant here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def dcp_save(state_dict: dict, path: str | Path) -> None:
+    """``torch.distributed.checkpoint.save`` into directory `path`: every rank writes the shards it holds (plain
+    tensors held alike by several ranks are written once); one process without a process group works too."""
+    import torch.distributed.checkpoint as dcp
+
+    with _single_process_quiet():
+        dcp.save(state_dict, checkpoint_id=str(path))
+
+
+def dcp_load(state_dict: dict, path: str | Path) -> None:
+    """``torch.distributed.checkpoint.load`` from directory `path` in place into the tensors of `state_dict` (each
+    rank reads the slices its tensors hold, whatever the number of ranks that wrote them)."""
+    import torch.distributed.checkpoint as dcp
+
+    with _single_process_quiet():
+        dcp.load(state_dict, checkpoint_id=str(path))
+
+
+def dcp_tensor_metadata(path: str | Path) -> dict:
+    """{flattened key ("a.b.c"): TensorStorageMetadata (global size, dtype, chunks)} of a DCP checkpoint directory."""
+    import torch.distributed.checkpoint as dcp
+
+    return dict(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)

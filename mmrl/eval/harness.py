@@ -101,10 +101,15 @@ def state_dir(adapters: Path, state: str) -> Path:
 
 
 def sha256_file(path: Path) -> str:
+    """sha256 of a file, or of a directory's files (relative names and contents, sorted by name)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
+    files = sorted(p for p in Path(path).rglob("*") if p.is_file()) if Path(path).is_dir() else [Path(path)]
+    for file in files:
+        if file != Path(path):
+            h.update(str(file.relative_to(path)).encode())
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
     return h.hexdigest()
 
 
@@ -112,30 +117,34 @@ def apply_checkpoint(model: Any, adapters: Path, state: str = "default") -> dict
     """Put the saved policy state `state` of `adapters/` (PolicyStates.save layout) into `model.transformer`:
     a LoRA becomes the transformer's active adapter, full fine-tuning weights are copied in. Returns provenance
     ({"mode", "state", "weights", "sha256"})."""
-    from mmrl.adapters import FULL_WEIGHTS_NAME, PEFT_WEIGHTS_NAME, PolicyStates
+    from mmrl.adapters import FULL_WEIGHTS_NAME, PEFT_WEIGHTS_NAME, PolicyStates, load_sharded_state, sharded_weights_dir
 
-    sub = state_dir(adapters, state)
-    if (sub / PEFT_WEIGHTS_NAME).is_file():
+    shards = sharded_weights_dir(adapters)  # full fine-tuning weights as every rank's shards (dist.checkpoint: sharded)
+    sub = state_dir(adapters, state) if shards is None else None
+    if sub is not None and (sub / PEFT_WEIGHTS_NAME).is_file():
         # the saved adapter becomes PolicyStates' frozen "ref" and the initial (active) "default": exactly its weights
         states = PolicyStates(model.transformer, None, ref_adapter_path=sub)
         model.transformer = states.model
         weights, mode = sub / PEFT_WEIGHTS_NAME, "lora"
-    elif (sub / FULL_WEIGHTS_NAME).is_file():
-        weights, mode = sub / FULL_WEIGHTS_NAME, "full"
-        copy_full_weights(model.transformer, weights)
+    elif shards is not None or (sub / FULL_WEIGHTS_NAME).is_file():
+        weights, mode = (shards, "full") if shards is not None else (sub / FULL_WEIGHTS_NAME, "full")
+        copy_full_weights(model.transformer, weights,
+                          load_sharded_state(adapters, state) if shards is not None else None)
     else:
         raise FileNotFoundError(f"checkpoint state {sub}: neither {PEFT_WEIGHTS_NAME} (LoRA) nor {FULL_WEIGHTS_NAME} "
                                 f"(full fine-tuning) in it")
     return {"mode": mode, "state": state, "weights": str(weights), "sha256": sha256_file(weights)}
 
 
-def copy_full_weights(module: torch.nn.Module, weights: Path) -> None:
-    """Copy a full fine-tuning state (`model.safetensors`: parameter name -> tensor, as PolicyStates saves it) into
-    `module`'s parameters. Parameters that were frozen in training are not in the file and keep the base weights;
-    a tensor that is not a parameter of `module`, or of another shape, is an error naming it."""
+def copy_full_weights(module: torch.nn.Module, weights: Path, saved: dict | None = None) -> None:
+    """Copy a full fine-tuning state (`model.safetensors`: parameter name -> tensor, as PolicyStates saves it; or
+    `saved`, the same read from a sharded checkpoint's directory `weights`) into `module`'s parameters. Parameters
+    that were frozen in training are not in the file and keep the base weights; a tensor that is not a parameter of
+    `module`, or of another shape, is an error naming it."""
     from safetensors.torch import load_file
 
-    saved = load_file(str(weights))
+    if saved is None:
+        saved = load_file(str(weights))
     own = dict(module.named_parameters())
     unexpected = [k for k in saved if k not in own]
     if unexpected or not saved:

@@ -11,16 +11,20 @@ A recipe's `train(cfg)` reads top to bottom and calls these in order::
         ... rollout -> check_rewards -> advantages -> losses -> backward
         grad_norm = clip_grads(params, cfg.update.max_grad_norm)
         if guard.step(optimizer, losses, grad_norm, step): lr_sched.step()
+        metrics.update(perf_metrics(ctx, states.model, metrics["time/step_s"], run.device))  # every rank
         run.log(step, metrics)
         if run.should_save(step): save_checkpoint(ctx, run, step, states, stateful, fsdp=fsdp)
     return summarise(run, "recipe")
 
 Modules: `guards` (non-finite rewards/updates/weights), `config` (the config sections every recipe shares),
 `optim` (AdamW + schedule, gradient clipping), `run` (process group + run directory), `checkpoint` (save/restore
-in the one layout, FSDP included), `summary` (first-5 vs last-5 steps), `async_rollout` (rollouts in a process of
-their own, at most `rollout.max_staleness` policy versions behind; `payloads`: its batches as plain state).
+in the one layout, FSDP included; `sharded`: torch.distributed.checkpoint shards; `consolidate`: sharded -> whole),
+`summary` (first-5 vs last-5 steps), `async_rollout` (rollouts in a process of their own, at most
+`rollout.max_staleness` policy versions behind; `payloads`: its batches as plain state); `attach_flops_meter` /
+`perf_metrics` (mmrl.perf: `perf/tflops_per_step`, MFU, peak memory).
 """
 
+from mmrl.perf.meter import attach_flops_meter, perf_metrics
 from mmrl.training.checkpoint import (FullOptimizerState, checkpoint_due, restore_checkpoint, save_checkpoint)
 from mmrl.training.config import (KLConfig, LoRAConfig, OptimConfig, RunningNormFields, TrackersConfig,
                                   UpdateConfig, peft_lora_config)
@@ -36,4 +40,5 @@ __all__ = [
     "KLConfig", "LoRAConfig", "TrackersConfig", "OptimConfig", "UpdateConfig", "RunningNormFields", "peft_lora_config",
     "build_optimizer", "clip_grads", "lr_factor", "start_run", "merge_rank_lists", "closes_runs",
     "FullOptimizerState", "checkpoint_due", "restore_checkpoint", "save_checkpoint", "summarise",
+    "attach_flops_meter", "perf_metrics",
 ]

@@ -30,8 +30,9 @@ from mmrl.core.multi_reward import multi_reward_advantages
 from mmrl.distributed import DistConfig
 from mmrl.rewards import load as load_reward
 from mmrl.runtime import Timer, seed_everything
-from mmrl.training import (FullOptimizerState, KLConfig, OnNonfinite, OptimConfig, UpdateGuard, build_optimizer,
-                           checkpoint_due, restore_checkpoint, save_checkpoint, start_run)
+from mmrl.training import (FullOptimizerState, KLConfig, OnNonfinite, OptimConfig, UpdateGuard, attach_flops_meter,
+                           build_optimizer, checkpoint_due, perf_metrics, restore_checkpoint, save_checkpoint,
+                           start_run)
 from mmrl.training.async_rollout import policy_weights, rollout_process
 from mmrl.training.config import AsyncRolloutFields, RolloutCorrectionConfig, RunningNormFields, TrackersConfig
 from mmrl.training.judges import JudgeFields, build_judges, stop_for_hacking
@@ -248,6 +249,7 @@ def train(cfg: Config) -> dict:
     if fsdp:
         states.refresh()  # fully_shard replaced every parameter by a DTensor shard: follow them
         params = rl_parameters(states, cfg.model.freeze)
+    attach_flops_meter(model)  # perf/tflops_per_step, perf/mfu, perf/peak_memory_gib
     updates = cfg.train.max_steps * up.epochs * up.updates_per_epoch(ro.prompts_per_step * ro.group_size)
     optimizer, lr_sched = build_optimizer(params, cfg.optim, total_steps=updates)
     stateful = {"optimizer": FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,
@@ -398,6 +400,7 @@ def train(cfg: Config) -> dict:
                                 if k.startswith("eval/accuracy")})
         metrics.update(timer.pop())
         metrics["time/step_s"] = t_step.times["step"]
+        metrics.update(perf_metrics(ctx, model, metrics["time/step_s"], run.device))  # a collective
         if ctx.is_main:
             run.log(step, metrics)
         bar.update(1)

@@ -23,9 +23,9 @@ from mmrl.config import RunConfig, TrainConfig
 from mmrl.distributed import DistConfig
 from mmrl.runtime import Timer, seed_everything
 from mmrl.training import (NONFINITE_KEY, SKIPPED_KEY, FullOptimizerState, KLConfig, LoRAConfig, OnNonfinite,
-                           OptimConfig, RunningNormFields, TrackersConfig, UpdateConfig, UpdateGuard, build_optimizer,
-                           checkpoint_due, finite_stats, peft_lora_config, restore_checkpoint, save_checkpoint,
-                           start_run, summarise)
+                           OptimConfig, RunningNormFields, TrackersConfig, UpdateConfig, UpdateGuard, attach_flops_meter,
+                           build_optimizer, checkpoint_due, finite_stats, peft_lora_config, perf_metrics,
+                           restore_checkpoint, save_checkpoint, start_run, summarise)
 from mmrl.training.run import closes_runs
 from mmrl.vlm.grpo_checks import check_clip_ranges
 from mmrl.vlm.common import VisionCache, vision_has_adapters, vision_tower
@@ -261,6 +261,7 @@ def train(cfg: Config) -> dict:
             ctx.wrap_model(states.model, "fsdp", fsdp_block_types=language_block_types(states.model))
             states.refresh()
         model = states.model
+        attach_flops_meter(model)  # perf/tflops_per_step, perf/mfu, perf/peak_memory_gib
         params = states.named_trainable_parameters()
         rl_params = [p for n, p in params if not any(f in n for f in cfg.model.freeze)]
         if not rl_params:
@@ -399,6 +400,7 @@ def train(cfg: Config) -> dict:
             metrics.update({"time/generation_s": stats.generation_s, "time/environment_s": stats.environment_s,
                             "time/preprocessing_s": stats.preprocessing_s, **timer.pop()})
             metrics["time/step_s"] = time.perf_counter() - t_step
+            metrics.update(perf_metrics(ctx, model, metrics["time/step_s"], run.device))  # a collective
             metrics["rollout/episode/env_errors_total"] = len(manager.errors)
             if ctx.is_main or fsdp:  # the other ranks wait at the next collective (FSDP: all evaluate, rank 0 logs)
                 every = cfg.log.eval_every

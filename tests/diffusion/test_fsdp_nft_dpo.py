@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from mmrl.testing import child_env, run_torchrun
+from mmrl.training.consolidate import checkpoint_optimizer_state, checkpoint_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -90,8 +91,8 @@ def test_fsdp_equals_ddp_and_resumes(recipe, tmp_path):
         for key in keys:
             assert abs(mf[key] - md[key]) <= 1e-6 * max(1.0, abs(md[key])), (key, mf[key], md[key])
     assert abs(m_f[1]["eval/reward/mean"] - m_d[1]["eval/reward/mean"]) < 1e-6
-    opt_f = torch.load(ck_f / "state.pt", weights_only=False)["stateful"]["optimizer"]
-    opt_d = torch.load(ck_d / "state.pt", weights_only=False)["stateful"]["optimizer"]
+    opt_f = checkpoint_optimizer_state(ck_f)  # FSDP: sharded by default (dist.checkpoint: auto), read whole
+    opt_d = checkpoint_optimizer_state(ck_d)
     assert sorted(opt_f["state"]) == sorted(opt_d["state"]) and opt_f["state"]
     for i, st in opt_f["state"].items():  # full (gathered) AdamW tensors, as DDP writes them
         assert type(st["exp_avg"]) is torch.Tensor
@@ -118,7 +119,7 @@ def test_nft_full_finetuning_fsdp_equals_ddp(tmp_path):
     full = ("model.lora.rank=0", "optim.lr=1e-4", "train.save_every=1")
     fsdp, ddp = tmp_path / "fsdp", tmp_path / "ddp"
     walls = {"fsdp": _train("nft", fsdp, "fsdp", 1, more=full), "ddp": _train("nft", ddp, "ddp", 1, more=full)}
-    w = {n: {s: load_file(str(out / "checkpoints/step_1/adapters" / s / "model.safetensors")) for s in ("default", "old")}
+    w = {n: {s: checkpoint_weights(out / "checkpoints/step_1", s) for s in ("default", "old")}  # FSDP: sharded
          for n, out in (("fsdp", fsdp), ("ddp", ddp))}
     diff = _max_diff(w["fsdp"], w["ddp"])
     base = load_file(str(ROOT / "assets/tiny_sd3_shapes/transformer/diffusion_pytorch_model.safetensors"))

@@ -125,7 +125,9 @@ def test_q_and_v_without_k_would_rebuild_qkv_wrong(engine, tiny32, prompts, logp
     fixed = _sample(engine, prompts, seed=2)
     right = max_diff(fixed, hf_logprobs(states.model, fixed, pad))
     print(f"[vllm sync] LoRA q/v: q and v alone -> max |diff| {wrong:.2f}; whole q/k/v units -> {right:.1e}")
-    assert wrong > 0.1 and right <= 1e-4
+    # the size of the wrong answer depends on the random tiny model (measured 0.02 to 2.25 across builds); the
+    # contract is that the q/v-only load is off by orders of magnitude more than float rounding, and the sync is not
+    assert right <= 1e-4 and wrong > 1e-3 and wrong > 1000 * right
 
 
 def _load_without_cache_resets(engine, chunk):

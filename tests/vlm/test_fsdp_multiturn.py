@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from mmrl.testing import child_env, metrics_rows, run_torchrun
+from mmrl.training.consolidate import checkpoint_optimizer_state, checkpoint_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -94,7 +95,7 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 def _moments(out: Path, step: int) -> dict:
-    return torch.load(out / f"checkpoints/step_{step}/state.pt", weights_only=False)["stateful"]["optimizer"]["state"]
+    return checkpoint_optimizer_state(out / f"checkpoints/step_{step}")["state"]  # either checkpoint format, whole
 
 
 def test_multiturn_fsdp_equals_ddp_and_resumes(tmp_path):
@@ -142,8 +143,6 @@ def test_multiturn_fsdp_full_finetuning_equals_ddp(tmp_path):
     one step (after the lm_head warm start) under FSDP equals the DDP run; later steps are not compared (full-weight
     Adam turns fp-level gradient differences into weight differences that can flip a sampled token). FSDP then
     resumes its checkpoint."""
-    from safetensors.torch import load_file
-
     from mmrl.tiny import build_tiny_qwen2_vl
 
     tiny = build_tiny_qwen2_vl(tmp_path / "tiny", seed=0)
@@ -157,9 +156,8 @@ def test_multiturn_fsdp_full_finetuning_equals_ddp(tmp_path):
             if key in a or key in b:
                 assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
     assert rf[1]["kl/ref"] > 0  # the warm-started policy differs from the (sharded) reference snapshot
-    w = {name: load_file(str(out / "checkpoints/step_1/adapters/default/model.safetensors")) for name, out in
-         (("fsdp", fs), ("ddp", dd))}
-    init = load_file(str(fs / "checkpoints/step_1/adapters/ref/model.safetensors"))
+    w = {name: checkpoint_weights(out / "checkpoints/step_1") for name, out in (("fsdp", fs), ("ddp", dd))}
+    init = checkpoint_weights(fs / "checkpoints/step_1", "ref")  # FSDP: sharded (dist.checkpoint: auto), read whole
     diff = max(float((w["fsdp"][k] - w["ddp"][k]).abs().max()) for k in w["ddp"])
     moved = max(float((w["ddp"][k] - init[k]).abs().max()) for k in init)
     # (measured 8.7e-6: Adam turns fp-level gradient differences on near-zero full-weight gradients into larger

@@ -19,6 +19,7 @@ import torch
 
 from mmrl.pipelines.shapes_qa import ShapesQA
 from mmrl.testing import child_env, metrics_rows, run_torchrun
+from mmrl.training.consolidate import checkpoint_optimizer_state, checkpoint_weights
 from mmrl.vlm.rollout_collect import check_fsdp_images, to_request
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,8 +78,8 @@ def test_fsdp_equals_ddp_and_resumes_on_one_process(tmp_path):
     diff = _max_diff(fs, dd)
     moved = max(float(v.abs().max()) for k, v in dd.items() if "lora_B" in k)  # B starts at 0
     assert moved > 1e-4 and diff < 1e-5, (moved, diff)
-    s_f = torch.load(tmp_path / "fsdp/checkpoints/step_2/state.pt", weights_only=False)["stateful"]["optimizer"]["state"]
-    s_d = torch.load(tmp_path / "ddp/checkpoints/step_2/state.pt", weights_only=False)["stateful"]["optimizer"]["state"]
+    s_f = checkpoint_optimizer_state(tmp_path / "fsdp/checkpoints/step_2")["state"]  # sharded by default, read whole
+    s_d = checkpoint_optimizer_state(tmp_path / "ddp/checkpoints/step_2")["state"]
     assert s_f.keys() == s_d.keys() and all(not hasattr(v, "device_mesh") for st in s_f.values() for v in st.values())
     opt_diff = max(float((s_f[i][k] - s_d[i][k]).abs().max()) for i in s_f for k in ("exp_avg", "exp_avg_sq"))
     assert opt_diff < 1e-5
@@ -133,8 +134,6 @@ def test_fsdp_full_finetuning_equals_ddp(tmp_path):
     one step under FSDP equals the DDP run (later steps are not compared: full-weight Adam turns fp-level gradient
     differences into ~1e-7 weight differences, which can flip a sampled token); FSDP resumes its checkpoint, then one
     process continues."""
-    from safetensors.torch import load_file
-
     from mmrl.tiny import build_tiny_qwen2_vl
 
     tiny = build_tiny_qwen2_vl(tmp_path / "tiny", seed=0)
@@ -147,9 +146,8 @@ def test_fsdp_full_finetuning_equals_ddp(tmp_path):
     for key in ("reward/mean", "rollout/response_length/mean", "kl/ref", "policy/loss", "policy/grad_norm"):
         for a, b in zip(rf, rd):
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (key, a[key], b[key])
-    w = {n: load_file(str(tmp_path / n / "checkpoints/step_1/adapters/default/model.safetensors"))
-         for n in ("fsdp", "ddp")}
-    ref = load_file(str(tmp_path / "fsdp/checkpoints/step_1/adapters/ref/model.safetensors"))
+    w = {n: checkpoint_weights(tmp_path / n / "checkpoints/step_1") for n in ("fsdp", "ddp")}
+    ref = checkpoint_weights(tmp_path / "fsdp/checkpoints/step_1", "ref")  # FSDP: sharded by default, read whole
     diff = max(float((w["fsdp"][k] - w["ddp"][k]).abs().max()) for k in w["ddp"])
     moved = max(float((w["ddp"][k] - ref[k]).abs().max()) for k in ref)
     assert moved > 1e-5 and diff < 1e-5, (moved, diff)  # Adam: fp noise on near-zero full-weight gradients

@@ -245,7 +245,8 @@ def test_format_warm_start_equals_the_earlier_loop(tiny_path):
                           lambda step: (P, R, MM), pad)
 
 
-METRIC_PREFIXES = ("reward/", "policy/", "kl/", "train/", "rollout/", "eval/", "time/", "diag/", "cost/", "dist/")
+METRIC_PREFIXES = ("reward/", "policy/", "kl/", "train/", "rollout/", "eval/", "time/", "diag/", "cost/", "dist/",
+                   "perf/")
 
 
 def test_every_logged_metric_has_a_design_prefix(tiny_path, tmp_path):

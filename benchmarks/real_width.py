@@ -1,0 +1,389 @@
+"""Real width, honest memory: the real architectures (mmrl.perf.architectures) at their published widths with a few
+blocks and random bf16 weights, one training step each on CPU, memory measured per block and extrapolated to the
+full depth and the shipped recipe's micro-batch, against one 80 GB GPU; FLOPs per step from the architecture.
+
+    python benchmarks/real_width.py [--arch sd35_medium,flux1_dev,qwen25_vl_3b] [--threads 2] [--out runs/real_width.json]
+    python benchmarks/real_width.py --small          # tiny widths, in this process: a check of the code path
+
+Each measurement is its own process (one at a time: a real-width step needs several GB): build the model at the
+depth, LoRA (PolicyStates, rank of the recipe) or full fine-tuning, gradient checkpointing off or on, AdamW with its
+state allocated, then one forward + backward (+ optimizer step) of one row. What the step adds at its peak is
+counted two ways: live tensor bytes (a TorchDispatchMode recording every storage an op creates until Python frees
+it: exact; used for the extrapolation) and the resident size (Linux VmHWM, reset before the step, minus the resident size before it;
+glibc maps every allocation above 64 KiB on its own, MALLOC_MMAP_THRESHOLD_, so it follows the live memory: a check).
+
+The gradients are allocated (zeros) before the measured step, as after any first step, so what the step adds is the
+activations kept for the backward pass plus the backward's temporaries (gradient checkpointing: the recomputed
+block).
+
+Extrapolation (an upper-bound model, stated in docs/scaling.md): peak = weights (+ persistent buffers) + optimizer
+state + gradients of every trainable tensor + the optimizer step's temporaries + rows x what one row's step adds;
+that last term is linear in the number of blocks of each kind (from the depth points) and, where the measured row is
+shorter than the recipe's, in its tokens (per stream: see MEASURE). The SD3.5 row at 256 px checks the token scaling
+against a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+GIB = 2**30
+GPU_GIB = 80.0
+# per kind: the depth points measured, the shape of the measured row, and how each measured component scales to the
+# recipe's row ("fixed" = everything that is not a counted block)
+MEASURE = {
+    # (SD3's position table is a 0.23B-entry buffer computed in float64 at build time: measured with a 64 x 64 table,
+    # which covers 512 px; the table's memory is in the weights column from the real config)
+    "sd3": {"depths": [{"num_layers": 2}, {"num_layers": 3}],
+            "shape": dict(height=512, width=512, text_tokens=205), "scale": {}, "build": {"pos_embed_max_size": 64}},
+    "flux": {"depths": [{"num_layers": 1, "num_single_layers": 1}, {"num_layers": 2, "num_single_layers": 1},
+                        {"num_layers": 1, "num_single_layers": 2}],
+             # 256 px (256 image tokens) + 128 text tokens = 384 tokens, scaled to 512 px + 512 = 1536
+             "shape": dict(height=256, width=256, text_tokens=128), "scale": {"*": 1536 / 384}},
+    "wan": {"depths": [{"num_layers": 2}, {"num_layers": 3}],
+            "shape": dict(num_frames=5, height=256, width=256, text_tokens=512), "scale": {}},
+    "qwen_vl": {"depths": [{"text_config.num_hidden_layers": 1, "vision_config.depth": 1},
+                           {"text_config.num_hidden_layers": 2, "vision_config.depth": 1},
+                           {"text_config.num_hidden_layers": 1, "vision_config.depth": 2}],
+                # the real image (38 x 38 patches), 120 prompt + 256 response tokens (737 in all); decoder layers
+                # scale to 361 + 120 + 2048 = 2529 tokens, the rest (dominated by the response logits) to 2048 / 256
+                "shape": dict(image_patches=(38, 38), prompt_tokens=120, response_tokens=256),
+                "scale": {"text_config.num_hidden_layers": 2529 / 737, "fixed": 2048 / 256}},
+}
+SMALL_SHAPE = {"sd3": dict(height=64, width=64, text_tokens=8), "flux": dict(height=64, width=64, text_tokens=8),
+               "wan": dict(num_frames=5, height=32, width=32, text_tokens=8),
+               "qwen_vl": dict(image_patches=(8, 8), prompt_tokens=8, response_tokens=8)}
+
+
+# ------------------------------------------------------------------------------------------------ one measurement
+
+
+def _status_mib(key: str) -> float:
+    return int(re.search(rf"{key}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) / 1024
+
+
+def _build(name: str, depth: dict, small: bool):
+    from dataclasses import replace
+
+    import torch
+
+    from mmrl.tiny.random_real import sized_architecture
+
+    arch = sized_architecture(name, small)
+    build = {} if small else MEASURE[arch.kind].get("build", {})
+    model = replace(arch, config={**arch.config, **build}).build(depth, dtype=torch.float32 if small else torch.bfloat16)
+    return arch, model
+
+
+def _inputs(kind: str, model, shape: dict, dtype):
+    """One row of the recipe's training forward (random values of the right shapes)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    if kind == "wan":  # Wan's VAE: 4x in time ((F - 1) / 4 + 1 latent frames), 8x in space
+        c = model.config
+        f = (shape["num_frames"] - 1) // 4 + 1
+        return {"hidden_states": torch.randn(1, c.in_channels, f, shape["height"] // 8, shape["width"] // 8,
+                                             generator=g).to(dtype), "timestep": torch.tensor([500.0]),
+                "encoder_hidden_states": torch.randn(1, shape["text_tokens"], c.text_dim, generator=g).to(dtype)}
+    if kind in ("sd3", "flux"):
+        c = model.config
+        h, w, m = shape["height"] // 8, shape["width"] // 8, shape["text_tokens"]
+        text = torch.randn(1, m, c.joint_attention_dim, generator=g).to(dtype)
+        pooled = torch.randn(1, c.pooled_projection_dim, generator=g).to(dtype)
+        if kind == "sd3":
+            return {"hidden_states": torch.randn(1, c.in_channels, h, w, generator=g).to(dtype),
+                    "encoder_hidden_states": text, "pooled_projections": pooled, "timestep": torch.tensor([500.0])}
+        n = (h // 2) * (w // 2)
+        return {"hidden_states": torch.randn(1, n, c.in_channels, generator=g).to(dtype), "encoder_hidden_states": text,
+                "pooled_projections": pooled, "timestep": torch.tensor([0.5]).to(dtype),
+                "guidance": torch.tensor([3.5]), "img_ids": torch.zeros(n, 3), "txt_ids": torch.zeros(m, 3)}
+    cfg = model.config
+    gh, gw = shape["image_patches"]
+    merged = gh * gw // 4
+    vocab = cfg.text_config.vocab_size
+    ids = ([cfg.vision_start_token_id] + [cfg.image_token_id] * merged + [cfg.vision_end_token_id]
+           + torch.randint(0, 150000 % vocab, (shape["prompt_tokens"] + shape["response_tokens"],), generator=g).tolist())
+    ids = torch.tensor([ids])
+    patch = cfg.vision_config.in_channels * cfg.vision_config.temporal_patch_size * cfg.vision_config.patch_size ** 2
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+            "mm_token_type_ids": (ids == cfg.image_token_id).long(),
+            "pixel_values": torch.randn(gh * gw, patch, generator=g).to(dtype),
+            "image_grid_thw": torch.tensor([[1, gh, gw]]), "response_tokens": shape["response_tokens"]}
+
+
+def _loss(kind: str, model, inputs: dict):
+    if kind in ("sd3", "flux", "wan"):
+        return model(**inputs).sample.float().pow(2).mean()
+    from mmrl.vlm.batch import token_logprobs
+
+    kw = dict(inputs)
+    t = kw.pop("response_tokens")
+    logits = model(**kw, use_cache=False, logits_to_keep=t + 1).logits[:, :t]
+    return -token_logprobs(logits, kw["input_ids"][:, -t:], 1.0)[0].mean()
+
+
+def measure(spec: dict) -> dict:
+    """One training step of one row; the numbers the extrapolation needs (see the module docstring)."""
+    import ctypes
+    import gc
+
+    import torch
+    from peft import LoraConfig
+
+    from mmrl.adapters import PolicyStates
+    from mmrl.training import attach_flops_meter
+
+    torch.set_num_threads(spec["threads"])
+    arch, model = _build(spec["arch"], spec["depth"], spec["small"])
+    dtype = next(model.parameters()).dtype
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if spec["mode"] == "lora":
+        r = arch.step["lora_rank"]
+        targets = (rf".*language_model.*\.({'|'.join(arch.lora_targets)})" if arch.kind == "qwen_vl"
+                   else list(arch.lora_targets))
+        states = PolicyStates(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, lora_dropout=0.0))
+    else:
+        model.requires_grad_(True)
+        states = PolicyStates(model, None)
+    trainable = states.trainable_parameters()
+    if spec["gc"]:
+        if arch.kind == "qwen_vl":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.enable_gradient_checkpointing()
+    model.train()
+    opt = torch.optim.AdamW(trainable, lr=1e-6)
+    for p in trainable:  # the optimizer state the first step allocates (lr 0: the weights do not move)
+        p.grad = torch.zeros_like(p)
+    opt.param_groups[0]["lr"] = 0.0
+    opt.step()
+    opt.param_groups[0]["lr"] = 1e-6
+    opt.zero_grad(set_to_none=False)  # gradients stay allocated (counted apart): the step then adds activations only
+    inputs = _inputs(arch.kind, model, spec["shape"], dtype)
+    meter = attach_flops_meter(model)
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    before = _status_mib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    t0 = time.perf_counter()
+    existing = [*model.parameters(), *model.buffers(), *(p.grad for p in trainable),
+                *(v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)),
+                *(v for v in inputs.values() if torch.is_tensor(v))]
+    with _tensor_peak_mode(existing) as step:
+        _loss(arch.kind, model, inputs).backward()
+    t_fb = time.perf_counter() - t0
+    fb_peak = _status_mib("VmHWM")
+    flops = meter.pop()
+    with _tensor_peak_mode(existing) as opt_step:
+        opt.step()
+    return {**{k: spec[k] for k in ("arch", "depth", "mode", "gc")},
+            "weights_gib": weights / GIB, "trainable": sum(p.numel() for p in trainable),
+            "trainable_bytes": sum(p.numel() * p.element_size() for p in trainable) / GIB,
+            "step_peak_gib": step.extra / GIB, "rss_step_gib": (fb_peak - before) / 1024,
+            "opt_temp_gib": opt_step.extra / GIB, "fwd_bwd_s": t_fb, "tflops": flops / 1e12}
+
+
+def _tensor_peak_mode(existing=()):
+    """A TorchDispatchMode measuring the peak bytes of tensor storages created inside it and still alive: every op's
+    outputs are recorded once per storage (views and in-place results share theirs) and subtracted when Python frees
+    the storage; the storages of the `existing` tensors (weights, gradients, optimizer state, inputs: views of them,
+    e.g. a transposed weight, are outputs too) are not new. Exact tensor bytes (what a GPU's caching allocator has to
+    serve), unlike the resident size."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    class TensorPeak(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.live = self.extra = 0
+            self._seen = WeakIdKeyDictionary()
+            for t in existing:
+                self._seen[t.untyped_storage()] = None
+
+        def _free(self, n: int, _ref) -> None:
+            self.live -= n
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    st = t.untyped_storage()
+                    if st not in self._seen:
+                        n = st.nbytes()
+                        self._seen[st] = weakref.ref(st, lambda ref, n=n: self._free(n, ref))
+                        self.live += n
+                        self.extra = max(self.extra, self.live)
+            return out
+
+    return TensorPeak()
+
+
+# ------------------------------------------------------------------------------------------------ extrapolation
+
+
+def _linear(points: list[dict], depth_keys: list[str], key: str) -> dict[str, float]:
+    """{"fixed": a, depth key: per-block b} from measurements at the depth points (first = the base point)."""
+    base = points[0]
+    out = {}
+    for k in depth_keys:
+        other = next(p for p in points[1:] if p["depth"][k] != base["depth"][k])
+        out[k] = (other[key] - base[key]) / (other["depth"][k] - base["depth"][k])
+    out["fixed"] = base[key] - sum(out[k] * base["depth"][k] for k in depth_keys)
+    return out
+
+
+def extrapolate(arch, rows: list[dict], small: bool) -> list[dict]:
+    """Rows of the memory table for one architecture (see the module docstring)."""
+    depth_keys = list(arch.depth)
+    full = dict(arch.depth)
+    n_weights = arch.parameters() if not small else None
+    scale = MEASURE[arch.kind]["scale"] if not small else {}
+    table = []
+    for mode in ("lora", "full"):
+        for gc_on in (False, True):
+            pts = [r for r in rows if r["mode"] == mode and r["gc"] == gc_on and not r.get("check")]
+            act = _linear(pts, depth_keys, "step_peak_gib")  # activations + backward temporaries of one row
+            per_row = act["fixed"] * scale.get("fixed", scale.get("*", 1.0)) + sum(
+                act[k] * scale.get(k, scale.get("*", 1.0)) * full[k] for k in depth_keys)
+            trainable_bytes = _linear(pts, depth_keys, "trainable_bytes")
+            tb = trainable_bytes["fixed"] + sum(trainable_bytes[k] * full[k] for k in depth_keys)
+            wlin = _linear(pts, depth_keys, "weights_gib")
+            weights = (2 * n_weights / GIB) if n_weights else wlin["fixed"] + sum(wlin[k] * full[k] for k in depth_keys)
+            opt_tmp = _linear(pts, depth_keys, "opt_temp_gib")
+            opt_temp = max(0.0, opt_tmp["fixed"] + sum(opt_tmp[k] * full[k] for k in depth_keys))
+            tfl = _linear(pts, depth_keys, "tflops")
+            tflops_row = tfl["fixed"] * scale.get("fixed", scale.get("*", 1.0)) + sum(
+                tfl[k] * scale.get(k, scale.get("*", 1.0)) * full[k] for k in depth_keys)
+            rows_real = arch.step["rows"]
+            moments = 2 * tb  # AdamW: two moments in the trainable dtype
+            for states_kind in (("adapters", "copies") if mode == "lora" else ("copies", "none")):
+                if mode == "lora":  # "old" + "ref": two more adapters, or two deep copies of the model
+                    extra = 2 * tb if states_kind == "adapters" else 2 * weights
+                else:  # full: "old" + "ref" snapshots of the trainable weights, or neither kept
+                    extra = 2 * tb if states_kind == "copies" else 0.0
+                total = weights + extra + tb + moments + opt_temp + rows_real * per_row
+                table.append({"arch": arch.name, "mode": mode, "gc": gc_on, "old_ref": states_kind,
+                              "weights_gib": weights, "states_gib": extra, "grads_gib": tb, "adam_gib": moments,
+                              "opt_temp_gib": opt_temp, "act_per_row_gib": per_row, "rows": rows_real,
+                              "total_gib": total, "fits_80gb": total <= GPU_GIB, "tflops_per_row_step": tflops_row})
+    return table
+
+
+# ------------------------------------------------------------------------------------------------ driver
+
+
+def _child(specs: list[dict]) -> list[dict]:
+    """The measurements of one architecture in a fresh process, one after the other (each builds its own model;
+    with every allocation above 64 KiB mapped on its own, what one frees goes back to the OS before the next)."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0",
+               OMP_NUM_THREADS=str(specs[0]["threads"]),
+               PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(specs)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    out = []
+    for line in proc.stdout:  # one JSON line per measurement, as it finishes
+        out.append(json.loads(line))
+        print(f"  measured {out[-1]['arch']} {out[-1]['depth']} {out[-1]['mode']} gc={out[-1]['gc']}: "
+              f"+{out[-1]['step_peak_gib']:.2f} GiB, {out[-1]['fwd_bwd_s']:.1f} s", file=sys.stderr, flush=True)
+    err = proc.stderr.read()
+    if proc.wait() or len(out) != len(specs):
+        raise SystemExit(f"measurements of {specs[0]['arch']} failed:\n{err[-3000:]}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="", help="comma-separated names (default: every registered architecture)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--small", action="store_true", help="tiny widths (checks the code path; numbers meaningless)")
+    ap.add_argument("--out", default="", help="write every measurement and the table rows as JSON")
+    ap.add_argument("--child", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        import ctypes
+        import gc
+
+        for spec in json.loads(args.child):
+            print(json.dumps(measure(spec)), flush=True)
+            gc.collect()
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return 0
+    from _timing import machine, markdown_table
+
+    from mmrl.perf.architectures import ARCHITECTURES, get_architecture
+    from mmrl.tiny.random_real import sized_architecture
+
+    names = [n for n in args.arch.split(",") if n] or list(ARCHITECTURES)
+    archs = [get_architecture(n) for n in names]
+    measured, table = [], []
+    t_all = time.perf_counter()
+    for arch in archs:
+        plan = MEASURE[arch.kind]
+        shape = SMALL_SHAPE[arch.kind] if args.small else plan["shape"]
+        specs = [{"arch": arch.name, "depth": depth, "mode": mode, "gc": gc_on, "shape": shape, "small": args.small,
+                  "threads": args.threads}
+                 for mode in ("lora", "full") for gc_on in (False, True) for depth in plan["depths"]]
+        if arch.kind == "sd3" and not args.small:  # token scaling checked: 256 px measured vs 512 px scaled
+            specs.append({**specs[2 * len(plan["depths"])], "shape": dict(plan["shape"], height=256, width=256),
+                          "check": True})
+        rows = [measure(s) for s in specs] if args.small else _child(specs)  # --small: in this process
+        for spec, row in zip(specs, rows):
+            row["check"] = spec.get("check", False)
+        measured += rows
+        table += extrapolate(sized_architecture(arch.name, args.small), rows, args.small)
+    cmd = " ".join(["python", "benchmarks/real_width.py", *(sys.argv[1:] if argv is None else argv)])
+    print(f"`{cmd}` - {machine(args.threads)}; {time.perf_counter() - t_all:.0f} s\n")
+    print("Measured (one row, CPU, bf16 weights; what forward + backward adds at its peak: live tensor bytes, and "
+          "the resident memory):\n")
+    print(markdown_table(["arch", "depth", "mode", "GC", "weights GiB", "step adds GiB (tensors)",
+                          "step adds GiB (RSS)", "AdamW step temp GiB", "fwd+bwd s", "TFLOP"],
+                         [(r["arch"] + (" (256 px check)" if r.get("check") else ""),
+                           " ".join(f"{k.split('.')[-1]}={v}" for k, v in r["depth"].items()), r["mode"],
+                           "on" if r["gc"] else "off", f"{r['weights_gib']:.2f}", f"{r['step_peak_gib']:.3f}",
+                           f"{r['rss_step_gib']:.3f}", f"{r['opt_temp_gib']:.3f}", f"{r['fwd_bwd_s']:.1f}", f"{r['tflops']:.3f}") for r in measured]))
+    for arch in archs:
+        check = next((r for r in measured if r["arch"] == arch.name and r.get("check")), None)
+        if check is not None:
+            base = next(r for r in measured if r["arch"] == arch.name and r["mode"] == "full" and not r["gc"]
+                        and r["depth"] == check["depth"] and not r.get("check"))
+            ratio = (256 // 16) ** 2 + 205, (512 // 16) ** 2 + 205
+            predicted = base["step_peak_gib"] * ratio[0] / ratio[1]
+            print(f"\ntoken scaling check ({arch.name}, full, GC off, depth {check['depth']}): activations at 256 px "
+                  f"measured {check['step_peak_gib']:.3f} GiB, scaled from 512 px {predicted:.3f} GiB")
+    print(f"\nExtrapolated peak per GPU at full depth, the recipe's micro-batch (rows), bf16 weights, one process "
+          f"(no FSDP), against {GPU_GIB:.0f} GB:\n")
+    print(markdown_table(["arch", "mode", "GC", "old/ref", "weights", "old/ref states", "grads", "AdamW", "opt temp",
+                          "activations (rows x per row)", "total GiB", "fits 80 GB"],
+                         [(t["arch"], t["mode"], "on" if t["gc"] else "off", t["old_ref"], f"{t['weights_gib']:.1f}",
+                           f"{t['states_gib']:.1f}", f"{t['grads_gib']:.1f}", f"{t['adam_gib']:.1f}",
+                           f"{t['opt_temp_gib']:.1f}", f"{t['rows']} x {t['act_per_row_gib']:.2f}",
+                           f"{t['total_gib']:.1f}", "yes" if t["fits_80gb"] else "no") for t in table]))
+    print("\nFLOPs per training row (forward + backward, from the architecture, at the recipe's row shape): " + ", ".join(
+        f"{t['arch']} {t['mode']} {t['tflops_per_row_step']:.2f} TFLOP" for t in table if not t["gc"]
+        and t["old_ref"] in ("adapters", "none")))
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"measured": measured, "table": table}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,282 @@
+"""FLOPs of a forward pass computed from the architecture: the matrix multiplications of every Linear (and
+patch-embedding convolution) for the tokens that go through it, plus attention.
+
+A family declares, once per module class, which *token stream* each layer sees (SD3/FLUX: image tokens, text tokens,
+or one per sample for the AdaLN / timestep layers; Qwen-VL: patches, merged patches, text tokens) and how many
+query x key pairs its attention layers compute for a given input. The layer sizes are read from the module itself,
+so any depth or width of the architecture is counted without a table of numbers. A forward costs
+
+    2 * sum_streams tokens(stream) * sum_{layers of the stream} in_features * out_features      (Linear / patch conv)
+  + 4 * sum_{attention layers} query_tokens * key_tokens * (heads * head_dim)                    (Q K^T and P V)
+
+which is what ``torch.utils.flop_counter.FlopCounterMode`` counts for the same forward (mm / addmm / bmm /
+convolution / scaled-dot-product attention; elementwise work, norms and softmax are not counted by either):
+tests/test_perf.py checks the two agree exactly on tiny models of every registered family, and one SD3.5-Medium
+block against a count by hand. Conventions: attention is counted over the full query x key product (a causal
+kernel skips about half of it in a prefill; flop_counter and PaLM's MFU formula count it whole); LoRA branches are
+not counted (they add ~2r/width of the base layer's work); a backward costs 2x the forward for trainable weights
+(input and weight gradients) and 1x for frozen ones (input gradients only), 2x for attention.
+
+Adding a family: a function decorated with ``@register_flops("ClassName")`` that takes the module and returns a
+:class:`FlopsEstimator` (its stream rules and a ``shapes(args, kwargs)`` reading the forward's inputs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+FLOP_FAMILIES: dict[str, Callable[[nn.Module], "FlopsEstimator"]] = {}
+
+
+def register_flops(*class_names: str):
+    """Decorator: `fn(module) -> FlopsEstimator` counts forwards of modules whose class name is in `class_names`."""
+
+    def add(fn):
+        for name in class_names:
+            if name in FLOP_FAMILIES and FLOP_FAMILIES[name] is not fn:
+                raise ValueError(f"register_flops: {name!r} is already registered to {FLOP_FAMILIES[name].__name__}")
+            FLOP_FAMILIES[name] = fn
+        return fn
+
+    return add
+
+
+def flops_estimator(module: nn.Module) -> "FlopsEstimator | None":
+    """The estimator of `module`'s class (None when its family has none registered)."""
+    fn = FLOP_FAMILIES.get(type(module).__name__)
+    return fn(module) if fn is not None else None
+
+
+@dataclass
+class Pass:
+    """Token counts and attention work of one forward: ``tokens[stream]`` rows through each stream's layers and
+    ``attention`` = sum over attention layers of query_tokens * key_tokens * attention width."""
+
+    tokens: dict[str, int]
+    attention: int = 0
+
+
+@dataclass
+class FlopsEstimator:
+    """Multiply-adds per token of each stream's layers (read from `module`), split by whether the weight trains,
+    and a `shapes(args, kwargs) -> Pass` that reads a forward's inputs."""
+
+    module: nn.Module
+    rules: list[tuple[str, str]]  # (substring of the layer name, stream); first match wins, "" matches every layer
+    shapes: Callable[[tuple, dict], Pass]
+    macs: dict[str, dict[bool, int]] = field(default_factory=dict)  # stream -> {trainable: multiply-adds per token}
+
+    def __post_init__(self):
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-read the layers (which weights train may change, e.g. when PolicyStates is built)."""
+        self.macs = {}
+        for name, mod in self.module.named_modules():
+            w = getattr(mod, "weight", None)
+            if ".lora_" in f".{name}" or w is None or not isinstance(mod, (nn.Linear, nn.Conv2d, nn.Conv3d)):
+                continue
+            stream = next((s for pattern, s in self.rules if pattern in name), None)
+            if stream is None:
+                continue
+            if isinstance(mod, nn.Linear):
+                per_token = mod.in_features * mod.out_features
+            else:  # patch embedding: kernel == stride, one output position per token
+                if tuple(mod.kernel_size) != tuple(mod.stride):
+                    raise ValueError(f"FLOPs: {name} is a convolution with kernel != stride, not a patch embedding")
+                per_token = mod.out_channels * (mod.in_channels // mod.groups) * math.prod(mod.kernel_size)
+            slot = self.macs.setdefault(stream, {True: 0, False: 0})
+            slot[bool(w.requires_grad)] += per_token
+
+    def forward_flops(self, p: Pass) -> int:
+        """FLOPs of one forward with token counts / attention work `p`."""
+        linear = sum(2 * n * (m[True] + m[False]) for s, n in p.tokens.items() for m in [self.macs.get(s, {True: 0, False: 0})])
+        return int(linear + 4 * p.attention)
+
+    def backward_flops(self, p: Pass) -> int:
+        """FLOPs of the backward of that forward: input gradients through every layer (1x), weight gradients of the
+        trainable ones (1x more), attention 2x."""
+        linear = sum(2 * n * (2 * m[True] + m[False]) for s, n in p.tokens.items()
+                     for m in [self.macs.get(s, {True: 0, False: 0})])
+        return int(linear + 8 * p.attention)
+
+
+def _arg(args: tuple, kwargs: dict, name: str, pos: int = 0):
+    if name in kwargs:
+        return kwargs[name]
+    return args[pos] if len(args) > pos else None
+
+
+# ------------------------------------------------------------------------------------------- diffusion transformers
+
+
+@register_flops("SD3Transformer2DModel")
+def _sd3(module: nn.Module) -> FlopsEstimator:
+    """SD3 / SD3.5 MMDiT: image tokens (patches), text tokens (context), one row per sample (AdaLN, time/text
+    embeddings). Every joint block attends over image + text tokens; SD3.5's dual-attention blocks add an
+    image-only attention (`attn2`)."""
+    p = module.config.patch_size
+    width = module.config.num_attention_heads * module.config.attention_head_dim
+    blocks = list(module.transformer_blocks)
+    dual = sum(1 for b in blocks if getattr(b, "attn2", None) is not None)
+    rules = [("time_text_embed.", "sample"), ("norm1.linear", "sample"), ("norm1_context.linear", "sample"),
+             ("norm_out.linear", "sample"), ("context_embedder", "text"), ("attn.add_", "text"),
+             ("attn.to_add_out", "text"), ("ff_context.", "text"), ("", "image")]
+
+    def shapes(args, kwargs):
+        x, ctx = _arg(args, kwargs, "hidden_states"), _arg(args, kwargs, "encoder_hidden_states", 1)
+        b, n = x.shape[0], (x.shape[-2] // p) * (x.shape[-1] // p)
+        m = ctx.shape[1]
+        return Pass({"image": b * n, "text": b * m, "sample": b},
+                    b * width * (len(blocks) * (n + m) ** 2 + dual * n * n))
+
+    return FlopsEstimator(module, rules, shapes)
+
+
+def _packed_joint(module: nn.Module, rules: list[tuple[str, str]]) -> FlopsEstimator:
+    """FLUX-style transformers: double-stream blocks (as SD3's joint blocks) then single-stream blocks, all
+    attending over image + text tokens; inputs are packed latents [B, N, C] and text [B, M, D]."""
+    width = module.config.num_attention_heads * module.config.attention_head_dim
+    n_blocks = len(module.transformer_blocks) + len(module.single_transformer_blocks)
+
+    def shapes(args, kwargs):
+        x, ctx = _arg(args, kwargs, "hidden_states"), _arg(args, kwargs, "encoder_hidden_states", 1)
+        b, n, m = x.shape[0], x.shape[1], ctx.shape[1]
+        return Pass({"image": b * n, "text": b * m, "sample": b, "joint": b * (n + m)},
+                    b * width * n_blocks * (n + m) ** 2)
+
+    return FlopsEstimator(module, rules, shapes)
+
+
+@register_flops("FluxTransformer2DModel")
+def _flux(module: nn.Module) -> FlopsEstimator:
+    """FLUX.1: AdaLN modulations inside each block (one row per sample)."""
+    return _packed_joint(module, [
+        ("time_text_embed.", "sample"), ("norm1.linear", "sample"), ("norm1_context.linear", "sample"),
+        ("norm.linear", "sample"), ("norm_out.linear", "sample"), ("context_embedder", "text"), ("attn.add_", "text"),
+        ("attn.to_add_out", "text"), ("ff_context.", "text"), ("single_transformer_blocks.", "joint"), ("", "image")])
+
+
+@register_flops("Flux2Transformer2DModel")
+def _flux2(module: nn.Module) -> FlopsEstimator:
+    """FLUX.2 (dev / klein): the modulations computed once at the top, the single-stream blocks' q/k/v and MLP input
+    fused into one projection; reference-image tokens of an edit are part of the packed latents."""
+    return _packed_joint(module, [
+        ("time_guidance_embed.", "sample"), ("modulation", "sample"), ("norm_out.linear", "sample"),
+        ("context_embedder", "text"), ("attn.add_", "text"), ("attn.to_add_out", "text"), ("ff_context.", "text"),
+        ("single_transformer_blocks.", "joint"), ("", "image")])
+
+
+@register_flops("WanTransformer3DModel")
+def _wan(module: nn.Module) -> FlopsEstimator:
+    """Wan 2.1 / 2.2: video tokens (3-D patches) through self-attention, cross-attention to the text tokens (and to
+    image tokens for image-to-video), FFN; timestep layers once per timestep value (per token for Wan 2.2 TI2V)."""
+    cfg = module.config
+    width = cfg.num_attention_heads * cfg.attention_head_dim
+    pt, ph, pw = cfg.patch_size
+    n_blocks = len(module.blocks)
+    rules = [("condition_embedder.time", "sample"), ("condition_embedder.text_embedder", "text"),
+             ("condition_embedder.image_embedder", "image_context"), ("attn2.add_", "image_context"),
+             ("attn2.to_k", "text"), ("attn2.to_v", "text"), ("", "video")]
+
+    def shapes(args, kwargs):
+        x = _arg(args, kwargs, "hidden_states")
+        ctx = _arg(args, kwargs, "encoder_hidden_states", 2)
+        t = _arg(args, kwargs, "timestep", 1)
+        img = kwargs.get("encoder_hidden_states_image")
+        b, _, f, h, w = x.shape
+        n, m = (f // pt) * (h // ph) * (w // pw), ctx.shape[1]
+        k = img.shape[1] if img is not None else 0
+        return Pass({"video": b * n, "text": b * m, "image_context": b * k,
+                     "sample": t.numel() if isinstance(t, torch.Tensor) else b},
+                    b * width * n_blocks * (n * n + n * m + n * k))
+
+    return FlopsEstimator(module, rules, shapes)
+
+
+# ------------------------------------------------------------------------------------------------- Qwen-VL policies
+
+
+def _cache_length(cache: Any) -> int:
+    if cache is None:
+        return 0
+    get = getattr(cache, "get_seq_length", None)
+    return int(get()) if get is not None else 0
+
+
+@register_flops("Qwen2VLTextModel", "Qwen2_5_VLTextModel", "Qwen3VLTextModel")
+def _qwen_text(module: nn.Module) -> FlopsEstimator:
+    """The Qwen-VL decoder (without the lm_head, counted as its own Linear). Rows are counted by their real
+    (attention-mask) tokens: padding is not useful work. Attention: each row's new tokens against its cached +
+    new real tokens, per layer. A packed row (4-D mask) counts its whole length against itself."""
+    cfg = module.config
+    width = cfg.num_attention_heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    layers = cfg.num_hidden_layers
+
+    def shapes(args, kwargs):
+        x = kwargs.get("inputs_embeds")
+        x = x if x is not None else _arg(args, kwargs, "input_ids")
+        b, q = x.shape[0], x.shape[1]
+        cache = kwargs.get("cache")  # (transformers >= 5.20; `past_key_values` before)
+        past = _cache_length(cache if cache is not None else kwargs.get("past_key_values"))
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] == past + q:
+            real = mask.to(torch.bool)
+            q_rows = real[:, -q:].sum(-1).to(torch.int64)
+            kv_rows = real.sum(-1).to(torch.int64)
+            return Pass({"text": int(q_rows.sum())}, width * layers * int((q_rows * kv_rows).sum()))
+        return Pass({"text": b * q}, width * layers * b * q * (past + q))
+
+    return FlopsEstimator(module, [("", "text")], shapes)
+
+
+def _window_lengths(h: int, w: int, merge: int, window: int) -> list[int]:
+    """Patches per attention window of one frame of h x w patches (Qwen2.5-VL's get_window_index): the merged grid
+    cut into window x window tiles, the last ones smaller."""
+    hm, wm = h // merge, w // merge
+    rows = [min(window, hm - i) for i in range(0, hm, window)]
+    cols = [min(window, wm - j) for j in range(0, wm, window)]
+    return [r * c * merge * merge for r in rows for c in cols]
+
+
+@register_flops("Qwen2VisionTransformerPretrainedModel", "Qwen2_5_VisionTransformerPretrainedModel",
+                "Qwen3VLVisionModel")
+def _qwen_vision(module: nn.Module) -> FlopsEstimator:
+    """The Qwen-VL vision tower: blocks over patches, attention per frame of each image (Qwen2.5-VL: inside
+    windows of `window_size` pixels, except the `fullatt_block_indexes` blocks), mergers over merged patches."""
+    cfg = module.config
+    blocks = list(module.blocks)
+    width = blocks[0].attn.qkv.out_features // 3
+    merge = cfg.spatial_merge_size
+    full = set(getattr(cfg, "fullatt_block_indexes", None) or range(len(blocks)))
+    window = getattr(cfg, "window_size", None)
+    window = window // merge // cfg.patch_size if window else None
+
+    def shapes(args, kwargs):
+        x, grid = _arg(args, kwargs, "hidden_states"), _arg(args, kwargs, "grid_thw", 1)
+        patches = x.shape[0]
+        attn = 0
+        for t, h, w in grid.tolist():
+            frame = h * w
+            windows = _window_lengths(h, w, merge, window) if window else [frame]
+            per_full, per_window = t * frame * frame, t * sum(n * n for n in windows)
+            attn += sum(per_full if i in full else per_window for i in range(len(blocks)))
+        return Pass({"patch": patches, "merged": patches // (merge * merge)}, width * attn)
+
+    return FlopsEstimator(module, [("merger", "merged"), ("", "patch")], shapes)
+
+
+@register_flops("Linear")
+def _linear(module: nn.Module) -> FlopsEstimator:
+    """A plain Linear (e.g. the lm_head): every row of the input."""
+
+    def shapes(args, kwargs):
+        x = _arg(args, kwargs, "input")
+        return Pass({"rows": x.numel() // x.shape[-1]})
+
+    return FlopsEstimator(module, [("", "rows")], shapes)

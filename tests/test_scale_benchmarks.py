@@ -1,0 +1,122 @@
+"""The scaling benchmarks (benchmarks/sharded_checkpoint.py, real_width.py, gpu_check.py): their pure parts by hand,
+and each command of docs/scaling.md / docs/performance.md in its short form (`--small`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mmrl.testing import child_env
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+
+
+def _script(name: str):
+    if str(BENCH) not in sys.path:
+        sys.path.append(str(BENCH))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(*args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"STDOUT\n{proc.stdout[-3000:]}\nSTDERR\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def test_real_width_extrapolation_by_hand():
+    """Two depth points of SD3.5-Medium: what one row's step adds is 0.5 GiB per block and 0 fixed; gradients 0.05
+    GiB per block; at 24 blocks and the recipe's 18 rows (micro-batch 9, CFG) the table adds up as written here."""
+    from mmrl.perf.architectures import get_architecture
+
+    rw = _script("real_width")
+    arch = get_architecture("sd35_medium")
+    rows = []
+    for mode in ("lora", "full"):
+        for gc in (False, True):
+            for layers, peak, grads in ((2, 1.0, 0.1), (3, 1.5, 0.15)):
+                rows.append({"arch": arch.name, "depth": {"num_layers": layers}, "mode": mode, "gc": gc,
+                             "step_peak_gib": peak, "trainable_bytes": grads, "weights_gib": 0.0,
+                             "opt_temp_gib": 0.0, "tflops": 0.25 * layers})
+    table = rw.extrapolate(arch, rows, small=False)
+    weights = 2 * arch.parameters() / 2**30
+    assert arch.parameters() == 2_243_171_520 + 384 * 384 * 1536  # parameters + the position table
+    by = {(t["mode"], t["gc"], t["old_ref"]): t for t in table}
+    assert len(table) == 8
+    lora = by[("lora", False, "adapters")]
+    assert lora["act_per_row_gib"] == pytest.approx(0.5 * 24) and lora["grads_gib"] == pytest.approx(0.05 * 24)
+    assert lora["total_gib"] == pytest.approx(weights + 2 * 1.2 + 1.2 + 2 * 1.2 + 18 * 12.0)
+    assert by[("lora", False, "copies")]["total_gib"] == pytest.approx(weights + 2 * weights + 1.2 + 2.4 + 216)
+    assert by[("full", True, "none")]["states_gib"] == 0.0
+    assert by[("full", True, "copies")]["states_gib"] == pytest.approx(2.4)
+    assert lora["tflops_per_row_step"] == pytest.approx(0.25 * 24) and not lora["fits_80gb"]
+
+
+def test_gpu_check_summary_of_a_run(tmp_path):
+    gc = _script("gpu_check")
+    (tmp_path / "config.yaml").write_text("algorithm: flow_grpo\nrollout: {prompts_per_step: 2, group_size: 4}\n")
+    rows = [{"step": 1, "time/step_s": 9.0, "perf/tflops_per_step": 3.0, "perf/peak_memory_gib": 20.0,
+             "diag/logprob_drift": 0.0},
+            {"step": 2, "time/step_s": 2.0, "perf/tflops_per_step": 3.0, "perf/mfu": 0.3, "perf/peak_memory_gib": 21.0,
+             "diag/logprob_drift": 1e-7},
+            {"step": 3, "time/step_s": 4.0, "perf/tflops_per_step": 3.0, "perf/mfu": 0.1, "perf/peak_memory_gib": 20.5,
+             "diag/logprob_drift": 0.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = gc.summarise_run("flow_grpo", tmp_path, "sd35_medium", 2_000_000_000)
+    # the first step is not timed: median of 2 s and 4 s; 8 images per step
+    assert res == {"model": "sd35_medium", "params_b": 2.0, "steps": 3, "step_s": 3.0, "images_per_s": 8 / 3.0,
+                   "tflops_per_step": 3.0, "mfu": 0.2, "peak_memory_gib": 21.0, "max_logprob_drift": 1e-7}
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_benchmark_small():
+    out = _run("benchmarks/sharded_checkpoint.py", "--small", "--repeats", "1").stdout
+    assert "| sharded | 1 |" in out and "| full | 0 |" in out and "checkpoint size on disk" in out
+
+
+@pytest.mark.slow
+def test_real_width_benchmark_small(tmp_path):
+    out = _run("benchmarks/real_width.py", "--small", "--arch", "sd35_medium,qwen25_vl_3b", "--threads", "1",
+               "--out", str(tmp_path / "rw.json")).stdout
+    data = json.loads((tmp_path / "rw.json").read_text())
+    assert len(data["measured"]) == 2 * 4 + 3 * 4 and len(data["table"]) == 2 * 8
+    assert all(m["tflops"] > 0 and m["step_peak_gib"] >= 0 for m in data["measured"])
+    assert "Extrapolated peak per GPU" in out and "| qwen25_vl_3b | full | on | copies |" in out
+
+
+@pytest.mark.slow
+def test_gpu_check_small_runs_every_recipe(tmp_path):
+    """`benchmarks/gpu_check.py --small`: every recipe, 1 step each on CPU with the random models built at tiny
+    widths through the real-size builder; one JSON report with throughput, FLOPs, memory and drift."""
+    gc = _script("gpu_check")
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--small", "--steps", "1", "--out",
+                           str(tmp_path)], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=3600)
+    report = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert proc.returncode == 0 and report["failed"] == [], json.dumps(report, indent=1)
+    assert sorted(report["recipes"]) == sorted(gc.RECIPES)
+    for name, entry in report["recipes"].items():
+        assert entry["steps"] == 1 and entry["tflops_per_step"] > 0 and entry["peak_memory_gib"] > 0, name
+        assert ("tokens_per_s" if name.startswith("vlm") else "images_per_s") in entry, name
+        if name not in ("dpo",):  # policy-gradient recipes: rollout and training log-probs agree
+            assert entry.get("max_logprob_drift", 0.0) < 1e-4, (name, entry)
+
+
+def test_gpu_check_overrides_are_valid_config_keys(tmp_path):
+    """The CUDA-only overrides of every recipe (never run here) name keys and values its config accepts."""
+    from mmrl.config import load_config
+
+    gc = _script("gpu_check")
+    for name, (config, _, gpu_overrides) in gc.RECIPES.items():
+        cfg = load_config(ROOT / config, [f"output_dir={tmp_path / name}", "dtype=bfloat16", "num_threads=0",
+                                          "train.max_steps=3", *gpu_overrides])
+        assert cfg.dtype == "bfloat16", name
