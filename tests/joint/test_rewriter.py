@@ -1,6 +1,6 @@
 """Prompt-rewriter recipe (mmrl.joint.rewriter): parsing, config errors, the demo data, rendering with shared noise,
 a short run (metrics, log-prob drift, sample grids with user -> rewrite captions, baselines), exact resume, two
-processes, and the tiny demo's reward rise."""
+processes, and the real recipe on tiny models of its layout."""
 
 import json
 import math
