@@ -106,8 +106,8 @@ def test_evaluation_leaves_training_bit_identical(tmp_path, tiny_sd3_path, algor
                                                                  "train.save_every=3"],
                    data={"eval_prompts": EVAL_PROMPTS})
         recipe_module(algorithm).train(cfg)
-        # (cost/transformer_evals counts the evaluation's forwards too)
-        runs[name] = [{k: v for k, v in without_time(r).items() if not k.startswith(("eval/", "cost/"))}
+        # (cost/transformer_evals and perf/tflops_per_step count the evaluation's forwards too)
+        runs[name] = [{k: v for k, v in without_time(r).items() if not k.startswith(("eval/", "cost/", "perf/"))}
                       for r in metrics_rows(tmp_path / name)]
     assert "eval/reward/mean" in metrics_rows(tmp_path / "eval")[0]
     assert_same_path(runs["eval"], runs["noeval"], why="evaluating or not, same code path for training")

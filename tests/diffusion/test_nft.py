@@ -212,7 +212,7 @@ def test_evaluation_does_not_change_training(tmp_path, tiny_sd3_path):
     a, b = metrics_rows(tmp_path / "a"), metrics_rows(tmp_path / "b")
     assert all("eval/reward/mean" in r for r in a) and not any("eval/reward/mean" in r for r in b)
     drop = lambda r: {k: v for k, v in without_time(r).items()  # noqa: E731
-                      if not k.startswith("eval/") and k != "cost/transformer_evals"}
+                      if not k.startswith(("eval/", "perf/")) and k != "cost/transformer_evals"}
     assert_same_path([drop(r) for r in a], [drop(r) for r in b],
                      why="evaluation draws from its own generator and changes no training tensor")
 
