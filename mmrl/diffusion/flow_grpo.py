@@ -51,6 +51,7 @@ from mmrl.core.prompt_stats import PerPromptStatTracker
 from mmrl.diffusion import config as dc
 from mmrl.diffusion.diagnostics import VelocityNormConfig
 from mmrl.distributed import DistConfig
+from mmrl.perf.meter import add_flops
 from mmrl.runtime import Timer, seed_everything
 from mmrl.training import KLConfig, RunningNormFields, UpdateConfig
 from mmrl.training.config import AsyncRolloutFields, RolloutCorrectionConfig
@@ -285,6 +286,7 @@ def train(cfg: Config) -> dict:
                 roll, async_metrics = pipe.next(step)
                 metrics.update(async_metrics)
                 evals.count += roll.transformer_evals
+                add_flops(states.model, pipe.last_flops)
             traj, prompts, scores = roll.traj, roll.prompts, roll.scores
             metrics.update(reduce_reward_metrics(ctx, roll.reward_metrics))
             metrics.update(roll.sample_metrics)  # diag/sample/*, rollout/window_start, rollout/num_steps

@@ -118,6 +118,7 @@ class FlowGRPOProducer:
         self.model = load_recipe_model(cfg, dev, resolve_dtype(cfg.dtype))
         self.states = build_policy_states(self.model, cfg.model, old=False, ref=False)
         self.evals = TransformerEvalCounter(self.model.transformer)
+        self.flops_model = self.states.model  # its forwards join the trainer's perf/tflops_per_step
         items = load_prompts(cfg.data.train_prompts)
         n_distinct = len({it.prompt for it in items})
         self.encode = PromptEmbedCache(self.model, n_distinct) if 0 < n_distinct <= s.prompt_cache_size \

@@ -165,6 +165,13 @@ def attach_flops_meter(model: nn.Module) -> FlopsMeter | None:
     return meter
 
 
+def add_flops(model: nn.Module, n: int) -> None:
+    """Add `n` FLOPs counted elsewhere in this step (a rollout process's forwards) to `model`'s meter, if any."""
+    meter = getattr(model, _METER_ATTR, None)
+    if meter is not None:
+        meter.flops += int(n)
+
+
 def _rss_peak_gib() -> float | None:
     status = Path("/proc/self/status")
     if not status.is_file():

@@ -63,6 +63,7 @@ from typing import Any, Callable, Iterable, Protocol
 import torch
 
 from mmrl.distributed import rank_seed
+from mmrl.perf.meter import attach_flops_meter
 from mmrl.runtime import get_rng_state, seed_everything, set_rng_state, tune_malloc
 from mmrl.training.payloads import decode, encode, from_plain, pack_tensors, to_plain, unpack_tensors
 
@@ -221,6 +222,9 @@ def _worker_main(builder: str, cfg: Any, rank: int, world: int, device: str, thr
         if threads > 0:
             torch.set_num_threads(threads)
         producer = _import(builder)(cfg, rank, world, device)
+        # the rollout's forwards are part of the step's FLOPs (perf/tflops_per_step), as in the synchronous loop
+        flops_model = getattr(producer, "flops_model", None)
+        meter = attach_flops_meter(flops_model) if flops_model is not None else None
         outbox.put(("ready", os.getpid()))
         version, idle, busy, load_s = -1, 0.0, 0.0, 0.0
         while True:
@@ -243,12 +247,14 @@ def _worker_main(builder: str, cfg: Any, rank: int, world: int, device: str, thr
                     set_rng_state(decode(rng))
                 if seed is not None:
                     seed_everything(seed)
+                if meter is not None:
+                    meter.pop()  # (forwards of weight loads and the like are not the rollout's)
                 payload, metrics = producer.produce(step)
                 plain = to_plain(payload)
                 busy += time.perf_counter() - t1
                 state = {"producer": producer.state_dict(), "rng": get_rng_state() if rng is not None else None}
                 info = {"version": version, "idle_s": idle, "busy_s": busy, "weight_load_s": load_s,
-                        "metrics": dict(metrics)}
+                        "metrics": dict(metrics), "flops": meter.pop() if meter is not None else 0}
                 outbox.put(("batch", int(step), encode({"payload": plain, "state": state, "info": info})))
                 idle = busy = load_s = 0.0
                 continue
@@ -432,6 +438,7 @@ class AsyncRollout:
         if span > 0:
             metrics["time/async/rollout_idle_ratio"] = info["idle_s"] / span
         metrics.update(info["metrics"])
+        self.last_flops = int(info.get("flops", 0))  # the recipe adds them to its meter (mmrl.perf.add_flops)
         return from_plain(plain, self.device), metrics
 
     # ---------------------------------------------------------------- checkpoints

@@ -33,6 +33,7 @@ from mmrl.runtime import Timer, seed_everything
 from mmrl.training import (FullOptimizerState, KLConfig, OnNonfinite, OptimConfig, UpdateGuard, attach_flops_meter,
                            build_optimizer, checkpoint_due, perf_metrics, restore_checkpoint, save_checkpoint,
                            start_run)
+from mmrl.perf.meter import add_flops
 from mmrl.training.async_rollout import policy_weights, rollout_process
 from mmrl.training.config import AsyncRolloutFields, RolloutCorrectionConfig, RunningNormFields, TrackersConfig
 from mmrl.training.judges import JudgeFields, build_judges, stop_for_hacking
@@ -311,6 +312,7 @@ def train(cfg: Config) -> dict:
             else:  # made by the rollout process with the weights after update step-1-max_staleness
                 payload, async_metrics = pipe.next(step)
                 roll, generated[:] = payload["roll"], payload["first"]
+                add_flops(model, pipe.last_flops)
             kept = roll.results
             n_kept, all_lens, metrics = rollout_metrics(ctx, roll, cfg)
             metrics.update(async_metrics)

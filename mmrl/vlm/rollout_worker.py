@@ -39,6 +39,7 @@ class VLMRolloutProducer:
         self.data, _ = build_data(cfg)
         self.sampling = sampling_params(cfg.rollout)
         self.synced = False
+        self.flops_model = self.states.model  # its forwards join the trainer's perf/tflops_per_step
 
     def load_weights(self, tensors: dict) -> None:
         load_policy_weights(self.states, tensors)
