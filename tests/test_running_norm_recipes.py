@@ -240,7 +240,9 @@ def _capture_flow(monkeypatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     from mmrl.diffusion import scoring
 
     scored, tracked = [], []
-    real_score, real_update = scoring.score_rollout, PerPromptStatTracker.update
+    # the rollout step scores through score_images (mmrl.diffusion.rollout_worker.rollout_and_score, the code the
+    # synchronous loop and the rollout process share)
+    real_score, real_update = scoring.score_images, PerPromptStatTracker.update
 
     def score_spy(*args, **kwargs):
         scores, metrics = real_score(*args, **kwargs)
@@ -251,7 +253,7 @@ def _capture_flow(monkeypatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         tracked.append(torch.as_tensor(rewards).clone())
         return real_update(self, prompts, rewards, *args, **kwargs)
 
-    monkeypatch.setattr(scoring, "score_rollout", score_spy)
+    monkeypatch.setattr(scoring, "score_images", score_spy)
     monkeypatch.setattr(PerPromptStatTracker, "update", update_spy)
     return scored, tracked
 
