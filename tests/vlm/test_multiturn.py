@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mmrl.vlm.envs import Env, EnvManager, Observation, register_env, turn_discounted_return
-from mmrl.testing import RESUMED_RUN, assert_same_path, child_env, run_torchrun
+from mmrl.testing import RESUMED_RUN, assert_same_path, child_env, run_torchrun, without_time
 from mmrl.vlm.credit import episode_returns, informative_groups, token_advantages, turn_advantages
 from mmrl.vlm.episode_train import episode_batch
 from mmrl.vlm.episodes import ChatFormat, Episode, Turn, encode_observation, rollout_episodes
@@ -306,8 +306,7 @@ def test_checkpoint_resume_equals_uninterrupted_run(tiny, tmp_path):
     rows = {name: [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
             for name in ("a", "b")}
     assert [r["step"] for r in rows["b"]] == [0, 1, 2]  # no step repeated after the resume
-    drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time/")}  # noqa: E731
-    assert_same_path(drop(rows["a"][-1]), drop(rows["b"][-1]), why=RESUMED_RUN)
+    assert_same_path(without_time(rows["a"][-1]), without_time(rows["b"][-1]), why=RESUMED_RUN)
     # a checkpoint of the earlier layout (policy/ + flat state.pt with task_cursor, summary) resumes the same way
     train(_recipe_cfg(tmp_path / "c", path, train={"max_steps": 1}))
     _to_earlier_layout(tmp_path / "c/checkpoints/step_1")
