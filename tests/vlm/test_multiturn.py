@@ -376,7 +376,7 @@ def test_configs_load_and_bad_values_fail():
         check_config(load_config({"algorithm": "vlm_multiturn", "algo": {"advantage": "ppo"}}))
 
 
-PREFIXES = ("reward/", "policy/", "kl/", "train/", "rollout/", "eval/", "time/", "diag/", "cost/", "dist/")
+PREFIXES = ("reward/", "policy/", "kl/", "train/", "rollout/", "eval/", "time/", "diag/", "cost/", "dist/", "perf/")
 
 
 def test_logged_metric_names_and_selectable_policy_loss(tiny, tmp_path):
