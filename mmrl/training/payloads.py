@@ -87,6 +87,12 @@ def to_plain(obj: Any) -> Any:
     ``weights_only=True`` and what crosses processes cheaply. Dataclasses and dict subclasses of mmrl, PIL images
     and numpy arrays are marked and rebuilt by `from_plain`; anything else is a TypeError naming its type. An object
     reached twice (e.g. the pixel values every sample of a prompt shares) is converted once and stays shared."""
+    return _walk_shared(obj, _to_plain_one)
+
+
+def _walk_shared(obj: Any, one: Any) -> Any:
+    """`one(o, conv)` applied through `obj`'s containers by `one` itself (calling `conv` on its children); atoms
+    returned as they are; an object reached twice converted once, so what was shared stays shared."""
     memo: dict[int, Any] = {}
 
     def conv(o: Any) -> Any:
@@ -94,7 +100,7 @@ def to_plain(obj: Any) -> Any:
             return o
         key = id(o)
         if key not in memo:
-            memo[key] = _to_plain_one(o, conv)
+            memo[key] = one(o, conv)
         return memo[key]
 
     return conv(obj)
@@ -139,17 +145,7 @@ def _to_plain_one(obj: Any, conv: Any) -> Any:
 def from_plain(obj: Any, device: torch.device | str | None = None) -> Any:
     """Rebuild what `to_plain` wrote; tensors moved to `device` (None: left on the CPU). What was shared stays
     shared."""
-    memo: dict[int, Any] = {}
-
-    def conv(o: Any) -> Any:
-        if type(o) in _ATOMS:
-            return o
-        key = id(o)
-        if key not in memo:
-            memo[key] = _from_plain_one(o, conv, device)
-        return memo[key]
-
-    return conv(obj)
+    return _walk_shared(obj, lambda o, conv: _from_plain_one(o, conv, device))
 
 
 def _from_plain_one(obj: Any, conv: Any, device: Any) -> Any:
