@@ -166,13 +166,10 @@ class TemporalConsistency(VideoRewardModel):
         self.device = torch.device(device or "cpu")
         self.clip = None
         if features == "clip":
-            from mmrl.rewards.image._common import HFClip, require_path
+            from mmrl.rewards.image._common import HFClip
 
-            model_dir = require_path(weights, "temporal_consistency (features=clip)",
-                                     "a CLIP model such as 'openai/clip-vit-large-patch14'", kind="dir")
-            proc = model_dir if processor is None else require_path(processor, "temporal_consistency processor",
-                                                                    "the CLIP model's preprocessor files", kind="dir")
-            self.clip = HFClip(model_dir, proc, "temporal_consistency", "the CLIP model's preprocessor files")
+            self.clip = HFClip.from_paths(weights, processor, "temporal_consistency (features=clip)",
+                                          "temporal_consistency")
             self.clip.model.eval().requires_grad_(False).to(self.device)
         elif weights is not None:
             raise ValueError("temporal_consistency: weights are used with features='clip' only")

@@ -235,6 +235,16 @@ class HFClip:
 
     `image_embeds(x01)` / `text_embeds(prompts)` return L2-normalised projected embeddings."""
 
+    @classmethod
+    def from_paths(cls, weights: Any, processor: Any, what: str, name: str | None = None) -> "HFClip":
+        """The CLIP of reward `name` from the local `weights` directory (and `processor`, default the same), each
+        checked with `require_path` (error messages name `what`)."""
+        name = name or what
+        model_dir = require_path(weights, what, "a CLIP model such as 'openai/clip-vit-large-patch14'", kind="dir")
+        proc_dir = model_dir if processor is None else require_path(processor, f"{name} processor",
+                                                                    "the CLIP model's tokenizer files", kind="dir")
+        return cls(model_dir, proc_dir, name, "the CLIP model's tokenizer files")
+
     def __init__(self, model_dir: Path, processor_dir: Path, what: str, processor_download: str):
         from transformers import AutoTokenizer, CLIPModel
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from mmrl.rewards.base import RewardOutput, register
-from mmrl.rewards.image._common import HFClip, TorchImageReward, check_prompts, require_path
+from mmrl.rewards.image._common import HFClip, TorchImageReward, check_prompts
 
 SCALES = {"100": 100.0, "2.5": 2.5, "raw": None}
 
@@ -35,10 +35,7 @@ class ClipScore(TorchImageReward):
     def __init__(self, weights: Any = None, processor: Any = None, *, scale: Any = "100", batch_size: int = 32,
                  device: Any = None, dtype: Any = "float32", differentiable: bool = False):
         super().__init__(batch_size, device, dtype, differentiable)
-        model_dir = require_path(weights, "clip_score", "a CLIP model such as 'openai/clip-vit-large-patch14'", kind="dir")
-        proc_dir = model_dir if processor is None else require_path(processor, "clip_score processor",
-                                                                    "the CLIP model's tokenizer files", kind="dir")
-        self.clip = HFClip(model_dir, proc_dir, "clip_score", "the CLIP model's tokenizer files")
+        self.clip = HFClip.from_paths(weights, processor, "clip_score")
         self.scale = _parse_scale(scale)
         self._freeze()
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from mmrl.pipelines.shapes import COLORS
 from mmrl.rewards.base import RewardModel, RewardOutput, register, to_image_list
-from mmrl.rewards.image._common import HFClip, TorchImageReward, require_path
+from mmrl.rewards.image._common import HFClip, TorchImageReward
 
 __all__ = ["EditPreservation", "ClipDirection", "EditRegionColor", "source_and_mask"]
 
@@ -87,11 +87,7 @@ class EditPreservation(TorchImageReward):
         super().__init__(batch_size, device, dtype, differentiable=False)
         self.metric, self.clip = metric, None
         if metric == "clip":
-            model_dir = require_path(weights, "edit_preservation (metric='clip')",
-                                     "a CLIP model such as 'openai/clip-vit-large-patch14'", kind="dir")
-            proc_dir = model_dir if processor is None else require_path(processor, "edit_preservation processor",
-                                                                        "the CLIP model's files", kind="dir")
-            self.clip = HFClip(model_dir, proc_dir, "edit_preservation", "the CLIP model's tokenizer files")
+            self.clip = HFClip.from_paths(weights, processor, "edit_preservation (metric='clip')", "edit_preservation")
             self._freeze()
 
     def modules(self):
@@ -116,11 +112,7 @@ class ClipDirection(TorchImageReward):
     def __init__(self, weights: Any = None, processor: Any = None, batch_size: int = 32, device: Any = None,
                  dtype: Any = "float32"):
         super().__init__(batch_size, device, dtype, differentiable=False)
-        model_dir = require_path(weights, "clip_direction", "a CLIP model such as 'openai/clip-vit-large-patch14'",
-                                 kind="dir")
-        proc_dir = model_dir if processor is None else require_path(processor, "clip_direction processor",
-                                                                    "the CLIP model's files", kind="dir")
-        self.clip = HFClip(model_dir, proc_dir, "clip_direction", "the CLIP model's tokenizer files")
+        self.clip = HFClip.from_paths(weights, processor, "clip_direction")
         self._freeze()
 
     def modules(self):
