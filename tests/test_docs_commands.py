@@ -111,10 +111,11 @@ COMMANDS: dict[str, object] = {
     "python benchmarks/async_rollout.py --recipes vlm_grpo,flow_grpo --steps 60,30 --repeats 3": ByTest(
         "tests/test_benchmarks.py::test_async_rollout_quick_mode_runs_every_variant",
         "the full pass takes an hour: the quick mode runs every variant"),
-    "python benchmarks/async_rollout.py --recipes flow_grpo --steps 6 --repeats 3 --skip 1 "
-    "--set rollout.prompts_per_step=2 --set rollout.group_size=4": ByTest(
-        "tests/test_benchmarks.py::test_async_rollout_quick_mode_runs_every_variant",
-        "minutes: the quick mode runs every variant"),
+    # docs/prompt-rewriter.md
+    "mmrl train configs/joint/rewriter_tiny.yaml": Short(
+        "mmrl train configs/joint/rewriter_tiny.yaml train.max_steps=1 train.save_every=0 warm_start.steps=2 "
+        "rollout.prompts_per_step=2 rollout.group_size=2 update.mini_batch_size=4 update.micro_batch_size=4 "
+        "renderer.num_steps=2 log.eval_max_prompts=2 log.sample_every=0", "about 5 minutes: 1 small step"),
     # docs/real-recipes.md (prompt rewriter)
     "mmrl train configs/joint/rewriter_qwen25vl_3b_sd35_pickscore.yaml model.path=/models/Qwen2.5-VL-3B-Instruct "
     "renderer.path=/models/stable-diffusion-3.5-medium data.train_prompts=data/pickscore/train.txt "

@@ -71,8 +71,10 @@ class DataConfig:
     image_key: str = ""
     """Metadata key of a reference image path shown to the rewriter (its template needs `<image>`); empty = text."""
     format_examples: str = ""
-    """Well-formed rewrites (a prompt file) for the format warm start: drawn at random, NOT matched to the prompt,
-    so a random tiny policy learns the renderer's vocabulary and format, not which words a prompt needs."""
+    """The format warm start's targets: a prompt file of well-formed rewrites, each drawn at random for a random
+    training prompt (NOT matched to it); or a .jsonl whose every row has `prompt` and `response`: supervised on those
+    pairs (the demo's pairs keep each prompt's shape and name random colours, or copy the prompt: the format and the
+    habit of reading the prompt, not which words a prompt needs)."""
 
 
 @dataclass
@@ -120,6 +122,9 @@ class AlgoConfig:
     """Clip epsilon below 1."""
     clip_high: float = 0.28
     """Clip epsilon above 1."""
+    dual_clip: float = 0.0
+    """Dual-clip constant c > 1 for negative advantages (0 = off): bounds the loss of a token whose ratio has grown
+    large, which several PPO passes over one batch (`update.epochs`) can produce."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = \
         "token-mean"
     """Loss aggregation over tokens."""
@@ -162,7 +167,7 @@ class Config(RunConfig):
     update: VLMUpdateConfig = field(default_factory=VLMUpdateConfig)
     """Epochs, mini-batches (sequences per update, global; 0 = the whole batch), micro-batches, clipping."""
     warm_start: WarmStartConfig = field(default_factory=lambda: WarmStartConfig(params=["lm_head"]))
-    """Optional format warm start on `data.format_examples` (random well-formed rewrites)."""
+    """Optional format warm start on `data.format_examples` (random well-formed rewrites, or prompt/response pairs)."""
     log: LogConfig = field(default_factory=LogConfig)
     """Samples and evaluation."""
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -268,8 +273,8 @@ def train(cfg: Config) -> dict:
     stateful = {"optimizer": optimizer, "lr_scheduler": lr_sched, "data": sampler}
     judges = build_judges(cfg.log, run.device, stateful)  # log.judges: scored on the eval renders
     start, _ = restore_checkpoint(ctx, run, states, stateful)
-    loss_fn = PolicyGradientLoss(al.policy_loss, al.clip_low, al.clip_high, 0.0, al.loss_agg, ro.max_new_tokens,
-                                 al.entropy_coef, al.kl.coef, al.kl.estimator, False)
+    loss_fn = PolicyGradientLoss(al.policy_loss, al.clip_low, al.clip_high, al.dual_clip, al.loss_agg,
+                                 ro.max_new_tokens, al.entropy_coef, al.kl.coef, al.kl.estimator, False)
     guard = UpdateGuard(up.max_skipped_updates, ctx, run)
     if start == 0 and ctx.is_main and eval_items:  # before training: the rewriter, the identity and the intents
         first = evaluate(cfg, engine, processor, renderer, reward_fn, eval_items, run, 0, baselines=True,
@@ -472,17 +477,24 @@ def evaluate(cfg: Config, engine: Any, processor: Any, renderer: Any, reward_fn:
 
 
 def _warm_start_pairs(cfg: Config, processor: Any, items: list, eos_id: int):
-    """`next_pairs(step)` of the format warm start: random training prompts (its own stream: the RL data order is
-    untouched) with random well-formed rewrites from data.format_examples as targets."""
+    """`next_pairs(step)` of the format warm start, on its own data stream (the RL data order is untouched): the
+    rows of data.format_examples with their own `response` when it is a file of pairs, else random training prompts
+    with random well-formed rewrites from it as targets."""
     from mmrl.pipelines.data import PromptSampler, load_prompts
     from mmrl.vlm.common import encode_prompt
 
-    examples = [it.prompt for it in load_prompts(cfg.data.format_examples)]
-    stream, rng, tok = PromptSampler(items, seed=cfg.seed + 104729), random.Random(cfg.seed), processor.tokenizer
+    examples = load_prompts(cfg.data.format_examples)
+    paired = any("response" in it.metadata for it in examples)  # a file of pairs: each row's own response
+    bad = [i for i, it in enumerate(examples) if paired and not isinstance(it.metadata.get("response"), str)]
+    if bad:
+        raise ValueError(f"data.format_examples {cfg.data.format_examples}: row {bad[0]} has no string 'response' "
+                         f"(a file of pairs needs one on every row)")
+    stream = PromptSampler(examples if paired else items, seed=cfg.seed + 104729)
+    rng, tok, texts = random.Random(cfg.seed), processor.tokenizer, [it.prompt for it in examples]
 
     def next_pairs(_step: int):
-        reqs = [_request(cfg, processor, it) for it in stream.next(cfg.warm_start.batch_size)]
-        enc = [encode_prompt(processor, q.prompt_text, q.images) for q in reqs]
-        targets = [tok.encode(rng.choice(examples)) + [eos_id] for _ in reqs]
+        rows = stream.next(cfg.warm_start.batch_size)
+        enc = [encode_prompt(processor, q.prompt_text, q.images) for q in (_request(cfg, processor, it) for it in rows)]
+        targets = [tok.encode(it.metadata["response"] if paired else rng.choice(texts)) + [eos_id] for it in rows]
         return [e.input_ids for e in enc], targets, [e.mm for e in enc]
     return next_pairs

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from mmrl.pipelines.shapes import COLORS, KINDS
 
-__all__ = ["SYNONYMS", "held_out", "intents", "user_prompts", "write_files"]
+__all__ = ["SYNONYMS", "format_pairs", "held_out", "intents", "user_prompts", "write_files"]
 
 # two words per renderer colour, none of them in the tiny tokenizers' vocabulary (mmrl.tiny.vocab.CORPUS_WORDS)
 SYNONYMS: dict[str, tuple[str, str]] = {
@@ -59,6 +59,30 @@ def user_prompts(split: str) -> list[dict]:
     return [row for rows in variants for row in rows]
 
 
+def format_pairs(seed: int = 0) -> list[dict]:
+    """Rows {"prompt": training user prompt, "response": ...} for the format warm start (`data.format_examples`),
+    16 per prompt:
+
+    * 8 well-formed renderer captions that keep the prompt's shape kind and name colours drawn at random: their
+      background colours are the 8 renderer colours once each (the shape colour is drawn from the 7 others), so the
+      colour a model fitted to them names is independent of the prompt (chance, 1/8);
+    * 8 copies of the prompt itself, so the model reads the prompt's colour words (it must, to copy them) and the
+      state from which it names a colour carries which word the user wrote.
+
+    Nothing in them says which renderer colour a synonym means: that is left for RL to find (a fitted model names
+    the intent's background 1 time in 16 and copies the user's word half the time)."""
+    import random
+
+    rng, rows = random.Random(seed), []
+    for row in user_prompts("train"):
+        kind = next(k for k in KINDS if f" {k} on " in row["prompt"])
+        for b in COLORS:
+            c = rng.choice([x for x in COLORS if x != b])
+            rows.append({"prompt": row["prompt"], "response": f"{_article(c)} {c} {kind} on {_article(b)} {b} background"})
+        rows += [{"prompt": row["prompt"], "response": row["prompt"]}] * len(COLORS)
+    return rows
+
+
 def held_out(colour: str, kind: str, background: str) -> bool:
     """Whether the intent (colour, kind, background) is in the evaluation split (module docstring)."""
     colours, kinds = list(COLORS), list(KINDS)
@@ -66,13 +90,14 @@ def held_out(colour: str, kind: str, background: str) -> bool:
 
 
 def write_files(folder: str | Path) -> list[Path]:
-    """rewriter_train.jsonl and rewriter_eval.jsonl in `folder` (one JSON object per line)."""
+    """rewriter_train.jsonl, rewriter_eval.jsonl and rewriter_format.jsonl (`format_pairs`) in `folder` (one JSON
+    object per line)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
-    for split in ("train", "eval"):
-        path = folder / f"rewriter_{split}.jsonl"
-        path.write_text("".join(json.dumps(r) + "\n" for r in user_prompts(split)))
+    for name, rows in (("train", user_prompts("train")), ("eval", user_prompts("eval")), ("format", format_pairs())):
+        path = folder / f"rewriter_{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         paths.append(path)
     return paths
 

@@ -14,7 +14,7 @@ import torch
 
 from mmrl.config import load_config
 from mmrl.joint.rewriter import RendererConfig, render, rewrite_of, train
-from mmrl.joint.synonyms import SYNONYMS, user_prompts, write_files
+from mmrl.joint.synonyms import SYNONYMS, format_pairs, user_prompts, write_files
 from mmrl.testing import RESUMED_RUN, assert_same_path, child_env, metrics_rows, run_torchrun, without_time
 
 torch.set_num_threads(1)
@@ -78,6 +78,52 @@ def test_demo_data_files_are_the_generator_output(tmp_path):
     from mmrl.tiny.vocab import CORPUS_WORDS
 
     assert not {w for pair in SYNONYMS.values() for w in pair} & set(CORPUS_WORDS)  # unknown to the tiny tokenizers
+
+
+def test_format_pairs_say_nothing_about_the_mapping():
+    """The warm-start pairs of the demo: per training prompt, 8 captions whose backgrounds are the 8 renderer colours
+    once each (shape kind kept, shape colour never the background's) and 8 copies of the prompt: which renderer colour
+    a synonym means is not in them."""
+    from mmrl.pipelines.shapes import COLORS, parse_caption
+
+    rows, train = format_pairs(), user_prompts("train")
+    assert len(rows) == 16 * len(train)
+    for i, user in enumerate(train):
+        mine = rows[16 * i: 16 * (i + 1)]
+        assert {r["prompt"] for r in mine} == {user["prompt"]}
+        captions = [parse_caption(r["response"]) for r in mine[:8]]
+        assert sorted(c["background"] for c in captions) == sorted(COLORS)
+        kind = parse_caption(user["intent"])["objects"][0][2]  # (count, colour, kind)
+        assert all(c["objects"][0][2] == kind and c["objects"][0][1] != c["background"] for c in captions)
+        assert [r["response"] for r in mine[8:]] == [user["prompt"]] * 8
+    assert format_pairs() == rows and format_pairs(seed=1) != rows  # seeded
+
+
+def test_warm_start_on_pairs_uses_each_rows_own_response(tmp_path, tiny):
+    """data.format_examples with a `response` on every row: supervised on the pairs themselves (each target is its
+    own row's response); a row without one is refused naming the file and the row."""
+    from mmrl.joint.rewriter import _warm_start_pairs
+    from mmrl.pipelines.data import load_prompts
+    from transformers import AutoProcessor
+
+    pairs = tmp_path / "pairs.jsonl"
+    rows = [{"prompt": f"p{i}", "response": f"a red circle on a {c} background"}
+            for i, c in enumerate(["blue", "green", "yellow"])]
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = _cfg(tmp_path / "w", tiny, [f"data.format_examples={pairs}", "warm_start.steps=1",
+                                      "warm_start.batch_size=6"])
+    proc = AutoProcessor.from_pretrained(tiny["policy"])
+    eos = proc.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    prompts, targets, _ = _warm_start_pairs(cfg, proc, load_prompts(TRAIN), eos)(0)
+    assert len(prompts) == len(targets) == 6
+    for p, t in zip(prompts, targets):
+        text = proc.tokenizer.decode(p)
+        row = next(r for r in rows if f"Rewrite: {r['prompt']}<" in text)
+        assert t == proc.tokenizer.encode(row["response"]) + [eos]
+    rows[1].pop("response")
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=r"pairs.jsonl: row 1 has no string 'response'"):
+        _warm_start_pairs(cfg, proc, load_prompts(TRAIN), eos)
 
 
 def test_config_errors(tmp_path, tiny):
