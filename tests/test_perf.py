@@ -5,7 +5,8 @@ per-step meter the recipes log (mmrl.perf.meter).
   the same forward exactly (attention through the math SDPA kernel, which flop_counter sees as bmm; on CPU the
   fused kernel is invisible to it). Backward (all weights trainable) is at least flop_counter's and within the
   share of the layers whose input needs no gradient.
-* Families: SD3 / SD3.5, FLUX.1, FLUX.2, Wan, Qwen2-VL, Qwen2.5-VL, Qwen3-VL.
+* Families: SD3 / SD3.5, FLUX.1, FLUX.2, Wan, Qwen-Image (and Edit-2511's doubled timestep rows), Z-Image (uneven
+  image and caption lengths: the padding to 32 tokens and to the batch's longest), Qwen2-VL, Qwen2.5-VL, Qwen3-VL.
 * One SD3.5-Medium joint block (and its dual attention), one FLUX.1 single-stream block and one Qwen2.5-VL-3B decoder
   layer at their real widths (built on the meta device: no memory) equal the formulas written out by hand below.
 """
@@ -83,8 +84,42 @@ def _wan():
     return model, kw
 
 
+def _qwen_image(zero_cond_t=False):
+    from diffusers import QwenImageTransformer2DModel
+
+    torch.manual_seed(0)
+    model = QwenImageTransformer2DModel(patch_size=2, in_channels=64, out_channels=16, num_layers=2,
+                                        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=24,
+                                        axes_dims_rope=(4, 6, 6), zero_cond_t=zero_cond_t)
+    shapes = [[(1, 3, 4), (1, 3, 4)]] * 2 if zero_cond_t else [[(1, 3, 4)]] * 2  # an edit: target + reference
+    n = sum(f * h * w for f, h, w in shapes[0])
+    kw = dict(hidden_states=torch.randn(2, n, 64), encoder_hidden_states=torch.randn(2, 7, 24),
+              encoder_hidden_states_mask=torch.ones(2, 7), timestep=torch.tensor([0.5, 0.5]), img_shapes=shapes)
+    return model, kw
+
+
+def _z_image():
+    from diffusers import ZImageTransformer2DModel
+
+    torch.manual_seed(0)
+    model = ZImageTransformer2DModel(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32, n_layers=2,
+                                     n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=32, axes_dims=[4, 6, 6],
+                                     axes_lens=[512, 64, 64])
+    # two samples of different sizes: image tokens 6 x 8 = 48 -> 64 and 4 x 4 = 16 -> 32, captions 5 -> 32 and
+    # 40 -> 64 (each padded to a multiple of 32, then to the longest in the batch)
+    kw = dict(x=[torch.randn(16, 1, 12, 16), torch.randn(16, 1, 8, 8)], t=torch.tensor([0.3, 0.7]),
+              cap_feats=[torch.randn(5, 32), torch.randn(40, 32)], return_dict=False)
+    return model, kw
+
+
 DIFFUSION = {"sd3": lambda: (_sd3(), _sd3_inputs()), "flux": lambda: (_flux(), _flux_inputs()), "flux2": _flux2,
-             "wan": _wan}
+             "wan": _wan, "qwen_image": _qwen_image, "qwen_image_edit_2511": lambda: _qwen_image(zero_cond_t=True),
+             "z_image": _z_image}
+
+
+def _total(out):  # the sum of a forward's output (Z-Image: a list of per-sample tensors of different sizes)
+    out = out.sample if hasattr(out, "sample") else out[0]
+    return sum(o.sum() for o in out) if isinstance(out, list) else out.sum()
 
 
 @pytest.mark.parametrize("family", sorted(DIFFUSION))
@@ -93,7 +128,7 @@ def test_diffusion_transformer_flops_equal_flop_counter(family):
     est = flops_estimator(model)
     shape = est.shapes((), kw)
     assert est.forward_flops(shape) == _counted(lambda: model(**kw))
-    both = _counted(lambda: model(**kw).sample.sum().backward())
+    both = _counted(lambda: _total(model(**kw)).backward())
     estimate = est.forward_flops(shape) + est.backward_flops(shape)
     # the estimate also counts input gradients of the layers fed by the model's inputs (patch / text / timestep
     # embeddings): autograd skips those; at this tiny width they are a few percent, at real widths < 0.3%

@@ -70,6 +70,7 @@ class FlopsEstimator:
     rules: list[tuple[str, str]]  # (substring of the layer name, stream); first match wins, "" matches every layer
     shapes: Callable[[tuple, dict], Pass]
     macs: dict[str, dict[bool, int]] = field(default_factory=dict)  # stream -> {trainable: multiply-adds per token}
+    forward_only: tuple[str, ...] = ()  # streams whose output never reaches the model's output: no backward
 
     def __post_init__(self):
         self.refresh()
@@ -101,7 +102,7 @@ class FlopsEstimator:
     def backward_flops(self, p: Pass) -> int:
         """FLOPs of the backward of that forward: input gradients through every layer (1x), weight gradients of the
         trainable ones (1x more), attention 2x."""
-        linear = sum(2 * n * (2 * m[True] + m[False]) for s, n in p.tokens.items()
+        linear = sum(2 * n * (2 * m[True] + m[False]) for s, n in p.tokens.items() if s not in self.forward_only
                      for m in [self.macs.get(s, {True: 0, False: 0})])
         return int(linear + 8 * p.attention)
 
@@ -195,6 +196,66 @@ def _wan(module: nn.Module) -> FlopsEstimator:
         return Pass({"video": b * n, "text": b * m, "image_context": b * k,
                      "sample": t.numel() if isinstance(t, torch.Tensor) else b},
                     b * width * n_blocks * (n * n + n * m + n * k))
+
+    return FlopsEstimator(module, rules, shapes)
+
+
+@register_flops("QwenImageTransformer2DModel")
+def _qwen_image(module: nn.Module) -> FlopsEstimator:
+    """Qwen-Image (and its edit models): double-stream blocks only (image and text streams, joint attention over
+    both), packed latents [B, N, C] (an edit's reference-image tokens are part of N). Modulations once per sample;
+    with `zero_cond_t` (Qwen-Image-Edit-2511) the timestep embedding and the image modulations run on 2 rows per
+    sample (the noisy and the clean timestep). The last block's text output is never used, so its text
+    feed-forward and text attention output projection get no backward (autograd skips them)."""
+    width = module.config.num_attention_heads * module.config.attention_head_dim
+    n_blocks = len(module.transformer_blocks)
+    doubled = 2 if getattr(module, "zero_cond_t", False) else 1
+    last = f"transformer_blocks.{n_blocks - 1}."  # its text output is not used: that part gets no backward
+    rules = [("time_text_embed.", "time"), ("img_mod.", "time"), ("txt_mod.", "sample"), ("norm_out.linear", "sample"),
+             (last + "attn.to_add_out", "text_unused"), (last + "txt_mlp.", "text_unused"),
+             ("txt_in", "text"), ("attn.add_", "text"), ("attn.to_add_out", "text"), ("txt_mlp.", "text"),
+             ("", "image")]
+
+    def shapes(args, kwargs):
+        x, ctx = _arg(args, kwargs, "hidden_states"), _arg(args, kwargs, "encoder_hidden_states", 1)
+        b, n, m = x.shape[0], x.shape[1], ctx.shape[1]
+        return Pass({"image": b * n, "text": b * m, "text_unused": b * m, "sample": b, "time": doubled * b},
+                    b * width * n_blocks * (n + m) ** 2)
+
+    return FlopsEstimator(module, rules, shapes, forward_only=("text_unused",))
+
+
+def _pad32(n: int) -> int:  # Z-Image pads every caption and image sequence to a multiple of 32 tokens (SEQ_MULTI_OF)
+    return n + (-n) % 32
+
+
+@register_flops("ZImageTransformer2DModel")
+def _z_image(module: nn.Module) -> FlopsEstimator:
+    """Z-Image (single-stream DiT): per sample an image latent [C, F, H, W] and caption features [M, D] (lists), each
+    padded to a multiple of 32 tokens; noise-refiner blocks on the image tokens and context-refiner blocks on the
+    caption tokens (each padded to the longest in the batch), then the main blocks and the final layer on
+    image + caption tokens; AdaLN modulations and the timestep MLP once per sample. Basic (text-to-image) mode, the
+    one mmrl's Z-Image family calls; a forward in the omni mode (nested lists: SigLIP features, several images) is
+    not counted."""
+    width = module.config.dim
+    n_noise, n_ctx, n_main = len(module.noise_refiner), len(module.context_refiner), len(module.layers)
+    keys = list(module.all_x_embedder.keys())
+    rules = [("t_embedder.", "sample"), ("adaLN_modulation", "sample"), ("cap_embedder.", "cap_embed"),
+             ("noise_refiner.", "noisy"), ("context_refiner.", "cap"), ("siglip_", "siglip"), ("layers.", "unified")]
+    rules += [(f"all_x_embedder.{k}", f"x_embed:{k}") for k in keys]
+    rules += [(f"all_final_layer.{k}.", f"unified:{k}") for k in keys]
+
+    def shapes(args, kwargs):
+        x, caps = _arg(args, kwargs, "x"), _arg(args, kwargs, "cap_feats", 2)
+        if isinstance(x[0], (list, tuple)):
+            return None  # omni mode: not counted (the meter skips a forward whose shapes are None)
+        p, fp = kwargs.get("patch_size", 2), kwargs.get("f_patch_size", 1)
+        n = [_pad32((xi.shape[1] // fp) * (xi.shape[2] // p) * (xi.shape[3] // p)) for xi in x]
+        m = [_pad32(c.shape[0]) for c in caps]
+        b, ln, lm, lu = len(x), max(n), max(m), max(a + c for a, c in zip(n, m))
+        tokens = {"sample": b, f"x_embed:{p}-{fp}": sum(n), "noisy": b * ln, "cap_embed": sum(m), "cap": b * lm,
+                  "unified": b * lu, f"unified:{p}-{fp}": b * lu}
+        return Pass(tokens, b * width * (n_noise * ln * ln + n_ctx * lm * lm + n_main * lu * lu))
 
     return FlopsEstimator(module, rules, shapes)
 
