@@ -54,6 +54,10 @@ MEASURE = {
              "shape": dict(height=256, width=256, text_tokens=128), "scale": {"*": 1536 / 384}},
     "wan": {"depths": [{"num_layers": 2}, {"num_layers": 3}],
             "shape": dict(num_frames=5, height=256, width=256, text_tokens=512), "scale": {}},
+    "qwen_image": {"depths": [{"num_layers": 2}, {"num_layers": 3}],
+                   "shape": dict(height=512, width=512, text_tokens=256), "scale": {}},
+    "z_image": {"depths": [{"n_layers": 2}, {"n_layers": 3}],
+                "shape": dict(height=512, width=512, text_tokens=512), "scale": {}},
     "qwen_vl": {"depths": [{"text_config.num_hidden_layers": 1, "vision_config.depth": 1},
                            {"text_config.num_hidden_layers": 2, "vision_config.depth": 1},
                            {"text_config.num_hidden_layers": 1, "vision_config.depth": 2}],
@@ -64,6 +68,7 @@ MEASURE = {
 }
 SMALL_SHAPE = {"sd3": dict(height=64, width=64, text_tokens=8), "flux": dict(height=64, width=64, text_tokens=8),
                "wan": dict(num_frames=5, height=32, width=32, text_tokens=8),
+               "qwen_image": dict(height=64, width=64, text_tokens=8), "z_image": dict(height=64, width=64, text_tokens=8),
                "qwen_vl": dict(image_patches=(8, 8), prompt_tokens=8, response_tokens=8)}
 
 
@@ -98,6 +103,17 @@ def _inputs(kind: str, model, shape: dict, dtype):
         return {"hidden_states": torch.randn(1, c.in_channels, f, shape["height"] // 8, shape["width"] // 8,
                                              generator=g).to(dtype), "timestep": torch.tensor([500.0]),
                 "encoder_hidden_states": torch.randn(1, shape["text_tokens"], c.text_dim, generator=g).to(dtype)}
+    if kind == "qwen_image":  # packed 2 x 2 latents; true CFG's text padded to the batch's longest
+        c, h, w, m = model.config, shape["height"] // 16, shape["width"] // 16, shape["text_tokens"]
+        return {"hidden_states": torch.randn(1, h * w, c.in_channels, generator=g).to(dtype),
+                "encoder_hidden_states": torch.randn(1, m, c.joint_attention_dim, generator=g).to(dtype),
+                "encoder_hidden_states_mask": torch.ones(1, m), "timestep": torch.tensor([0.5]).to(dtype),
+                "img_shapes": [[(1, h, w)]]}
+    if kind == "z_image":  # lists: one [C, 1, h, w] latent and one [M, D] caption per row
+        c = model.config
+        return {"x": [torch.randn(c.in_channels, 1, shape["height"] // 8, shape["width"] // 8, generator=g).to(dtype)],
+                "t": torch.tensor([0.5]).to(dtype), "return_dict": False,
+                "cap_feats": [torch.randn(shape["text_tokens"], c.cap_feat_dim, generator=g).to(dtype)]}
     if kind in ("sd3", "flux"):
         c = model.config
         h, w, m = shape["height"] // 8, shape["width"] // 8, shape["text_tokens"]
@@ -127,6 +143,10 @@ def _inputs(kind: str, model, shape: dict, dtype):
 def _loss(kind: str, model, inputs: dict):
     if kind in ("sd3", "flux", "wan"):
         return model(**inputs).sample.float().pow(2).mean()
+    if kind == "qwen_image":
+        return model(**inputs).sample.float().pow(2).mean()
+    if kind == "z_image":
+        return sum(o.float().pow(2).mean() for o in model(**inputs)[0])
     from mmrl.vlm.batch import token_logprobs
 
     kw = dict(inputs)

@@ -86,12 +86,23 @@ def test_sharded_checkpoint_benchmark_small():
 
 @pytest.mark.slow
 def test_real_width_benchmark_small(tmp_path):
-    out = _run("benchmarks/real_width.py", "--small", "--arch", "sd35_medium,qwen25_vl_3b", "--threads", "1",
+    archs = "sd35_medium,qwen25_vl_3b,qwen_image_20b,z_image_6b"
+    out = _run("benchmarks/real_width.py", "--small", "--arch", archs, "--threads", "1",
                "--out", str(tmp_path / "rw.json")).stdout
     data = json.loads((tmp_path / "rw.json").read_text())
-    assert len(data["measured"]) == 2 * 4 + 3 * 4 and len(data["table"]) == 2 * 8
+    assert len(data["measured"]) == 2 * 4 + 3 * 4 + 2 * 4 + 2 * 4 and len(data["table"]) == 4 * 8
     assert all(m["tflops"] > 0 and m["step_peak_gib"] >= 0 for m in data["measured"])
     assert "Extrapolated peak per GPU" in out and "| qwen25_vl_3b | full | on | copies |" in out
+    for name in ("qwen_image_20b", "z_image_6b"):  # their FLOPs come from the estimators (mmrl.perf.flops)
+        assert all(m["tflops"] > 0 for m in data["measured"] if m["arch"] == name), name
+
+
+def test_new_family_architectures_have_their_published_sizes():
+    from mmrl.perf.architectures import get_architecture
+
+    # Qwen-Image: 20B (60 blocks of width 3072); Z-Image: 6B (dim 3840, 30 blocks + 4 refiner blocks)
+    assert round(get_architecture("qwen_image_20b").parameters() / 1e9, 2) == 20.43
+    assert round(get_architecture("z_image_6b").parameters() / 1e9, 2) == 6.15
 
 
 @pytest.mark.slow

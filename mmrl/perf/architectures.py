@@ -21,7 +21,9 @@ import torch
 from torch import nn
 
 from mmrl.diffusion.models.base import ATTENTION_LORA_TARGETS
+from mmrl.diffusion.models.qwen_image import QWEN_IMAGE_LORA_TARGETS
 from mmrl.diffusion.models.wan import WAN_LORA_TARGETS
+from mmrl.diffusion.models.z_image import Z_IMAGE_LORA_TARGETS
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,8 @@ class Architecture:
 
     name: str
     kind: str
-    """Input layout: `sd3`, `flux`, `wan` (diffusers transformers) or `qwen_vl` (a transformers VLM)."""
+    """Input layout: `sd3`, `flux`, `wan`, `qwen_image`, `z_image` (diffusers transformers) or `qwen_vl` (a
+    transformers VLM)."""
     class_name: str
     """diffusers / transformers class (transformers: the *ForConditionalGeneration class)."""
     config: dict
@@ -184,4 +187,29 @@ register_architecture(Architecture(
     # 5 frames at 256 px -> 16 x 2 x 32 x 32 latents, 2 x 16 x 16 = 512 tokens of (1, 2, 2) patches; 512 UMT5 tokens;
     # micro-batch 1 doubled by classifier-free guidance (5.0)
     step=dict(rows=2, num_frames=5, height=256, width=256, text_tokens=512, lora_rank=64),
+))
+
+register_architecture(Architecture(
+    name="qwen_image_20b", kind="qwen_image", class_name="QwenImageTransformer2DModel",
+    config=dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56)),
+    depth={"num_layers": 60},
+    source="Qwen/Qwen-Image transformer/config.json (60 double-stream blocks, width 3072, 24 heads; 20.4B parameters)",
+    lora_targets=tuple(QWEN_IMAGE_LORA_TARGETS), recipe="configs/diffusion/flow_grpo_qwen_image_ocr.yaml",
+    # 512 px -> 16 x 64 x 64 latents packed 2 x 2: 1024 tokens of 64 channels; prompts cut to 256 tokens
+    # (max_sequence_length); micro-batch 4 doubled by true CFG (4.0) in the training forward
+    step=dict(rows=8, height=512, width=512, text_tokens=256, lora_rank=64),
+))
+
+register_architecture(Architecture(
+    name="z_image_6b", kind="z_image", class_name="ZImageTransformer2DModel",
+    config=dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=3840, n_layers=30, n_refiner_layers=2,
+                n_heads=30, n_kv_heads=30, norm_eps=1e-5, qk_norm=True, cap_feat_dim=2560, rope_theta=256.0,
+                t_scale=1000.0, axes_dims=[32, 48, 48], axes_lens=[1536, 512, 512]),
+    depth={"n_layers": 30},  # the 2 noise- and 2 context-refiner blocks are counted in the fixed part
+    source="Tongyi-MAI/Z-Image transformer/config.json (dim 3840, 30 blocks + 2 + 2 refiner blocks, 30 heads; 6.15B)",
+    lora_targets=tuple(Z_IMAGE_LORA_TARGETS), recipe="configs/diffusion/flow_grpo_z_image_pickscore.yaml",
+    # 512 px -> 16 x 64 x 64 latents, 1024 tokens of 2 x 2 patches; prompts up to 512 tokens (max_sequence_length);
+    # micro-batch 1 doubled by classifier-free guidance (4.0)
+    step=dict(rows=2, height=512, width=512, text_tokens=512, lora_rank=64),
 ))
