@@ -105,3 +105,32 @@ def test_vlm_multiturn_with_vllm_trains_and_resumes_exactly(tiny32, tmp_path):
     wb = load_file(tmp_path / "b/checkpoints/step_3/adapters/default/adapter_model.safetensors")
     assert_same_path(wa, wb, why="same updates on the same kernels")
     assert max(float(v.abs().max()) for k, v in wa.items() if "lora_B" in k) > 1e-3  # the adapters trained
+
+
+def test_vlm_grpo_with_vllm_in_the_rollout_process(tiny32, tmp_path):
+    """`rollout.worker=process` with `rollout.engine=vllm`: the rollout process builds its own vLLM engine and its
+    weights follow every push through the weight syncer. At max_staleness 0 every batch is made with the trainer's
+    current weights: the trainer's recomputed log-probs equal vLLM's (drift at float rounding) at every step; at
+    max_staleness 1 (decoupled PPO with token-level IS weights) the run trains and resumes from its checkpoint with
+    the batch in flight saved."""
+    from mmrl.testing import metrics_rows
+    from mmrl.vlm import grpo
+
+    sync = tmp_path / "k0"
+    grpo.train(_grpo_cfg(tiny32, sync, "rollout.worker=process", "rollout.max_staleness=0", "train.max_steps=3",
+                         "log.eval_every=0"))
+    rows = metrics_rows(sync)
+    assert [r["step"] for r in rows if r["step"] > 0] == [1, 2, 3]
+    for r in (r for r in rows if r["step"] > 0):
+        assert r["diag/logprob_drift"] <= DRIFT_TOL, (r["step"], r["diag/logprob_drift"])
+        assert r["rollout/staleness/max"] == 0
+    print("[vllm recipes] rollout process, k=0, drift per step: "
+          + ", ".join(f"{r['diag/logprob_drift']:.1e}" for r in rows if r["step"] > 0))
+    stale = tmp_path / "k1"
+    over = ("rollout.worker=process", "rollout.max_staleness=1", "algo.rollout_correction.is_level=token",
+            "log.eval_every=0")
+    grpo.train(_grpo_cfg(tiny32, stale, *over))
+    grpo.train(_grpo_cfg(tiny32, stale, *over, "train.max_steps=3"))  # resumes from step 2
+    rows = [r for r in metrics_rows(stale) if r["step"] > 0]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert max(r["rollout/staleness/max"] for r in rows) == 1 and any(r["policy/grad_norm"] > 0 for r in rows)
