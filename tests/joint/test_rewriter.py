@@ -252,3 +252,36 @@ def test_real_recipe_runs_on_tiny_models_of_the_same_layout(tmp_path, tiny):
     assert math.isfinite(summary["first/eval/identity/reward/mean"])
     assert (Path(cfg.output_dir) / "samples" / "step_000001.png").is_file()
     assert (Path(cfg.output_dir) / "checkpoints").is_dir()
+
+
+@pytest.mark.slow
+def test_the_tiny_demo_learns_the_colour_mapping(tmp_path):
+    """configs/joint/rewriter_tiny.yaml as shipped (seed 0, 200 steps, about 5 minutes; only its paths and the
+    evaluation cadence changed, which do not touch the training RNG): before RL no held-out rewrite names the intent's
+    background colour; after it most do (measured 0.84-0.88 over seeds 0-2, docs/prompt-rewriter.md) and the held-out
+    reward has risen well above the user prompts' own (0.27 -> 0.72 for seed 0)."""
+    import re
+
+    cfg_path = REPO / "configs/joint/rewriter_tiny.yaml"
+    out = tmp_path / "run"
+    cfg = load_config(str(cfg_path), [
+        f"output_dir={out}", f"model.path={tmp_path / 'qwen2_vl'}", f"renderer.path={SHAPES_MODEL}",
+        f"data.train_prompts={TRAIN}", f"data.eval_prompts={EVAL}",
+        f"data.format_examples={REPO / 'assets/prompts/rewriter_format.jsonl'}",
+        "log.eval_every=100", "log.sample_every=0", "train.save_every=0"])
+    assert (cfg.seed, cfg.train.max_steps) == (0, 200)
+    summary = train(cfg)
+    intents = {r["prompt"]: r["intent"] for r in user_prompts("eval")}
+
+    def share_naming_background(step):
+        rows = [json.loads(x) for x in (out / "samples" / f"eval_step_{step:06d}.jsonl").read_text().splitlines()]
+        named = [re.search(r" on an? (\w+) background", r["rewrite"]) for r in rows]
+        return sum(bool(m) and m.group(1) == intents[r["user"]].split(" on ")[1].split()[1]
+                   for m, r in zip(named, rows)) / len(rows)
+
+    before, after = share_naming_background(0), share_naming_background(200)
+    print(f"[rewriter demo] names the background: {before:.2f} -> {after:.2f}; held-out reward "
+          f"{summary['first/eval/reward/mean']:.3f} -> {summary['eval_reward_last']:.3f} (user prompts "
+          f"{summary['first/eval/identity/reward/mean']:.3f}, intents {summary['first/eval/intent/reward/mean']:.3f})")
+    assert before <= 0.125 and after >= 0.5
+    assert summary["eval_reward_last"] >= summary["first/eval/identity/reward/mean"] + 0.2
