@@ -141,9 +141,7 @@ def _inputs(kind: str, model, shape: dict, dtype):
 
 
 def _loss(kind: str, model, inputs: dict):
-    if kind in ("sd3", "flux", "wan"):
-        return model(**inputs).sample.float().pow(2).mean()
-    if kind == "qwen_image":
+    if kind in ("sd3", "flux", "wan", "qwen_image"):
         return model(**inputs).sample.float().pow(2).mean()
     if kind == "z_image":
         return sum(o.float().pow(2).mean() for o in model(**inputs)[0])

@@ -312,3 +312,22 @@ def test_device_peak_and_mfu(monkeypatch):
     monkeypatch.setenv("MMRL_PEAK_TFLOPS", "fast")
     with pytest.raises(ValueError, match="MMRL_PEAK_TFLOPS: expected a number of TFLOP/s per device, got 'fast'"):
         device_peak_tflops("cpu")
+
+
+def test_z_image_omni_mode_forward_is_not_counted():
+    """Z-Image's omni mode (nested lists: several images, SigLIP features) has no count: the estimator says so
+    (None) and the meter skips that forward instead of counting part of it."""
+    model, kw = _z_image()
+    est = flops_estimator(model)
+    nested = dict(kw, x=[[t] for t in kw["x"]], cap_feats=[[c] for c in kw["cap_feats"]])
+    assert est.shapes((), nested) is None and est.shapes((), kw) is not None
+    meter = FlopsMeter()
+    assert meter.watch(model)
+    pre = model._forward_pre_hooks[next(reversed(model._forward_pre_hooks))]
+    post = model._forward_hooks[next(reversed(model._forward_hooks))]
+    pre(model, (), nested)
+    post(model, (), nested, None)
+    assert meter.pop() == 0
+    with torch.no_grad():
+        model(**kw)
+    assert meter.pop() == est.forward_flops(est.shapes((), kw)) > 0

@@ -50,6 +50,7 @@ from mmrl.training import (FullOptimizerState, KLConfig, OnNonfinite, OptimConfi
 from mmrl.training.judges import JudgeFields, build_judges, stop_for_hacking
 from mmrl.training.run import closes_runs
 from mmrl.vlm.grpo import ModelConfig, RolloutConfig
+from mmrl.vlm.grpo_checks import check_clip_ranges
 from mmrl.vlm.update import VLMUpdateConfig
 from mmrl.vlm.warm_start import WarmStartConfig
 
@@ -180,8 +181,9 @@ def check_config(cfg: Config) -> None:
     """Fail before loading any model (one line naming the key, expected vs got)."""
     from mmrl.pipelines.data import require_path
 
-    ro, d = cfg.rollout, cfg.data
-    get_advantage_estimator(cfg.algo.advantage)
+    ro, d, al = cfg.rollout, cfg.data, cfg.algo
+    get_advantage_estimator(al.advantage)
+    check_clip_ranges(al.clip_low, al.clip_high, al.dual_clip)
     kl_estimate(torch.zeros(1), torch.zeros(1), cfg.algo.kl.estimator)
     if cfg.dist.strategy == "fsdp":
         raise ValueError("dist.strategy=fsdp: prompt_rewriter supports none or ddp")
@@ -204,7 +206,7 @@ def check_config(cfg: Config) -> None:
             raise ValueError(f"data.answer_pattern {d.answer_pattern!r} is not a regex ({exc})") from None
     if cfg.warm_start.steps and not d.format_examples:
         raise ValueError("warm_start.steps > 0 needs data.format_examples (well-formed rewrites to draw from)")
-    if d.format_examples:
+    if d.format_examples:  # a prompt file, or a .jsonl of prompt/response pairs
         require_path("data.format_examples", d.format_examples, "prompt file")
     if cfg.log.judges and not d.eval_prompts:
         raise ValueError("log.judges are scored at every evaluation: set data.eval_prompts (the held-out prompts)")
@@ -477,9 +479,8 @@ def evaluate(cfg: Config, engine: Any, processor: Any, renderer: Any, reward_fn:
 
 
 def _warm_start_pairs(cfg: Config, processor: Any, items: list, eos_id: int):
-    """`next_pairs(step)` of the format warm start, on its own data stream (the RL data order is untouched): the
-    rows of data.format_examples with their own `response` when it is a file of pairs, else random training prompts
-    with random well-formed rewrites from it as targets."""
+    """`next_pairs(step)` of the format warm start, on its own data stream (the RL data order is untouched): pairs
+    from data.format_examples, or random training prompts with random rewrites drawn from it as targets."""
     from mmrl.pipelines.data import PromptSampler, load_prompts
     from mmrl.vlm.common import encode_prompt
 
@@ -487,8 +488,7 @@ def _warm_start_pairs(cfg: Config, processor: Any, items: list, eos_id: int):
     paired = any("response" in it.metadata for it in examples)  # a file of pairs: each row's own response
     bad = [i for i, it in enumerate(examples) if paired and not isinstance(it.metadata.get("response"), str)]
     if bad:
-        raise ValueError(f"data.format_examples {cfg.data.format_examples}: row {bad[0]} has no string 'response' "
-                         f"(a file of pairs needs one on every row)")
+        raise ValueError(f"data.format_examples {cfg.data.format_examples}: row {bad[0]} has no string 'response'")
     stream = PromptSampler(examples if paired else items, seed=cfg.seed + 104729)
     rng, tok, texts = random.Random(cfg.seed), processor.tokenizer, [it.prompt for it in examples]
 

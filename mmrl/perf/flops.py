@@ -68,7 +68,7 @@ class FlopsEstimator:
 
     module: nn.Module
     rules: list[tuple[str, str]]  # (substring of the layer name, stream); first match wins, "" matches every layer
-    shapes: Callable[[tuple, dict], Pass]
+    shapes: Callable[[tuple, dict], "Pass | None"]  # None: this forward is not counted
     macs: dict[str, dict[bool, int]] = field(default_factory=dict)  # stream -> {trainable: multiply-adds per token}
     forward_only: tuple[str, ...] = ()  # streams whose output never reaches the model's output: no backward
 

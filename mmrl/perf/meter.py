@@ -103,11 +103,11 @@ class FlopsMeter:
         pending: list[Pass] = []
 
         def pre(mod, args, kwargs):
-            pending.append(None if _PAUSED[0] else est.shapes(args, kwargs))
+            pending.append(None if counting_paused() else est.shapes(args, kwargs))
 
         def post(mod, args, kwargs, out):
             shape = pending.pop()
-            if shape is None:  # inside not_counted()
+            if shape is None:  # inside not_counted(), or a forward its estimator does not count
                 return
             self.flops += est.forward_flops(shape)
             t = _first_tensor(out)
@@ -169,7 +169,7 @@ def add_flops(model: nn.Module, n: int) -> None:
     """Add `n` FLOPs counted elsewhere in this step (a rollout process's forwards) to `model`'s meter, if any."""
     meter = getattr(model, _METER_ATTR, None)
     if meter is not None:
-        meter.flops += int(n)
+        meter._add(int(n))
 
 
 def _rss_peak_gib() -> float | None:

@@ -141,6 +141,9 @@ def test_config_errors(tmp_path, tiny):
         train(_cfg(tmp_path / "f", tiny, ["rollout.group_size=1"]))
     with pytest.raises(ValueError, match="intent_key='goal'"):
         train(_cfg(tmp_path / "g", tiny, ["reward.intent_key=goal"]))
+    with pytest.raises(ValueError, match=r"algo.dual_clip: expected 0 \(off\) or a constant > 1"):
+        train(_cfg(tmp_path / "h", tiny, ["algo.dual_clip=0.5"]))  # refused before any model loads
+    assert not (tmp_path / "h" / "metrics.jsonl").exists()
 
 
 def test_render_shares_noise_within_a_group(tiny):
