@@ -4,6 +4,8 @@ full depth and the shipped recipe's micro-batch, against one 80 GB GPU; FLOPs pe
 
     python benchmarks/real_width.py [--arch sd35_medium,flux1_dev,qwen25_vl_3b] [--threads 2] [--out runs/real_width.json]
     python benchmarks/real_width.py --small          # tiny widths, in this process: a check of the code path
+    python benchmarks/real_width.py --arch wan22_t2v_a14b --cache runs/real_width.jsonl   # resumable: finished
+                                                    # measurements are kept in the JSONL file and not repeated
 
 Each measurement is its own process (one at a time: a real-width step needs several GB): build the model at the
 depth, LoRA (PolicyStates, rank of the recipe) or full fine-tuning, gradient checkpointing off or on, AdamW with its
@@ -20,7 +22,8 @@ Extrapolation (an upper-bound model, stated in docs/scaling.md): peak = weights 
 state + gradients of every trainable tensor + the optimizer step's temporaries + rows x what one row's step adds;
 that last term is linear in the number of blocks of each kind (from the depth points) and, where the measured row is
 shorter than the recipe's, in its tokens (per stream: see MEASURE). The SD3.5 row at 256 px checks the token scaling
-against a measurement.
+against a measurement. A pipeline with several experts of one config (Wan 2.2 A14B) holds the weights, trainable
+tensors and optimizer state of each, while a row goes through one: one expert is measured.
 """
 
 from __future__ import annotations
@@ -52,8 +55,20 @@ MEASURE = {
                         {"num_layers": 1, "num_single_layers": 2}],
              # 256 px (256 image tokens) + 128 text tokens = 384 tokens, scaled to 512 px + 512 = 1536
              "shape": dict(height=256, width=256, text_tokens=128), "scale": {"*": 1536 / 384}},
+    # FLUX.2 [klein] 9B at its recipe's row: 384 px (576 packed tokens of 128 channels) + 512 text tokens; [dev] at
+    # its recipe's: 512 px (1024 tokens) + 512. [dev] is measured with LoRA only ("modes"): a full fine-tuning depth
+    # point holds 3.3B trainable parameters with their gradients and AdamW state (26 GB), more than this machine has
+    "flux2": {"depths": [{"num_layers": 1, "num_single_layers": 1}, {"num_layers": 2, "num_single_layers": 1},
+                         {"num_layers": 1, "num_single_layers": 2}],
+              "shape": dict(height=384, width=384, text_tokens=512), "scale": {},
+              "shapes": {"flux2_dev": dict(height=512, width=512, text_tokens=512)}, "modes": {"flux2_dev": ["lora"]}},
+    # Wan2.1-T2V-1.3B's row (5 frames of 256 px, 512 tokens); Wan2.2-T2V-A14B's (5 frames of 480 px, 1800 tokens):
+    # "shapes" overrides "shape" per architecture, each measured at its recipe's row
     "wan": {"depths": [{"num_layers": 2}, {"num_layers": 3}],
-            "shape": dict(num_frames=5, height=256, width=256, text_tokens=512), "scale": {}},
+            "shape": dict(num_frames=5, height=256, width=256, text_tokens=512), "scale": {},
+            "shapes": {"wan22_t2v_a14b": dict(num_frames=5, height=480, width=480, text_tokens=512),
+                       # Wan2.2-TI2V-5B at verl-omni's row: 9 frames of 704 x 1280, 2640 tokens
+                       "wan22_ti2v_5b": dict(num_frames=9, height=704, width=1280, text_tokens=512)}},
     "qwen_image": {"depths": [{"num_layers": 2}, {"num_layers": 3}],
                    "shape": dict(height=512, width=512, text_tokens=256), "scale": {}},
     "z_image": {"depths": [{"n_layers": 2}, {"n_layers": 3}],
@@ -67,6 +82,7 @@ MEASURE = {
                 "scale": {"text_config.num_hidden_layers": 2529 / 737, "fixed": 2048 / 256}},
 }
 SMALL_SHAPE = {"sd3": dict(height=64, width=64, text_tokens=8), "flux": dict(height=64, width=64, text_tokens=8),
+               "flux2": dict(height=64, width=64, text_tokens=8),
                "wan": dict(num_frames=5, height=32, width=32, text_tokens=8),
                "qwen_image": dict(height=64, width=64, text_tokens=8), "z_image": dict(height=64, width=64, text_tokens=8),
                "qwen_vl": dict(image_patches=(8, 8), prompt_tokens=8, response_tokens=8)}
@@ -89,7 +105,36 @@ def _build(name: str, depth: dict, small: bool):
     arch = sized_architecture(name, small)
     build = {} if small else MEASURE[arch.kind].get("build", {})
     model = replace(arch, config={**arch.config, **build}).build(depth, dtype=torch.float32 if small else torch.bfloat16)
+    if arch.kind == "wan":
+        model.patch_embedding = patch_as_matmul(model.patch_embedding)
     return arch, model
+
+
+def patch_as_matmul(conv):
+    import torch
+    from torch import nn
+
+    class PatchAsMatmul(nn.Module):
+        """A Conv3d whose stride equals its kernel (Wan's patch embedding) computed as a reshape and a matmul of the
+        same weight and bias (the same values and parameter names; for the backward it keeps a reshaped copy of the
+        latents, 0.2 MB at Wan2.2-A14B's row, where the convolution keeps the latents): oneDNN's bf16 Conv3d weight
+        gradient on this CPU took over 2 minutes for 16 -> 5120 channels on 2 x 60 x 60 latents (milliseconds as a
+        matmul)."""
+
+        def __init__(self, conv: nn.Conv3d):
+            super().__init__()
+            if tuple(conv.kernel_size) != tuple(conv.stride) or conv.padding != (0, 0, 0):
+                raise ValueError(f"PatchAsMatmul: kernel {conv.kernel_size} must equal stride {conv.stride}, no padding")
+            self.weight, self.bias, self.kernel = conv.weight, conv.bias, tuple(conv.kernel_size)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, c, f, h, w = x.shape
+            kt, kh, kw = self.kernel
+            x = x.reshape(b, c, f // kt, kt, h // kh, kh, w // kw, kw).permute(0, 2, 4, 6, 1, 3, 5, 7)
+            y = x.reshape(b, f // kt, h // kh, w // kw, -1) @ self.weight.reshape(self.weight.shape[0], -1).T
+            return (y + self.bias).permute(0, 4, 1, 2, 3)
+
+    return PatchAsMatmul(conv)
 
 
 def _inputs(kind: str, model, shape: dict, dtype):
@@ -97,11 +142,14 @@ def _inputs(kind: str, model, shape: dict, dtype):
     import torch
 
     g = torch.Generator().manual_seed(0)
-    if kind == "wan":  # Wan's VAE: 4x in time ((F - 1) / 4 + 1 latent frames), 8x in space
-        c = model.config
+    if kind == "wan":  # Wan's VAE: 4x in time ((F - 1) / 4 + 1 latent frames), 8x in space; Wan2.2's 48-channel
+        c = model.config  # VAE (TI2V-5B): 16x in space, and the pipeline passes one timestep per token
         f = (shape["num_frames"] - 1) // 4 + 1
-        return {"hidden_states": torch.randn(1, c.in_channels, f, shape["height"] // 8, shape["width"] // 8,
-                                             generator=g).to(dtype), "timestep": torch.tensor([500.0]),
+        down = 16 if c.in_channels == 48 else 8
+        h, w = shape["height"] // down, shape["width"] // down
+        pt, ph, pw = c.patch_size
+        t = torch.full((1, (f // pt) * (h // ph) * (w // pw)), 500.0) if c.in_channels == 48 else torch.tensor([500.0])
+        return {"hidden_states": torch.randn(1, c.in_channels, f, h, w, generator=g).to(dtype), "timestep": t,
                 "encoder_hidden_states": torch.randn(1, shape["text_tokens"], c.text_dim, generator=g).to(dtype)}
     if kind == "qwen_image":  # packed 2 x 2 latents; true CFG's text padded to the batch's longest
         c, h, w, m = model.config, shape["height"] // 16, shape["width"] // 16, shape["text_tokens"]
@@ -114,6 +162,13 @@ def _inputs(kind: str, model, shape: dict, dtype):
         return {"x": [torch.randn(c.in_channels, 1, shape["height"] // 8, shape["width"] // 8, generator=g).to(dtype)],
                 "t": torch.tensor([0.5]).to(dtype), "return_dict": False,
                 "cap_feats": [torch.randn(shape["text_tokens"], c.cap_feat_dim, generator=g).to(dtype)]}
+    if kind == "flux2":  # 128-channel 2 x 2-patchified latents packed: (H / 16)(W / 16) tokens; 4-axis ids; no
+        c = model.config  # guidance embedding (klein)
+        n, m = (shape["height"] // 16) * (shape["width"] // 16), shape["text_tokens"]
+        return {"hidden_states": torch.randn(1, n, c.in_channels, generator=g).to(dtype),
+                "encoder_hidden_states": torch.randn(1, m, c.joint_attention_dim, generator=g).to(dtype),
+                "timestep": torch.tensor([0.5]).to(dtype), "img_ids": torch.zeros(1, n, 4), "txt_ids": torch.zeros(1, m, 4),
+                "guidance": torch.tensor([3.5]) if c.guidance_embeds else None}
     if kind in ("sd3", "flux"):
         c = model.config
         h, w, m = shape["height"] // 8, shape["width"] // 8, shape["text_tokens"]
@@ -141,7 +196,7 @@ def _inputs(kind: str, model, shape: dict, dtype):
 
 
 def _loss(kind: str, model, inputs: dict):
-    if kind in ("sd3", "flux", "wan", "qwen_image"):
+    if kind in ("sd3", "flux", "flux2", "wan", "qwen_image"):
         return model(**inputs).sample.float().pow(2).mean()
     if kind == "z_image":
         return sum(o.float().pow(2).mean() for o in model(**inputs)[0])
@@ -275,17 +330,22 @@ def extrapolate(arch, rows: list[dict], small: bool) -> list[dict]:
     scale = MEASURE[arch.kind]["scale"] if not small else {}
     table = []
     for mode in ("lora", "full"):
+        if not any(r["mode"] == mode for r in rows):  # not measured (MEASURE "modes")
+            continue
         for gc_on in (False, True):
             pts = [r for r in rows if r["mode"] == mode and r["gc"] == gc_on and not r.get("check")]
             act = _linear(pts, depth_keys, "step_peak_gib")  # activations + backward temporaries of one row
             per_row = act["fixed"] * scale.get("fixed", scale.get("*", 1.0)) + sum(
                 act[k] * scale.get(k, scale.get("*", 1.0)) * full[k] for k in depth_keys)
             trainable_bytes = _linear(pts, depth_keys, "trainable_bytes")
-            tb = trainable_bytes["fixed"] + sum(trainable_bytes[k] * full[k] for k in depth_keys)
+            # several experts (Wan 2.2 A14B): each one's weights, trainable tensors and optimizer state are held; a
+            # row's activations go through one (measured on one)
+            tb = arch.experts * (trainable_bytes["fixed"] + sum(trainable_bytes[k] * full[k] for k in depth_keys))
             wlin = _linear(pts, depth_keys, "weights_gib")
-            weights = (2 * n_weights / GIB) if n_weights else wlin["fixed"] + sum(wlin[k] * full[k] for k in depth_keys)
+            weights = (2 * n_weights / GIB) if n_weights else arch.experts * (
+                wlin["fixed"] + sum(wlin[k] * full[k] for k in depth_keys))
             opt_tmp = _linear(pts, depth_keys, "opt_temp_gib")
-            opt_temp = max(0.0, opt_tmp["fixed"] + sum(opt_tmp[k] * full[k] for k in depth_keys))
+            opt_temp = arch.experts * max(0.0, opt_tmp["fixed"] + sum(opt_tmp[k] * full[k] for k in depth_keys))
             tfl = _linear(pts, depth_keys, "tflops")
             tflops_row = tfl["fixed"] * scale.get("fixed", scale.get("*", 1.0)) + sum(
                 tfl[k] * scale.get(k, scale.get("*", 1.0)) * full[k] for k in depth_keys)
@@ -307,9 +367,29 @@ def extrapolate(arch, rows: list[dict], small: bool) -> list[dict]:
 # ------------------------------------------------------------------------------------------------ driver
 
 
-def _child(specs: list[dict]) -> list[dict]:
+def _key(spec: dict) -> str:
+    return json.dumps({k: spec.get(k) for k in ("arch", "depth", "mode", "gc", "shape", "small", "threads", "check")},
+                      sort_keys=True)
+
+
+def _child(specs: list[dict], cache: Path | None = None) -> list[dict]:
     """The measurements of one architecture in a fresh process, one after the other (each builds its own model;
-    with every allocation above 64 KiB mapped on its own, what one frees goes back to the OS before the next)."""
+    with every allocation above 64 KiB mapped on its own, what one frees goes back to the OS before the next).
+    Those found in `cache` (JSONL) are not repeated; each new one is appended to it as it finishes."""
+    done = {}
+    if cache is not None and cache.is_file():
+        for line in cache.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                done[row["key"]] = row["row"]
+    todo = [s for s in specs if _key(s) not in done]
+    if todo:
+        for spec, row in zip(todo, _measure_in_child(todo, cache)):
+            done[_key(spec)] = row
+    return [done[_key(s)] for s in specs]
+
+
+def _measure_in_child(specs: list[dict], cache: Path | None) -> list[dict]:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0",
                OMP_NUM_THREADS=str(specs[0]["threads"]),
                PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
@@ -318,6 +398,10 @@ def _child(specs: list[dict]) -> list[dict]:
     out = []
     for line in proc.stdout:  # one JSON line per measurement, as it finishes
         out.append(json.loads(line))
+        if cache is not None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            with cache.open("a") as fh:
+                fh.write(json.dumps({"key": _key(specs[len(out) - 1]), "row": out[-1]}) + "\n")
         print(f"  measured {out[-1]['arch']} {out[-1]['depth']} {out[-1]['mode']} gc={out[-1]['gc']}: "
               f"+{out[-1]['step_peak_gib']:.2f} GiB, {out[-1]['fwd_bwd_s']:.1f} s", file=sys.stderr, flush=True)
     err = proc.stderr.read()
@@ -332,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--small", action="store_true", help="tiny widths (checks the code path; numbers meaningless)")
     ap.add_argument("--out", default="", help="write every measurement and the table rows as JSON")
+    ap.add_argument("--cache", default="", help="JSONL file of finished measurements: reused, and appended to as "
+                                                "each one finishes (an interrupted run continues where it stopped)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -354,14 +440,15 @@ def main(argv: list[str] | None = None) -> int:
     t_all = time.perf_counter()
     for arch in archs:
         plan = MEASURE[arch.kind]
-        shape = SMALL_SHAPE[arch.kind] if args.small else plan["shape"]
+        shape = SMALL_SHAPE[arch.kind] if args.small else plan.get("shapes", {}).get(arch.name, plan["shape"])
+        modes = plan.get("modes", {}).get(arch.name, ["lora", "full"])
         specs = [{"arch": arch.name, "depth": depth, "mode": mode, "gc": gc_on, "shape": shape, "small": args.small,
                   "threads": args.threads}
-                 for mode in ("lora", "full") for gc_on in (False, True) for depth in plan["depths"]]
+                 for mode in modes for gc_on in (False, True) for depth in plan["depths"]]
         if arch.kind == "sd3" and not args.small:  # token scaling checked: 256 px measured vs 512 px scaled
             specs.append({**specs[2 * len(plan["depths"])], "shape": dict(plan["shape"], height=256, width=256),
                           "check": True})
-        rows = [measure(s) for s in specs] if args.small else _child(specs)  # --small: in this process
+        rows = [measure(s) for s in specs] if args.small else _child(specs, Path(args.cache) if args.cache else None)
         for spec, row in zip(specs, rows):
             row["check"] = spec.get("check", False)
         measured += rows
@@ -393,6 +480,12 @@ def main(argv: list[str] | None = None) -> int:
                            f"{t['states_gib']:.1f}", f"{t['grads_gib']:.1f}", f"{t['adam_gib']:.1f}",
                            f"{t['opt_temp_gib']:.1f}", f"{t['rows']} x {t['act_per_row_gib']:.2f}",
                            f"{t['total_gib']:.1f}", "yes" if t["fits_80gb"] else "no") for t in table]))
+    for arch in archs:
+        if not any(t["arch"] == arch.name and t["mode"] == "full" for t in table):
+            n = sized_architecture(arch.name, args.small).parameters()
+            print(f"\n{arch.name}: full fine-tuning not measured (MEASURE modes: its depth points do not fit this "
+                  f"machine); its weights, gradients and AdamW moments alone (bf16, {n / 1e9:.1f}B parameters) are "
+                  f"{8 * n / GIB:.1f} GiB, against {GPU_GIB:.0f} GB")
     print("\nFLOPs per training row (forward + backward, from the architecture, at the recipe's row shape): " + ", ".join(
         f"{t['arch']} {t['mode']} {t['tflops_per_row_step']:.2f} TFLOP" for t in table if not t["gc"]
         and t["old_ref"] in ("adapters", "none")))

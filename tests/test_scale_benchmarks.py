@@ -62,6 +62,69 @@ def test_real_width_extrapolation_by_hand():
     assert lora["tflops_per_row_step"] == pytest.approx(0.25 * 24) and not lora["fits_80gb"]
 
 
+def test_real_width_extrapolation_of_two_experts_by_hand():
+    """Wan2.2-T2V-A14B holds two experts of one config: the weights, gradients, AdamW state, optimizer temporaries and
+    old/ref states of both, the activations of the one a row goes through (2 rows: micro-batch 1 doubled by CFG)."""
+    from dataclasses import replace
+
+    from mmrl.perf.architectures import get_architecture
+
+    rw = _script("real_width")
+    arch = get_architecture("wan22_t2v_a14b")
+    one = replace(arch, experts=1)
+    assert arch.parameters() == 2 * one.parameters() and round(one.parameters() / 1e9, 2) == 14.29
+    rows = [{"arch": arch.name, "depth": {"num_layers": n}, "mode": mode, "gc": gc, "step_peak_gib": 0.1 * n,
+             "trainable_bytes": 0.01 * n, "weights_gib": 0.0, "opt_temp_gib": 0.002 * n, "tflops": 0.5 * n}
+            for mode in ("lora", "full") for gc in (False, True) for n in (2, 3)]
+    two = {(t["mode"], t["gc"], t["old_ref"]): t for t in rw.extrapolate(arch, rows, small=False)}
+    single = {(t["mode"], t["gc"], t["old_ref"]): t for t in rw.extrapolate(one, rows, small=False)}
+    t2, t1 = two[("lora", False, "adapters")], single[("lora", False, "adapters")]
+    assert t2["grads_gib"] == pytest.approx(2 * 0.4) and t1["grads_gib"] == pytest.approx(0.4)
+    assert t2["weights_gib"] == pytest.approx(2 * t1["weights_gib"]) and t2["opt_temp_gib"] == pytest.approx(2 * 0.08)
+    assert t2["act_per_row_gib"] == t1["act_per_row_gib"] == pytest.approx(4.0) and t2["rows"] == 2
+    assert t2["tflops_per_row_step"] == pytest.approx(20.0)
+    assert t2["total_gib"] == pytest.approx(t2["weights_gib"] + 2 * 0.8 + 0.8 + 1.6 + 0.16 + 2 * 4.0)
+    assert two[("lora", True, "copies")]["states_gib"] == pytest.approx(2 * t2["weights_gib"])
+
+
+def test_real_width_wan_rows_follow_each_vae():
+    """The Wan row builder: Wan2.1 / A14B latents 8x smaller in space, one timestep per row; TI2V-5B's 48-channel
+    VAE 16x smaller and a timestep per token (expand_timesteps), as its pipeline passes them."""
+    import torch
+
+    from mmrl.tiny.random_real import sized_architecture
+
+    rw = _script("real_width")
+    row = {"num_frames": 9, "height": 704, "width": 1280, "text_tokens": 8}
+    ti2v = sized_architecture("wan22_ti2v_5b", small=True).build({"num_layers": 1}, dtype=torch.float32)
+    x = rw._inputs("wan", ti2v, row, torch.float32)
+    assert x["hidden_states"].shape == (1, 48, 3, 44, 80) and x["timestep"].shape == (1, 3 * 22 * 40)
+    a14b = sized_architecture("wan22_t2v_a14b", small=True).build({"num_layers": 1}, dtype=torch.float32)
+    x = rw._inputs("wan", a14b, dict(row, num_frames=5, height=480, width=480), torch.float32)
+    assert x["hidden_states"].shape == (1, 16, 2, 60, 60) and x["timestep"].shape == (1,)
+    # the patch embedding as the benchmark computes it (a reshape and a matmul: oneDNN's bf16 Conv3d weight gradient
+    # is pathologically slow on CPU at Wan2.2-A14B's width) equals the Conv3d, with the same parameters
+    conv = a14b.patch_embedding
+    patch = rw.patch_as_matmul(conv)
+    assert patch.weight is conv.weight and torch.allclose(patch(x["hidden_states"]), conv(x["hidden_states"]), atol=1e-6)
+
+
+def test_real_width_cache_resumes_where_a_run_stopped(tmp_path):
+    """`--cache`: a measurement found in the JSONL file is not repeated; the missing one runs (in its own process, as
+    the benchmark does) and is appended; rows come back in the order of the specs."""
+    rw = _script("real_width")
+    specs = [{"arch": "sd35_medium", "depth": {"num_layers": n}, "mode": "lora", "gc": False, "small": True,
+              "shape": rw.SMALL_SHAPE["sd3"], "threads": 1} for n in (2, 3)]
+    cache = tmp_path / "rw.jsonl"
+    earlier = {"arch": "sd35_medium", "step_peak_gib": 123.0}  # a marker no real measurement gives
+    cache.write_text(json.dumps({"key": rw._key(specs[1]), "row": earlier}) + "\n")
+    rows = rw._child(specs, cache)
+    assert rows[1] == earlier and rows[0]["depth"] == {"num_layers": 2} and rows[0]["step_peak_gib"] < 1
+    lines = [json.loads(x) for x in cache.read_text().splitlines()]
+    assert [x["key"] for x in lines] == [rw._key(specs[1]), rw._key(specs[0])]
+    assert rw._child(specs, cache) == rows  # everything cached: nothing runs
+
+
 def test_gpu_check_summary_of_a_run(tmp_path):
     gc = _script("gpu_check")
     (tmp_path / "config.yaml").write_text("algorithm: flow_grpo\nrollout: {prompts_per_step: 2, group_size: 4}\n")
@@ -86,23 +149,32 @@ def test_sharded_checkpoint_benchmark_small():
 
 @pytest.mark.slow
 def test_real_width_benchmark_small(tmp_path):
-    archs = "sd35_medium,qwen25_vl_3b,qwen_image_20b,z_image_6b"
+    archs = "sd35_medium,qwen25_vl_3b,qwen_image_20b,z_image_6b,flux2_klein_9b,wan22_t2v_a14b,flux2_dev,wan22_ti2v_5b"
     out = _run("benchmarks/real_width.py", "--small", "--arch", archs, "--threads", "1",
                "--out", str(tmp_path / "rw.json")).stdout
     data = json.loads((tmp_path / "rw.json").read_text())
-    assert len(data["measured"]) == 2 * 4 + 3 * 4 + 2 * 4 + 2 * 4 and len(data["table"]) == 4 * 8
+    # FLUX.2 [dev]: LoRA only (its full fine-tuning depth points do not fit a 24 GB machine), 4 table rows
+    assert len(data["measured"]) == 4 * (2 + 3 + 2 + 2 + 3 + 2 + 2) + 2 * 3 and len(data["table"]) == 7 * 8 + 4
+    assert {t["mode"] for t in data["table"] if t["arch"] == "flux2_dev"} == {"lora"}
+    assert "flux2_dev: full fine-tuning not measured" in out
     assert all(m["tflops"] > 0 and m["step_peak_gib"] >= 0 for m in data["measured"])
     assert "Extrapolated peak per GPU" in out and "| qwen25_vl_3b | full | on | copies |" in out
-    for name in ("qwen_image_20b", "z_image_6b"):  # their FLOPs come from the estimators (mmrl.perf.flops)
+    for name in ("qwen_image_20b", "z_image_6b", "flux2_klein_9b", "flux2_dev", "wan22_t2v_a14b", "wan22_ti2v_5b"):
+        # their FLOPs come from the estimators (mmrl.perf.flops)
         assert all(m["tflops"] > 0 for m in data["measured"] if m["arch"] == name), name
 
 
 def test_new_family_architectures_have_their_published_sizes():
     from mmrl.perf.architectures import get_architecture
 
-    # Qwen-Image: 20B (60 blocks of width 3072); Z-Image: 6B (dim 3840, 30 blocks + 4 refiner blocks)
+    # Qwen-Image: 20B (60 blocks of width 3072); Z-Image: 6B (dim 3840, 30 blocks + 4 refiner blocks); FLUX.2
+    # [klein] 9B (8 + 24 blocks of width 4096); Wan2.2-T2V-A14B: two experts of 14.29B (Wan2.1-14B's config)
     assert round(get_architecture("qwen_image_20b").parameters() / 1e9, 2) == 20.43
     assert round(get_architecture("z_image_6b").parameters() / 1e9, 2) == 6.15
+    assert round(get_architecture("flux2_klein_9b").parameters() / 1e9, 2) == 9.08
+    assert round(get_architecture("wan22_t2v_a14b").parameters() / 1e9, 2) == 28.58
+    assert round(get_architecture("flux2_dev").parameters() / 1e9, 2) == 32.22
+    assert round(get_architecture("wan22_ti2v_5b").parameters() / 1e9, 2) == 5.0  # dim 3072, 30 layers, 48 channels
 
 
 @pytest.mark.slow

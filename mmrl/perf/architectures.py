@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from mmrl.diffusion.models.base import ATTENTION_LORA_TARGETS
+from mmrl.diffusion.models.flux2 import FLUX2_LORA_TARGETS
 from mmrl.diffusion.models.qwen_image import QWEN_IMAGE_LORA_TARGETS
 from mmrl.diffusion.models.wan import WAN_LORA_TARGETS
 from mmrl.diffusion.models.z_image import Z_IMAGE_LORA_TARGETS
@@ -32,7 +33,7 @@ class Architecture:
 
     name: str
     kind: str
-    """Input layout: `sd3`, `flux`, `wan`, `qwen_image`, `z_image` (diffusers transformers) or `qwen_vl` (a
+    """Input layout: `sd3`, `flux`, `flux2`, `wan`, `qwen_image`, `z_image` (diffusers transformers) or `qwen_vl` (a
     transformers VLM)."""
     class_name: str
     """diffusers / transformers class (transformers: the *ForConditionalGeneration class)."""
@@ -45,10 +46,14 @@ class Architecture:
     lora_targets: tuple[str, ...]
     """Module-name suffixes its recipe puts LoRA on."""
     recipe: str
-    """The shipped recipe config whose micro-batch `step` describes."""
+    """The shipped recipe config whose micro-batch `step` describes (or the published run it follows, when no
+    recipe here ships it)."""
     step: dict[str, Any]
     """Shape of one training micro-batch of that recipe (rows through the model, resolution, tokens)."""
     config_class: str | None = None
+    experts: int = 1
+    """Models of this config the pipeline holds and trains (Wan 2.2 A14B: a high- and a low-noise expert); a row goes
+    through one of them. `build` makes one; `parameters` counts them all."""
     fit: Callable[[dict], None] | None = field(default=None, compare=False)
     """Adjusts config keys that depend on the depth (e.g. which blocks have dual attention) in place."""
 
@@ -91,7 +96,7 @@ class Architecture:
     def parameters(self, depth: dict[str, int] | None = None) -> int:
         """Parameters (+ persistent buffers such as SD3's position table) at this depth, counted on the meta device."""
         model = self.build(depth, device="meta")
-        return sum(p.numel() for p in model.parameters()) + _persistent_buffer_numel(model)
+        return self.experts * (sum(p.numel() for p in model.parameters()) + _persistent_buffer_numel(model))
 
 
 def _persistent_buffer_numel(model: nn.Module) -> int:
@@ -113,6 +118,22 @@ def get_architecture(name: str) -> Architecture:
     if name not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {name!r}; valid: {sorted(ARCHITECTURES)}")
     return ARCHITECTURES[name]
+
+
+def _wan_config(heads: int, ffn_dim: int, layers: int, channels: int = 16) -> dict:
+    """A WanTransformer3DModel config: what every published Wan 2.1 / 2.2 transformer shares (heads of 128, (1, 2, 2)
+    patches, UMT5's 4096-wide text) and the numbers that differ."""
+    return dict(patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=128, in_channels=channels,
+                out_channels=channels, text_dim=4096, freq_dim=256, ffn_dim=ffn_dim, num_layers=layers,
+                cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+
+
+def _flux2_config(heads: int, double: int, single: int, context: int, guidance_embeds: bool) -> dict:
+    """A Flux2Transformer2DModel config: what FLUX.2 [dev] and [klein] share (heads of 128, 128-channel packed
+    latents, mlp_ratio 3, 4-axis RoPE with theta 2000) and the numbers that differ."""
+    return dict(patch_size=1, in_channels=128, num_layers=double, num_single_layers=single, attention_head_dim=128,
+                num_attention_heads=heads, joint_attention_dim=context, mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32),
+                rope_theta=2000, guidance_embeds=guidance_embeds)
 
 
 def _sd35_dual_blocks(cfg: dict) -> None:
@@ -178,9 +199,7 @@ register_architecture(Architecture(
 
 register_architecture(Architecture(
     name="wan21_t2v_1_3b", kind="wan", class_name="WanTransformer3DModel",
-    config=dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
-                text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
-                qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
+    config=_wan_config(heads=12, ffn_dim=8960, layers=30),
     depth={"num_layers": 30},
     source="Wan-AI/Wan2.1-T2V-1.3B-Diffusers transformer/config.json (dim 1536, 30 layers, 12 heads, FFN 8960; 1.4B)",
     lora_targets=tuple(WAN_LORA_TARGETS), recipe="configs/diffusion/flow_grpo_wan21_t2v.yaml",
@@ -212,4 +231,55 @@ register_architecture(Architecture(
     # 512 px -> 16 x 64 x 64 latents, 1024 tokens of 2 x 2 patches; prompts up to 512 tokens (max_sequence_length);
     # micro-batch 1 doubled by classifier-free guidance (4.0)
     step=dict(rows=2, height=512, width=512, text_tokens=512, lora_rank=64),
+))
+
+register_architecture(Architecture(
+    name="flux2_dev", kind="flux2", class_name="Flux2Transformer2DModel",
+    config=_flux2_config(heads=48, double=8, single=48, context=15360, guidance_embeds=True),
+    depth={"num_layers": 8, "num_single_layers": 48},
+    source="black-forest-labs/flux2 src/flux2/model.py Flux2Params (hidden 6144 = 48 heads x 128, 8 double + 48 "
+           "single blocks, context 15360 = 3 x Mistral-Small's 5120, mlp_ratio 3, guidance embedding; 32.2B)",
+    lora_targets=tuple(FLUX2_LORA_TARGETS), recipe="configs/diffusion/flow_grpo_flux2_dev.yaml",
+    # 512 px -> 128 x 32 x 32 patchified latents: 1024 packed tokens; prompts padded to 512 tokens; micro-batch 1
+    # (guidance embedding: no CFG)
+    step=dict(rows=1, height=512, width=512, text_tokens=512, lora_rank=64),
+))
+
+register_architecture(Architecture(
+    name="flux2_klein_9b", kind="flux2", class_name="Flux2Transformer2DModel",
+    config=_flux2_config(heads=32, double=8, single=24, context=12288, guidance_embeds=False),
+    depth={"num_layers": 8, "num_single_layers": 24},
+    source="black-forest-labs/flux2 src/flux2/model.py Klein9BParams (hidden 4096 = 32 heads x 128, 8 double + 24 "
+           "single blocks, context 12288 = 3 x Qwen3-8B's 4096, mlp_ratio 3, no guidance embedding; 9.08B)",
+    lora_targets=tuple(FLUX2_LORA_TARGETS), recipe="configs/diffusion/flow_grpo_flux2_klein_pickscore.yaml",
+    # 384 px -> 128 x 24 x 24 patchified latents: 576 packed tokens; prompts padded to 512 tokens
+    # (max_sequence_length); micro-batch 1, distilled: guidance 1, no CFG
+    step=dict(rows=1, height=384, width=384, text_tokens=512, lora_rank=64),
+))
+
+register_architecture(Architecture(
+    name="wan22_t2v_a14b", kind="wan", class_name="WanTransformer3DModel", experts=2,
+    config=_wan_config(heads=40, ffn_dim=13824, layers=40),
+    depth={"num_layers": 40},
+    source="Wan-Video/Wan2.2 wan/configs/wan_t2v_A14B.py (per expert: dim 5120, 40 heads, 40 layers, FFN 13824, the "
+           "Wan2.1 VAE (4, 8, 8); two experts, boundary 0.875; 2 x 14.29B)",
+    lora_targets=tuple(WAN_LORA_TARGETS), recipe="configs/diffusion/flow_grpo_wan22_t2v_a14b.yaml",
+    # 5 frames at 480 px -> 16 x 2 x 60 x 60 latents, 2 x 30 x 30 = 1800 tokens of (1, 2, 2) patches; 512 UMT5
+    # tokens; micro-batch 1 doubled by classifier-free guidance (4.0 high-noise expert, 3.0 low-noise)
+    step=dict(rows=2, num_frames=5, height=480, width=480, text_tokens=512, lora_rank=64),
+))
+
+register_architecture(Architecture(
+    name="wan22_ti2v_5b", kind="wan", class_name="WanTransformer3DModel",
+    config=_wan_config(heads=24, ffn_dim=14336, layers=30, channels=48),
+    depth={"num_layers": 30},
+    source="Wan-Video/Wan2.2 wan/configs/wan_ti2v_5B.py (dim 3072, 24 heads, 30 layers, FFN 14336, the Wan2.2 VAE: "
+           "48 channels, (4, 16, 16); timesteps per token; 5.0B)",
+    lora_targets=tuple(WAN_LORA_TARGETS),
+    # no recipe here ships it (its published RL run uses DanceGRPO's SDE and HPSv3, neither in mmrl): the row is
+    # that run's, verl-omni examples/dancegrpo_trainer/wan22/run_wan22_5b_t2v_hpsv3_auto.sh (full fine-tuning)
+    recipe="verl-omni examples/dancegrpo_trainer/wan22/run_wan22_5b_t2v_hpsv3_auto.sh",
+    # 9 frames at 704 x 1280 -> 48 x 3 x 44 x 80 latents, 3 x 22 x 40 = 2640 tokens of (1, 2, 2) patches; 512 UMT5
+    # tokens; micro-batch 1 doubled by classifier-free guidance (5.0); LoRA rows at Flow-Factory's rank 64
+    step=dict(rows=2, num_frames=9, height=704, width=1280, text_tokens=512, lora_rank=64),
 ))

@@ -29,6 +29,7 @@ SMALL_WIDTHS = {
             "pooled_projection_dim": 32, "pos_embed_max_size": 32, "sample_size": 16},
     "flux": {"attention_head_dim": 16, "num_attention_heads": 2, "joint_attention_dim": 32, "pooled_projection_dim": 32,
              "axes_dims_rope": (4, 6, 6)},
+    "flux2": {"attention_head_dim": 16, "num_attention_heads": 2, "joint_attention_dim": 32, "axes_dims_rope": (4, 4, 4, 4)},
     "wan": {"num_attention_heads": 2, "attention_head_dim": 16, "text_dim": 32, "ffn_dim": 64, "rope_max_seq_len": 64},
     "qwen_image": {"attention_head_dim": 16, "num_attention_heads": 2, "joint_attention_dim": 32,
                    "axes_dims_rope": (4, 6, 6)},

@@ -1,5 +1,7 @@
 """The real-model recipes of the newer families (configs/diffusion/flow_grpo_wan21_t2v.yaml,
-flow_grpo_z_image_pickscore.yaml, flow_grpo_qwen_image_ocr.yaml, flow_grpo_qwen_image_edit_pickscore.yaml): their
+flow_grpo_wan22_t2v_a14b.yaml, flow_grpo_z_image_pickscore.yaml, flow_grpo_flux2_dev.yaml,
+flow_grpo_flux2_klein_pickscore.yaml,
+flow_grpo_qwen_image_ocr.yaml, flow_grpo_qwen_image_edit_pickscore.yaml): their
 published settings as written, their model / LoRA / guidance settings on a tiny pipeline directory of the same layout,
 and each one run for a step on a tiny checkpoint of the same layout (same pipeline, scheduler and component classes)
 with tiny reward models, only the paths and sizes changed (the real weights never ran here)."""
@@ -41,6 +43,68 @@ def test_z_image_pickscore_published_settings():
         (512, 10, 4.0, 0.7, 1, [1, 4])
     assert cfg.update.updates_per_epoch(s.batch) == 2 and (lora.rank, lora.alpha, cfg.optim.lr) == (64, 128, 3e-4)
     assert list(cfg.reward.components) == ["pickscore"] and cfg.algo.kl.coef == 0.0
+
+
+def test_flux2_klein_pickscore_published_settings(tmp_path):
+    """Flow-Factory examples/grpo/lora/flux2_klein/default.yaml: 384 px, the distilled 4 steps, guidance 1 (no CFG),
+    noise 0.5 on one step of {1, 2}, 48 x 16 per epoch with 2 updates, LoRA 64/128, lr 3e-4, clip 1e-4, PickScore;
+    on a tiny step-distilled klein directory: bf16, every default LoRA target matched, no CFG."""
+    from mmrl.pipelines.data import PromptItem
+    from mmrl.tiny.family_models import build_tiny_flux2_klein
+
+    cfg = load_config(CONFIGS / "flow_grpo_flux2_klein_pickscore.yaml")
+    s, lora = cfg.rollout, cfg.model.lora
+    assert (s.height, s.width, s.num_steps, s.guidance_scale, s.noise_level) == (384, 384, 4, 1.0, 0.5)
+    assert (s.window_size, list(s.window_range), s.prompts_per_step, s.group_size) == (1, [1, 3], 48, 16)
+    assert cfg.update.updates_per_epoch(s.batch) == 2 and (lora.rank, lora.alpha, cfg.optim.lr) == (64, 128, 3e-4)
+    assert (cfg.algo.clip_range, cfg.algo.kl.coef, list(cfg.reward.components)) == (1e-4, 0.0, ["pickscore"])
+    model = _loads_on_a_tiny_directory(cfg, build_tiny_flux2_klein(tmp_path / "klein", distilled=True),
+                                       [PromptItem("a red cube")])
+    assert model.dtype == torch.bfloat16 and not model.cfg_enabled(cfg.rollout.guidance_scale)
+
+
+def test_flux2_dev_published_settings(tmp_path):
+    """Flow-Factory examples/grpo/lora/flux2/t2i.yaml: 512 px, 8 steps, guidance 4 into the guidance embedding (no
+    CFG), noise 1.0 on one step of {1, 2, 3}, 48 x 16 per epoch with 2 updates, LoRA 64/128, lr 3e-4, clip 1e-4, CLIP
+    1.0 + PickScore 0.5; on a tiny [dev] directory: the guidance embedding is used, every default LoRA target matched."""
+    from mmrl.pipelines.data import PromptItem
+    from mmrl.tiny.family_models import build_tiny_flux2
+
+    cfg = load_config(CONFIGS / "flow_grpo_flux2_dev.yaml")
+    s, lora = cfg.rollout, cfg.model.lora
+    assert (s.height, s.num_steps, s.guidance_scale, s.noise_level, s.window_size, list(s.window_range)) == \
+        (512, 8, 4.0, 1.0, 1, [1, 4])
+    assert cfg.update.updates_per_epoch(s.batch) == 2 and (lora.rank, lora.alpha, cfg.optim.lr) == (64, 128, 3e-4)
+    comps = cfg.reward.components
+    assert [(c["reward"], c["weight"]) for c in comps.values()] == [("clip_score", 1.0), ("pickscore", 0.5)]
+    model = _loads_on_a_tiny_directory(cfg, build_tiny_flux2(tmp_path / "flux2"), [PromptItem("a red cube")])
+    assert model.has_guidance_embedding and not model.cfg_enabled(cfg.rollout.guidance_scale)
+
+
+def test_wan22_t2v_a14b_published_settings(tmp_path):
+    """Flow-Factory examples/grpo/lora/wan22/t2v.yaml: 480 px, 5 frames, 10 steps, CFG 4 (high-noise expert) / 3
+    (low-noise, guidance_scale_2), noise 0.9 on one step of {1, 2, 3}, 48 x 16 per epoch with 2 updates, LoRA 64/128 on
+    both experts, lr 1e-4, clip 1e-4, PickScore per frame; on a tiny two-expert directory: the option reaches the
+    model and LoRA wraps both experts."""
+    from mmrl.diffusion.common import build_policy_states
+    from mmrl.diffusion.models import load_flow_model
+    from mmrl.tiny.family_models import build_tiny_wan
+
+    cfg = load_config(CONFIGS / "flow_grpo_wan22_t2v_a14b.yaml")
+    s, lora = cfg.rollout, cfg.model.lora
+    assert (s.height, s.width, s.num_frames, s.num_steps, s.guidance_scale, s.noise_level) == \
+        (480, 480, 5, 10, 4.0, 0.9)
+    assert (s.window_size, list(s.window_range), cfg.model.family_options) == (1, [1, 4], {"guidance_scale_2": 3.0})
+    assert cfg.update.updates_per_epoch(s.batch) == 2 and (lora.rank, lora.alpha, cfg.optim.lr) == (64, 128, 1e-4)
+    comp = cfg.reward.components["pick_score"]
+    assert (comp["reward"], comp["image_reward"], comp["aggregate"]) == ("video_frames", "pickscore", "mean")
+    model = load_flow_model(build_tiny_wan(tmp_path / "wan22", variant="2.2_a14b", scheduler="unipc"), "cpu",
+                            torch.bfloat16, 16, num_frames=s.num_frames, family_options=cfg.model.family_options)
+    assert model.guidance_scale_2 == 3.0 and model.boundary is not None
+    build_policy_states(model, cfg.model, old=False, ref=False)
+    trainable = [n for n, p in model.transformer.named_parameters() if p.requires_grad]
+    for expert in ("high", "low"):
+        assert any(n.startswith(f"{expert}.") and "lora_A" in n for n in trainable), expert
 
 
 def _loads_on_a_tiny_directory(cfg, tiny_path, items):
@@ -102,6 +166,12 @@ STEP_CASES = {
                                  {"max_sequence_length": 16}, "shapes"),
     "flow_grpo_z_image_pickscore.yaml": (("build_tiny_z_image", {}), {"num_steps": 4}, {"max_sequence_length": 16},
                                          "shapes"),
+    "flow_grpo_wan22_t2v_a14b.yaml": (("build_tiny_wan", {"variant": "2.2_a14b", "scheduler": "unipc"}),
+                                      {"num_steps": 4}, {"max_sequence_length": 16}, "shapes"),
+    "flow_grpo_flux2_dev.yaml": (("build_tiny_flux2", {}), {"height": 64, "width": 64}, {"max_sequence_length": 16},
+                                 "shapes"),
+    "flow_grpo_flux2_klein_pickscore.yaml": (("build_tiny_flux2_klein", {"distilled": True}),
+                                             {"height": 64, "width": 64}, {"max_sequence_length": 16}, "shapes"),
     "flow_grpo_qwen_image_ocr.yaml": ("QwenImagePipeline", {}, {}, "ocr"),
     "flow_grpo_qwen_image_edit_pickscore.yaml": ("QwenImageEditPlusPipeline", {}, {}, "edits"),
 }
@@ -140,7 +210,7 @@ def test_real_recipe_runs_on_a_tiny_model_of_the_same_layout(name, tiny_family, 
     d.update(output_dir=str(tmp_path / "run"), device="cpu", dtype="float32")
     d["model"].update(path=str(model_path), **model)
     d["data"] = {"train_prompts": str(_prompts(prompts, tmp_path))}
-    d["rollout"].update(prompts_per_step=2, group_size=2, height=32, width=32, eval_num_steps=2, **rollout)
+    d["rollout"].update({**dict(prompts_per_step=2, group_size=2, height=32, width=32, eval_num_steps=2), **rollout})
     d["update"].update(mini_batch_size=0, micro_batch_size=2)
     d["train"].update(max_steps=1, save_every=1)
     d["log"].update(eval_every=0, sample_every=1, num_samples=4)
