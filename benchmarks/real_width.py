@@ -4,8 +4,7 @@ full depth and the shipped recipe's micro-batch, against one 80 GB GPU; FLOPs pe
 
     python benchmarks/real_width.py [--arch sd35_medium,flux1_dev,qwen25_vl_3b] [--threads 2] [--out runs/real_width.json]
     python benchmarks/real_width.py --small          # tiny widths, in this process: a check of the code path
-    python benchmarks/real_width.py --arch wan22_t2v_a14b --cache runs/real_width.jsonl   # resumable: finished
-                                                    # measurements are kept in the JSONL file and not repeated
+    python benchmarks/real_width.py --arch wan22_t2v_a14b --cache runs/rw.jsonl   # resumable (measurements kept)
 
 Each measurement is its own process (one at a time: a real-width step needs several GB): build the model at the
 depth, LoRA (PolicyStates, rank of the recipe) or full fine-tuning, gradient checkpointing off or on, AdamW with its
@@ -18,12 +17,12 @@ The gradients are allocated (zeros) before the measured step, as after any first
 activations kept for the backward pass plus the backward's temporaries (gradient checkpointing: the recomputed
 block).
 
-Extrapolation (an upper-bound model, stated in docs/scaling.md): peak = weights (+ persistent buffers) + optimizer
-state + gradients of every trainable tensor + the optimizer step's temporaries + rows x what one row's step adds;
-that last term is linear in the number of blocks of each kind (from the depth points) and, where the measured row is
-shorter than the recipe's, in its tokens (per stream: see MEASURE). The SD3.5 row at 256 px checks the token scaling
-against a measurement. A pipeline with several experts of one config (Wan 2.2 A14B) holds the weights, trainable
-tensors and optimizer state of each, while a row goes through one: one expert is measured.
+Extrapolation (an upper-bound model, stated in docs/scaling.md): peak = weights (+ persistent buffers, + the LoRA
+adapter) + old/ref states + gradients and AdamW state of every trained tensor + the optimizer step's temporaries + rows
+x what one row's step adds; that last term is linear in the number of blocks of each kind (from the depth points) and,
+where the measured row is shorter than the recipe's, in its tokens (per stream: see MEASURE). The SD3.5 row at 256 px
+checks the token scaling against a measurement. Several experts of one config (Wan 2.2 A14B): each one's weights are
+held, gradients and AdamW state only for those the recipe trains, and a row goes through one (one is measured).
 """
 
 from __future__ import annotations
@@ -67,8 +66,8 @@ MEASURE = {
     "wan": {"depths": [{"num_layers": 2}, {"num_layers": 3}],
             "shape": dict(num_frames=5, height=256, width=256, text_tokens=512), "scale": {},
             "shapes": {"wan22_t2v_a14b": dict(num_frames=5, height=480, width=480, text_tokens=512),
-                       # Wan2.2-TI2V-5B at verl-omni's row: 9 frames of 704 x 1280, 2640 tokens
-                       "wan22_ti2v_5b": dict(num_frames=9, height=704, width=1280, text_tokens=512)}},
+                       # Wan2.2-TI2V-5B at verl-omni's row: 9 frames of 704 x 1280, 2640 tokens, 1024 text tokens
+                       "wan22_ti2v_5b": dict(num_frames=9, height=704, width=1280, text_tokens=1024)}},
     "qwen_image": {"depths": [{"num_layers": 2}, {"num_layers": 3}],
                    "shape": dict(height=512, width=512, text_tokens=256), "scale": {}},
     "z_image": {"depths": [{"n_layers": 2}, {"n_layers": 3}],
@@ -338,54 +337,53 @@ def extrapolate(arch, rows: list[dict], small: bool) -> list[dict]:
             per_row = act["fixed"] * scale.get("fixed", scale.get("*", 1.0)) + sum(
                 act[k] * scale.get(k, scale.get("*", 1.0)) * full[k] for k in depth_keys)
             trainable_bytes = _linear(pts, depth_keys, "trainable_bytes")
-            # several experts (Wan 2.2 A14B): each one's weights, trainable tensors and optimizer state are held; a
-            # row's activations go through one (measured on one)
-            tb = arch.experts * (trainable_bytes["fixed"] + sum(trainable_bytes[k] * full[k] for k in depth_keys))
+            one = trainable_bytes["fixed"] + sum(trainable_bytes[k] * full[k] for k in depth_keys)  # per expert
+            # several experts (Wan 2.2 A14B): weights and adapters of each, gradients and AdamW state of those the
+            # recipe's SDE window reaches (step "trained_experts"), activations of one
+            held, trained = arch.experts, arch.step.get("trained_experts", arch.experts)
+            tb_held, tb = held * one, trained * one
             wlin = _linear(pts, depth_keys, "weights_gib")
-            weights = (2 * n_weights / GIB) if n_weights else arch.experts * (
-                wlin["fixed"] + sum(wlin[k] * full[k] for k in depth_keys))
+            base = 2 * n_weights / GIB if n_weights else held * (wlin["fixed"] + sum(wlin[k] * full[k] for k in depth_keys))
+            adapter = tb_held if mode == "lora" else 0.0  # the trained LoRA adapter's own weights
             opt_tmp = _linear(pts, depth_keys, "opt_temp_gib")
-            opt_temp = arch.experts * max(0.0, opt_tmp["fixed"] + sum(opt_tmp[k] * full[k] for k in depth_keys))
+            opt_temp = trained * max(0.0, opt_tmp["fixed"] + sum(opt_tmp[k] * full[k] for k in depth_keys))
             tfl = _linear(pts, depth_keys, "tflops")
             tflops_row = tfl["fixed"] * scale.get("fixed", scale.get("*", 1.0)) + sum(
                 tfl[k] * scale.get(k, scale.get("*", 1.0)) * full[k] for k in depth_keys)
             rows_real = arch.step["rows"]
             moments = 2 * tb  # AdamW: two moments in the trainable dtype
             for states_kind in (("adapters", "copies") if mode == "lora" else ("copies", "none")):
-                if mode == "lora":  # "old" + "ref": two more adapters, or two deep copies of the model
-                    extra = 2 * tb if states_kind == "adapters" else 2 * weights
+                if mode == "lora":  # "old" + "ref": two more adapters, or deep copies (old with its adapter)
+                    extra = 2 * tb_held if states_kind == "adapters" else 2 * base + tb_held
                 else:  # full: "old" + "ref" snapshots of the trainable weights, or neither kept
-                    extra = 2 * tb if states_kind == "copies" else 0.0
-                total = weights + extra + tb + moments + opt_temp + rows_real * per_row
+                    extra = 2 * tb_held if states_kind == "copies" else 0.0
+                total = base + adapter + extra + tb + moments + opt_temp + rows_real * per_row
                 table.append({"arch": arch.name, "mode": mode, "gc": gc_on, "old_ref": states_kind,
-                              "weights_gib": weights, "states_gib": extra, "grads_gib": tb, "adam_gib": moments,
-                              "opt_temp_gib": opt_temp, "act_per_row_gib": per_row, "rows": rows_real,
-                              "total_gib": total, "fits_80gb": total <= GPU_GIB, "tflops_per_row_step": tflops_row})
+                              "weights_gib": base + adapter, "adapter_gib": adapter, "states_gib": extra,
+                              "grads_gib": tb, "adam_gib": moments, "opt_temp_gib": opt_temp,
+                              "act_per_row_gib": per_row, "rows": rows_real, "total_gib": total,
+                              "fits_80gb": total <= GPU_GIB, "tflops_per_row_step": tflops_row})
     return table
 
 
 # ------------------------------------------------------------------------------------------------ driver
 
 
-def _key(spec: dict) -> str:
-    return json.dumps({k: spec.get(k) for k in ("arch", "depth", "mode", "gc", "shape", "small", "threads", "check")},
-                      sort_keys=True)
+def _key(spec: dict) -> str:  # a cached measurement is reused for equal specs and library versions (not code)
+    from importlib.metadata import version
+
+    keys, libs = ("arch", "depth", "mode", "gc", "shape", "small", "threads", "check"), ("torch", "diffusers", "peft")
+    return json.dumps({**{k: spec.get(k) for k in keys}, **{m: version(m) for m in libs}}, sort_keys=True)
 
 
 def _child(specs: list[dict], cache: Path | None = None) -> list[dict]:
     """The measurements of one architecture in a fresh process, one after the other (each builds its own model;
     with every allocation above 64 KiB mapped on its own, what one frees goes back to the OS before the next).
     Those found in `cache` (JSONL) are not repeated; each new one is appended to it as it finishes."""
-    done = {}
-    if cache is not None and cache.is_file():
-        for line in cache.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                done[row["key"]] = row["row"]
+    lines = cache.read_text().splitlines() if cache is not None and cache.is_file() else []
+    done = {row["key"]: row["row"] for row in map(json.loads, filter(str.strip, lines))}
     todo = [s for s in specs if _key(s) not in done]
-    if todo:
-        for spec, row in zip(todo, _measure_in_child(todo, cache)):
-            done[_key(spec)] = row
+    done.update((_key(spec), row) for spec, row in zip(todo, _measure_in_child(todo, cache) if todo else []))
     return [done[_key(s)] for s in specs]
 
 

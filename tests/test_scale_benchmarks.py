@@ -55,16 +55,22 @@ def test_real_width_extrapolation_by_hand():
     assert len(table) == 8
     lora = by[("lora", False, "adapters")]
     assert lora["act_per_row_gib"] == pytest.approx(0.5 * 24) and lora["grads_gib"] == pytest.approx(0.05 * 24)
-    assert lora["total_gib"] == pytest.approx(weights + 2 * 1.2 + 1.2 + 2 * 1.2 + 18 * 12.0)
-    assert by[("lora", False, "copies")]["total_gib"] == pytest.approx(weights + 2 * weights + 1.2 + 2.4 + 216)
+    # LoRA: the base weights + the trained adapter (1.2), two adapters for old/ref, gradients, two AdamW moments
+    assert lora["weights_gib"] == pytest.approx(weights + 1.2) and lora["adapter_gib"] == pytest.approx(1.2)
+    assert lora["total_gib"] == pytest.approx(weights + 1.2 + 2 * 1.2 + 1.2 + 2 * 1.2 + 18 * 12.0)
+    # deep copies: the ref model (base) and the old one (base + its adapter)
+    assert by[("lora", False, "copies")]["total_gib"] == pytest.approx(
+        weights + 1.2 + (2 * weights + 1.2) + 1.2 + 2.4 + 216)
+    assert by[("full", False, "none")]["weights_gib"] == pytest.approx(weights)  # the trained weights are the model's
     assert by[("full", True, "none")]["states_gib"] == 0.0
     assert by[("full", True, "copies")]["states_gib"] == pytest.approx(2.4)
     assert lora["tflops_per_row_step"] == pytest.approx(0.25 * 24) and not lora["fits_80gb"]
 
 
 def test_real_width_extrapolation_of_two_experts_by_hand():
-    """Wan2.2-T2V-A14B holds two experts of one config: the weights, gradients, AdamW state, optimizer temporaries and
-    old/ref states of both, the activations of the one a row goes through (2 rows: micro-batch 1 doubled by CFG)."""
+    """Wan2.2-T2V-A14B holds two experts of one config: the weights, LoRA adapters and old/ref states of both; the
+    gradients, AdamW state and optimizer temporaries of the one its recipe trains (its SDE window reaches only the
+    high-noise expert); the activations of the one a row goes through (2 rows: micro-batch 1 doubled by CFG)."""
     from dataclasses import replace
 
     from mmrl.perf.architectures import get_architecture
@@ -78,13 +84,18 @@ def test_real_width_extrapolation_of_two_experts_by_hand():
             for mode in ("lora", "full") for gc in (False, True) for n in (2, 3)]
     two = {(t["mode"], t["gc"], t["old_ref"]): t for t in rw.extrapolate(arch, rows, small=False)}
     single = {(t["mode"], t["gc"], t["old_ref"]): t for t in rw.extrapolate(one, rows, small=False)}
+    assert arch.step["trained_experts"] == 1
     t2, t1 = two[("lora", False, "adapters")], single[("lora", False, "adapters")]
-    assert t2["grads_gib"] == pytest.approx(2 * 0.4) and t1["grads_gib"] == pytest.approx(0.4)
-    assert t2["weights_gib"] == pytest.approx(2 * t1["weights_gib"]) and t2["opt_temp_gib"] == pytest.approx(2 * 0.08)
+    base = 2 * arch.parameters() / 2**30
+    assert t2["grads_gib"] == t1["grads_gib"] == pytest.approx(0.4) and t2["adapter_gib"] == pytest.approx(0.8)
+    assert t2["weights_gib"] == pytest.approx(base + 0.8) and t2["opt_temp_gib"] == pytest.approx(0.08)
     assert t2["act_per_row_gib"] == t1["act_per_row_gib"] == pytest.approx(4.0) and t2["rows"] == 2
     assert t2["tflops_per_row_step"] == pytest.approx(20.0)
-    assert t2["total_gib"] == pytest.approx(t2["weights_gib"] + 2 * 0.8 + 0.8 + 1.6 + 0.16 + 2 * 4.0)
-    assert two[("lora", True, "copies")]["states_gib"] == pytest.approx(2 * t2["weights_gib"])
+    assert t2["total_gib"] == pytest.approx(base + 0.8 + 2 * 0.8 + 0.4 + 0.8 + 0.08 + 2 * 4.0)
+    assert two[("lora", True, "copies")]["states_gib"] == pytest.approx(2 * base + 0.8)
+    both = {(t["mode"], t["gc"], t["old_ref"]): t for t in rw.extrapolate(
+        replace(arch, step={**arch.step, "trained_experts": 2}), rows, small=False)}  # a window reaching both
+    assert both[("full", True, "none")]["adam_gib"] == pytest.approx(2 * two[("full", True, "none")]["adam_gib"])
 
 
 def test_real_width_wan_rows_follow_each_vae():

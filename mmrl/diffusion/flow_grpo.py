@@ -43,6 +43,7 @@ What is simplified away versus flow_grpo's scripts: the reward overlaps the roll
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -246,6 +247,12 @@ def train(cfg: Config) -> dict:
     reward_fn = load_reward_fn(cfg.reward.components, run.device, cfg.rollout.num_frames)
     scorer = AsyncRewardScorer(reward_fn) if cfg.reward.async_scoring else None  # rewards overlap the next rollout
     model = load_recipe_model(cfg, run.device, run.dtype)
+    idle = model.idle_experts(s.num_steps, s.height, s.width, tuple(s.window_range or (0, s.num_steps)))
+    if idle:  # e.g. Wan 2.2 A14B with the SDE window on early steps only: the low-noise expert never trains
+        warnings.warn(f"{' and '.join(idle)} get(s) no gradient: no SDE step in rollout.window_range="
+                      f"{list(s.window_range or (0, s.num_steps))} of {s.num_steps} steps runs through it (the "
+                      f"experts split the steps at the checkpoint's boundary_ratio); widen the window to train it",
+                      stacklevel=2)
     n_distinct = len({it.prompt for it in train_items})
     encode = PromptEmbedCache(model, n_distinct) if 0 < n_distinct <= s.prompt_cache_size else model.encode_prompts
 

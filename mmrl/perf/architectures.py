@@ -52,8 +52,9 @@ class Architecture:
     """Shape of one training micro-batch of that recipe (rows through the model, resolution, tokens)."""
     config_class: str | None = None
     experts: int = 1
-    """Models of this config the pipeline holds and trains (Wan 2.2 A14B: a high- and a low-noise expert); a row goes
-    through one of them. `build` makes one; `parameters` counts them all."""
+    """Models of this config the pipeline holds (Wan 2.2 A14B: a high- and a low-noise expert; `step`'s
+    "trained_experts" says how many the recipe trains); a row goes through one. `build` makes one; `parameters`
+    counts them all."""
     fit: Callable[[dict], None] | None = field(default=None, compare=False)
     """Adjusts config keys that depend on the depth (e.g. which blocks have dual attention) in place."""
 
@@ -265,8 +266,10 @@ register_architecture(Architecture(
            "Wan2.1 VAE (4, 8, 8); two experts, boundary 0.875; 2 x 14.29B)",
     lora_targets=tuple(WAN_LORA_TARGETS), recipe="configs/diffusion/flow_grpo_wan22_t2v_a14b.yaml",
     # 5 frames at 480 px -> 16 x 2 x 60 x 60 latents, 2 x 30 x 30 = 1800 tokens of (1, 2, 2) patches; 512 UMT5
-    # tokens; micro-batch 1 doubled by classifier-free guidance (4.0 high-noise expert, 3.0 low-noise)
-    step=dict(rows=2, num_frames=5, height=480, width=480, text_tokens=512, lora_rank=64),
+    # tokens; micro-batch 1 doubled by classifier-free guidance (4.0 high-noise expert, 3.0 low-noise). One expert
+    # trains: the recipe's SDE steps (1-3 of 10) are at t = 964 / 923 / 875 with flow_shift 3 (higher with 12), all
+    # at or above the boundary 875, so only the high-noise expert's LoRA gets gradients (and AdamW state)
+    step=dict(rows=2, num_frames=5, height=480, width=480, text_tokens=512, lora_rank=64, trained_experts=1),
 ))
 
 register_architecture(Architecture(
@@ -277,9 +280,10 @@ register_architecture(Architecture(
            "48 channels, (4, 16, 16); timesteps per token; 5.0B)",
     lora_targets=tuple(WAN_LORA_TARGETS),
     # no recipe here ships it (its published RL run uses DanceGRPO's SDE and HPSv3, neither in mmrl): the row is
-    # that run's, verl-omni examples/dancegrpo_trainer/wan22/run_wan22_5b_t2v_hpsv3_auto.sh (full fine-tuning)
+    # that run's, verl-omni examples/dancegrpo_trainer/wan22/run_wan22_5b_t2v_hpsv3_auto.sh
     recipe="verl-omni examples/dancegrpo_trainer/wan22/run_wan22_5b_t2v_hpsv3_auto.sh",
-    # 9 frames at 704 x 1280 -> 48 x 3 x 44 x 80 latents, 3 x 22 x 40 = 2640 tokens of (1, 2, 2) patches; 512 UMT5
-    # tokens; micro-batch 1 doubled by classifier-free guidance (5.0); LoRA rows at Flow-Factory's rank 64
-    step=dict(rows=2, num_frames=9, height=704, width=1280, text_tokens=512, lora_rank=64),
+    # num_frames 8, rounded to 9 by the pipeline, at 704 x 1280 -> 48 x 3 x 44 x 80 latents, 3 x 22 x 40 = 2640
+    # tokens of (1, 2, 2) patches; max_sequence_length 1024 UMT5 tokens; micro-batch 4 per GPU doubled by true CFG
+    # (5.0); LoRA rows at Flow-Factory's rank 64
+    step=dict(rows=8, num_frames=9, height=704, width=1280, text_tokens=1024, lora_rank=64),
 ))

@@ -167,7 +167,7 @@ STEP_CASES = {
     "flow_grpo_z_image_pickscore.yaml": (("build_tiny_z_image", {}), {"num_steps": 4}, {"max_sequence_length": 16},
                                          "shapes"),
     "flow_grpo_wan22_t2v_a14b.yaml": (("build_tiny_wan", {"variant": "2.2_a14b", "scheduler": "unipc"}),
-                                      {"num_steps": 4}, {"max_sequence_length": 16}, "shapes"),
+                                      {}, {"max_sequence_length": 16}, "shapes"),
     "flow_grpo_flux2_dev.yaml": (("build_tiny_flux2", {}), {"height": 64, "width": 64}, {"max_sequence_length": 16},
                                  "shapes"),
     "flow_grpo_flux2_klein_pickscore.yaml": (("build_tiny_flux2_klein", {"distilled": True}),
@@ -216,7 +216,12 @@ def test_real_recipe_runs_on_a_tiny_model_of_the_same_layout(name, tiny_family, 
     d["log"].update(eval_every=0, sample_every=1, num_samples=4)
     d["dist"] = {"strategy": "none"}
     cfg = load_config(d)
-    train(cfg)
+    if name == "flow_grpo_wan22_t2v_a14b.yaml":  # as published, the SDE window (steps 1-3 of 10) is all at t >= 875
+        with pytest.warns(UserWarning, match=r"transformer_2 get\(s\) no gradient: no SDE step in "
+                                             r"rollout.window_range=\[1, 4\] of 10 steps"):
+            train(cfg)
+    else:
+        train(cfg)
     row = metrics_rows(cfg.output_dir)[0]
     assert row["diag/logprob_drift"] < 1e-4
     # random tiny images: the real OCR reads nothing in any of them (all rewards 0, every advantage 0) -> no update

@@ -116,6 +116,21 @@ def test_wan_unipc_checkpoint_uses_unipc_flow_sigmas(tmp_path):
     assert traj.images.shape == (2, 3, 32, 32)  # one frame: images [B, 3, H, W]
 
 
+def test_wan22_idle_experts_of_an_sde_window(tmp_path):
+    """Which A14B expert a step runs through follows t = 1000 sigma against boundary_ratio * 1000 = 875: with the
+    published UniPC schedule (flow_shift 3) and 10 steps, step 3 is at 875.16 (high-noise) and step 4 at 818.4, so a
+    window on steps 1-3 never reaches `transformer_2` (Flow-Factory's Wan 2.2 recipe), 6-9 never `transformer`."""
+    from mmrl.tiny.family_models import build_tiny_wan
+
+    m = load_flow_model(build_tiny_wan(tmp_path / "a14b", variant="2.2_a14b", scheduler="unipc"), num_frames=5,
+                        max_sequence_length=SEQ)
+    t = m.sigmas(10, 32, 32) * 1000
+    assert m.boundary == 875.0 and t[3] >= 875.0 > t[4]
+    assert m.idle_experts(10, 32, 32, (1, 4)) == ["transformer_2"]
+    assert m.idle_experts(10, 32, 32, (6, 10)) == ["transformer"] and m.idle_experts(10, 32, 32, (1, 5)) == []
+    assert load_flow_model(build_tiny_wan(tmp_path / "w21"), num_frames=5).idle_experts(10, 32, 32, (1, 4)) == []
+
+
 def test_frame_counts_and_options_fail_in_one_line(tiny_wan_path, tiny_sd3_path):
     with pytest.raises(ValueError, match=r"^rollout.num_frames=6: the Wan VAE takes 4k\+1 frames .*use 5 or 9$"):
         load_flow_model(tiny_wan_path, num_frames=6)

@@ -175,6 +175,11 @@ class FlowModel:
     def decode(self, latents: Tensor, height: int, width: int) -> Tensor:
         raise NotImplementedError
 
+    def idle_experts(self, num_steps: int, height: int, width: int, steps: tuple[int, int]) -> list[str]:
+        """The experts no sampling step in [steps[0], steps[1]) runs through (so they get no gradient in a recipe
+        that trains those steps). One transformer: none; a family with several experts (Wan 2.2 A14B) overrides."""
+        return []
+
     def set_num_frames(self, num_frames: int) -> None:
         """Frames per sample; an image family takes only 1 (video families check what their VAE can take)."""
         if num_frames != 1:

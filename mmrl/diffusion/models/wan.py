@@ -7,8 +7,9 @@ What diffusers' `WanPipeline` does per step, and what this family does the same 
   gets it once per latent token ([B, F' (h/2) (w/2)]), which for text-to-video is the same value everywhere;
 - Wan 2.2 A14B (`transformer_2` + `boundary_ratio`): samples with `t >= boundary_ratio * 1000` go through
   `transformer` (high noise) with `guidance_scale`, the others through `transformer_2` with `guidance_scale_2`
-  (`model.family_options: {guidance_scale_2: ...}`; default = guidance_scale, as diffusers). Both experts train:
-  they are one module (`WanExperts`) that LoRA (or full fine-tuning) wraps as a whole;
+  (`model.family_options: {guidance_scale_2: ...}`; default = guidance_scale, as diffusers). Both experts can train:
+  they are one module (`WanExperts`) that LoRA (or full fine-tuning) wraps as a whole (`idle_experts` names one that
+  a window of sampling steps never reaches);
 - decode: `latents / (1 / latents_std) + latents_mean`, `AutoencoderKLWan.decode`, [-1, 1] -> [0, 1].
 
 The sampler is Euler / Flow-GRPO SDE on the pipeline scheduler's sigma schedule: with the published
@@ -95,6 +96,15 @@ class WanModel(FlowModel):
         self.temporal_factor = int(self.vae.config.scale_factor_temporal)
         self.vae_scale_factor = int(self.vae.config.scale_factor_spatial)
         self.patch_size = tuple(pipe.transformer.config.patch_size)
+
+    def idle_experts(self, num_steps, height, width, steps):
+        """Wan 2.2 A14B: `transformer` runs the steps with t = 1000 sigma >= boundary, `transformer_2` the others;
+        those of the two that no step in [steps[0], steps[1]) reaches."""
+        if self.boundary is None:
+            return []
+        t = self.sigmas(num_steps, height, width)[steps[0]:steps[1]].double() * 1000
+        high = t >= self.boundary
+        return [name for name, hit in (("transformer", high.any()), ("transformer_2", (~high).any())) if not hit]
 
     def configure(self, guidance_scale_2: float | None = None, **options: Any) -> None:
         """guidance_scale_2: CFG scale of Wan 2.2 A14B's low-noise expert (None = the rollout's guidance_scale)."""
