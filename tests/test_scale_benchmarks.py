@@ -117,7 +117,7 @@ def test_real_width_wan_rows_follow_each_vae():
     # is pathologically slow on CPU at Wan2.2-A14B's width) equals the Conv3d, with the same parameters
     conv = a14b.patch_embedding
     patch = rw.patch_as_matmul(conv)
-    assert patch.weight is conv.weight and torch.allclose(patch(x["hidden_states"]), conv(x["hidden_states"]), atol=1e-6)
+    assert patch.weight is conv.weight and torch.allclose(patch(x["hidden_states"]), conv(x["hidden_states"]), rtol=1e-5, atol=1e-5)
 
 
 def test_real_width_cache_resumes_where_a_run_stopped(tmp_path):

@@ -225,7 +225,7 @@ def train(cfg: Config) -> dict:
     from mmrl.diffusion.conditioning import check_data
     from mmrl.diffusion.grpo_update import train_on_rollout
     from mmrl.diffusion.models import PromptEmbedCache
-    from mmrl.diffusion.rollout_worker import BUILDER, rollout_and_score, window_generator
+    from mmrl.diffusion.rollout_worker import BUILDER, rollout_and_score, window_generator, window_range
     from mmrl.diffusion.scoring import (AsyncRewardScorer, global_advantages, load_reward_fn, reduce_reward_metrics,
                                         reward_weights)
     from mmrl.pipelines.data import PromptSampler, load_prompts
@@ -247,10 +247,10 @@ def train(cfg: Config) -> dict:
     reward_fn = load_reward_fn(cfg.reward.components, run.device, cfg.rollout.num_frames)
     scorer = AsyncRewardScorer(reward_fn) if cfg.reward.async_scoring else None  # rewards overlap the next rollout
     model = load_recipe_model(cfg, run.device, run.dtype)
-    idle = model.idle_experts(s.num_steps, s.height, s.width, tuple(s.window_range or (0, s.num_steps)))
+    idle = model.idle_experts(s.num_steps, s.height, s.width, window_range(s))
     if idle:  # e.g. Wan 2.2 A14B with the SDE window on early steps only: the low-noise expert never trains
         warnings.warn(f"{' and '.join(idle)} get(s) no gradient: no SDE step in rollout.window_range="
-                      f"{list(s.window_range or (0, s.num_steps))} of {s.num_steps} steps runs through it (the "
+                      f"{list(window_range(s))} of {s.num_steps} steps runs through it (the "
                       f"experts split the steps at the checkpoint's boundary_ratio); widen the window to train it",
                       stacklevel=2)
     n_distinct = len({it.prompt for it in train_items})

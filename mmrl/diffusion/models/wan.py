@@ -102,8 +102,7 @@ class WanModel(FlowModel):
         those of the two that no step in [steps[0], steps[1]) reaches."""
         if self.boundary is None:
             return []
-        t = self.sigmas(num_steps, height, width)[steps[0]:steps[1]].double() * 1000
-        high = t >= self.boundary
+        high = self._high_noise(self.sigmas(num_steps, height, width)[steps[0]:steps[1]])
         return [name for name, hit in (("transformer", high.any()), ("transformer_2", (~high).any())) if not hit]
 
     def configure(self, guidance_scale_2: float | None = None, **options: Any) -> None:
@@ -131,10 +130,15 @@ class WanModel(FlowModel):
         return PromptEmbeds(prompt_embeds=pe.to(self.dtype))
 
     # ------------------------------------------------------------------ denoising
+    def _high_noise(self, sigma: torch.Tensor) -> torch.Tensor:
+        """Which sigmas the high-noise expert (`transformer`) takes: t = sigma * num_train_timesteps >= boundary, the
+        timestep `_forward` passes and `WanExperts` routes by."""
+        return sigma * self.scheduler_config.get("num_train_timesteps", 1000) >= self.boundary
+
     def combine_cfg(self, v_uncond, v_cond, guidance_scale, sigma=None):
         if self.boundary is None or self.guidance_scale_2 is None:
             return v_uncond + guidance_scale * (v_cond - v_uncond)
-        high = (sigma * self.scheduler_config.get("num_train_timesteps", 1000) >= self.boundary)
+        high = self._high_noise(sigma)
         w = torch.where(high, torch.tensor(float(guidance_scale)), torch.tensor(self.guidance_scale_2))
         return v_uncond + w.view(-1, *([1] * (v_cond.dim() - 1))).to(v_cond) * (v_cond - v_uncond)
 
