@@ -61,7 +61,7 @@ RECIPE_SETTINGS = {
     "nft": {"update": {"micro_batch_size": 4, "mini_batch_size": 2}, "algo": {"kl": {"coef": 0.1}}},
     "awm": {"update": {"micro_batch_size": 4}, "algo": {"num_train_timesteps": 2, "kl": {"coef": 0.1}}},
     "dpo": {"update": {"micro_batch_size": 2}, "algo": {"mode": "online", "beta": 100.0, "pairing": "all_pairs"}},
-    "dgpo": {"update": {"micro_batch_size": 4}, "algo": {"kl": {"coef": 0.1}}},
+    "dgpo": {"update": {"micro_batch_size": 4}, "algo": {"kl": {"coef": 0.1}, "trunc_steps": 1, "num_train_timesteps": 2}},
 }
 ASYNC = {"flow_grpo": "configs/diffusion/flow_grpo_tiny.yaml", "vlm_grpo": "configs/vlm/grpo_tiny_shapes.yaml"}
 

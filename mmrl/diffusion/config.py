@@ -183,7 +183,7 @@ class LogConfig(JudgeFields, TrackersConfig):  # + judges, hacking (log.judges: 
     num_samples: int = 16
     """Images in each grid (sample grids and evaluation)."""
     eval_every: int = 0
-    """ODE evaluation on data.eval_prompts every this many steps and at the end (0 = never)."""
+    """ODE evaluation on data.eval_prompts after step 1, every this many steps and at the end (0 = never)."""
     eval_max_prompts: int = 64
     """At most this many evaluation prompts."""
 

@@ -153,7 +153,8 @@ def _check(cfg: Config) -> None:
 
 @closes_runs  # the run directory's lock released however train() ends; a failed start leaves nothing
 def train(cfg: Config) -> dict:
-    from mmrl.diffusion.common import NoSamples, end_step, evaluator, load_recipe_model, setup_training
+    from mmrl.diffusion.common import (NoSamples, end_step, evaluator, grid_due, grid_prompts, load_recipe_model,
+                                       sample_grid, setup_training)
     from mmrl.diffusion.diagnostics import sample_statistics
     from mmrl.diffusion.sampling import sample_groups
     from mmrl.diffusion.scoring import global_advantages, load_reward_fn, reward_weights, score_rollout_components
@@ -185,6 +186,9 @@ def train(cfg: Config) -> dict:
         evaluate(run if ctx.is_main else NoSamples(), 0)
 
     timer = Timer(sync_cuda=run.device.type == "cuda")
+    grid = grid_prompts(cfg, eval_items, train_items)  # every sample grid: these prompts, the same noise
+    if start == 0 and grid_due(cfg, 0) and (ctx.is_main or fsdp):  # FSDP: every rank runs the forwards
+        sample_grid(model, states, cfg.log.eval_state, reward_fn, grid, run if ctx.is_main else NoSamples(), 0, cfg)
     bar = run.progress(cfg.train.max_steps, initial=start)
     for step in range(start + 1, cfg.train.max_steps + 1):
         metrics: dict[str, Any] = {}
@@ -229,9 +233,9 @@ def train(cfg: Config) -> dict:
             metrics["rollout/from_old"] = float(rollout_state == "old")
 
         metrics["policy/lr"] = optimizer.param_groups[0]["lr"]
-        if ctx.is_main and cfg.log.sample_every and (step % cfg.log.sample_every == 0 or step == 1):
-            n = min(cfg.log.num_samples, len(prompts))
-            run.save_samples(step, traj.images[:n], [f"{prompts[i][:48]} | r={scores[i]:.3g}" for i in range(n)])
+        if grid_due(cfg, step) and (ctx.is_main or fsdp):
+            sample_grid(model, states, cfg.log.eval_state, reward_fn, grid, run if ctx.is_main else NoSamples(), step,
+                        cfg)
         eval_now = eval_items and cfg.log.eval_every and (step % cfg.log.eval_every == 0
                                                           or step in (1, cfg.train.max_steps))
         if (ctx.is_main or fsdp) and eval_now:  # FSDP: every rank runs the forwards, rank 0 writes

@@ -315,13 +315,14 @@ def train(cfg: Config) -> dict:
 
         # ---- logging, samples, evaluation, checkpoints (rank 0)
         metrics["policy/lr"] = optimizer.param_groups[0]["lr"]
-        metrics["cost/transformer_evals"] = evals.sync(ctx)
         if grid_due(cfg, step) and (ctx.is_main or fsdp):
             sample_grid(model, states, grid_state, reward_fn, grid, run if ctx.is_main else NoSamples(), step, cfg)
-        eval_now = eval_items and cfg.log.eval_every and (step % cfg.log.eval_every == 0 or step == cfg.train.max_steps)
+        eval_now = eval_items and cfg.log.eval_every and (step % cfg.log.eval_every == 0
+                                                          or step in (1, cfg.train.max_steps))
         if (ctx.is_main or fsdp) and eval_now:  # FSDP: every rank runs the forwards, rank 0 writes
             with timer("eval"):
                 metrics.update(evaluate(run if ctx.is_main else NoSamples(), step))
+        metrics["cost/transformer_evals"] = evals.sync(ctx)
         end_step(ctx, run, step, metrics, timer, bar, states, stateful, fsdp,
                  drift=f"{metrics.get('diag/logprob_drift', 0):.1e}")
         if stop_for_hacking(ctx, run, step, judges, states, stateful, fsdp):  # log.hacking.stop
