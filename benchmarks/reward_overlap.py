@@ -1,5 +1,5 @@
 """Rollout + reward with the reward scored in a worker thread while the next micro-batch is sampled
-(`reward.async_scoring`, as flow_grpo's executor) against the synchronous path, on a slow reward (the real PP-OCRv4
+(`reward.score_while_sampling`, as flow_grpo's executor) against the synchronous path, on a slow reward (the real PP-OCRv4
 OCR reward) and the tiny shapes SD3. Interleaved in one process (min / median / max); the rewards of both paths
 are checked to be identical on every repeat.
 

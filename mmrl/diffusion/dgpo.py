@@ -38,15 +38,14 @@ import torch
 
 from mmrl.config import RunConfig
 from mmrl.core.dgpo import dgpo_clip_mask, dgpo_group_weights, dgpo_loss
-from mmrl.core.prompt_stats import PerPromptStatTracker
 from mmrl.diffusion import config as dc
 from mmrl.diffusion import old_policy
 from mmrl.diffusion.awm import LogConfig  # samples, evaluation, `eval_state` (the same section as AWM's)
 from mmrl.diffusion.common import noise_latents
-from mmrl.distributed import DistConfig, DistContext
-from mmrl.runtime import Timer, seed_everything
-from mmrl.training import KLConfig, UpdateConfig, UpdateGuard, clip_grads, merge_rank_lists
+from mmrl.distributed import DistConfig
+from mmrl.training import KLConfig, UpdateConfig
 from mmrl.training.run import closes_runs
+from mmrl.training.updates import padding_rows, reduce_metrics
 
 __all__ = ["Config", "train", "RENAMED_KEYS"]
 
@@ -153,190 +152,105 @@ def _check(cfg: Config) -> None:
 
 @closes_runs  # the run directory's lock released however train() ends; a failed start leaves nothing
 def train(cfg: Config) -> dict:
-    from mmrl.diffusion.common import (NoSamples, end_step, evaluator, grid_due, grid_prompts, load_recipe_model,
-                                       sample_grid, setup_training)
-    from mmrl.diffusion.diagnostics import sample_statistics
-    from mmrl.diffusion.sampling import sample_groups
-    from mmrl.diffusion.scoring import global_advantages, load_reward_fn, reward_weights, score_rollout_components
-    from mmrl.pipelines.data import PromptSampler, load_prompts
-    from mmrl.training import FullOptimizerState, restore_checkpoint, start_run, summarise
-    from mmrl.training.judges import build_judges, stop_for_hacking
+    from mmrl.diffusion.loop import DiffusionLoop
+    from mmrl.diffusion.rollout import ode_sampling
+    from mmrl.training import summarise
 
     dc.check_common(cfg)
     _check(cfg)
-    s, a = cfg.rollout, cfg.algo
-    cfg.update.updates_per_epoch(s.batch)  # update.mini_batch_size must divide the batch: fail before loading
-    ctx, run = start_run(cfg, {"rollout.prompts_per_step": s.prompts_per_step})
-    train_items = load_prompts(cfg.data.train_prompts)
-    eval_items = load_prompts(cfg.data.eval_prompts)[: cfg.log.eval_max_prompts] if cfg.data.eval_prompts else []
-    reward_fn = load_reward_fn(cfg.reward.components, run.device, cfg.rollout.num_frames)
-    model = load_recipe_model(cfg, run.device, run.dtype)
+    rollout, algo = cfg.rollout, cfg.algo
+    cfg.update.updates_per_epoch(rollout.batch)  # update.mini_batch_size must divide the batch: fail before loading
+    loop = DiffusionLoop(cfg)
     # "default" trains; "old" = the EMA policy (clipping, ell_ref with ref: old, late rollouts); "ref" = adapters off
-    states, evals, params, optimizer, lr_sched, guard, fsdp = setup_training(ctx, run, cfg, model, old=True,
-                                                                             ref=a.kl.coef > 0 or a.ref == "ref")
-    tracker = PerPromptStatTracker(cfg.reward.std_mode, cfg.reward.history)
-    sampler = PromptSampler(train_items, seed=cfg.seed)
-    counters = old_policy.UpdateCounter()
-    stateful = {"optimizer": FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,
-                "tracker": tracker, "data": sampler, "counters": counters, "transformer_evals": evals}
-    judges = build_judges(cfg.log, run.device, stateful)  # log.judges: held-out judges + the hacking alarm
-    start, _ = restore_checkpoint(ctx, run, states, stateful)
-    evaluate = evaluator(model, states, cfg.log.eval_state, reward_fn, eval_items, cfg, judges)
-    if judges is not None and start == 0 and (ctx.is_main or fsdp):  # the judges' baseline: before any update
-        evaluate(run if ctx.is_main else NoSamples(), 0)
-
-    timer = Timer(sync_cuda=run.device.type == "cuda")
-    grid = grid_prompts(cfg, eval_items, train_items)  # every sample grid: these prompts, the same noise
-    if start == 0 and grid_due(cfg, 0) and (ctx.is_main or fsdp):  # FSDP: every rank runs the forwards
-        sample_grid(model, states, cfg.log.eval_state, reward_fn, grid, run if ctx.is_main else NoSamples(), 0, cfg)
-    bar = run.progress(cfg.train.max_steps, initial=start)
-    for step in range(start + 1, cfg.train.max_steps + 1):
-        metrics: dict[str, Any] = {}
-        if ctx.enabled:  # rank-local noise, a pure function of (seed, rank, step)
-            seed_everything(ctx.rank_seed(cfg.seed, step))
-        with timer("step"):
-            # ---- 1. rollout (this rank's share of the prompts), deterministic ODE
-            with timer("rollout"):
-                items = ctx.shard(sampler.next(s.prompts_per_step))
-                embeds = model.encode_prompts([it.prompt for it in items])
-                rollout_state = "old" if a.old_rollout_after and counters.updates >= a.old_rollout_after else "default"
-                with torch.no_grad(), states.use(rollout_state):
-                    traj = sample_groups(model, embeds, s.group_size, num_steps=s.num_steps, height=s.height,
-                                         width=s.width, guidance_scale=s.guidance_scale, noise_level=0.0,
-                                         batch_size=s.micro_batch_size or None, ode_solver=s.ode_solver)
-                prompts = [items[i].prompt for i in traj.prompt_index.tolist()]
-                metadata = [items[i].metadata for i in traj.prompt_index.tolist()]
-
-            # ---- 2. rewards; per-prompt advantages over all ranks, clipped
-            with timer("reward"):
-                scores, reward_metrics, comps = score_rollout_components(ctx, reward_fn, traj.images, prompts,
-                                                                         metadata, cfg.reward.on_nonfinite)
-            metrics.update(reward_metrics)
-            metrics.update(sample_statistics(traj.images, traj.latents[:, -1]))  # diag/sample/*
-            adv, keep, adv_metrics = global_advantages(ctx, tracker, prompts, scores, a.adv_clip_max,
-                                                       cfg.reward.drop_zero_advantage, None, comps,
-                                                       reward_weights(reward_fn), cfg.reward.aggregation)
-            metrics.update(adv_metrics)
-
-            # ---- 3. training points (shared step indices; one noise per group and point); 4./5. loss, updates
-            with timer("train"):
-                t_index = torch.randperm(a.trunc_steps + 1)[: a.num_train_timesteps]
-                x0 = traj.latents[:, -1]
-                rows = len(items) if a.shared_noise else len(traj)
-                noise = torch.randn((rows, len(t_index), *x0.shape[1:]), device=x0.device)
-                if a.shared_noise:
-                    noise = noise[traj.prompt_index.to(x0.device)]
-                metrics.update(_train_on_rollout(cfg, model, states, traj, (traj.sigmas[t_index], noise), adv, keep,
-                                                 optimizer, lr_sched, params, counters, timer, ctx, guard, step))
-                metrics.update(guard.pop_metrics())
-            metrics["policy/old_decay"] = old_policy.ema_decay("awm_linear", max(counters.updates - 1, 0))
-            metrics["rollout/from_old"] = float(rollout_state == "old")
-
-        metrics["policy/lr"] = optimizer.param_groups[0]["lr"]
-        if grid_due(cfg, step) and (ctx.is_main or fsdp):
-            sample_grid(model, states, cfg.log.eval_state, reward_fn, grid, run if ctx.is_main else NoSamples(), step,
-                        cfg)
-        eval_now = eval_items and cfg.log.eval_every and (step % cfg.log.eval_every == 0
-                                                          or step in (1, cfg.train.max_steps))
-        if (ctx.is_main or fsdp) and eval_now:  # FSDP: every rank runs the forwards, rank 0 writes
-            with timer("eval"):
-                metrics.update(evaluate(run if ctx.is_main else NoSamples(), step))
-        metrics["cost/transformer_evals"] = evals.sync(ctx)
-        end_step(ctx, run, step, metrics, timer, bar, states, stateful, fsdp,
-                 loss=f"{metrics.get('policy/loss', 0):.3g}")
-        if stop_for_hacking(ctx, run, step, judges, states, stateful, fsdp):  # log.hacking.stop
-            break
-    bar.close()
-    evals.remove()
-    summary = summarise(run, "dgpo") if ctx.is_main else {}
-    ctx.barrier()
-    ctx.close()
-    return summary
+    loop.setup(old=True, ref=algo.kl.coef > 0 or algo.ref == "ref", eval_state=cfg.log.eval_state, counters=True)
+    loop.begin(postfix=lambda m: {"loss": f"{m.get('policy/loss', 0):.3g}"})
+    for step in loop:
+        # ---- 1. rollout (this rank's share of the prompts), deterministic ODE; rewards
+        late = algo.old_rollout_after and loop.counters.updates >= algo.old_rollout_after
+        rollout_state = "old" if late else "default"
+        roll = loop.rollout(step, ode_sampling(rollout, ode_solver=rollout.ode_solver), state=rollout_state)
+        # ---- 2. per-prompt advantages over all ranks, clipped
+        adv, keep = loop.advantages(roll, clip=algo.adv_clip_max)
+        # ---- 3. training points (shared step indices; one noise per group and point); 4./5. loss, updates
+        with loop.timer("train"):
+            traj = roll.traj
+            t_index = torch.randperm(algo.trunc_steps + 1)[: algo.num_train_timesteps]
+            x0 = traj.latents[:, -1]
+            rows = len(roll.prompts) // rollout.group_size if algo.shared_noise else len(traj)
+            noise = torch.randn((rows, len(t_index), *x0.shape[1:]), device=x0.device)
+            if algo.shared_noise:
+                noise = noise[traj.prompt_index.to(x0.device)]
+            loop.metrics.update(_train_on_rollout(loop.parts, step, traj, (traj.sigmas[t_index], noise), adv, keep))
+            loop.metrics.update(loop.guard.pop_metrics())
+        loop.metrics["policy/old_decay"] = old_policy.ema_decay("awm_linear", max(loop.counters.updates - 1, 0))
+        loop.metrics["rollout/from_old"] = float(rollout_state == "old")
+    return loop.finish(lambda run: summarise(run, "dgpo"))
 
 
-def _train_on_rollout(cfg: Config, model, states, traj, points, adv, keep, optimizer, lr_sched, params, counters,
-                      timer, ctx: DistContext | None = None, guard: UpdateGuard | None = None, step: int = 0) -> dict:
-    """Inner epochs over one rollout batch: the DGPO loss (+ velocity KL) at the M shared points of each sample.
+def _train_on_rollout(parts: Any, step: int, traj: Any, points: tuple, adv: torch.Tensor, keep: torch.Tensor) -> dict:
+    """Inner epochs over one rollout batch: the DGPO loss (+ velocity KL) at the M shared points of each sample,
+    through the shared update iterator (`TrainingParts.updates`) over whole prompt groups: updates and micro-batches
+    are made of whole groups, so each micro-batch computes its own groups' weights; the EMA of "old" follows every
+    applied update.
 
-    points = (sigmas [M], noise [B, M, C, h, w]). Updates and micro-batches are made of whole groups (prompts), so each
-    micro-batch computes its own groups' weights. Several ranks: as `awm._train_on_rollout` (loss weighted by
-    `ctx.loss_scale`, equal micro-step counts with zero-weight padding, one all-reduce per update)."""
-    ctx = ctx or DistContext()
-    u, s, a = cfg.update, cfg.rollout, cfg.algo
-    guard = guard or UpdateGuard(u.max_skipped_updates, ctx)
+    points = (sigmas [M], noise [B, M, C, h, w])."""
+    cfg, ctx, model, states = parts.cfg, parts.ctx, parts.model, parts.states
+    rollout, algo = cfg.rollout, cfg.algo
     acc: dict[str, list[float]] = defaultdict(list)
     if ctx.max_int(len(keep)) == 0:
         return {"train/updates": 0}
     sigmas, noise = points
     x0_all, m = traj.latents[:, -1], len(sigmas)
     groups = traj.prompt_index
-    kept_groups = torch.unique(groups[keep])
-    updates_per_epoch = u.updates_per_epoch(s.batch)
-    pad_rows = keep[:1] if len(keep) else torch.zeros(1, dtype=torch.long)  # any real row; weight 0
-    ref_state = "ref" if a.ref == "ref" else "old"
-    updates = 0
-    for epoch in range(u.epochs):
-        order = kept_groups[torch.randperm(len(kept_groups))]
-        n_updates = min(updates_per_epoch, ctx.max_int(len(order)))  # identical on every rank
-        for chunk_groups in torch.tensor_split(order, n_updates):
-            chunk = keep[torch.isin(groups[keep], chunk_groups)]
-            # micro-batches of whole groups, in the chunk's group order
-            per_micro = max(1, u.micro_batch_size // s.group_size)
-            micro = [keep[torch.isin(groups[keep], g)] for g in torch.split(chunk_groups, per_micro) if len(g)]
-            n_micro = ctx.max_int(len(micro))  # same number of micro-steps on every rank
-            scale = ctx.loss_scale(len(chunk))  # local mean -> global mean under DDP's gradient average
-            n_losses = len(acc["policy/loss"])
-            for mi in range(n_micro):
-                real = mi < len(micro)
-                rows = micro[mi] if real else pad_rows
-                weight = len(rows) / max(len(chunk), 1) / m * scale if real else 0.0
-                x0, emb, a_rows = x0_all[rows], traj.embeds.select(groups[rows]), adv[rows].to(x0_all.device)
-                for j in range(m):
-                    last = mi == n_micro - 1 and j == m - 1  # DDP all-reduces in this backward only
-                    sig = sigmas[j].to(x0.device).expand(len(rows))
-                    eps = noise[rows, j]
-                    xt, target = noise_latents(x0, sig, eps), eps - x0
-                    with ctx.no_sync(model.transformer, sync=last), timer("forward_backward"):
-                        with torch.no_grad():
-                            v_ref = v_old = None
-                            if a.kl.coef > 0 or a.ref == "ref":
-                                with states.use("ref"):
-                                    v_ref = model.velocity(xt, sig, emb, guidance_scale=a.ref_guidance_scale)
-                            if a.clip or a.ref == "old":
-                                with states.use("old"):
-                                    v_old = model.velocity(xt, sig, emb, guidance_scale=a.train_guidance_scale)
-                        v = model.velocity(xt, sig, emb, guidance_scale=a.train_guidance_scale)
-                        dsm = _mse(v, target)
-                        ref_dsm = _mse(v_ref if ref_state == "ref" else v_old, target)
-                        w = dgpo_group_weights(a_rows, dsm.detach(), ref_dsm, groups[rows].to(dsm.device), a.beta,
-                                               s.group_size)
-                        clipped = dgpo_clip_mask(a_rows, dsm, _mse(v_old, target), a.clip_range) if a.clip else None
-                        pg = dgpo_loss(a_rows, dsm, w, clipped)
-                        loss = pg
-                        if a.kl.coef > 0:
-                            kl = _mse(v, v_ref.detach()).mean()
-                            loss = loss + a.kl.coef * kl
-                            if real:
-                                acc["kl/ref"].append(kl.item())
-                        (loss * weight).backward()
-                    if real:
-                        acc["policy/loss"].append(loss.item())
-                        acc["policy/dgpo_loss"].append(pg.item())
-                        acc["policy/dsm_loss"].append(dsm.mean().item())
-                        acc["policy/group_weight"].append(w.mean().item())
-                        if clipped is not None:
-                            acc["policy/clipfrac"].append(clipped.float().mean().item())
-            grad_norm = clip_grads(params, u.max_grad_norm)
-            acc["policy/grad_norm"].append(grad_norm)
-            if guard.step(optimizer, acc["policy/loss"][n_losses:], grad_norm, step):  # NaN/inf: skipped
-                lr_sched.step()
-                states.ema("default", "old", old_policy.ema_decay("awm_linear", counters.updates))
-                updates += 1
-                counters.updates += 1
-            optimizer.zero_grad(set_to_none=True)
-    vals = merge_rank_lists(ctx, acc)  # every rank's micro-step values
-    out = {key: sum(v) / len(v) for key, v in vals.items() if v}
-    out["train/updates"] = updates
+    ref_state = "ref" if algo.ref == "ref" else "old"
+
+    def update_old() -> None:  # after every applied update
+        states.ema("default", "old", old_policy.ema_decay("awm_linear", parts.counters.updates))
+
+    updates = parts.updates(torch.unique(groups[keep]), metrics=acc, step=step, pad_rows=padding_rows(keep),
+                           rows_of=lambda units: keep[torch.isin(groups[keep], units)],
+                           micro_batch_size=max(1, cfg.update.micro_batch_size // rollout.group_size),
+                           on_update=update_old)
+    for mb in updates:
+        rows = mb.rows
+        weight = mb.weight(m)
+        x0, emb, a_rows = x0_all[rows], traj.embeds.select(groups[rows]), adv[rows].to(x0_all.device)
+        for j in range(m):
+            sig = sigmas[j].to(x0.device).expand(len(rows))
+            eps = noise[rows, j]
+            xt, target = noise_latents(x0, sig, eps), eps - x0
+            with mb.no_sync(last_point=j == m - 1), parts.timer("forward_backward"):
+                with torch.no_grad():
+                    v_ref = v_old = None
+                    if algo.kl.coef > 0 or algo.ref == "ref":
+                        with states.use("ref"):
+                            v_ref = model.velocity(xt, sig, emb, guidance_scale=algo.ref_guidance_scale)
+                    if algo.clip or algo.ref == "old":
+                        with states.use("old"):
+                            v_old = model.velocity(xt, sig, emb, guidance_scale=algo.train_guidance_scale)
+                v = model.velocity(xt, sig, emb, guidance_scale=algo.train_guidance_scale)
+                dsm = _mse(v, target)
+                ref_dsm = _mse(v_ref if ref_state == "ref" else v_old, target)
+                w = dgpo_group_weights(a_rows, dsm.detach(), ref_dsm, groups[rows].to(dsm.device), algo.beta,
+                                       rollout.group_size)
+                clipped = dgpo_clip_mask(a_rows, dsm, _mse(v_old, target), algo.clip_range) if algo.clip else None
+                pg = dgpo_loss(a_rows, dsm, w, clipped)
+                loss = pg
+                if algo.kl.coef > 0:
+                    kl = _mse(v, v_ref.detach()).mean()
+                    loss = loss + algo.kl.coef * kl
+                    if mb.real:
+                        acc["kl/ref"].append(kl.item())
+                (loss * weight).backward()
+            if mb.real:
+                acc["policy/loss"].append(loss.item())
+                acc["policy/dgpo_loss"].append(pg.item())
+                acc["policy/dsm_loss"].append(dsm.mean().item())
+                acc["policy/group_weight"].append(w.mean().item())
+                if clipped is not None:
+                    acc["policy/clipfrac"].append(clipped.float().mean().item())
+    out = reduce_metrics(ctx, acc)  # every rank's micro-step values
+    out["train/updates"] = updates.applied
     return out
 
 

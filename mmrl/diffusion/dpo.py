@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
@@ -57,7 +57,6 @@ from mmrl.core.pairing import build_pairs
 from mmrl.diffusion import config as dc
 from mmrl.diffusion.diagnostics import VelocityNormConfig
 from mmrl.distributed import DistConfig
-from mmrl.runtime import Timer, seed_everything
 from mmrl.training import OptimConfig, UpdateConfig, finite_stats, group_keep
 from mmrl.training.run import closes_runs
 
@@ -193,9 +192,15 @@ def _check(cfg: Config) -> None:
         raise ValueError(f"algo.mode=online needs rollout.group_size >= 2 to form pairs, got {cfg.rollout.group_size}")
     dc.check_common(cfg, online=online)
     if not online:
+        from mmrl.diffusion.models import flow_model_class
+
         require_path("data.preference_file", cfg.data.preference_file, "preference file")
         if cfg.data.image_root:
             require_path("data.image_root", cfg.data.image_root, "image folder", kind="dir")
+        if flow_model_class(cfg.model.path).needs_source_image:
+            raise ValueError(f"algo.mode=offline: preference pairs carry no source images, so the edit model at "
+                             f"model.path={cfg.model.path} cannot be trained offline; use algo.mode=online with "
+                             f"edit rows")
 
 
 # ------------------------------------------------------------------------------------------ training
@@ -203,152 +208,92 @@ def _check(cfg: Config) -> None:
 
 @closes_runs  # the run directory's lock released however train() ends; a failed start leaves nothing
 def train(cfg: Config) -> dict:
-    from mmrl.diffusion.common import (LatentCache, NoSamples, end_step, evaluator, grid_due, grid_prompts,
-                                       load_recipe_model, sample_grid, setup_training)
-    from mmrl.diffusion.conditioning import check_data, encode_items
-    from mmrl.diffusion.dpo_update import dpo_update, offline_eval
-    from mmrl.diffusion.models import flow_model_class
-    from mmrl.diffusion.sampling import sample_groups
     from mmrl.core.multi_reward import multi_reward_advantages
     from mmrl.core.prompt_stats import group_normalize
-    from mmrl.diffusion.diagnostics import sample_statistics
-    from mmrl.diffusion.scoring import load_reward_fn, reward_weights, score_rollout_components
-    from mmrl.pipelines.data import PromptItem, PromptSampler, load_preference_pairs, load_prompts
-    from mmrl.training import FullOptimizerState, restore_checkpoint, start_run, summarise
-    from mmrl.training.judges import build_judges, stop_for_hacking
+    from mmrl.diffusion.common import LatentCache
+    from mmrl.diffusion.dpo_update import dpo_update, offline_eval
+    from mmrl.diffusion.loop import DiffusionLoop
+    from mmrl.diffusion.rollout import ode_sampling
+    from mmrl.diffusion.scoring import reward_weights
+    from mmrl.pipelines.data import PromptItem, PromptSampler, load_preference_pairs
+    from mmrl.training import summarise
 
     _check(cfg)
-    s, d = cfg.rollout, cfg.algo
-    online = d.mode == "online"
-    ctx, run = start_run(cfg, {"rollout.prompts_per_step": s.prompts_per_step} if online
-                         else {"data.pairs_per_step": cfg.data.pairs_per_step})
-    eval_items = load_prompts(cfg.data.eval_prompts)[: cfg.log.eval_max_prompts] if cfg.data.eval_prompts else []
-    train_items = load_prompts(cfg.data.train_prompts) if online else []
-    check_data(cfg.model.path, train_prompts=train_items, eval_prompts=eval_items)  # edit models need source images
-    if not online and flow_model_class(cfg.model.path).needs_source_image:
-        raise ValueError(f"algo.mode=offline: preference pairs carry no source images, so the edit model at "
-                         f"model.path={cfg.model.path} cannot be trained offline; use algo.mode=online with edit rows")
-    reward_fn = (load_reward_fn(cfg.reward.components, run.device, cfg.rollout.num_frames)
-                 if (online or eval_items) else None)
-    model = load_recipe_model(cfg, run.device, run.dtype)
-    shift = d.sigma_shift or model.sigma_shift
-
+    rollout, algo = cfg.rollout, cfg.algo
+    online = algo.mode == "online"
+    loop = DiffusionLoop(cfg, online=online)
+    ctx, model = loop.ctx, loop.model
+    shift = algo.sigma_shift or model.sigma_shift
     if online:
-        sampler = PromptSampler(train_items, seed=cfg.seed)
+        sampler = PromptSampler(loop.train_items, seed=cfg.seed)
     else:
         pairs = load_preference_pairs(cfg.data.preference_file, cfg.data.image_root or None, cfg.data.min_score_gap)
-        cache = LatentCache(run.dir / "latent_cache", s.height, s.width, enabled=cfg.data.cache_latents,
+        cache = LatentCache(loop.run.dir / "latent_cache", rollout.height, rollout.width,
+                            enabled=cfg.data.cache_latents,
                             shard_suffix=f"_r{ctx.rank}" if ctx.enabled else "")  # no two ranks write one file
         if ctx.is_main:
             print(f"[dpo] {len(pairs)} preference pairs; {cache.loaded_from_disk} image latents already cached")
         sampler = PromptSampler(list(range(len(pairs))), seed=cfg.seed)  # the stream of pair indices
-        train_items = [PromptItem(p) for p in dict.fromkeys(pair.prompt for pair in pairs)]
+        loop.train_items = [PromptItem(p) for p in dict.fromkeys(pair.prompt for pair in pairs)]  # sample grids
 
-    # "default" trains, "ref" = adapters off (or a snapshot in full fine-tuning); DDP/FSDP; optimizer
-    states, evals, params, optimizer, lr_sched, guard, fsdp = setup_training(ctx, run, cfg, model, old=False,
-                                                                             ref=True)
-    stateful = {"optimizer": FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,
-                "data": sampler, "transformer_evals": evals}
-    judges = build_judges(cfg.log, run.device, stateful)  # log.judges: held-out judges + the hacking alarm
-    start, _ = restore_checkpoint(ctx, run, states, stateful)
-    evaluate = evaluator(model, states, "default", reward_fn, eval_items, cfg, judges)
-    if judges is not None and start == 0 and (ctx.is_main or fsdp):  # the judges' baseline: before any update
-        evaluate(run if ctx.is_main else NoSamples(), 0)
-
-    timer = Timer(sync_cuda=run.device.type == "cuda")
-    grid = grid_prompts(cfg, eval_items, train_items)  # every sample grid: these prompts, the same noise
-    if start == 0 and grid_due(cfg, 0) and (ctx.is_main or fsdp):  # FSDP: every rank runs the forwards
-        sample_grid(model, states, "default", reward_fn, grid, run if ctx.is_main else NoSamples(), 0, cfg)
-    bar = run.progress(cfg.train.max_steps, initial=start)
-    for step in range(start + 1, cfg.train.max_steps + 1):
-        metrics: dict[str, Any] = {}
+    # "default" trains, "ref" = adapters off (or a snapshot in full fine-tuning)
+    loop.setup(old=False, ref=True, eval_state="default", tracker=False, sampler=sampler)
+    if not online:  # the implicit accuracy on held-out pairs, beside the held-out reward
+        loop.extra_evaluations.append(lambda: offline_eval(cfg, model, loop.states, pairs, cache, shift))
+    loop.begin(postfix=lambda m: {"acc": f"{m.get('policy/implicit_acc', 0):.2f}"})
+    for step in loop:
         pad = None
-        if ctx.enabled:  # rank-local noise, a pure function of (seed, rank, step): nothing per rank to checkpoint
-            seed_everything(ctx.rank_seed(cfg.seed, step))
-        with timer("step"):
-            # ---- 1. pairs: (chosen latents, rejected latents, prompt embeddings)
-            if online:
-                with timer("rollout"):
-                    items = ctx.shard(sampler.next(s.prompts_per_step))  # whole groups per rank
-                    embeds = encode_items(model, items, s.height, s.width)  # + source images (edit models)
-                    with torch.no_grad():
-                        traj = sample_groups(model, embeds, s.group_size, num_steps=s.num_steps, height=s.height,
-                                             width=s.width, guidance_scale=s.guidance_scale,
-                                             noise_level=s.noise_level, batch_size=s.micro_batch_size or None)
-                    prompts = [items[i].prompt for i in traj.prompt_index.tolist()]
-                with timer("reward"):
-                    scores, reward_metrics, comps = score_rollout_components(
-                        ctx, reward_fn, traj.images, prompts, [items[i].metadata for i in traj.prompt_index.tolist()],
-                        cfg.reward.on_nonfinite)
-                metrics.update(reward_metrics)
-                metrics.update(sample_statistics(traj.images, traj.latents[:, -1]))  # diag/sample/*
-                # pairs from the whole batch's rewards (group id = global prompt index: shards are contiguous);
-                # each rank trains the pairs of its own groups. One process: build_pairs(scores, prompt_index)
-                all_scores = ctx.all_gather_tensor(scores)
-                sizes = list(ctx.last_gather_sizes)
-                gids = ctx.all_gather_tensor(traj.prompt_index + ctx.rank * len(items))
-                # samples with a non-finite reward (reward.on_nonfinite=drop_sample) and groups left with one
-                # sample form no pair
-                ok = group_keep(torch.isfinite(all_scores), gids).nonzero().flatten()
-                rank_by = all_scores  # reward.aggregation=normalise_then_sum: pair by GDPO's advantages
-                if cfg.reward.aggregation == "normalise_then_sum":
-                    rank_by = multi_reward_advantages(ctx.all_gather_tensor(comps), reward_weights(reward_fn),
-                                                      lambda r: group_normalize(r, gids), cfg.reward.aggregation,
-                                                      mask=torch.isfinite(all_scores)).float()
-                w_all, l_all = build_pairs(rank_by[ok], gids[ok], d.pairing, d.pair_margin, d.max_pairs_per_step)
-                w_all, l_all = ok[w_all], ok[l_all]
-                lo = sum(sizes[:ctx.rank])
-                mine = (w_all >= lo) & (w_all < lo + sizes[ctx.rank])
-                w, l = w_all[mine] - lo, l_all[mine] - lo
-                x_w, x_l = traj.latents[w, -1], traj.latents[l, -1]
-                pair_embeds = traj.embeds.select(traj.prompt_index[w])
-                pad = (traj.latents[:1, -1], traj.latents[:1, -1], traj.embeds.select(traj.prompt_index[:1]))
-                metrics["rollout/pairs"] = len(w_all)
-                metrics["rollout/pair_gap"] = ((all_scores[w_all] - all_scores[l_all]).mean().item()
-                                               if len(w_all) else 0.0)
-                if ctx.enabled:  # the whole batch's reward statistics (score_images gave this rank's)
-                    metrics.update(finite_stats(all_scores))
-            else:
-                idx = ctx.shard(sampler.next(cfg.data.pairs_per_step))  # this rank's share of the global pairs
-                batch = [pairs[i] for i in idx]
-                with timer("encode"):
-                    x_w = cache.get(model, [p.chosen for p in batch], model.device)
-                    x_l = cache.get(model, [p.rejected for p in batch], model.device)
-                metrics["diag/latents_cached"] = len(cache.latents)
-                unique = list(dict.fromkeys(p.prompt for p in batch))
-                pair_embeds = model.encode_prompts(unique).select([unique.index(p.prompt) for p in batch])
+        # ---- 1. pairs: (chosen latents, rejected latents, prompt embeddings)
+        if online:
+            roll = loop.rollout(step, ode_sampling(rollout, noise_level=rollout.noise_level))  # + rewards
+            traj, group_size = roll.traj, rollout.group_size
+            # pairs from the whole batch's rewards (group id = global prompt index: shards are contiguous);
+            # each rank trains the pairs of its own groups. One process: build_pairs(scores, prompt_index)
+            all_scores = ctx.all_gather_tensor(roll.scores)
+            sizes = list(ctx.last_gather_sizes)
+            gids = ctx.all_gather_tensor(traj.prompt_index + ctx.rank * (len(roll.prompts) // group_size))
+            # samples with a non-finite reward (reward.on_nonfinite=drop_sample) and groups left with one
+            # sample form no pair
+            ok = group_keep(torch.isfinite(all_scores), gids).nonzero().flatten()
+            rank_by = all_scores  # reward.aggregation=normalise_then_sum: pair by GDPO's advantages
+            if cfg.reward.aggregation == "normalise_then_sum":
+                rank_by = multi_reward_advantages(ctx.all_gather_tensor(roll.components),
+                                                  reward_weights(loop.reward_fn),
+                                                  lambda r: group_normalize(r, gids), cfg.reward.aggregation,
+                                                  mask=torch.isfinite(all_scores)).float()
+            w_all, l_all = build_pairs(rank_by[ok], gids[ok], algo.pairing, algo.pair_margin,
+                                       algo.max_pairs_per_step)
+            w_all, l_all = ok[w_all], ok[l_all]
+            lo = sum(sizes[:ctx.rank])
+            mine = (w_all >= lo) & (w_all < lo + sizes[ctx.rank])
+            w, l = w_all[mine] - lo, l_all[mine] - lo
+            x_w, x_l = traj.latents[w, -1], traj.latents[l, -1]
+            pair_embeds = traj.embeds.select(traj.prompt_index[w])
+            pad = (traj.latents[:1, -1], traj.latents[:1, -1], traj.embeds.select(traj.prompt_index[:1]))
+            loop.metrics["rollout/pairs"] = len(w_all)
+            loop.metrics["rollout/pair_gap"] = ((all_scores[w_all] - all_scores[l_all]).mean().item()
+                                                if len(w_all) else 0.0)
+            if ctx.enabled:  # the whole batch's reward statistics (score_images gave this rank's)
+                loop.metrics.update(finite_stats(all_scores))
+        else:
+            idx = ctx.shard(sampler.next(cfg.data.pairs_per_step))  # this rank's share of the global pairs
+            batch = [pairs[i] for i in idx]
+            with loop.timer("encode"):
+                x_w = cache.get(model, [p.chosen for p in batch], model.device)
+                x_l = cache.get(model, [p.rejected for p in batch], model.device)
+            loop.metrics["diag/latents_cached"] = len(cache.latents)
+            unique = list(dict.fromkeys(p.prompt for p in batch))
+            pair_embeds = model.encode_prompts(unique).select([unique.index(p.prompt) for p in batch])
 
-            # ---- 2./3. DPO loss on shared (noise level, noise) per pair; one optimizer update
-            with timer("train"):
-                m = dpo_update(cfg, model, states, x_w, x_l, pair_embeds, shift, optimizer, lr_sched, params, timer,
-                               ctx, pad, guard=guard, step=step)
-            metrics.update(m)
-            metrics.update(guard.pop_metrics())
-            if not online:  # no reward model offline: the implicit reward margin is what DPO raises
-                metrics["reward/mean"] = m["policy/reward_margin"]
-                metrics["reward/std"] = m["policy/reward_margin_std"]
-
-        metrics["policy/lr"] = optimizer.param_groups[0]["lr"]
-        if grid_due(cfg, step) and (ctx.is_main or fsdp):
-            sample_grid(model, states, "default", reward_fn, grid, run if ctx.is_main else NoSamples(), step, cfg)
-        eval_step = cfg.log.eval_every and (step % cfg.log.eval_every == 0 or step in (1, cfg.train.max_steps))
-        if (ctx.is_main or fsdp) and not online and eval_step:  # FSDP: every rank runs the forwards
-            with timer("eval"):
-                metrics.update(offline_eval(cfg, model, states, pairs, cache, shift))
-        if (ctx.is_main or fsdp) and eval_items and eval_step:  # FSDP: every rank runs the forwards, rank 0 writes
-            with timer("eval"):
-                metrics.update(evaluate(run if ctx.is_main else NoSamples(), step))
-        metrics["cost/transformer_evals"] = evals.sync(ctx)
-        end_step(ctx, run, step, metrics, timer, bar, states, stateful, fsdp,
-                 acc=f"{metrics.get('policy/implicit_acc', 0):.2f}")
-        if stop_for_hacking(ctx, run, step, judges, states, stateful, fsdp):  # log.hacking.stop
-            break
-    bar.close()
-    evals.remove()
-    summary = summarise(run, "dpo", extra_keys=("policy/implicit_acc",)) if ctx.is_main else {}
-    ctx.barrier()
-    ctx.close()
-    return summary
+        # ---- 2./3. DPO loss on shared (noise level, noise) per pair; one optimizer update
+        with loop.timer("train"):
+            m = dpo_update(loop.parts, step, x_w, x_l, pair_embeds, shift, pad)
+        loop.metrics.update(m)
+        loop.metrics.update(loop.guard.pop_metrics())
+        if not online:  # no reward model offline: the implicit reward margin is what DPO raises
+            loop.metrics["reward/mean"] = m["policy/reward_margin"]
+            loop.metrics["reward/std"] = m["policy/reward_margin_std"]
+    return loop.finish(lambda run: summarise(run, "dpo", extra_keys=("policy/implicit_acc",)))
 
 
 # ------------------------------------------------------------------------------------------ demo data

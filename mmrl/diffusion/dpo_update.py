@@ -5,6 +5,7 @@ one optimizer update; plus the offline implicit-accuracy evaluation."""
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 import torch
 
@@ -12,8 +13,7 @@ from mmrl.core.losses import dpo_loss
 from mmrl.diffusion.common import flow_matching_mse, noise_latents, sample_sigmas
 from mmrl.diffusion.diagnostics import MAX_KEYS, velocity_norm_term, velocity_norms
 from mmrl.diffusion.models import PromptEmbeds
-from mmrl.distributed import DistContext
-from mmrl.training import UpdateGuard, clip_grads, merge_rank_lists
+from mmrl.training.run import merge_rank_lists
 
 __all__ = ["dpo_update", "offline_eval", "pair_errors", "margin"]
 
@@ -66,60 +66,50 @@ def offline_eval(cfg, model, states, pairs, cache, shift, draws: int = 4) -> dic
     return {"eval/policy/implicit_acc": (m > 0).float().mean().item(), "eval/policy/reward_margin": m.mean().item()}
 
 
-def dpo_update(cfg, model, states, x_w, x_l, embeds, shift, optimizer, lr_sched, params, timer,
-                ctx: DistContext | None = None, pad: tuple | None = None, guard: UpdateGuard | None = None,
-                step: int = 0) -> dict:
-    """Gradient accumulation over all pairs (micro-batches of update.micro_batch_size), one AdamW step.
+def dpo_update(parts, step: int, x_w, x_l, embeds, shift: float, pad: tuple | None = None) -> dict:
+    """Gradient accumulation over all pairs (micro-batches of update.micro_batch_size), one AdamW step, through the
+    shared update iterator (`TrainingParts.updates`: one epoch, one update, the pairs in order).
 
     Several ranks: each holds its pairs of the step; its loss is weighted by `ctx.loss_scale(n_local)` so DDP's
     average is the gradient of the mean over all ranks' pairs, all ranks run the same number of micro-steps
     (zero-weight micro-batches on `pad` = (x_w[1], x_l[1], embeds[1]), or on the first pair, where a rank has
     fewer) and gradients are all-reduced once (no_sync around the others). Metrics cover all ranks' pairs."""
-    ctx = ctx or DistContext()
-    u, d = cfg.update, cfg.algo
-    guard = guard or UpdateGuard(u.max_skipped_updates, ctx)
+    cfg, ctx, model, states, timer = parts.cfg, parts.ctx, parts.model, parts.states, parts.timer
+    algo = cfg.algo
     n = x_w.shape[0]
     n_total = int(ctx.all_reduce_sum(n))
     out: dict[str, float] = {"train/pairs": n_total}
     if n_total == 0:
         return {**out, "policy/loss": math.nan, "policy/implicit_acc": math.nan, "policy/reward_margin": 0.0,
                 "policy/reward_margin_std": 0.0, "kl/ref_proxy": 0.0, "policy/grad_norm": 0.0}
-    micro = [rows for rows in torch.split(torch.arange(n), u.micro_batch_size) if len(rows)]
-    n_micro = ctx.max_int(len(micro))  # same number of micro-steps on every rank
-    scale = ctx.loss_scale(n)  # local mean -> mean over all ranks' pairs under DDP's gradient average
-    if len(micro) < n_micro and n == 0 and pad is None:
+    if n == 0 and pad is None:
         raise ValueError("dpo_update: this rank has no pair and no padding pair (pad=(x_w, x_l, embeds))")
     pad = (x_w[:1], x_l[:1], embeds.select([0])) if n > 0 else pad
+    acc: dict[str, list] = defaultdict(list)  # this update's losses (the guard checks them) and its gradient norm
     sums: dict[str, float] = {}
-    margins, losses, ratio_max = [], [], []
-    vn = getattr(d, "velocity_norm", None)
-    for mi in range(n_micro):
-        real = mi < len(micro)
-        if real:
-            rows = micro[mi]
-            xw, xl, emb = x_w[rows], x_l[rows], embeds.select(rows)
+    margins, ratio_max = [], []
+    vn = getattr(algo, "velocity_norm", None)
+    for mb in parts.updates(torch.arange(n), metrics=acc, step=step, epochs=1, updates_per_epoch=1, shuffle=False):
+        if mb.real:
+            xw, xl, emb = x_w[mb.rows], x_l[mb.rows], embeds.select(mb.rows)
         else:
             xw, xl, emb = pad
         b = xw.shape[0]
-        sig = sample_sigmas(b, d.timestep_sampling, shift, d.logit_mean, d.logit_std).to(model.device)
+        sig = sample_sigmas(b, algo.timestep_sampling, shift, algo.logit_mean, algo.logit_std).to(model.device)
         noise = torch.randn_like(xw)  # one level and one noise per pair, shared by chosen and rejected
-        with ctx.no_sync(model.transformer, sync=mi == n_micro - 1), timer("forward_backward"):
+        with mb.no_sync(), timer("forward_backward"):
             errs, (v, ref_norm) = pair_errors(model, states, xw, xl, emb, sig, noise, with_velocity=True)
-            loss, m = dpo_loss(*errs, d.beta)
+            loss, m = dpo_loss(*errs, algo.beta)
             term, vm = velocity_norm_term(v, ref_norm, vn.coef if vn is not None else 0.0)  # diagnostic (+ penalty)
             loss = loss + term
-            (loss * b / n * scale if real else loss * 0.0).backward()
-        if real:
+            (loss * b / n * mb.scale if mb.real else loss * 0.0).backward()
+        if mb.real:
             m.update({k: val for k, val in vm.items() if k not in MAX_KEYS})
             ratio_max.append(vm["diag/velocity_norm_ratio_max"])
             for key, v in m.items():
                 sums[key] = sums.get(key, 0.0) + v * b
-            margins.append(margin(d.beta, *errs))
-            losses.append(loss.detach())
-    grad_norm = clip_grads(params, u.max_grad_norm)
-    if guard.step(optimizer, losses, grad_norm, step):  # NaN/inf loss or gradient: skipped
-        lr_sched.step()
-    optimizer.zero_grad(set_to_none=True)
+            margins.append(margin(algo.beta, *errs))
+            acc["policy/loss"].append(loss.detach())
     if ctx.enabled:  # sums over all ranks' pairs (a rank without pairs contributes nothing)
         sums = {k: sum(v) for k, v in merge_rank_lists(ctx, {k: [v] for k, v in sums.items()}).items()}
         ratio_max = merge_rank_lists(ctx, {"r": ratio_max})["r"]
@@ -129,7 +119,7 @@ def dpo_update(cfg, model, states, x_w, x_l, embeds, shift, optimizer, lr_sched,
                 "policy/reward_margin": mean["reward_margin"],
                 "policy/reward_margin_std": all_m.std().item() if n_total > 1 else 0.0,
                 "kl/ref_proxy": mean["kl_proxy"], "policy/model_mse": mean["model_mse"],
-                "policy/ref_mse": mean["ref_mse"], "policy/grad_norm": grad_norm})
+                "policy/ref_mse": mean["ref_mse"], "policy/grad_norm": acc["policy/grad_norm"][0]})
     out.update({k: val for k, val in mean.items() if k.startswith(("diag/", "policy/norm"))})  # velocity norm
     out["diag/velocity_norm_ratio_max"] = max(ratio_max) if ratio_max else 1.0
     return out

@@ -38,22 +38,19 @@ Beyond flow_grpo: `algo.ratio_norm: grpo_guard` (GRPO-Guard's ratio normalisatio
 `log.judges` (held-out judges and the reward-hacking alarm, `mmrl.training.judges`).
 
 What is simplified away versus flow_grpo's scripts: the reward overlaps the rollout only with
-`reward.async_scoring` (flow_grpo always uses its thread pool); KL as a loss only (no KL-in-reward).
+`reward.score_while_sampling` (flow_grpo always uses its thread pool); KL as a loss only (no KL-in-reward).
 """
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from mmrl.config import RunConfig
-from mmrl.core.prompt_stats import PerPromptStatTracker
 from mmrl.diffusion import config as dc
 from mmrl.diffusion.diagnostics import VelocityNormConfig
 from mmrl.distributed import DistConfig
-from mmrl.perf.meter import add_flops
-from mmrl.runtime import Timer, seed_everything
 from mmrl.training import KLConfig, RunningNormFields, UpdateConfig
 from mmrl.training.config import AsyncRolloutFields, RolloutCorrectionConfig
 from mmrl.training.run import closes_runs
@@ -151,7 +148,7 @@ class FlowGRPOKLConfig(KLConfig):
 
 @dataclass
 class RewardConfig(RunningNormFields, dc.AdvantageRewardConfig):  # + running_norm*, before the per-prompt stats
-    async_scoring: bool = False
+    score_while_sampling: bool = False
     """Score each rollout micro-batch (rollout.micro_batch_size) in a worker thread while the next one is sampled,
     as flow_grpo's executor does; same rewards as scoring the whole batch (per-sample rewards only)."""
 
@@ -220,122 +217,59 @@ class Config(RunConfig):
 
 @closes_runs  # the run directory's lock released however train() ends; a failed start leaves nothing
 def train(cfg: Config) -> dict:
-    from mmrl.diffusion.common import (NoSamples, end_step, evaluator, grid_due, grid_prompts, load_recipe_model,
-                                       sample_grid, setup_training)
-    from mmrl.diffusion.conditioning import check_data
     from mmrl.diffusion.grpo_update import train_on_rollout
+    from mmrl.diffusion.loop import DiffusionLoop
     from mmrl.diffusion.models import PromptEmbedCache
-    from mmrl.diffusion.rollout_worker import BUILDER, rollout_and_score, window_generator, window_range
-    from mmrl.diffusion.scoring import (AsyncRewardScorer, global_advantages, load_reward_fn, reduce_reward_metrics,
-                                        reward_weights)
-    from mmrl.pipelines.data import PromptSampler, load_prompts
-    from mmrl.training import FullOptimizerState, restore_checkpoint, start_run
+    from mmrl.diffusion.rollout import BUILDER, sde_sampling, sde_step_metrics, window_range
+    from mmrl.diffusion.scoring import AsyncRewardScorer
     from mmrl.training.async_rollout import check_async_rollout, policy_weights, rollout_process
-    from mmrl.training.judges import build_judges, stop_for_hacking
 
     dc.check_common(cfg)
     check_async_rollout(cfg, recomputes_old=cfg.algo.old_logprobs == "recompute")
-    s, a = cfg.rollout, cfg.algo
-    if a.ratio_norm == "grpo_guard" and s.sde_type != "sde":
+    rollout, algo = cfg.rollout, cfg.algo
+    if algo.ratio_norm == "grpo_guard" and rollout.sde_type != "sde":
         raise ValueError(f"algo.ratio_norm=grpo_guard needs rollout.sde_type=sde (Gaussian Euler-Maruyama steps), "
-                         f"got {s.sde_type!r}")
-    cfg.update.updates_per_epoch(s.batch)  # update.mini_batch_size must divide the batch: fail before loading
-    ctx, run = start_run(cfg, {"rollout.prompts_per_step": s.prompts_per_step})
-    train_items = load_prompts(cfg.data.train_prompts)
-    eval_items = load_prompts(cfg.data.eval_prompts)[: cfg.log.eval_max_prompts] if cfg.data.eval_prompts else []
-    check_data(cfg.model.path, train_prompts=train_items, eval_prompts=eval_items)  # edit models need source images
-    reward_fn = load_reward_fn(cfg.reward.components, run.device, cfg.rollout.num_frames)
-    scorer = AsyncRewardScorer(reward_fn) if cfg.reward.async_scoring else None  # rewards overlap the next rollout
-    model = load_recipe_model(cfg, run.device, run.dtype)
-    idle = model.idle_experts(s.num_steps, s.height, s.width, window_range(s))
+                         f"got {rollout.sde_type!r}")
+    cfg.update.updates_per_epoch(rollout.batch)  # update.mini_batch_size must divide the batch: fail before loading
+    loop = DiffusionLoop(cfg)
+    model = loop.model
+    # rewards overlap the next rollout micro-batch
+    scorer = AsyncRewardScorer(loop.reward_fn) if cfg.reward.score_while_sampling else None
+    idle = model.idle_experts(rollout.num_steps, rollout.height, rollout.width, window_range(rollout))
     if idle:  # e.g. Wan 2.2 A14B with the SDE window on early steps only: the low-noise expert never trains
         warnings.warn(f"{' and '.join(idle)} get(s) no gradient: no SDE step in rollout.window_range="
-                      f"{list(window_range(s))} of {s.num_steps} steps runs through it (the "
+                      f"{list(window_range(rollout))} of {rollout.num_steps} steps runs through it (the "
                       f"experts split the steps at the checkpoint's boundary_ratio); widen the window to train it",
                       stacklevel=2)
-    n_distinct = len({it.prompt for it in train_items})
-    encode = PromptEmbedCache(model, n_distinct) if 0 < n_distinct <= s.prompt_cache_size else model.encode_prompts
+    n_distinct = len({it.prompt for it in loop.train_items})
+    encode = PromptEmbedCache(model, n_distinct) if 0 < n_distinct <= rollout.prompt_cache_size else None
 
-    # policy states: "default" trains, "old" = EMA for eval, "ref" = adapters off (KL); DDP/FSDP; optimizer
-    states, evals, params, optimizer, lr_sched, guard, fsdp = setup_training(
-        ctx, run, cfg, model, old=a.ema, ref=a.kl.coef > 0 or a.velocity_norm.needs_reference())
-    tracker = PerPromptStatTracker(cfg.reward.std_mode, cfg.reward.history)
-    sampler = PromptSampler(train_items, seed=cfg.seed)
-    stateful = {"optimizer": FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,
-                "tracker": tracker, "data": sampler, "transformer_evals": evals}
-    reward_norm = cfg.reward.build_running_norm(stateful)  # updated with the gathered rewards: same on every rank
-    judges = build_judges(cfg.log, run.device, stateful)  # log.judges: held-out judges + the hacking alarm
-    pipe = rollout_process(cfg, ctx, run, BUILDER, stateful)  # rollout.worker=process: None inline
-    start, _ = restore_checkpoint(ctx, run, states, stateful)
+    # policy states: "default" trains, "old" = EMA for eval, "ref" = adapters off (KL)
+    loop.setup(old=algo.ema, ref=algo.kl.coef > 0 or algo.velocity_norm.needs_reference(),
+               eval_state="old" if algo.ema else "default")
+    pipe = rollout_process(cfg, loop.ctx, loop.run, BUILDER, loop.stateful)  # rollout.worker=process: None inline
+    start = loop.begin(postfix=lambda m: {"drift": f"{m.get('diag/logprob_drift', 0):.1e}"})
     if pipe is not None:  # the rollout process starts from this version's weights and data position
-        pipe.start(start, policy_weights(states))
-
-    evaluate = evaluator(model, states, "old" if a.ema else "default", reward_fn, eval_items, cfg, judges)
-    if judges is not None and start == 0 and (ctx.is_main or fsdp):  # the judges' baseline: before any update
-        evaluate(run if ctx.is_main else NoSamples(), 0)
-    timer = Timer(sync_cuda=run.device.type == "cuda")
-    grid = grid_prompts(cfg, eval_items, train_items)  # every sample grid: these prompts, the same noise
-    grid_state = "old" if a.ema else "default"
-    if start == 0 and grid_due(cfg, 0) and (ctx.is_main or fsdp):  # FSDP: every rank runs the forwards
-        sample_grid(model, states, grid_state, reward_fn, grid, run if ctx.is_main else NoSamples(), 0, cfg)
-    bar = run.progress(cfg.train.max_steps, initial=start)
-    for step in range(start + 1, cfg.train.max_steps + 1):
-        metrics: dict[str, Any] = {}
-        if ctx.enabled:  # rank-local noise, a pure function of (seed, rank, step): nothing per rank to checkpoint
-            seed_everything(ctx.rank_seed(cfg.seed, step))
-        with timer("step"):
-            # ---- 1./2. rollout: G samples per prompt, prompts encoded once (this rank's share of the prompts), and
-            # rewards (weighted sum; each component logged; several ranks: means over all samples)
-            if pipe is None:
-                roll = rollout_and_score(cfg, model, encode, sampler, ctx, reward_fn, scorer, timer, step,
-                                         window_generator(cfg, ctx.world_size, step))
-            else:  # made by the rollout process with the weights after update step-1-max_staleness
-                roll, async_metrics = pipe.next(step)
-                metrics.update(async_metrics)
-                evals.count += roll.transformer_evals
-                add_flops(states.model, pipe.last_flops)
-            traj, prompts, scores = roll.traj, roll.prompts, roll.scores
-            metrics.update(reduce_reward_metrics(ctx, roll.reward_metrics))
-            metrics.update(roll.sample_metrics)  # diag/sample/*, rollout/window_start, rollout/num_steps
-
-            # ---- 3. advantages: per-prompt normalisation over all ranks' rewards (reward.aggregation), clipping,
-            # zero advantages dropped
-            adv, keep, adv_metrics = global_advantages(ctx, tracker, prompts, scores, a.adv_clip_max,
-                                                       cfg.reward.drop_zero_advantage, reward_norm, roll.components,
-                                                       reward_weights(reward_fn), cfg.reward.aggregation)
-            metrics.update(adv_metrics)
-
-            # ---- 4./5. loss per trained timestep, accumulated; optimizer updates (+ EMA)
-            with timer("train"):
-                metrics.update(train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, params,
-                                                timer, ctx, guard=guard, step=step))
-                metrics.update(guard.pop_metrics())
-            if pipe is not None:  # version `step`: the rollout process makes later batches with these weights
-                metrics.update(pipe.push(step, policy_weights(states, only=params)))
-
-        # ---- logging, samples, evaluation, checkpoints (rank 0)
-        metrics["policy/lr"] = optimizer.param_groups[0]["lr"]
-        if grid_due(cfg, step) and (ctx.is_main or fsdp):
-            sample_grid(model, states, grid_state, reward_fn, grid, run if ctx.is_main else NoSamples(), step, cfg)
-        eval_now = eval_items and cfg.log.eval_every and (step % cfg.log.eval_every == 0
-                                                          or step in (1, cfg.train.max_steps))
-        if (ctx.is_main or fsdp) and eval_now:  # FSDP: every rank runs the forwards, rank 0 writes
-            with timer("eval"):
-                metrics.update(evaluate(run if ctx.is_main else NoSamples(), step))
-        metrics["cost/transformer_evals"] = evals.sync(ctx)
-        end_step(ctx, run, step, metrics, timer, bar, states, stateful, fsdp,
-                 drift=f"{metrics.get('diag/logprob_drift', 0):.1e}")
-        if stop_for_hacking(ctx, run, step, judges, states, stateful, fsdp):  # log.hacking.stop
-            break
-    bar.close()
+        pipe.start(start, policy_weights(loop.states))
+    for step in loop:
+        # ---- 1./2. rollout: G SDE samples per prompt, prompts encoded once (this rank's share of the prompts), and
+        # rewards (weighted sum; each component logged; several ranks: means over all samples)
+        roll = loop.rollout(step, sde_sampling(cfg, step, loop.ctx.world_size), encode=encode, scorer=scorer,
+                            pipe=pipe, step_metrics=sde_step_metrics(rollout))
+        # ---- 3. advantages: per-prompt normalisation over all ranks' rewards (reward.aggregation), clipping,
+        # zero advantages dropped
+        adv, keep = loop.advantages(roll, clip=algo.adv_clip_max, reward_norm=loop.reward_norm)
+        # ---- 4./5. loss per trained timestep, accumulated; optimizer updates (+ EMA)
+        with loop.timer("train"):
+            loop.metrics.update(train_on_rollout(loop.parts, step, roll.traj, adv, keep))
+            loop.metrics.update(loop.guard.pop_metrics())
+        if pipe is not None:  # version `step`: the rollout process makes later batches with these weights
+            loop.metrics.update(pipe.push(step, policy_weights(loop.states, only=loop.params)))
     if scorer is not None:
         scorer.close()
     if pipe is not None:
         pipe.close()
-    summary = _summarise(run) if ctx.is_main else {}
-    ctx.barrier()
-    ctx.close()
-    return summary
+    return loop.finish(_summarise)
 
 
 def _summarise(run) -> dict:

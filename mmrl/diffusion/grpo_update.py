@@ -14,33 +14,31 @@ from mmrl.core.losses import clipped_policy_loss
 from mmrl.diffusion.diagnostics import MAX_KEYS, velocity_norm_term, velocity_norms
 from mmrl.diffusion.sampling import step_log_prob
 from mmrl.distributed import DistContext
-from mmrl.training import UpdateGuard, clip_grads, merge_rank_lists
+from mmrl.training.updates import padding_rows, reduce_metrics
 
 __all__ = ["train_on_rollout", "RefMeanCache"]
 
 
-def train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, params, timer,
-                      ctx: DistContext | None = None, guard: UpdateGuard | None = None, step: int = 0) -> dict:
-    """Inner epochs over one rollout batch; returns averaged loss metrics and diag/logprob_drift.
+def train_on_rollout(parts, step: int, traj, adv, keep) -> dict:
+    """Inner epochs over one rollout batch through the shared update iterator (`TrainingParts.updates`: epochs,
+    updates, micro-steps, equal micro-step counts with zero-weight padding on every rank, one all-reduce per update,
+    clipping and the update guard); returns averaged loss metrics and diag/logprob_drift. With `algo.ema` the "old"
+    state follows every applied update.
 
-    Several ranks: each holds its rows of the global batch; an update's chunk is the union of the ranks'
-    local chunks, each rank's loss is weighted by `ctx.loss_scale(len(local chunk))` (DDP averages, so the
-    gradient is the global chunk mean), all ranks run the same number of micro-steps (zero-weight padding
-    micro-batches where a rank has fewer or no rows), and gradients are all-reduced once per update (no_sync
-    around the forward and backward of every other micro-step).
-    The reference forward runs when a term needs it (algo.kl.coef, algo.velocity_norm); it also gives the
-    velocity-norm diagnostic. `algo.ratio_norm: grpo_guard` replaces the PPO log-ratio by GRPO-Guard's
-    (`mmrl.core.grpo_guard`) against the sampling policy's step means."""
-    ctx = ctx or DistContext()
-    u, a_cfg, r = cfg.update, cfg.algo, cfg.rollout
-    kl_coef = a_cfg.kl.coef
-    vn = getattr(a_cfg, "velocity_norm", None)
+    Per trained step j of each micro-batch: the PPO-clipped ratio of the step's Gaussian log-probs (against the
+    rollout's, or pi_old recomputed by `_old_policy`), plus algo.kl.coef * the closed-form Gaussian KL to the
+    reference (whose forward runs when a term needs it: algo.kl.coef, algo.velocity_norm; it also gives the
+    velocity-norm diagnostic). `algo.ratio_norm: grpo_guard` replaces the PPO log-ratio by GRPO-Guard's
+    (`mmrl.core.grpo_guard`) against the sampling policy's step means. With MIS/veto masks the mean (and DDP's loss
+    scale) is over the (sample, step) pairs kept."""
+    cfg, ctx, model, states, timer = parts.cfg, parts.ctx, parts.model, parts.states, parts.timer
+    update, algo, rollout = cfg.update, cfg.algo, cfg.rollout
+    kl_coef = algo.kl.coef
+    vn = getattr(algo, "velocity_norm", None)
     need_ref = kl_coef > 0 or (vn is not None and vn.needs_reference())
-    guard_ratio = getattr(a_cfg, "ratio_norm", "none") == "grpo_guard"
-    guard = guard or UpdateGuard(u.max_skipped_updates, ctx)
-    step_kw = dict(guidance_scale=r.guidance_scale, noise_level=r.noise_level, sde_type=r.sde_type,
-                   cfg_grad=r.cfg_grad)
-    updates_per_epoch = u.updates_per_epoch(r.batch)
+    guard_ratio = getattr(algo, "ratio_norm", "none") == "grpo_guard"
+    step_kw = dict(guidance_scale=rollout.guidance_scale, noise_level=rollout.noise_level, sde_type=rollout.sde_type,
+                   cfg_grad=rollout.cfg_grad)
     acc: dict[str, list] = defaultdict(list)  # floats or 0-dim tensors (converted once, at the end: no GPU syncs)
     drift: list[torch.Tensor] = []
     steps = traj.train_steps.tolist()
@@ -49,12 +47,12 @@ def train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, p
     # the reference is frozen: its step means are computed once per (sample, step) and reused by later epochs
     # (not under FSDP: cache hits differ between ranks with padding micro-steps, and FSDP needs equal forwards)
     fsdp = ctx.enabled and getattr(cfg, "dist", None) is not None and cfg.dist.strategy == "fsdp"
-    ref_cache = RefMeanCache(traj) if need_ref and u.epochs > 1 and not fsdp else None
-    pad_rows = _pad_rows(keep)
+    ref_cache = RefMeanCache(traj) if need_ref and update.epochs > 1 and not fsdp else None
+    pad_rows = padding_rows(keep)
     # GRPO-Guard: the sampling policy's step means (the rollout's, or the recomputed pi_old's)
     old_means = None
     if guard_ratio:
-        if a_cfg.old_logprobs == "recompute":
+        if algo.old_logprobs == "recompute":
             old_means = torch.zeros_like(traj.latents[:, :-1])
         elif traj.means is None:
             raise ValueError("algo.ratio_norm=grpo_guard needs the rollout's step means: sample with record_means=True")
@@ -62,90 +60,68 @@ def train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, p
             old_means = traj.means
     # algo.old_logprobs=recompute: pi_old from the trainer before any update, corrected towards the rollout's
     old_lp, is_w, valid, corr_metrics = _old_policy(cfg, model, traj, keep, steps, step_kw, timer, ctx, pad_rows,
-                                                    means_out=old_means if a_cfg.old_logprobs == "recompute" else None)
-    updates = 0
-    for epoch in range(u.epochs):
-        order = keep[torch.randperm(len(keep))]
-        n_updates = min(updates_per_epoch, ctx.max_int(len(order)))  # identical on every rank
-        for k, chunk in enumerate(torch.tensor_split(order, n_updates)):
-            first_update = epoch == 0 and k == 0
-            n_losses = len(acc["policy/loss"])  # this update's micro-step losses are appended after this index
-            micro = [m for m in torch.split(chunk, u.micro_batch_size) if len(m)]  # (an empty chunk splits into [[]])
-            n_micro = ctx.max_int(len(micro))  # same number of micro-steps on every rank
-            # local mean -> global mean under DDP's gradient average; with MIS/veto masks the mean is over the
-            # (sample, step) pairs kept
-            n_valid = len(chunk) * len(steps) if valid is None else int(valid[chunk][:, steps].sum())
-            scale = ctx.loss_scale(len(chunk) if valid is None else n_valid)
-            for mi in range(n_micro):
-                real = mi < len(micro)
-                rows = micro[mi] if real else pad_rows
-                b = len(rows)
-                emb = traj.embeds.select(traj.prompt_index[rows])
-                a = adv[rows].to(model.device)
-                weight = b / len(chunk) / len(steps) * scale if real else 0.0  # mean over the chunk and steps
-                ref_means = _reference_means(model, states, traj, rows, steps, emb, step_kw, ref_cache, timer) \
-                    if need_ref else {}
-                for j in steps:
-                    last = mi == n_micro - 1 and j == steps[-1]  # DDP all-reduces in this backward only
-                    with ctx.no_sync(model.transformer, sync=last):  # wraps forward AND backward
-                        old_j = traj.log_probs[rows, j] if old_lp is None else old_lp[rows, j]
-                        a_j = a if is_w is None else a * is_w[rows, j]  # TIS: w * A (loss homogeneous in A)
-                        mask_j = None if valid is None else valid[rows, j]
-                        if mask_j is not None:  # the step's kept pairs' share of the chunk's kept pairs
-                            weight = float(mask_j.sum()) / max(n_valid, 1) * scale if real else 0.0
-                        with timer("forward_backward"):
-                            cur = _transition(model, traj, rows, j, emb, step_kw)
-                        if first_update and real:  # no optimizer step has happened yet: ratio must start at 1
-                            drift.append((cur.log_prob.detach() - old_j).abs().max())
-                        logp = cur.log_prob
-                        if guard_ratio:  # log r := GRPO-Guard's (the clipped loss takes logp - old_j)
-                            logp = old_j + grpo_guard_log_ratio(cur.log_prob, old_j, cur.mean,
-                                                                old_means[rows.to(old_means.device), j], cur.step_std)
-                        loss, m = clipped_policy_loss(logp, old_j, a_j, mask=mask_j,
-                                                      clip_low=a_cfg.clip_range, clip_high=a_cfg.clip_range)
-                        if kl_coef > 0:
-                            std = cur.std.flatten(1)[:, 0].clamp(min=1e-8)  # [b]: one per sample, any latent rank
-                            kl = gaussian_kl_equal_std(cur.mean, ref_means[j][0], std)  # [b]
-                            kl = kl.mean() if mask_j is None else (kl * mask_j).sum() / mask_j.sum().clamp(min=1)
-                            loss = loss + kl_coef * kl
-                            if real:
-                                acc["kl/ref"].append(kl.detach())
-                        if need_ref:  # velocity norm against the reference's: diagnostic (+ penalty with a coef)
-                            term, vm = velocity_norm_term(cur.velocity, ref_means[j][1], vn.coef if vn else 0.0,
-                                                          mask_j)
-                            loss = loss + term
-                            if real:
-                                for key, val in vm.items():
-                                    acc[key].append(val)
-                        with timer("forward_backward"):
-                            (loss * weight).backward()
-                    if real:
-                        acc["policy/clipfrac"].append(m["clipfrac"])
-                        acc["policy/clipfrac_ratio"].append(m["clipfrac_ratio"])  # flow_grpo's |r - 1| > c
-                        acc["policy/approx_kl"].append(m["approx_kl"])
-                        acc["policy/ratio_max"].append(m["ratio_max"])
-                        acc["policy/loss"].append(loss.detach())
-            grad_norm = clip_grads(params, u.max_grad_norm)
-            acc["policy/grad_norm"].append(grad_norm)
-            if guard.step(optimizer, acc["policy/loss"][n_losses:], grad_norm, step):  # NaN/inf: skipped
-                lr_sched.step()
-                updates += 1
-                if a_cfg.ema:
-                    states.ema("default", "old", a_cfg.ema_decay)
-            optimizer.zero_grad(set_to_none=True)
-    vals = {k: [float(x) for x in v] for k, v in acc.items()}
-    vals["diag/logprob_drift"] = [0.0] + [float(d) for d in drift]
-    vals = merge_rank_lists(ctx, vals)  # metrics of the whole batch: every rank's micro-step values
-    out = {k: max(v) if k in ("policy/ratio_max", "diag/logprob_drift", *MAX_KEYS) else sum(v) / len(v)
-           for k, v in vals.items() if v}
-    out["train/updates"] = updates
+                                                    means_out=old_means if algo.old_logprobs == "recompute" else None)
+
+    def update_old() -> None:  # the EMA of the trainable weights (the "old" state, evaluated) after every update
+        states.ema("default", "old", algo.ema_decay)
+
+    def kept_pairs(rows: torch.Tensor) -> int:  # the (sample, step) pairs MIS/veto keep: what the mean runs over
+        return int(valid[rows][:, steps].sum())
+
+    updates = parts.updates(keep, metrics=acc, step=step, pad_rows=pad_rows,
+                            on_update=update_old if algo.ema else None,
+                            scale_count=len if valid is None else kept_pairs)
+    for mb in updates:
+        rows = mb.rows
+        emb = traj.embeds.select(traj.prompt_index[rows])
+        a = adv[rows].to(model.device)
+        weight = mb.weight(len(steps))  # mean over the update's samples and trained steps
+        n_valid = None if valid is None else kept_pairs(mb.update_rows)
+        ref_means = _reference_means(model, states, traj, rows, steps, emb, step_kw, ref_cache, timer) \
+            if need_ref else {}
+        for j in steps:
+            with mb.no_sync(last_point=j == steps[-1]):  # wraps forward AND backward
+                old_j = traj.log_probs[rows, j] if old_lp is None else old_lp[rows, j]
+                a_j = a if is_w is None else a * is_w[rows, j]  # TIS: w * A (loss homogeneous in A)
+                mask_j = None if valid is None else valid[rows, j]
+                if mask_j is not None:  # the step's kept pairs' share of the update's kept pairs
+                    weight = float(mask_j.sum()) / max(n_valid, 1) * mb.scale if mb.real else 0.0
+                with timer("forward_backward"):
+                    cur = _transition(model, traj, rows, j, emb, step_kw)
+                if mb.first_update and mb.real:  # no optimizer step has happened yet: ratio must start at 1
+                    drift.append((cur.log_prob.detach() - old_j).abs().max())
+                logp = cur.log_prob
+                if guard_ratio:  # log r := GRPO-Guard's (the clipped loss takes logp - old_j)
+                    logp = old_j + grpo_guard_log_ratio(cur.log_prob, old_j, cur.mean,
+                                                        old_means[rows.to(old_means.device), j], cur.step_std)
+                loss, m = clipped_policy_loss(logp, old_j, a_j, mask=mask_j,
+                                              clip_low=algo.clip_range, clip_high=algo.clip_range)
+                if kl_coef > 0:
+                    std = cur.std.flatten(1)[:, 0].clamp(min=1e-8)  # [b]: one per sample, any latent rank
+                    kl = gaussian_kl_equal_std(cur.mean, ref_means[j][0], std)  # [b]
+                    kl = kl.mean() if mask_j is None else (kl * mask_j).sum() / mask_j.sum().clamp(min=1)
+                    loss = loss + kl_coef * kl
+                    if mb.real:
+                        acc["kl/ref"].append(kl.detach())
+                if need_ref:  # velocity norm against the reference's: diagnostic (+ penalty with a coef)
+                    term, vm = velocity_norm_term(cur.velocity, ref_means[j][1], vn.coef if vn else 0.0, mask_j)
+                    loss = loss + term
+                    if mb.real:
+                        for key, val in vm.items():
+                            acc[key].append(val)
+                with timer("forward_backward"):
+                    (loss * weight).backward()
+            if mb.real:
+                acc["policy/clipfrac"].append(m["clipfrac"])
+                acc["policy/clipfrac_ratio"].append(m["clipfrac_ratio"])  # flow_grpo's |r - 1| > c
+                acc["policy/approx_kl"].append(m["approx_kl"])
+                acc["policy/ratio_max"].append(m["ratio_max"])
+                acc["policy/loss"].append(loss.detach())
+    acc["diag/logprob_drift"] = [0.0, *drift]
+    out = reduce_metrics(ctx, acc, ("policy/ratio_max", "diag/logprob_drift", *MAX_KEYS))  # the whole batch's
+    out["train/updates"] = updates.applied
     out.update(corr_metrics)
     return out
-
-
-def _pad_rows(keep: torch.Tensor) -> torch.Tensor:
-    """The rows of a padding micro-batch (weight 0 / results unused) on a rank with fewer kept rows: any real row."""
-    return keep[:1] if len(keep) else torch.zeros(1, dtype=torch.long)
 
 
 def _transition(model, traj, rows, j, emb, step_kw):
@@ -174,7 +150,7 @@ def _old_policy(cfg, model, traj, keep, steps, step_kw, timer, ctx: DistContext 
     ctx = ctx or DistContext()
     old = torch.zeros_like(traj.log_probs)
     micro = [m for m in torch.split(keep, cfg.update.micro_batch_size) if len(m)]
-    pad_rows = _pad_rows(keep) if pad_rows is None else pad_rows
+    pad_rows = padding_rows(keep) if pad_rows is None else pad_rows
     with timer("old_logprobs"):
         for mi in range(ctx.max_int(len(micro))):
             rows = micro[mi] if mi < len(micro) else pad_rows

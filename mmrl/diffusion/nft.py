@@ -46,16 +46,15 @@ import torch
 
 from mmrl.config import RunConfig
 from mmrl.core.losses import nft_loss, nft_optimality_prob
-from mmrl.core.prompt_stats import PerPromptStatTracker
 from mmrl.diffusion import config as dc
 from mmrl.diffusion import old_policy
 from mmrl.diffusion.diagnostics import MAX_KEYS, VelocityNormConfig, velocity_reference_terms
 from mmrl.diffusion.old_policy import NFT_EMA_SCHEDULES
 from mmrl.diffusion.common import noise_latents
-from mmrl.distributed import DistConfig, DistContext
-from mmrl.runtime import Timer, seed_everything
-from mmrl.training import SKIPPED_KEY, KLConfig, UpdateConfig, UpdateGuard, clip_grads, merge_rank_lists
+from mmrl.distributed import DistConfig
+from mmrl.training import KLConfig, UpdateConfig
 from mmrl.training.run import closes_runs
+from mmrl.training.updates import reduce_metrics
 
 __all__ = ["Config", "train", "ema_decay", "EMA_SCHEDULES", "RENAMED_KEYS"]
 
@@ -171,181 +170,83 @@ class Config(RunConfig):
 
 @closes_runs  # the run directory's lock released however train() ends; a failed start leaves nothing
 def train(cfg: Config) -> dict:
-    from mmrl.diffusion.common import (NoSamples, end_step, evaluator, grid_due, grid_prompts, load_recipe_model,
-                                       sample_grid, setup_training)
-    from mmrl.diffusion.conditioning import check_data, encode_items
-    from mmrl.diffusion.sampling import sample_groups
-    from mmrl.diffusion.diagnostics import sample_statistics
-    from mmrl.diffusion.scoring import global_advantages, load_reward_fn, reward_weights, score_rollout_components
-    from mmrl.pipelines.data import PromptSampler, load_prompts
-    from mmrl.training import FullOptimizerState, restore_checkpoint, start_run, summarise
-    from mmrl.training.judges import build_judges, stop_for_hacking
+    from mmrl.diffusion.loop import DiffusionLoop
+    from mmrl.diffusion.rollout import ode_sampling
+    from mmrl.training import summarise
 
     dc.check_common(cfg)
-    s, a = cfg.rollout, cfg.algo
-    if int(s.num_steps * a.timestep_fraction) < 1:
-        raise ValueError(f"algo.timestep_fraction={a.timestep_fraction} trains on no step of {s.num_steps}")
-    cfg.update.updates_per_epoch(s.batch)  # update.mini_batch_size must divide the batch: fail before loading
-    ctx, run = start_run(cfg, {"rollout.prompts_per_step": s.prompts_per_step})
-    train_items = load_prompts(cfg.data.train_prompts)
-    eval_items = load_prompts(cfg.data.eval_prompts)[: cfg.log.eval_max_prompts] if cfg.data.eval_prompts else []
-    check_data(cfg.model.path, train_prompts=train_items, eval_prompts=eval_items)  # edit models need source images
-    reward_fn = load_reward_fn(cfg.reward.components, run.device, cfg.rollout.num_frames)
-    model = load_recipe_model(cfg, run.device, run.dtype)
-    # "default" trains, "old" = the EMA rollout policy, "ref" = adapters off (KL); DDP/FSDP; optimizer
-    states, evals, params, optimizer, lr_sched, guard, fsdp = setup_training(
-        ctx, run, cfg, model, old=True, ref=a.kl.coef > 0 or a.velocity_norm.needs_reference())
-    tracker = PerPromptStatTracker(cfg.reward.std_mode, cfg.reward.history)
-    sampler = PromptSampler(train_items, seed=cfg.seed)
-    counters = old_policy.UpdateCounter()
-    stateful = {"optimizer": FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,
-                "tracker": tracker, "data": sampler, "counters": counters, "transformer_evals": evals}
-    judges = build_judges(cfg.log, run.device, stateful)  # log.judges: held-out judges + the hacking alarm
-    start, _ = restore_checkpoint(ctx, run, states, stateful)
-    evaluate = evaluator(model, states, cfg.log.eval_state, reward_fn, eval_items, cfg, judges)
-    if judges is not None and start == 0 and (ctx.is_main or fsdp):  # the judges' baseline: before any update
-        evaluate(run if ctx.is_main else NoSamples(), 0)
-
-    timer = Timer(sync_cuda=run.device.type == "cuda")
-    grid = grid_prompts(cfg, eval_items, train_items)  # every sample grid: these prompts, the same noise
-    if start == 0 and grid_due(cfg, 0) and (ctx.is_main or fsdp):  # FSDP: every rank runs the forwards
-        sample_grid(model, states, cfg.log.eval_state, reward_fn, grid, run if ctx.is_main else NoSamples(), 0, cfg)
-    bar = run.progress(cfg.train.max_steps, initial=start)
-    for step in range(start + 1, cfg.train.max_steps + 1):
-        metrics: dict[str, Any] = {}
-        if ctx.enabled:  # rank-local noise, a pure function of (seed, rank, step): nothing per rank to checkpoint
-            seed_everything(ctx.rank_seed(cfg.seed, step))
-        with timer("step"):
-            # ---- 1. rollout with the frozen "old" policy, deterministic ODE (this rank's share of the prompts)
-            with timer("rollout"):
-                items = ctx.shard(sampler.next(s.prompts_per_step))
-                embeds = encode_items(model, items, s.height, s.width)  # + source images (edit models)
-                with torch.no_grad(), states.use("old"):
-                    traj = sample_groups(model, embeds, s.group_size, num_steps=s.num_steps, height=s.height,
-                                         width=s.width, guidance_scale=s.guidance_scale, noise_level=0.0,
-                                         batch_size=s.micro_batch_size or None)
-                prompts = [items[i].prompt for i in traj.prompt_index.tolist()]
-                metadata = [items[i].metadata for i in traj.prompt_index.tolist()]
-
-            # ---- 2. rewards and per-prompt advantages; 3. optimality probability r
-            with timer("reward"):
-                scores, reward_metrics, comps = score_rollout_components(ctx, reward_fn, traj.images, prompts,
-                                                                         metadata, cfg.reward.on_nonfinite)
-            metrics.update(reward_metrics)  # several ranks: reward/mean and reward/std of all samples, below
-            metrics.update(sample_statistics(traj.images, traj.latents[:, -1]))  # diag/sample/*
-            # per-prompt advantages over all ranks' rewards (unclipped here: nft_optimality_prob clips)
-            adv, keep, adv_metrics = global_advantages(ctx, tracker, prompts, scores, float("inf"),
-                                                       cfg.reward.drop_zero_advantage, None, comps,
-                                                       reward_weights(reward_fn), cfg.reward.aggregation)
-            metrics.update(adv_metrics)
-            r = nft_optimality_prob(adv, a.adv_clip_max)
-
-            # ---- 4./5. NFT loss on forward-noised clean samples; updates; EMA of "old" (same on every rank)
-            with timer("train"):
-                metrics.update(_train_on_rollout(cfg, model, states, traj, r, keep, optimizer, lr_sched, params,
-                                                 counters, timer, ctx, guard=guard, step=step))
-                metrics.update(guard.pop_metrics())
-            decay = ema_decay(a.ema_schedule, counters.updates)
-            if metrics["train/updates"] or not metrics[SKIPPED_KEY]:  # all updates skipped (NaN/inf): old unchanged
-                states.ema("default", "old", decay)
-            metrics["policy/old_decay"] = decay
-
-        metrics["policy/lr"] = optimizer.param_groups[0]["lr"]
-        if grid_due(cfg, step) and (ctx.is_main or fsdp):
-            sample_grid(model, states, cfg.log.eval_state, reward_fn, grid, run if ctx.is_main else NoSamples(), step,
-                        cfg)
-        eval_now = eval_items and cfg.log.eval_every and (step % cfg.log.eval_every == 0
-                                                          or step in (1, cfg.train.max_steps))
-        if (ctx.is_main or fsdp) and eval_now:  # FSDP: every rank runs the forwards, rank 0 writes
-            with timer("eval"):
-                metrics.update(evaluate(run if ctx.is_main else NoSamples(), step))
-        metrics["cost/transformer_evals"] = evals.sync(ctx)
-        end_step(ctx, run, step, metrics, timer, bar, states, stateful, fsdp,
-                 loss=f"{metrics.get('policy/loss', 0):.3g}")
-        if stop_for_hacking(ctx, run, step, judges, states, stateful, fsdp):  # log.hacking.stop
-            break
-    bar.close()
-    evals.remove()
-    summary = summarise(run, "nft") if ctx.is_main else {}
-    ctx.barrier()
-    ctx.close()
-    return summary
+    rollout, algo = cfg.rollout, cfg.algo
+    if int(rollout.num_steps * algo.timestep_fraction) < 1:
+        raise ValueError(f"algo.timestep_fraction={algo.timestep_fraction} trains on no step of {rollout.num_steps}")
+    cfg.update.updates_per_epoch(rollout.batch)  # update.mini_batch_size must divide the batch: fail before loading
+    loop = DiffusionLoop(cfg)
+    # "default" trains, "old" = the EMA rollout policy, "ref" = adapters off (KL)
+    loop.setup(old=True, ref=algo.kl.coef > 0 or algo.velocity_norm.needs_reference(), eval_state=cfg.log.eval_state,
+               counters=True)
+    loop.begin(postfix=lambda m: {"loss": f"{m.get('policy/loss', 0):.3g}"})
+    for step in loop:
+        # ---- 1. rollout with the frozen "old" policy, deterministic ODE (this rank's share of the prompts); rewards
+        roll = loop.rollout(step, ode_sampling(rollout), state="old")
+        # ---- 2. per-prompt advantages over all ranks' rewards (unclipped here: nft_optimality_prob clips)
+        adv, keep = loop.advantages(roll, clip=float("inf"))
+        # ---- 3. optimality probability r
+        r = nft_optimality_prob(adv, algo.adv_clip_max)
+        # ---- 4./5. NFT loss on forward-noised clean samples; updates; EMA of "old" (same on every rank)
+        with loop.timer("train"):
+            loop.metrics.update(_train_on_rollout(loop.parts, step, roll.traj, r, keep))
+            loop.metrics.update(loop.guard.pop_metrics())
+        loop.update_old(ema_decay(algo.ema_schedule, loop.counters.updates))
+    return loop.finish(lambda run: summarise(run, "nft"))
 
 
-def _train_on_rollout(cfg: Config, model, states, traj, r, keep, optimizer, lr_sched, params, counters,
-                      timer, ctx: DistContext | None = None, guard: UpdateGuard | None = None, step: int = 0) -> dict:
-    """Inner epochs over one rollout batch: NFT loss (+ velocity KL) at K schedule timesteps per sample.
-
-    Several ranks (as `grpo_update.train_on_rollout`): each holds its rows of the global batch; an update's chunk
-    is the union of the ranks' local chunks, each rank's loss is weighted by `ctx.loss_scale(len(local chunk))`
-    (DDP averages: the gradient is the global chunk mean), every rank runs the same number of micro-steps
-    (zero-weight micro-batches on one of its rows where it has fewer or none) and gradients are all-reduced
-    once per update (no_sync around every other micro-step). One process: ctx is a no-op."""
-    ctx = ctx or DistContext()
-    u, s, n = cfg.update, cfg.rollout, cfg.algo
-    guard = guard or UpdateGuard(u.max_skipped_updates, ctx)
-    updates_per_epoch = u.updates_per_epoch(s.batch)
+def _train_on_rollout(parts: Any, step: int, traj: Any, r: torch.Tensor, keep: torch.Tensor) -> dict:
+    """Inner epochs over one rollout batch: NFT loss (+ velocity KL) at K schedule timesteps per sample, through
+    the shared update iterator (`TrainingParts.updates`: epochs, updates, equal micro-step counts on every rank)."""
+    cfg, ctx, model, states = parts.cfg, parts.ctx, parts.model, parts.states
+    rollout, algo = cfg.rollout, cfg.algo
     acc: dict[str, list[float]] = defaultdict(list)
     if ctx.max_int(len(keep)) == 0:
         return {"train/updates": 0}
     x0_all = traj.latents[:, -1]
-    k = int(s.num_steps * n.timestep_fraction)
+    k = int(rollout.num_steps * algo.timestep_fraction)
     train_sigmas = traj.sigmas[:k]
-    b_all = len(traj)
-    pad_rows = keep[:1] if len(keep) else torch.zeros(1, dtype=torch.long)  # any real row; weight 0
-    need_ref = n.kl.coef > 0 or n.velocity_norm.needs_reference()
-    updates = 0
-    for _ in range(u.epochs):
-        # each sample visits the K timesteps in its own random order (as the official script)
-        order_t = torch.stack([torch.randperm(k) for _ in range(b_all)])
-        order = keep[torch.randperm(len(keep))]
-        n_updates = min(updates_per_epoch, ctx.max_int(len(order)))  # identical on every rank
-        for chunk in torch.tensor_split(order, n_updates):
-            micro = [m for m in torch.split(chunk, u.micro_batch_size) if len(m)]  # (an empty chunk splits into [[]])
-            n_micro = ctx.max_int(len(micro))  # same number of micro-steps on every rank
-            scale = ctx.loss_scale(len(chunk))  # local mean -> global mean under DDP's gradient average
-            n_losses = len(acc["policy/loss"])  # this update's micro-step losses are appended after this index
-            for mi in range(n_micro):
-                real = mi < len(micro)
-                rows = micro[mi] if real else pad_rows
-                b = len(rows)
-                emb = traj.embeds.select(traj.prompt_index[rows])
-                x0 = x0_all[rows]
-                rr = r[rows].to(x0.device)
-                weight = b / len(chunk) / k * scale if real else 0.0  # mean over the chunk's samples and K timesteps
-                for j in range(k):
-                    last = mi == n_micro - 1 and j == k - 1  # DDP all-reduces in this backward only
-                    sig = train_sigmas[order_t[rows, j]].to(x0.device)
-                    xt = noise_latents(x0, sig, torch.randn_like(x0))
-                    with ctx.no_sync(model.transformer, sync=last), timer("forward_backward"):  # forward AND backward
-                        with torch.no_grad(), states.use("old"):
-                            v_old = model.velocity(xt, sig, emb, guidance_scale=s.guidance_scale)
-                        v = model.velocity(xt, sig, emb, guidance_scale=s.guidance_scale)
-                        loss, m = nft_loss(v, v_old, x0, xt, sig, rr, n.guidance_beta,
-                                           adaptive_weighting=n.adaptive_weighting, loss_scale=n.adv_clip_max)
-                        if need_ref:  # velocity KL and velocity-norm term against the reference (+ diagnostic)
-                            with torch.no_grad(), states.use("ref"):
-                                v_ref = model.velocity(xt, sig, emb, guidance_scale=s.guidance_scale)
-                            term, ref_metrics = velocity_reference_terms(v, v_ref, n.kl.coef, n.velocity_norm.coef)
-                            loss = loss + term
-                            if real:
-                                for key, val in ref_metrics.items():
-                                    acc[key].append(val)
-                        (loss * weight).backward()
-                    if real:
-                        for key in ("pos_loss", "neg_loss", "old_deviate", "nft_loss"):
-                            acc[f"policy/{key}"].append(m[key])
-                        acc["policy/loss"].append(loss.item())
-            grad_norm = clip_grads(params, u.max_grad_norm)
-            acc["policy/grad_norm"].append(grad_norm)
-            if guard.step(optimizer, acc["policy/loss"][n_losses:], grad_norm, step):  # NaN/inf: skipped
-                lr_sched.step()
-                updates += 1
-                counters.updates += 1
-            optimizer.zero_grad(set_to_none=True)
-    vals = merge_rank_lists(ctx, acc)  # metrics of the whole batch: every rank's micro-step values
-    out = {key: max(v) if key in MAX_KEYS else sum(v) / len(v) for key, v in vals.items() if v}
-    out["train/updates"] = updates
+    need_ref = algo.kl.coef > 0 or algo.velocity_norm.needs_reference()
+    orders: list[torch.Tensor] = []
+
+    def timestep_orders(epoch: int) -> None:  # each sample visits the K timesteps in its own random order (official)
+        orders[:] = [torch.stack([torch.randperm(k) for _ in range(len(traj))])]
+
+    updates = parts.updates(keep, metrics=acc, step=step, on_epoch=timestep_orders)
+    for mb in updates:
+        rows = mb.rows
+        emb = traj.embeds.select(traj.prompt_index[rows])
+        x0 = x0_all[rows]
+        rr = r[rows].to(x0.device)
+        weight = mb.weight(k)  # mean over the update's samples and K timesteps
+        for j in range(k):
+            sig = train_sigmas[orders[0][rows, j]].to(x0.device)
+            xt = noise_latents(x0, sig, torch.randn_like(x0))
+            with mb.no_sync(last_point=j == k - 1), parts.timer("forward_backward"):  # forward AND backward
+                with torch.no_grad(), states.use("old"):
+                    v_old = model.velocity(xt, sig, emb, guidance_scale=rollout.guidance_scale)
+                v = model.velocity(xt, sig, emb, guidance_scale=rollout.guidance_scale)
+                loss, m = nft_loss(v, v_old, x0, xt, sig, rr, algo.guidance_beta,
+                                   adaptive_weighting=algo.adaptive_weighting, loss_scale=algo.adv_clip_max)
+                if need_ref:  # velocity KL and velocity-norm term against the reference (+ diagnostic)
+                    with torch.no_grad(), states.use("ref"):
+                        v_ref = model.velocity(xt, sig, emb, guidance_scale=rollout.guidance_scale)
+                    term, ref_metrics = velocity_reference_terms(v, v_ref, algo.kl.coef, algo.velocity_norm.coef)
+                    loss = loss + term
+                    if mb.real:
+                        for key, val in ref_metrics.items():
+                            acc[key].append(val)
+                (loss * weight).backward()
+            if mb.real:
+                for key in ("pos_loss", "neg_loss", "old_deviate", "nft_loss"):
+                    acc[f"policy/{key}"].append(m[key])
+                acc["policy/loss"].append(loss.item())
+    out = reduce_metrics(ctx, acc, MAX_KEYS)  # metrics of the whole batch: every rank's micro-step values
+    out["train/updates"] = updates.applied
     if ctx.enabled:
         out["policy/r_mean"] = float(ctx.all_reduce_sum(r[keep].double().sum()) / ctx.all_reduce_sum(len(keep)))
     else:

@@ -58,12 +58,12 @@ class AsyncRewardScorer:
         from mmrl.rewards.group import is_group_reward
 
         if getattr(reward_fn, "normalize", "none") != "none":
-            raise ValueError("reward.async_scoring needs per-sample rewards; a composite with normalize: batch "
-                             "scores the whole batch together (set reward.async_scoring=false)")
+            raise ValueError("reward.score_while_sampling needs per-sample rewards; a composite with normalize: batch "
+                             "scores the whole batch together (set reward.score_while_sampling=false)")
         if is_group_reward(reward_fn):
-            raise ValueError("reward.async_scoring needs per-sample rewards; a group reward (group_rank, "
+            raise ValueError("reward.score_while_sampling needs per-sample rewards; a group reward (group_rank, "
                              "pickscore_rank, pairwise_winrate) scores each image against its whole group, which a "
-                             "rollout micro-batch can split (set reward.async_scoring=false)")
+                             "rollout micro-batch can split (set reward.score_while_sampling=false)")
         self.reward_fn, self.pool, self.futures = reward_fn, ThreadPoolExecutor(max_workers=workers), []
 
     def submit(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> None:

@@ -633,7 +633,7 @@ if __name__ == "__main__":  # 2 ranks for test_two_ranks_one_update_equals_one_p
 
 
 def test_async_reward_scoring_gives_the_synchronous_results(tmp_path, tiny_sd3_path):
-    """`reward.async_scoring`: each rollout micro-batch is scored in a worker thread while the next one is sampled;
+    """`reward.score_while_sampling`: each rollout micro-batch is scored in a worker thread while the next one is sampled;
     a run writes exactly the metrics of the synchronous run (two components, so per-component details are joined
     too), and the scorer saw one chunk per micro-batch."""
     from mmrl.diffusion import scoring
@@ -651,7 +651,7 @@ def test_async_reward_scoring_gives_the_synchronous_results(tmp_path, tiny_sd3_p
         out = tmp_path / mode
         scoring.AsyncRewardScorer.submit = counted
         try:
-            train(_cfg(out, tiny_sd3_path, [f"reward.async_scoring={mode}", "rollout.micro_batch_size=2"],
+            train(_cfg(out, tiny_sd3_path, [f"reward.score_while_sampling={mode}", "rollout.micro_batch_size=2"],
                        reward=comps))
         finally:
             scoring.AsyncRewardScorer.submit = submit
@@ -659,7 +659,7 @@ def test_async_reward_scoring_gives_the_synchronous_results(tmp_path, tiny_sd3_p
     assert len(rows["true"]) == 2
     assert_same_path(rows["true"], rows["false"], why="the scorer thread runs the same reward calls on the same chunks")
     assert chunks == [2, 2, 2] * 2  # 2 prompts x 3 images per step in micro-batches of 2, two steps
-    with pytest.raises(ValueError, match="reward.async_scoring needs per-sample rewards"):
+    with pytest.raises(ValueError, match="reward.score_while_sampling needs per-sample rewards"):
         from mmrl.rewards import load
 
         scoring.AsyncRewardScorer(load({"components": {"jpeg_compressibility": 1.0}, "normalize": "batch"}))
