@@ -1,9 +1,8 @@
-"""Diffusion bookkeeping the three flow-matching recipes (flow_grpo, dpo, nft) share; no algorithm lives here.
+"""Diffusion bookkeeping the flow-matching recipes share; no algorithm lives here.
 
 - `load_recipe_model(cfg, device, dtype)`: the config's flow model (path, text length, frames, family options).
 - `build_policy_states(model, model_cfg, old=, ref=)`: LoRA (or full fine-tuning, `model.lora.rank: 0`) policy
-  states on `model.transformer` from a recipe's `model:` section; `setup_training(...)`: those states, the
-  DDP/FSDP wrapper, optimizer, schedule and update guard, in the order every strategy needs.
+  states on `model.transformer` from a recipe's `model:` section (the loop's `setup_training` wraps them).
 - `vae_encode(model, images)`: images in [0, 1] -> latents as the flow model sees them (the inverse of
   `FlowModel.decode`'s scaling). `LatentCache`: those latents kept on disk in the run directory.
 - `sample_sigmas(...)`, `noise_latents(...)`, `flow_matching_mse(...)`: training points of the
@@ -12,10 +11,9 @@
   `log.judges`, sample statistics) and saved; `sample_grid(...)`: the run's sample grids (fixed prompts and noise,
   step 0 onwards, `grid_due`); `NoSamples` (ranks > 0 in an evaluation every rank runs under FSDP).
 - `TransformerEvalCounter`: transformer evaluations (sample rows through the network), for cost plots.
-- `end_step(...)`: the tail of every recipe step: timings, metrics.jsonl, checkpoint.
 
-Rewards and advantages over several ranks: `mmrl.diffusion.scoring`. Run start, checkpoints, optimizer: the
-training spine `mmrl.training`.
+Rewards and advantages over several ranks: `mmrl.diffusion.scoring`. The loop every recipe runs:
+`mmrl.diffusion.loop`.
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import defaultdict
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -38,10 +35,8 @@ Tensor = torch.Tensor
 __all__ = [
     "load_recipe_model", "build_policy_states", "vae_encode", "LatentCache", "sample_sigmas", "noise_latents",
     "flow_matching_mse", "ode_images", "evaluate_ode", "evaluator", "grid_prompts", "grid_due", "sample_grid",
-    "TransformerEvalCounter", "not_counted", "TIMING_PREFIX", "NoSamples", "end_step", "setup_training",
+    "TransformerEvalCounter", "not_counted", "NoSamples",
 ]
-
-TIMING_PREFIX = "time/"  # metrics that legitimately differ between two identical runs
 
 
 # ------------------------------------------------------------------------------------------ the model
@@ -82,31 +77,6 @@ def build_policy_states(model: Any, model_cfg: Any, *, old: bool, ref: bool):
         states.model.enable_gradient_checkpointing()  # blocks recomputed in backward (no-grad passes: unchanged)
     model.transformer = states.model
     return states
-
-
-def setup_training(ctx: Any, run: Run, cfg: Any, model: Any, *, old: bool, ref: bool):
-    """(states, evals, params, optimizer, lr_sched, guard, fsdp) of a recipe, in the order every strategy needs:
-    policy states on the transformer (`build_policy_states`), the transformer-evaluation counter, the DDP/FSDP
-    wrapper (`dist.strategy`; FSDP: `states.refresh()` follows the new DTensor shards), then the optimizer and
-    schedule over the trainable parameters (`optim`, `mmrl.training.build_optimizer`) and the `UpdateGuard`
-    (`update.max_skipped_updates`: a NaN/inf loss or gradient never reaches the weights)."""
-    from mmrl.training import UpdateGuard, attach_flops_meter, build_optimizer
-
-    states = build_policy_states(model, cfg.model, old=old, ref=ref)
-    evals = TransformerEvalCounter(model.transformer)
-    # DDP keeps PolicyStates' parameter objects ("old"/"ref" switching and the EMA work); one process: unchanged
-    # a family whose transformer has parameters no output depends on (Qwen-Image: its last block's text stream) needs
-    # DDP to look for them, or the second backward fails
-    unused = cfg.dist.find_unused_parameters or getattr(model, "has_unused_parameters", False)
-    model.transformer = ctx.wrap_model(states.model, cfg.dist.strategy, find_unused_parameters=unused)
-    fsdp = ctx.enabled and cfg.dist.strategy == "fsdp"
-    if fsdp:  # fully_shard replaced every parameter by a DTensor shard: follow them before building the optimizer
-        states.refresh()
-    attach_flops_meter(states.model)  # perf/tflops_per_step, perf/mfu (end_step)
-    params = states.trainable_parameters()
-    optimizer, lr_sched = build_optimizer(params, cfg.optim, total_steps=cfg.train.max_steps)
-    guard = UpdateGuard(cfg.update.max_skipped_updates, ctx, run)
-    return states, evals, params, optimizer, lr_sched, guard, fsdp
 
 
 # ------------------------------------------------------------------------------------------ VAE latents
@@ -369,24 +339,3 @@ class NoSamples:
 
     def save_samples(self, *args, **kwargs) -> None:
         pass
-
-
-# ------------------------------------------------------------------------------------------ step tail
-
-
-def end_step(ctx: Any, run: Run, step: int, metrics: dict, timer: Any, bar: Any, states: Any, stateful: dict,
-             fsdp: bool, **postfix: str) -> None:
-    """The tail of a recipe step on every rank: timings (`time/*`, `time/step_s` last), one metrics.jsonl row
-    (rank 0), the progress bar, and the checkpoint when due (`train.save_every` or the last step; collective,
-    rank 0 writes)."""
-    from mmrl.training import checkpoint_due, perf_metrics, save_checkpoint
-
-    metrics.update(timer.pop(TIMING_PREFIX))
-    metrics["time/step_s"] = metrics.pop("time/step_s")
-    metrics.update(perf_metrics(ctx, states.model, metrics["time/step_s"], run.device))  # a collective
-    if ctx.is_main:
-        run.log(step, metrics)
-    bar.update(1)
-    bar.set_postfix(reward=f"{metrics['reward/mean']:.4g}", **postfix)
-    if checkpoint_due(run.cfg, step):
-        save_checkpoint(ctx, run, step, states, stateful, fsdp=fsdp)
