@@ -61,8 +61,12 @@ RECIPE_SETTINGS = {
     "nft": {"update": {"micro_batch_size": 4, "mini_batch_size": 2}, "algo": {"kl": {"coef": 0.1}}},
     "awm": {"update": {"micro_batch_size": 4}, "algo": {"num_train_timesteps": 2, "kl": {"coef": 0.1}}},
     "dpo": {"update": {"micro_batch_size": 2}, "algo": {"mode": "online", "beta": 100.0, "pairing": "all_pairs"}},
-    "dgpo": {"update": {"micro_batch_size": 4}, "algo": {"kl": {"coef": 0.1}}},
+    "dgpo": {"update": {"micro_batch_size": 4},
+             "algo": {"kl": {"coef": 0.1}, "trunc_steps": 1, "num_train_timesteps": 2}},
 }
+# tiny configs whose inputs a user makes first (`mmrl tiny runs/tiny`, `python -m mmrl.diffusion.dpo make-shapes-pairs`)
+CONFIG_INPUTS = {"flow_grpo_wan_tiny": ["model.path={models}/WanPipeline"],
+                 "dpo_tiny_offline": ["data.preference_file={models}/pairs/pairs.jsonl"]}
 ASYNC = {"flow_grpo": "configs/diffusion/flow_grpo_tiny.yaml", "vlm_grpo": "configs/vlm/grpo_tiny_shapes.yaml"}
 
 
@@ -70,7 +74,9 @@ def _cases(models: Path, edit_file: Path | None) -> list[dict]:
     """[{name, config (path or dict), overrides, nproc}] in a fixed order."""
     out = []
     for cfg in sorted(REPO.glob("configs/*/*tiny*.yaml")):
-        out.append({"name": f"config/{cfg.stem}", "config": str(cfg.relative_to(REPO)), "overrides": [], "nproc": 1})
+        overrides = [o.format(models=models) for o in CONFIG_INPUTS.get(cfg.stem, [])]
+        out.append({"name": f"config/{cfg.stem}", "config": str(cfg.relative_to(REPO)), "overrides": overrides,
+                    "nproc": 1})
     for family, (rollout, reward) in FAMILY_ROLLOUT.items():
         for recipe in RECIPES:
             d = {"algorithm": recipe, "seed": 11, "device": "cpu",
@@ -120,13 +126,16 @@ def _train(case: dict, run_dir: Path, steps: int, extra: list[str] | None = None
 
 def _build_models(models: Path) -> Path:
     """Tiny checkpoints of every family and the edit rows, built once and shared by the record runs."""
-    from mmrl.tiny import FAMILY_BUILDERS
+    from mmrl.diffusion.dpo import make_shapes_preference_file
     from mmrl.pipelines.edits import make_shapes_edit_file
+    from mmrl.tiny import FAMILY_BUILDERS
 
     models.mkdir(parents=True, exist_ok=True)
     for family, build in FAMILY_BUILDERS.items():
         if not (models / family / "model_index.json").is_file():
             build(models / family)
+    if not (models / "pairs" / "pairs.jsonl").is_file():
+        make_shapes_preference_file(models / "pairs", 32)
     edit_file = models / "edits" / "edits.jsonl"
     if not edit_file.is_file():
         made = make_shapes_edit_file(models / "edits", n=8, seed=1)
