@@ -113,3 +113,31 @@ def test_config_keys_and_errors(tmp_path):
 
     with pytest.raises(ValueError, match="log.judges are scored at every evaluation"):
         train(load_config({**base, "log": {"judges": {"colour": {"reward": "prompt_color"}}}}))
+
+
+def test_a_judge_argument_the_reward_does_not_take_is_one_line(tmp_path, capsys):
+    """An argument a judge's reward does not take fails while the config is read, naming the judge, the key and the
+    valid ones (issue 27: a TypeError from the reward's constructor once the run had started); a judge's own
+    `device` is an argument like any other."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from mmrl import cli
+    from mmrl.training.judges import build_judges
+
+    valid = "['batch_size', 'device', 'differentiable', 'hard', 'sigma', 'target']"
+    base = {"algorithm": "flow_grpo", "output_dir": str(tmp_path), "log": {"eval_every": 5}}
+    with pytest.raises(ValueError, match=rf"^log.judges.prompt_color.bogus_kw: reward 'prompt_color' has no argument "
+                                         rf"'bogus_kw'; valid: {valid.replace('[', '[[]')}$"):
+        load_config({**base, "log": {"judges": {"prompt_color": {"bogus_kw": 1}}}})
+    config = Path(__file__).resolve().parents[1] / "configs" / "diffusion" / "flow_grpo_tiny.yaml"
+    assert cli.main(["config", "check", str(config),
+                     "log.judges={colour: {reward: prompt_color, bogus_kw: 1}}"]) == 2
+    assert capsys.readouterr().err.startswith(f"mmrl: error: log.judges.colour.bogus_kw: reward 'prompt_color' has no "
+                                              f"argument 'bogus_kw'; valid: {valid}  (MMRL_DEBUG")
+    # log.judges set after the config was read: the same line when the judges are built
+    log = SimpleNamespace(judges={"colour": {"reward": "prompt_color", "bogus_kw": 1}}, hacking=HackingConfig())
+    with pytest.raises(ValueError, match=r"^log.judges.colour.bogus_kw: reward 'prompt_color' has no argument"):
+        build_judges(log, "cpu")
+    log.judges = {"colour": {"reward": "prompt_color", "device": "cpu"}}
+    assert list(build_judges(log, "cpu").judges) == ["colour"]

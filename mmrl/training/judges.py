@@ -70,9 +70,21 @@ class JudgeFields:
                 raise ValueError(f"log.judges.{name}: expected a mapping of load kwargs (or null), got {spec!r}")
             if isinstance(spec, dict) and "weight" in spec:
                 raise ValueError(f"log.judges.{name}: a judge has no weight (it is never trained on); remove 'weight'")
+            _check_judge(name, spec)  # an unknown reward or argument: while the config is read, before any load
         post = getattr(super(), "__post_init__", None)  # the next base's checks
         if post is not None:
             post()
+
+
+def _check_judge(name: str, spec: dict | None) -> tuple[str, dict]:
+    """(zoo reward name, load kwargs) of judge `name`; ValueError naming `log.judges.<name>[.<arg>]` for a reward
+    that does not exist or an argument it does not take (the valid ones listed)."""
+    from mmrl.rewards.registry import check_reward_arguments
+
+    kw = dict(spec or {})
+    zoo = str(kw.pop("reward", name))
+    check_reward_arguments(zoo, kw, f"log.judges.{name}")
+    return zoo, kw
 
 
 def build_judges(log_cfg: Any, device: Any, stateful: dict | None = None) -> "JudgePanel | None":
@@ -84,11 +96,8 @@ def build_judges(log_cfg: Any, device: Any, stateful: dict | None = None) -> "Ju
 
     judges = {}
     for name, spec in specs.items():
-        kw = dict(spec or {})
-        zoo = kw.pop("reward", name)
-        if zoo not in rewards.available():
-            raise ValueError(f"log.judges.{name}: unknown reward '{zoo}'; available: {rewards.available()}")
-        judges[name] = rewards.load(zoo, device=str(device), **kw)
+        zoo, kw = _check_judge(name, spec)  # again: log.judges may have been set after the config was read
+        judges[name] = rewards.load(zoo, **{"device": str(device), **kw})  # a judge's own device wins
     panel = JudgePanel(judges, log_cfg.hacking)
     if stateful is not None:
         stateful["judges"] = panel
