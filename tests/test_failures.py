@@ -93,30 +93,6 @@ def test_a_failed_start_leaves_nothing_behind(config, overrides, message, existi
         assert not out.exists()
 
 
-@pytest.mark.parametrize("config, overrides, message", [
-    (FLOW, ["log.eval_every=1", "log.judges={answer: {reward: exact_match}}"],
-     "log.judges.answer: reward 'exact_match' scores texts, but this run makes images; a judge scores what the run "
-     "makes: name one that scores images (aesthetic, clip_direction, "),
-    (FLOW, ["rollout.num_frames=5", "log.eval_every=1", "log.judges={colour: {reward: prompt_color}}"],
-     "rollout.num_frames=5: StableDiffusion3Pipeline generates images, so num_frames must be 1 (video pipelines: ["),
-    (VLM, ["log.judges={colour: {reward: prompt_color}}"], "log.judges.colour: reward 'prompt_color' scores images, "
-                                                           "but this run makes texts"),
-    (VLM, ["log.judges={answer: {reward: exact_match, lowercas: true}}"],
-     "log.judges.answer.lowercas: reward 'exact_match' has no argument 'lowercas'; valid: ["),
-])
-def test_what_the_run_cannot_make_or_judge_is_refused_before_it_starts(config, overrides, message, tmp_path,
-                                                                       monkeypatch, capsys):
-    """A judge of the wrong kind failed at the baseline evaluation, after the model load, leaving a run directory
-    with an empty metrics.jsonl; an image family asked for videos was blamed on the (image) reward. Both are named
-    before the run directory is made."""
-    monkeypatch.chdir(REPO)
-    out = tmp_path / "run"
-    assert cli.main(["train", config, f"output_dir={out}", *SMALL, *overrides]) == 2
-    line = _one_error_line(capsys)
-    assert line.startswith("mmrl: error: " + message), line
-    assert not out.exists()
-
-
 def test_a_failed_offline_dpo_start_leaves_no_latent_cache(tmp_path, monkeypatch, capsys):
     """Offline DPO keeps VAE latents in <output_dir>/latent_cache/: the folder is made with the first shard, so a
     start that fails on its first batch (a missing preference image) leaves the user's directory as it was."""

@@ -162,6 +162,7 @@ def load_reward_from_args(spec: str, weights: str | None, kw_items: Sequence[str
     """A registered name, or a YAML file holding a mapping (-> composite); `--weights` / `--kw` / device
     become load kwargs (device only if the reward accepts it)."""
     from mmrl.rewards import available, load
+    from mmrl.rewards.registry import check_reward_arguments
 
     kwargs = parse_kw(kw_items)
     if weights is not None:
@@ -182,6 +183,8 @@ def load_reward_from_args(spec: str, weights: str | None, kw_items: Sequence[str
             _fail(f"reward YAML {spec!r} must hold a mapping (name -> weight), got {type(target).__name__}")
     elif spec not in available():
         _fail(f"unknown reward {spec!r}; run `mmrl reward list` (available: {', '.join(available())})")
+    else:  # `--kw` names and values checked against the reward's arguments before it is built
+        check_reward_arguments(spec, {k: v for k, v in kwargs.items() if k != "weights"}, "--kw", sep=" ")
     if device is not None:
         try:
             return load(target, **{"device": device, **kwargs})
@@ -216,7 +219,9 @@ def read_prompts(path: str) -> tuple[list[str], list[dict] | None, list[str] | N
     p = Path(path)
     if not p.is_file():
         _fail(f"prompts file not found: {path!r}")
-    lines = p.read_text(encoding="utf-8").splitlines()
+    from mmrl.pipelines.data import read_text
+
+    lines = read_text(p).splitlines()  # UTF-8, binary files named, a byte-order mark dropped
     if p.suffix.lower() != ".jsonl":
         return [ln for ln in lines if ln.strip()], None, None
     prompts, metadata, completions = [], [], []
