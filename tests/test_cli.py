@@ -176,6 +176,10 @@ BAD_CONFIGS = [  # (config, overrides, the one-line message); "{tmp}" is the tes
     (VLM, ["reward.name=exact_matc"], "reward.name: unknown reward 'exact_matc'"),
     (MT, ["env.tasks.grid_puzzle.bogus=4"], "env.tasks.grid_puzzle: GridPuzzleEnv.__init__() got an unexpected "
                                             "keyword argument 'bogus'"),
+    (FLOW, ["reward.components.jpeg_incompressibility.weight=.nan"],  # was: NaN rewards at step 1
+     "reward.components.jpeg_incompressibility.weight: expected a finite number, got nan"),
+    (FLOW, ["reward.components={jpeg_incompressibility: .inf}"],
+     "reward.components.jpeg_incompressibility: expected a finite weight, got inf"),
     (FLOW, ["reward.components.jpeg_incompressibility.quality=abc"],  # was: int('abc') inside the reward, unnamed
      "reward.components.jpeg_incompressibility.quality: reward 'jpeg_incompressibility' takes an integer for "
      "'quality' (default 95), got 'abc'"),

@@ -12,6 +12,7 @@ can import it without an import circle. `mmrl.rewards.load` (in base.py) turns a
 from __future__ import annotations
 
 import importlib
+import math
 from typing import Any, Callable
 
 _REGISTRY: dict[str, Callable[..., Any]] = {}
@@ -147,6 +148,8 @@ def check_reward_mapping(mapping: Any, where: str) -> None:
     for key, spec in mapping.items():
         at = f"{where}.{key}"
         if spec is None or (isinstance(spec, (int, float)) and not isinstance(spec, bool)):
+            if spec is not None and not math.isfinite(spec):
+                raise ValueError(f"{at}: expected a finite weight, got {spec!r}")
             check_reward_arguments(str(key), {}, at)
             continue
         if not isinstance(spec, dict):
@@ -155,5 +158,7 @@ def check_reward_mapping(mapping: Any, where: str) -> None:
         weight = args.pop("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)):
             raise ValueError(f"{at}.weight: expected a number, got {weight!r}")
+        if not math.isfinite(weight):  # a NaN weight makes every summed reward NaN
+            raise ValueError(f"{at}.weight: expected a finite number, got {weight!r}")
         name = args.pop("reward", args.pop("name", key))
         check_reward_arguments(str(name), args, at)
