@@ -180,6 +180,8 @@ BAD_CONFIGS = [  # (config, overrides, the one-line message); "{tmp}" is the tes
      "reward.components.jpeg_incompressibility.weight: expected a finite number, got nan"),
     (FLOW, ["reward.components={jpeg_incompressibility: .inf}"],
      "reward.components.jpeg_incompressibility: expected a finite weight, got inf"),
+    (VLM, ["reward.name=composite", "reward.kwargs={components: {exact_match: .nan, format: 1.0}}"],
+     "reward.kwargs.components.exact_match: expected a finite weight, got nan"),
     (FLOW, ["reward.components.jpeg_incompressibility.quality=abc"],  # was: int('abc') inside the reward, unnamed
      "reward.components.jpeg_incompressibility.quality: reward 'jpeg_incompressibility' takes an integer for "
      "'quality' (default 95), got 'abc'"),
