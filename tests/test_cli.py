@@ -189,7 +189,7 @@ BAD_CONFIGS = [  # (config, overrides, the one-line message); "{tmp}" is the tes
     # leaving a run directory with an empty metrics.jsonl); an image family asked for videos (the reward was blamed)
     (FLOW, ["log.eval_every=1", "log.judges={answer: {reward: exact_match}}"],
      "log.judges.answer: reward 'exact_match' scores texts, but this run makes images; a judge scores what the run "
-     "makes: name one that scores images (aesthetic, clip_direction, "),
+     "makes: name one that scores images ("),
     (FLOW, ["rollout.num_frames=5", "log.eval_every=1", "log.judges={colour: {reward: prompt_color}}"],
      "rollout.num_frames=5: StableDiffusion3Pipeline generates images, so num_frames must be 1 (video pipelines: ["),
     (VLM, ["log.judges={colour: {reward: prompt_color}}"],

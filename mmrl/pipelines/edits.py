@@ -86,10 +86,8 @@ def _read_image(ref: Any) -> tuple[tuple[int, int] | None, str | None]:
 def resolve_edit_row(row: dict, root: Path, path: Any, index: int) -> dict | None:
     """The row with `source_image` / `mask` resolved to loadable references, or None (with a warning naming the
     file and row) when one of them cannot be read (missing, not an image, truncated). A mask whose size differs
-    from its source's is a DataError naming both: it would be stretched onto the source (as diffusers' inpaint
+    from its source's is a ValueError naming both: it would be stretched onto the source (as diffusers' inpaint
     pipelines do without a word), so its white region would not be the region to edit."""
-    from mmrl.pipelines.data import DataError
-
     out, sizes = dict(row), {}
     for key in (SOURCE_KEY, MASK_KEY):
         if out.get(key) is None:
@@ -103,7 +101,7 @@ def resolve_edit_row(row: dict, root: Path, path: Any, index: int) -> dict | Non
         out[key] = ref
     src, mask = sizes.get(SOURCE_KEY), sizes.get(MASK_KEY)
     if src is not None and mask is not None and src != mask:
-        raise DataError(f"{path}: row {index}: {MASK_KEY} is {mask[0]}x{mask[1]} (width x height) but "
+        raise ValueError(f"{path}: row {index}: {MASK_KEY} is {mask[0]}x{mask[1]} (width x height) but "
                         f"{SOURCE_KEY} is {src[0]}x{src[1]}; a mask marks pixels of its source, so it must have the "
                         f"source's size")
     return out

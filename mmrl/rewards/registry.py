@@ -93,8 +93,17 @@ def reward_arguments(name: str) -> list[str] | None:
 
 # an argument annotated with one of these (or it `| None`) must get a value of that kind
 _SCALARS = {"int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
-            "float": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+            "float": ("a number", lambda v: (isinstance(v, (int, float)) and not isinstance(v, bool))
+                      or (isinstance(v, str) and _is_float(v))),  # YAML reads `1e-3` (no dot) as a string
             "bool": ("true or false", lambda v: isinstance(v, bool))}
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _expected_scalar(param: Any, value: Any) -> str | None:

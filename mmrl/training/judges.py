@@ -104,7 +104,8 @@ def check_judges(log_cfg: Any, makes: str) -> None:
         check_reward_arguments(str(zoo), kw, f"log.judges.{name}")  # an unknown reward: named with the valid ones
         kind = _registered_kind(zoo, kw)
         if kind is not None and kind != makes:
-            same = [n for n in rewards.available() if _registered_kind(n, {}) == makes]
+            same = [n for n in rewards.available()  # the zoo's names (not tests' `_...` or the Trainer's `python:...`)
+                    if n[0].isalpha() and ":" not in n and _registered_kind(n, {}) == makes]
             raise ValueError(f"log.judges.{name}: reward '{zoo}' scores {kind}s, but this run makes {makes}s; a "
                              f"judge scores what the run makes: name one that scores {makes}s ({', '.join(same)})")
 

@@ -99,7 +99,7 @@ def test_a_truncated_source_is_skipped_and_a_mask_of_another_size_refused_naming
         assert len(load_prompts(tmp_path / "cut.jsonl")) == 1
     Image.new("L", (17, 23), 255).save(tmp_path / "images" / "small_mask.png")
     (tmp_path / "masks.jsonl").write_text(json.dumps({**rows[0], "mask": "images/small_mask.png"}) + "\n")
-    with pytest.raises(DataError, match=re.escape("masks.jsonl: row 0: mask is 17x23 (width x height) but "
+    with pytest.raises(ValueError, match=re.escape("masks.jsonl: row 0: mask is 17x23 (width x height) but "
                                                   "source_image is 64x64; a mask marks pixels of its source, so it "
                                                   "must have the source's size")):
         load_prompts(tmp_path / "masks.jsonl")
