@@ -157,6 +157,14 @@ def test_a_missing_renderer_is_named_by_its_own_key_before_the_start(tmp_path, p
     assert not (tmp_path / "run").exists()
 
 
+def test_a_judge_that_cannot_score_the_renders_is_refused_before_the_start(tmp_path):
+    paths = {"policy": str(tmp_path / "qwen"), "renderer": str(SHAPES_MODEL)}
+    with pytest.raises(ValueError, match=re.escape("log.judges.answer: reward 'exact_match' scores texts, but this "
+                                                   "run makes images")):
+        train(_cfg(tmp_path / "run", paths, ["log.judges={answer: {reward: exact_match}}"]))
+    assert not (tmp_path / "run").exists()
+
+
 def test_render_shares_noise_within_a_group(tiny):
     from mmrl.diffusion.models import load_flow_model
 
