@@ -40,6 +40,8 @@ from typing import Any, Sequence
 
 import torch
 
+from mmrl.pipelines.data import read_text
+from mmrl.rewards.registry import check_reward_arguments
 from mmrl.rewards.remote_server import DEFAULT_MAX_PIXELS, DEFAULT_MAX_REQUEST_PIXELS, TOKEN_ENV
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
@@ -162,7 +164,6 @@ def load_reward_from_args(spec: str, weights: str | None, kw_items: Sequence[str
     """A registered name, or a YAML file holding a mapping (-> composite); `--weights` / `--kw` / device
     become load kwargs (device only if the reward accepts it)."""
     from mmrl.rewards import available, load
-    from mmrl.rewards.registry import check_reward_arguments
 
     kwargs = parse_kw(kw_items)
     if weights is not None:
@@ -219,8 +220,6 @@ def read_prompts(path: str) -> tuple[list[str], list[dict] | None, list[str] | N
     p = Path(path)
     if not p.is_file():
         _fail(f"prompts file not found: {path!r}")
-    from mmrl.pipelines.data import read_text
-
     lines = read_text(p).splitlines()  # UTF-8, binary files named, a byte-order mark dropped
     if p.suffix.lower() != ".jsonl":
         return [ln for ln in lines if ln.strip()], None, None
