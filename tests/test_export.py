@@ -9,6 +9,7 @@ full fine-tuning); the merged directory loads with `from_pretrained` and gives m
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -427,6 +428,23 @@ def test_cli_export_of_a_run_directory(sd3_run, tmp_path, capsys):
     meta = json.loads((tmp_path / "l" / "mmrl_export.json").read_text())
     assert meta["sampling"]["guidance_scale"] == 3.0 and meta["source"]["sha256"]
     assert str(tmp_path / "l") in (tmp_path / "l" / "README.md").read_text()  # the final path, not the temp dir
+
+
+def test_a_config_of_another_family_is_refused_naming_the_checkpoints_own(tmp_path):
+    """`--config` of a VLM run for a diffusion checkpoint was taken at its word: the error said the checkpoint was a
+    vlm checkpoint. The checkpoint's own config.yaml says what wrote it."""
+    import shutil
+
+    ck = tmp_path / "ckpt"
+    (ck / "adapters" / "default").mkdir(parents=True)
+    (ck / "adapters" / "default" / "adapter_model.safetensors").write_bytes(b"")
+    shutil.copy(ROOT / "configs/diffusion/flow_grpo_tiny.yaml", ck / "config.yaml")
+    vlm = ROOT / "configs/vlm/grpo_tiny_shapes.yaml"
+    with pytest.raises(ValueError, match=re.escape(f"mmrl export: --config {vlm} is a vlm_grpo (vlm) config, but the "
+                                                   f"checkpoint was written by flow_grpo (diffusion) per its "
+                                                   f"{ck / 'config.yaml'}; pass the config it was trained with")):
+        export(ck / "adapters", "diffusers-lora", tmp_path / "out", config=vlm, base=ROOT / "assets/tiny_sd3_shapes")
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_family_comes_from_the_registry_and_an_unknown_pipeline_is_one_line(tmp_path):

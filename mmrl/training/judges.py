@@ -28,7 +28,8 @@ import torch
 
 from mmrl.core.hacking import ScoreChange, hacking_verdict, score_change
 
-__all__ = ["HackingConfig", "JudgeFields", "JudgePanel", "build_judges", "judge_summary", "stop_for_hacking"]
+__all__ = ["HackingConfig", "JudgeFields", "JudgePanel", "build_judges", "check_judges", "judge_summary",
+           "stop_for_hacking"]
 
 
 @dataclass
@@ -85,6 +86,37 @@ def _check_judge(name: str, spec: dict | None) -> tuple[str, dict]:
     zoo = str(kw.pop("reward", name))
     check_reward_arguments(zoo, kw, f"log.judges.{name}")
     return zoo, kw
+
+
+def _registered_kind(name: str, kwargs: dict) -> str | None:
+    """What the reward registered under `name` scores (image, text, video) without building it; None when only the
+    built reward knows (a factory, a remote reward without `kind`, a module that fails to import)."""
+    from mmrl.rewards.registry import lookup
+
+    if name == "remote":
+        return kwargs.get("kind")
+    try:
+        obj = lookup(name)
+    except Exception:  # noqa: BLE001 - an optional dependency missing: building it will say so
+        return None
+    kind = getattr(obj, "kind", None) if isinstance(obj, type) else None
+    return kind if isinstance(kind, str) else None
+
+
+def check_judges(log_cfg: Any, makes: str) -> None:
+    """Before the run starts (no model loaded, no run directory): every `log.judges` entry names a known reward,
+    with arguments it takes, that scores what the run makes (`makes`: image, video or text); a judge of another
+    kind failed only at the baseline evaluation, after the model load."""
+    from mmrl import rewards
+
+    for name, spec in (getattr(log_cfg, "judges", None) or {}).items():
+        zoo, kw = _check_judge(name, spec)  # an unknown reward or argument: named with the valid ones
+        kind = _registered_kind(zoo, kw)
+        if kind is not None and kind != makes:
+            same = [n for n in rewards.available()  # the zoo's names (not tests' `_...` or the Trainer's `python:...`)
+                    if n[0].isalpha() and ":" not in n and _registered_kind(n, {}) == makes]
+            raise ValueError(f"log.judges.{name}: reward '{zoo}' scores {kind}s, but this run makes {makes}s; a "
+                             f"judge scores what the run makes: name one that scores {makes}s ({', '.join(same)})")
 
 
 def build_judges(log_cfg: Any, device: Any, stateful: dict | None = None) -> "JudgePanel | None":
