@@ -192,7 +192,7 @@ def test_aggregation_and_group_rewards_in_every_recipe(tmp_path, tiny_sd3_path, 
 
 @pytest.mark.parametrize("algorithm", ["flow_grpo", "nft", "awm", "dpo"])
 def test_judges_in_every_recipe_baseline_and_resume(tmp_path, tiny_sd3_path, algorithm):
-    judges = ["log.eval_every=1", f"data.eval_prompts={EVAL}", "log.eval_max_prompts=4", "log.num_samples=4",
+    judges = ["log.eval_every=1", f"data.eval_prompts={EVAL}", "log.eval_max_prompts=8", "log.num_samples=4",
               "log.judges={colour: {reward: prompt_color}, jpeg_small: {reward: jpeg_compressibility}}"]
     full = tmp_path / "full"
     summary = _train(_cfg(algorithm, full, tiny_sd3_path, judges + ["train.max_steps=2"]))
@@ -213,14 +213,19 @@ def test_judges_in_every_recipe_baseline_and_resume(tmp_path, tiny_sd3_path, alg
 
 
 def test_judges_added_when_resuming_start_fresh(tmp_path, tiny_sd3_path):
+    """Also the alarm's minimum in a recipe: 3 held-out prompts (< 8) warn at the start and give no verdict."""
     out = tmp_path / "run"
     judged = ["log.eval_every=1", f"data.eval_prompts={EVAL}", "log.eval_max_prompts=3", "log.num_samples=3",
               "log.judges={colour: {reward: prompt_color}}", "train.save_every=1"]
     _train(_cfg("flow_grpo", out, tiny_sd3_path, ["train.max_steps=1", "train.save_every=1"]))  # no judges
-    _train(_cfg("flow_grpo", out, tiny_sd3_path, judged + ["train.max_steps=3"]))
+    with pytest.warns(UserWarning, match=r"the evaluation has 3 held-out prompts, fewer than the 8 .*"
+                                         r"\(log.eval_max_prompts\)"):
+        _train(_cfg("flow_grpo", out, tiny_sd3_path, judged + ["train.max_steps=3"]))
     rows = metrics_rows(out)
     # step 2: the first evaluation with judges is their baseline (no rule yet); step 3 compares with it
-    assert "eval/judge/colour" in rows[1] and "eval/hacking" not in rows[1] and "eval/hacking" in rows[2]
+    assert "eval/judge/colour" in rows[1] and "eval/hacking_alarm" not in rows[1]
+    assert "eval/judge/colour/delta" in rows[2] and rows[2]["eval/hacking_no_verdict"] == 1.0
+    assert "eval/hacking" not in rows[2] and "eval/judge/colour/noise" not in rows[2]
 
 
 # ---------------------------------------------------------------------------------------- the hacking demo
