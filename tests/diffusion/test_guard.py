@@ -84,6 +84,27 @@ def test_grpo_guard_changes_the_update_only_after_the_first_one(tmp_path, tiny_s
     assert rows["none"]["reward/mean"] == rows["grpo_guard"]["reward/mean"]  # the same rollout
 
 
+def test_grpo_guard_reweight_divides_the_step_gradient_by_its_dt(tmp_path, tiny_sd3_path):
+    """algo.grpo_guard_reweight (verl-omni's grpo_guard loss): one trained step (window [1, 2) of 3), one update,
+    no KL: the gradient norm is the plain guard's divided by sigma_1 - sigma_2."""
+    from mmrl.diffusion.models import load_flow_model
+
+    rows = {}
+    for on in (False, True):
+        out = tmp_path / str(on)
+        _train(_cfg("flow_grpo", out, tiny_sd3_path, ["algo.ratio_norm=grpo_guard", f"algo.grpo_guard_reweight={on}",
+                                                      "rollout.window_size=1", "rollout.window_range=[1,2]",
+                                                      "update.mini_batch_size=0", "train.max_steps=1"]))
+        rows[on] = metrics_rows(out)[0]
+    sigmas = load_flow_model(tiny_sd3_path).sigmas(3, 64, 64)
+    assert rows[True]["reward/mean"] == rows[False]["reward/mean"]  # the same rollout
+    assert rows[True]["policy/grad_norm"] == pytest.approx(rows[False]["policy/grad_norm"]
+                                                           / float(sigmas[1] - sigmas[2]), rel=1e-4)
+    with pytest.raises(ValueError, match="algo.grpo_guard_reweight balances .* needs algo.ratio_norm=grpo_guard, "
+                                         "got 'none'"):
+        _train(_cfg("flow_grpo", tmp_path / "bad", tiny_sd3_path, ["algo.grpo_guard_reweight=true"]))
+
+
 # ---------------------------------------------------------------------------------------- velocity norm
 
 
