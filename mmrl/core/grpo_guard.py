@@ -63,7 +63,7 @@ def grpo_guard_log_ratio(logp: Tensor, old_logp: Tensor, mean: Tensor, old_mean:
 def grpo_guard_step_weight(sigma: Tensor | float, sigma_next: Tensor | float) -> float:
     """GRPO-Guard's gradient reweighting of one step's policy loss: 1 / (sigma - sigma_next), i.e. 1 / (-dt)
     (module docstring). sigma > sigma_next: a step towards the data."""
-    dt = float(sigma) - float(sigma_next)
-    if not dt > 0:
-        raise ValueError(f"grpo_guard_step_weight: expected sigma > sigma_next, got {float(sigma)}, {float(sigma_next)}")
-    return 1.0 / dt
+    s, s_next = float(sigma), float(sigma_next)
+    if not s > s_next:
+        raise ValueError(f"grpo_guard_step_weight: expected sigma > sigma_next, got {s}, {s_next}")
+    return 1.0 / (s - s_next)

@@ -54,7 +54,8 @@ def test_gradient_reweighting_by_hand():
     """GRPO-Guard's gradient reweighting (algo.grpo_guard_reweight): the step's loss times 1 / (sigma - sigma_next).
     The guard ratio's gradient is eps * (1 + a^2 / 2) dt / D (a = noise_level 0.7, D = 16 latent dims): 0.2 and 0.1
     times -1.245 eps / 16 at the steps 0.8 -> 0.6 and 0.4 -> 0.3; reweighted, both are -1.245 eps / 16."""
-    assert grpo_guard_step_weight(0.8, 0.6) == pytest.approx(5.0) and grpo_guard_step_weight(0.4, 0.3) == pytest.approx(10.0)
+    assert grpo_guard_step_weight(0.8, 0.6) == pytest.approx(5.0)
+    assert grpo_guard_step_weight(0.4, 0.3) == pytest.approx(10.0)
     torch.manual_seed(1)
     x, v_old, noise = torch.randn(3, 4, 2, 2), torch.randn(3, 4, 2, 2), torch.randn(3, 4, 2, 2)
     for sigma, sigma_next in ((0.8, 0.6), (0.4, 0.3)):
