@@ -178,7 +178,7 @@ def train(cfg: Config) -> dict:
     counters = old_policy.UpdateCounter()
     stateful = {"optimizer": FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,
                 "tracker": tracker, "data": sampler, "counters": counters, "transformer_evals": evals}
-    judges = build_judges(cfg.log, run.device, stateful)  # log.judges: held-out judges + the hacking alarm
+    judges = build_judges(cfg.log, run.device, stateful, len(eval_items))  # held-out judges + the hacking alarm
     start, _ = restore_checkpoint(ctx, run, states, stateful)
     evaluate = evaluator(model, states, cfg.log.eval_state, reward_fn, eval_items, cfg, judges)
     if judges is not None and start == 0 and (ctx.is_main or fsdp):  # the judges' baseline: before any update

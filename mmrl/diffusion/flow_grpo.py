@@ -179,6 +179,11 @@ class AlgoConfig:
     """`grpo_guard`: the PPO log-ratio of each step becomes GRPO-Guard's (log r) * s + mean((mu - mu_old)^2) / (2 s)
     (s = the step's std; Flow-Factory's `grpo-guard`): no negative bias, one scale for every step. Needs
     rollout.sde_type=sde; keeps the rollout's step means (memory as the latents)."""
+    grpo_guard_reweight: bool = False
+    """With ratio_norm=grpo_guard: GRPO-Guard's gradient reweighting, each trained step's policy loss divided by its
+    step size sigma_t - sigma_(t+1) (-dt), as verl-omni's `grpo_guard` loss; the guard's per-step gradient is
+    (1 + noise_level^2 / 2) dt mean(eps dv), so the steps then weigh alike (`mmrl.core.grpo_guard`). The KL term
+    is not reweighted. Off: Flow-Factory's `grpo-guard` (no reweighting)."""
     velocity_norm: VelocityNormConfig = field(default_factory=VelocityNormConfig)
     """||v_theta|| / ||v_ref|| on the trained steps (diag/velocity_norm_ratio, whenever the reference runs) and a
     hinge penalty coef * mean max(0, ratio - 1)^2 (`coef`, 0 = off); `reference_pass` runs the reference for the
@@ -239,6 +244,9 @@ def train(cfg: Config) -> dict:
     if a.ratio_norm == "grpo_guard" and s.sde_type != "sde":
         raise ValueError(f"algo.ratio_norm=grpo_guard needs rollout.sde_type=sde (Gaussian Euler-Maruyama steps), "
                          f"got {s.sde_type!r}")
+    if a.grpo_guard_reweight and a.ratio_norm != "grpo_guard":
+        raise ValueError(f"algo.grpo_guard_reweight balances the per-step gradients of GRPO-Guard's ratio: it needs "
+                         f"algo.ratio_norm=grpo_guard, got {a.ratio_norm!r}")
     cfg.update.updates_per_epoch(s.batch)  # update.mini_batch_size must divide the batch: fail before loading
     ctx, run = start_run(cfg, {"rollout.prompts_per_step": s.prompts_per_step})
     train_items = load_prompts(cfg.data.train_prompts)
@@ -264,7 +272,7 @@ def train(cfg: Config) -> dict:
     stateful = {"optimizer": FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,
                 "tracker": tracker, "data": sampler, "transformer_evals": evals}
     reward_norm = cfg.reward.build_running_norm(stateful)  # updated with the gathered rewards: same on every rank
-    judges = build_judges(cfg.log, run.device, stateful)  # log.judges: held-out judges + the hacking alarm
+    judges = build_judges(cfg.log, run.device, stateful, len(eval_items))  # held-out judges + the hacking alarm
     pipe = rollout_process(cfg, ctx, run, BUILDER, stateful)  # rollout.worker=process: None inline
     start, _ = restore_checkpoint(ctx, run, states, stateful)
     if pipe is not None:  # the rollout process starts from this version's weights and data position

@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import torch
 
-from mmrl.core.grpo_guard import grpo_guard_log_ratio
+from mmrl.core.grpo_guard import grpo_guard_log_ratio, grpo_guard_step_weight
 from mmrl.core.kl import gaussian_kl_equal_std
 from mmrl.core.losses import clipped_policy_loss
 from mmrl.diffusion.diagnostics import MAX_KEYS, velocity_norm_term, velocity_norms
@@ -30,13 +30,15 @@ def train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, p
     around the forward and backward of every other micro-step).
     The reference forward runs when a term needs it (algo.kl.coef, algo.velocity_norm); it also gives the
     velocity-norm diagnostic. `algo.ratio_norm: grpo_guard` replaces the PPO log-ratio by GRPO-Guard's
-    (`mmrl.core.grpo_guard`) against the sampling policy's step means."""
+    (`mmrl.core.grpo_guard`) against the sampling policy's step means; `algo.grpo_guard_reweight` divides each
+    step's policy loss by its -dt."""
     ctx = ctx or DistContext()
     u, a_cfg, r = cfg.update, cfg.algo, cfg.rollout
     kl_coef = a_cfg.kl.coef
     vn = getattr(a_cfg, "velocity_norm", None)
     need_ref = kl_coef > 0 or (vn is not None and vn.needs_reference())
     guard_ratio = getattr(a_cfg, "ratio_norm", "none") == "grpo_guard"
+    guard_reweight = guard_ratio and getattr(a_cfg, "grpo_guard_reweight", False)
     guard = guard or UpdateGuard(u.max_skipped_updates, ctx)
     step_kw = dict(guidance_scale=r.guidance_scale, noise_level=r.noise_level, sde_type=r.sde_type,
                    cfg_grad=r.cfg_grad)
@@ -103,6 +105,8 @@ def train_on_rollout(cfg, model, states, traj, adv, keep, optimizer, lr_sched, p
                                                                 old_means[rows.to(old_means.device), j], cur.step_std)
                         loss, m = clipped_policy_loss(logp, old_j, a_j, mask=mask_j,
                                                       clip_low=a_cfg.clip_range, clip_high=a_cfg.clip_range)
+                        if guard_reweight:  # the policy loss only (not the KL): / -dt
+                            loss = loss * grpo_guard_step_weight(traj.sigmas[j], traj.sigmas[j + 1])
                         if kl_coef > 0:
                             std = cur.std.flatten(1)[:, 0].clamp(min=1e-8)  # [b]: one per sample, any latent rank
                             kl = gaussian_kl_equal_std(cur.mean, ref_means[j][0], std)  # [b]

@@ -91,7 +91,8 @@ def rollout_and_score(cfg: Any, model: Any, encode: Any, sampler: Any, shards: A
                              window=window, **rollout_kwargs(s, cfg.algo))
         step_metrics = {"rollout/num_steps": len(traj.sigmas) - 1}
         if s.window_size:
-            step_metrics["rollout/window_start"] = int(traj.train_steps[0]) if len(traj.train_steps) else -1
+            sde = traj.sde_mask.nonzero()  # (not train_steps: CPS leaves its last step out of those)
+            step_metrics["rollout/window_start"] = int(sde[0]) if len(sde) else -1
     with timer("reward"):
         out = scorer.output() if scorer else reward_fn(images=traj.images, prompts=prompts, metadata=metadata)
         scores, reward_metrics = score_images(reward_fn, traj.images, prompts, metadata,

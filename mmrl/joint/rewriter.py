@@ -275,7 +275,7 @@ def train(cfg: Config) -> dict:
     optimizer, lr_sched = build_optimizer(params, cfg.optim, total_steps=updates)
     sampler = PromptSampler(train_items, seed=cfg.seed)
     stateful = {"optimizer": optimizer, "lr_scheduler": lr_sched, "data": sampler}
-    judges = build_judges(cfg.log, run.device, stateful)  # log.judges: scored on the eval renders
+    judges = build_judges(cfg.log, run.device, stateful, len(eval_items))  # scored on the eval renders
     start, _ = restore_checkpoint(ctx, run, states, stateful)
     loss_fn = PolicyGradientLoss(al.policy_loss, al.clip_low, al.clip_high, al.dual_clip, al.loss_agg,
                                  ro.max_new_tokens, al.entropy_coef, al.kl.coef, al.kl.estimator, False)

@@ -258,7 +258,7 @@ def train(cfg: Config) -> dict:
     stateful = {"optimizer": FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,
                 "data": data}
     reward_norm = cfg.reward.build_running_norm(stateful)  # identical on every rank: updated with global rewards
-    judges = build_judges(cfg.log, run.device, stateful)  # log.judges: scored with the eval accuracy
+    judges = build_judges(cfg.log, run.device, stateful, len(eval_items), "data.eval_size")  # scored with accuracy
     pipe = rollout_process(cfg, ctx, run, BUILDER, stateful)  # rollout.worker=process: None inline
     start, _ = restore_checkpoint(ctx, run, states, stateful)
     if pipe is not None:  # the rollout process starts from this version's weights and data position
