@@ -56,7 +56,9 @@ def test_grpo_guard_ratio_starts_at_one_and_trains(tmp_path, tiny_sd3_path):
     _train(_cfg("flow_grpo", out, tiny_sd3_path, ["algo.ratio_norm=grpo_guard", "update.epochs=2"],
                 optim={"lr": 3e-2}))
     rows = metrics_rows(out)
-    assert all(r["diag/logprob_drift"] == 0.0 for r in rows)  # the recorded means and log-probs agree
+    # the recorded means and log-probs agree with the trainer's: two computation paths (the rollout's batch and a
+    # training micro-batch), equal up to float rounding (0 on some CPUs, 1.2e-7 on an AVX-512/AMX Xeon)
+    assert all(r["diag/logprob_drift"] < 1e-5 for r in rows)
     assert all(r["train/updates"] == 2 and r["policy/clipfrac_ratio"] >= 0.0 for r in rows)
     # with recomputed pi_old the means come from the recompute pass; the run gives the same first step
     out2 = tmp_path / "guard_recompute"
