@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import re
 import shutil
 import zipfile
@@ -89,6 +90,16 @@ def disk_full(exc: BaseException, where: Path) -> bool:
     if "No space left" in str(exc) or "os error 28" in str(exc):
         return True
     return 0 <= _free_bytes(where) < (16 << 20)
+
+
+def probe_writable(directory: str | Path) -> None:
+    """Create `directory` (with its parents) and write and delete an empty file in it: the OSError a writer would
+    meet there later (a read-only file system, no permission, a file in the way) raised now, before the work."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)  # passes on a read-only mount when the directory exists
+    probe = directory / f".mmrl-write-test-{os.getpid()}"
+    probe.write_bytes(b"")
+    probe.unlink()
 
 
 def _numpy_safe_globals() -> list:

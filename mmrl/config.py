@@ -343,10 +343,11 @@ def apply_overrides(cfg: Any, overrides: typing.Iterable[str]) -> Any:
 
     A key may reach into a mapping-valued field (`reward.components.pickscore.weights=/ckpt`, `env.tasks.grid.size=5`):
     the entry is set (created when missing) and the whole mapping is checked as if the YAML had held it.
-    The overridden section's own checks (`__post_init__`) run after each override; once all are applied, the checks
-    of every enclosing section on an overridden path run again, innermost first, so a check across nested sections
-    (e.g. `algo` checking `algo.rollout_correction`) sees the overridden values."""
-    enclosing: dict[int, tuple[int, Any]] = {}  # id -> (depth, section) of the sections above overridden keys
+    Each value is type-checked as it is set; the checks of the sections (`__post_init__`) run once all overrides are
+    applied, on every section an override reached or passed through, innermost first: a check across keys
+    (`rollout.max_staleness=1` needs `rollout.worker=process`) or across nested sections (`algo` checking
+    `algo.rollout_correction`) sees the final values, whatever the order of the overrides."""
+    touched: dict[int, tuple[int, Any]] = {}  # id -> (depth, section) of the sections on overridden paths
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form dotted.key=value")
@@ -371,7 +372,7 @@ def apply_overrides(cfg: Any, overrides: typing.Iterable[str]) -> Any:
                 break
             if dataclasses.is_dataclass(child):
                 if i > 0:
-                    enclosing[id(obj)] = (i, obj)
+                    touched[id(obj)] = (i, obj)
                 obj = child
                 continue
             field_key = ".".join(parts[:i + 1])
@@ -381,9 +382,8 @@ def apply_overrides(cfg: Any, overrides: typing.Iterable[str]) -> Any:
                 setattr(obj, part, _coerce(mapping, hint, field_key))
                 break
             raise ConfigError(f"override '{key}': '{field_key}' is a value ({child!r}), not a section or mapping")
-        if hasattr(obj, "__post_init__"):  # a section's own checks see overridden values too
-            obj.__post_init__()
-    for _, section in sorted(enclosing.values(), key=lambda d_s: -d_s[0]):
+        touched[id(obj)] = (i, obj)  # the section the override landed in
+    for _, section in sorted(touched.values(), key=lambda d_s: -d_s[0]):
         if hasattr(section, "__post_init__"):
             section.__post_init__()
     return cfg

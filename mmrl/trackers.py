@@ -17,7 +17,6 @@ default; a tracker draws its own curves.
 from __future__ import annotations
 
 import math
-import os
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -184,11 +183,10 @@ def callbacks_active(callbacks: Sequence[Any]) -> Iterator[None]:
 def _check_writable(name: str, directory: Path) -> None:
     """ValueError naming the tracker and the folder when the tracker could not write there (read-only, a file in
     the way, no permission): found before the tracker starts, whose own writer threads would print tracebacks."""
+    from mmrl.checkpoint_files import probe_writable
+
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".mmrl-write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        probe_writable(directory)
     except OSError as exc:
         raise ValueError(f"log.trackers: {name} cannot write into {directory} ({exc.strerror or exc}); make it "
                          f"writable, or leave {name} out of log.trackers") from None

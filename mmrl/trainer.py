@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import copy
 import json
+import math
+import numbers
 import os
 import shutil
 from pathlib import Path
@@ -108,6 +110,8 @@ class Trainer:
 
         cfg = copy.deepcopy(self.config)
         saved = {name: _REGISTRY.get(name) for name, model, _ in self.rewards if model is not None}
+        out, inputs = Path(cfg.output_dir), Path(cfg.output_dir) / INPUTS_DIR
+        before = (out.exists(), set(inputs.iterdir()) if inputs.is_dir() else None)
         try:
             for name, model, _ in self.rewards:
                 if model is not None:  # the zoo builds it by name with the run's kwargs (device=...): same object
@@ -115,6 +119,9 @@ class Trainer:
             self._write_inputs(cfg)
             with callbacks_active(self.callbacks):
                 summary = recipe_module(cfg.algorithm).train(cfg)
+        except BaseException:
+            _remove_new_inputs(out, *before)
+            raise
         finally:
             for name, before in saved.items():
                 if before is None:
@@ -126,6 +133,23 @@ class Trainer:
             if hasattr(cb, "on_train_end"):
                 cb.on_train_end(summary)
         return summary
+
+
+def _remove_new_inputs(out: Path, dir_existed: bool, inputs_before: set[Path] | None) -> None:
+    """A start that failed before the run wrote a metrics row or a checkpoint leaves nothing (the recipe removes
+    what its own start created): the inputs this call wrote go too, and `out` when this call created it."""
+    if (out / "metrics.jsonl").exists() or any((out / "checkpoints").glob("step_*")):
+        return  # the run had started: its inputs stay with it (a rerun resumes on them)
+    inputs = out / INPUTS_DIR
+    new = [inputs] if inputs_before is None else \
+        [p for p in (inputs.iterdir() if inputs.is_dir() else ()) if p not in inputs_before]
+    for p in new:
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    if not dir_existed and out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
 
 
 def _base_config(recipe: Any) -> RunConfig:
@@ -153,7 +177,11 @@ def _reward_specs(funcs: Any, weights: Sequence[float] | None) -> list[tuple[str
     if funcs is None:
         return []
     funcs = list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
-    weights = [1.0] * len(funcs) if weights is None else [float(w) for w in weights]
+    weights = [1.0] * len(funcs) if weights is None else list(weights)
+    for i, w in enumerate(weights):  # a NaN weight makes every summed reward NaN: refused here, not at step 1
+        if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w):
+            raise ConfigError(f"reward_weights[{i}]: expected a finite number, got {w!r}")
+    weights = [float(w) for w in weights]
     if len(weights) != len(funcs):
         raise ConfigError(f"reward_weights: {len(weights)} weights for {len(funcs)} reward functions")
     out, used = [], set()
@@ -178,6 +206,9 @@ def _prompt_row(row: Any, i: int) -> dict:
     if isinstance(row, str):
         return {"prompt": row}
     if isinstance(row, Mapping) and "prompt" in row:
+        if not isinstance(row["prompt"], str):  # not trained on as its str()
+            raise ConfigError(f"train/eval prompts: item {i}: 'prompt' is {type(row['prompt']).__name__} "
+                              f"{row['prompt']!r:.60}, expected a string (the prompt text)")
         return dict(row)
     raise ConfigError(f"train/eval prompts: item {i} must be a string or a mapping with 'prompt', got {row!r:.80}")
 

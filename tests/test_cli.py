@@ -176,6 +176,26 @@ BAD_CONFIGS = [  # (config, overrides, the one-line message); "{tmp}" is the tes
     (VLM, ["reward.name=exact_matc"], "reward.name: unknown reward 'exact_matc'"),
     (MT, ["env.tasks.grid_puzzle.bogus=4"], "env.tasks.grid_puzzle: GridPuzzleEnv.__init__() got an unexpected "
                                             "keyword argument 'bogus'"),
+    (FLOW, ["reward.components.jpeg_incompressibility.weight=.nan"],  # was: NaN rewards at step 1
+     "reward.components.jpeg_incompressibility.weight: expected a finite number, got nan"),
+    (FLOW, ["reward.components={jpeg_incompressibility: .inf}"],
+     "reward.components.jpeg_incompressibility: expected a finite weight, got inf"),
+    (VLM, ["reward.name=composite", "reward.kwargs={components: {exact_match: .nan, format: 1.0}}"],
+     "reward.kwargs.components.exact_match: expected a finite weight, got nan"),
+    (FLOW, ["reward.components.jpeg_incompressibility.quality=abc"],  # was: int('abc') inside the reward, unnamed
+     "reward.components.jpeg_incompressibility.quality: reward 'jpeg_incompressibility' takes an integer for "
+     "'quality' (default 95), got 'abc'"),
+    # judges that cannot score what the run makes (they failed at the baseline evaluation, after the model load,
+    # leaving a run directory with an empty metrics.jsonl); an image family asked for videos (the reward was blamed)
+    (FLOW, ["log.eval_every=1", "log.judges={answer: {reward: exact_match}}"],
+     "log.judges.answer: reward 'exact_match' scores texts, but this run makes images; a judge scores what the run "
+     "makes: name one that scores images ("),
+    (FLOW, ["rollout.num_frames=5", "log.eval_every=1", "log.judges={colour: {reward: prompt_color}}"],
+     "rollout.num_frames=5: StableDiffusion3Pipeline generates images, so num_frames must be 1 (video pipelines: ["),
+    (VLM, ["log.judges={colour: {reward: prompt_color}}"],
+     "log.judges.colour: reward 'prompt_color' scores images, but this run makes texts"),
+    (VLM, ["log.judges={answer: {reward: exact_match, lowercas: true}}"],
+     "log.judges.answer.lowercas: reward 'exact_match' has no argument 'lowercas'; valid: ["),
 ]
 
 

@@ -147,3 +147,23 @@ def test_load_config_dispatch_and_errors(tmp_path, toy_recipe):
     p.write_text("algorithm: [unclosed\n")
     with pytest.raises(ConfigError, match="invalid YAML"):
         C.load_config(p)
+
+
+@pytest.mark.parametrize("command", ["check", "train"])
+def test_cross_key_checks_do_not_depend_on_the_order_of_overrides(command, tmp_path, monkeypatch, capsys):
+    """`rollout.max_staleness=1 rollout.worker=process` was refused ("needs rollout.worker=process") because the
+    section's checks ran after each override; they run once on the final values, for `train` and `config check`."""
+    from pathlib import Path
+
+    from mmrl import cli
+
+    trained = []
+    monkeypatch.setattr(cli, "recipe_module", lambda name: types.SimpleNamespace(train=trained.append))
+    flow = str(Path(__file__).resolve().parents[1] / "configs/diffusion/flow_grpo_tiny.yaml")
+    args = (["config", "check"] if command == "check" else ["train"]) + [flow, f"output_dir={tmp_path / 'run'}"]
+    for pair in (["rollout.max_staleness=1", "rollout.worker=process"],
+                 ["rollout.worker=process", "rollout.max_staleness=1"]):
+        assert cli.main(args + pair) == 0, capsys.readouterr().err
+    assert cli.main(args + ["rollout.max_staleness=1"]) == 2  # the check itself still holds
+    assert "rollout.max_staleness=1 needs rollout.worker=process" in capsys.readouterr().err
+    assert len(trained) == (2 if command == "train" else 0)

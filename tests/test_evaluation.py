@@ -399,3 +399,24 @@ def test_eval_missing_state_is_one_line(trained_run, tmp_path, capsys):
     cfg = str(REPO / "configs" / "diffusion" / "flow_grpo_tiny.yaml")
     _one_line_error(capsys, ["eval", cfg, f"model.path={MODEL}", "--checkpoint", str(adapters), "--state", "old",
                              "--max-prompts", "1"], "no policy state 'old' (saved: ['default']")
+
+
+def test_eval_of_a_run_on_a_read_only_mount_is_one_line(trained_run, tmp_path, capsys):
+    """A run on a real read-only mount (root only), with the eval folder of an earlier eval in it (its mkdir passes):
+    one line naming the folder before the model loads (issue 27: a traceback from writing the first image)."""
+    import subprocess
+
+    cfg_path, run = trained_run
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    try:
+        shutil.copytree(run, mnt / "run")
+        (mnt / "run" / "eval" / "step_1" / "images").mkdir(parents=True)
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        _one_line_error(capsys, ["eval", str(cfg_path), "--checkpoint", str(mnt / "run"), *EVAL_ARGS, *EVAL_OVERRIDES],
+                        f"mmrl: error: mmrl eval: cannot write into {mnt / 'run' / 'eval' / 'step_1'} (Read-only file "
+                        f"system); pass --out DIR, a directory on a writable disk")
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)

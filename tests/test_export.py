@@ -9,6 +9,8 @@ full fine-tuning); the merged directory loads with `from_pretrained` and gives m
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -315,12 +317,96 @@ def test_wrong_format_for_the_family_and_bad_out_are_one_line_errors(vlm_full_ru
         export(sd3_run, "onnx", tmp_path / "x")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "f").write_text("x")
-    with pytest.raises(ValueError, match="is not empty; give a new or empty directory"):
-        export(sd3_run, "kohya", tmp_path / "full")
+    with pytest.raises(ValueError, match=r"is not an earlier export \(it holds 1 entry: f\); --overwrite replaces"):
+        export(sd3_run, "kohya", tmp_path / "full", overwrite=True)
     assert cli.main(["export", str(tmp_path / "nowhere"), "--format", "kohya", "--out", str(tmp_path / "k")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("mmrl: error: mmrl export ") and "not found" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "k").exists()
+
+
+def _files(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _export_error(capsys, *argv: str) -> str:
+    """`mmrl export ARGV` fails with exit code 2 and one line (no traceback); returns that line without the prefix."""
+    assert cli.main(["export", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("mmrl: error: mmrl export: "), err
+    return err.removeprefix("mmrl: error: ").removesuffix("  (MMRL_DEBUG=1 shows the traceback)")
+
+
+@pytest.mark.slow
+def test_overwrite_replaces_only_an_earlier_export(sd3_run, tmp_path, capsys):
+    """--overwrite never deletes a run, a checkpoint or other files, and --out never is, holds or lies inside the run
+    or checkpoint being exported; an earlier export is replaced (issue 27: `--out RUN --overwrite` emptied the run)."""
+    before = _files(sd3_run)
+    step = sd3_run / "checkpoints" / "step_2"
+    rule = ("--overwrite replaces only a directory mmrl export wrote (with mmrl_export.json): give a new or empty "
+            "directory")
+    lora = ["--format", "diffusers-lora"]
+    assert _export_error(capsys, str(sd3_run), *lora, "--out", str(sd3_run), "--overwrite") == (
+        f"mmrl export: --out {sd3_run} is not an earlier export (it holds a run directory: config.yaml, metrics.jsonl, "
+        f"checkpoints/); {rule}")
+    assert _export_error(capsys, str(step), *lora, "--out", str(step), "--overwrite") == (
+        f"mmrl export: --out {step} is not an earlier export (it holds a checkpoint: its COMPLETE marker); {rule}")
+    assert _export_error(capsys, str(sd3_run), *lora, "--out", str(sd3_run / "exports" / "lora")) == (
+        f"mmrl export: --out {sd3_run / 'exports' / 'lora'} is inside the run being exported ({sd3_run}); give a "
+        f"directory outside it")
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "a.txt").write_text("mine")
+    assert _export_error(capsys, str(sd3_run), *lora, "--out", str(other), "--overwrite") == (
+        f"mmrl export: --out {other} is not an earlier export (it holds 1 entry: a.txt); {rule}")
+    assert _files(sd3_run) == before and (other / "a.txt").read_text() == "mine"
+
+    # an earlier export: refused without --overwrite, replaced with it (nothing of the old one left)
+    out = tmp_path / "lora"
+    assert cli.main(["export", str(sd3_run), *lora, "--out", str(out)]) == 0
+    assert _export_error(capsys, str(sd3_run), "--format", "kohya", "--out", str(out)) == (
+        f"mmrl export: --out {out} holds an earlier export; pass --overwrite to replace it, or give a new or empty "
+        f"directory")
+    assert cli.main(["export", str(sd3_run), "--format", "kohya", "--out", str(out), "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["mmrl_export.json", "mmrl_sd3_lora_step_2.safetensors"]
+    # ... unless it holds the run being exported
+    shutil.copytree(sd3_run, out / "run")
+    assert _export_error(capsys, str(out / "run"), *lora, "--out", str(out), "--overwrite") == (
+        f"mmrl export: --out {out} contains the run being exported ({out / 'run'}); give a directory outside it")
+    assert _files(out / "run") == before
+    capsys.readouterr()
+
+
+@pytest.mark.slow
+def test_export_to_a_read_only_or_full_disk_is_one_line(sd3_run, tmp_path, capsys):
+    """Real mounts (root only, as tests/test_runtime.py's full disk): a read-only disk fails before the weights are
+    read, a full one while they are written; neither leaves a partial export, and an earlier export stays whole."""
+    import subprocess
+
+    ro, small = tmp_path / "ro", tmp_path / "small"
+    ro.mkdir()
+    small.mkdir()
+    mounts = [["-o", "ro,size=64k", str(ro)], ["-o", "size=128k", str(small)]]  # 128k: one kohya export fits
+    if any(subprocess.run(["mount", "-t", "tmpfs", *m[:2], "tmpfs", m[2]], capture_output=True).returncode
+           for m in mounts):
+        subprocess.run(["umount", str(ro)], capture_output=True)
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    try:
+        line = _export_error(capsys, str(sd3_run), "--format", "kohya", "--out", str(ro / "k"))
+        assert line.startswith(f"mmrl export: cannot write --out {ro / 'k'}: Read-only file system ({ro / '.tmp-k-'}") \
+            and line.endswith("); give --out a directory on a writable disk"), line
+        assert cli.main(["export", str(sd3_run), "--format", "kohya", "--out", str(small / "k")]) == 0
+        earlier = _files(small / "k")
+        line = _export_error(capsys, str(sd3_run), "--format", "kohya", "--out", str(small / "k"), "--overwrite")
+        assert line.startswith(f"mmrl export: no space left on the device of {small} while writing --out "
+                               f"{small / 'k'} (SafetensorError: ") and line.endswith(
+            f"the partial export was removed and {small / 'k'} is as it was: free space, or give --out on another "
+            f"disk"), line
+        assert _files(small / "k") == earlier and sorted(p.name for p in small.iterdir()) == ["k"]
+        assert not list(ro.iterdir())
+    finally:
+        for m in mounts:
+            subprocess.run(["umount", m[2]], capture_output=True)
 
 
 @pytest.mark.slow
@@ -342,6 +428,23 @@ def test_cli_export_of_a_run_directory(sd3_run, tmp_path, capsys):
     meta = json.loads((tmp_path / "l" / "mmrl_export.json").read_text())
     assert meta["sampling"]["guidance_scale"] == 3.0 and meta["source"]["sha256"]
     assert str(tmp_path / "l") in (tmp_path / "l" / "README.md").read_text()  # the final path, not the temp dir
+
+
+def test_a_config_of_another_family_is_refused_naming_the_checkpoints_own(tmp_path):
+    """`--config` of a VLM run for a diffusion checkpoint was taken at its word: the error said the checkpoint was a
+    vlm checkpoint. The checkpoint's own config.yaml says what wrote it."""
+    import shutil
+
+    ck = tmp_path / "ckpt"
+    (ck / "adapters" / "default").mkdir(parents=True)
+    (ck / "adapters" / "default" / "adapter_model.safetensors").write_bytes(b"")
+    shutil.copy(ROOT / "configs/diffusion/flow_grpo_tiny.yaml", ck / "config.yaml")
+    vlm = ROOT / "configs/vlm/grpo_tiny_shapes.yaml"
+    with pytest.raises(ValueError, match=re.escape(f"mmrl export: --config {vlm} is a vlm_grpo (vlm) config, but the "
+                                                   f"checkpoint was written by flow_grpo (diffusion) per its "
+                                                   f"{ck / 'config.yaml'}; pass the config it was trained with")):
+        export(ck / "adapters", "diffusers-lora", tmp_path / "out", config=vlm, base=ROOT / "assets/tiny_sd3_shapes")
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_family_comes_from_the_registry_and_an_unknown_pipeline_is_one_line(tmp_path):

@@ -1,6 +1,9 @@
 """Judges and the reward-hacking alarm (`mmrl.training.judges`) with real zoo rewards on synthetic images: the
 baseline, the rule, patience, the checkpointed state, the summary line, the stop decision, config errors."""
 
+import warnings
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -8,20 +11,20 @@ from mmrl.config import ConfigError, load_config
 from mmrl.distributed import DistContext
 from mmrl.pipelines.shapes import COLORS
 from mmrl.rewards import load
-from mmrl.training.judges import HackingConfig, JudgePanel, judge_summary, stop_for_hacking
+from mmrl.training.judges import HackingConfig, JudgePanel, build_judges, judge_summary, stop_for_hacking
 
 PROMPTS = [f"a {c} circle on a {bg} background" for c, bg in
            [("red", "blue"), ("green", "white"), ("yellow", "black"), ("white", "red"), ("blue", "green"),
-            ("orange", "purple")]]
+            ("orange", "purple"), ("black", "orange"), ("purple", "yellow")]]  # MIN_PROMPTS = 8: a verdict
 
 
 def _scenes(noise_level: float, seed: int = 0) -> torch.Tensor:
     """Each prompt's background colour everywhere, mixed with uniform noise (a texture): prompt i gets
-    noise_level + 0.04 i of it, so the scores spread over the prompts as a real evaluation's do."""
+    noise_level + 0.03 i of it, so the scores spread over the prompts as a real evaluation's do."""
     g = torch.Generator().manual_seed(seed)
     bg = torch.stack([torch.tensor(COLORS[p.split()[-2]], dtype=torch.float32).view(3, 1, 1).expand(3, 32, 32) / 255
                       for p in PROMPTS])
-    w = (noise_level + 0.04 * torch.arange(len(PROMPTS), dtype=torch.float32)).view(-1, 1, 1, 1)
+    w = (noise_level + 0.03 * torch.arange(len(PROMPTS), dtype=torch.float32)).view(-1, 1, 1, 1)
     return (1 - w) * bg + w * torch.rand(bg.shape, generator=g)
 
 
@@ -51,7 +54,7 @@ def test_quiet_when_the_judge_holds_or_the_reward_does_not_rise():
     assert m["eval/judge/reward/delta"] == pytest.approx(1.0) and m["eval/judge/colour/delta"] == 0.0
     assert m["eval/hacking"] == 0.0
     # a little extra grain costs the colour consistently (the paired test alone would count it: se ~ 0) but by
-    # 0.4 baseline spreads only, under the min_effect floor of 0.5 spreads: not a fall
+    # 0.25 baseline spreads only, under the min_effect floor of 0.5 spreads: not a fall
     slight = _scenes(0.02, seed=2)
     m = panel.observe(6, jpeg(slight).scores, images=slight, prompts=PROMPTS)
     d, noise = m["eval/judge/colour/delta"], m["eval/judge/colour/noise"]
@@ -78,6 +81,61 @@ def test_patience_state_dict_and_changed_judges():
         other.load_state_dict(state)
     with pytest.raises(ValueError, match="must not be 'reward'"):
         JudgePanel({"reward": load("prompt_color")})
+
+
+class _Fixed:
+    """A judge that returns the given per-prompt scores (NaN where it could not score)."""
+
+    def __init__(self, *scores):
+        self.scores = list(scores)
+
+    def __call__(self, **inputs):
+        return SimpleNamespace(scores=torch.tensor(self.scores.pop(0), dtype=torch.float64))
+
+
+def test_no_verdict_below_eight_finite_prompts(capsys):
+    """Issue 27: one held-out prompt (log.eval_max_prompts: 1) made se and spread 0, so a 1e-6 rise of the reward
+    with a 1e-6 fall of a judge fired "REWARD HACKING at step 5: training reward +1e-06 (noise 1.11e-16)". Now
+    there is no verdict below MIN_PROMPTS = 8 finite prompts: a line says so, eval/hacking_no_verdict replaces
+    eval/hacking, and the scores short of prompts log their delta but no noise."""
+    panel = JudgePanel({"colour": _Fixed([0.5], [0.5 - 1e-6])})
+    panel.observe(0, [0.25])
+    m = panel.observe(5, [0.25 + 1e-6])
+    out = capsys.readouterr().out
+    assert "[judges] no verdict at step 5: reward 1 finite prompts < 8, colour 1 finite prompts < 8" in out
+    assert "REWARD HACKING" not in out and panel.alarm_step is None
+    assert m["eval/hacking_no_verdict"] == 1.0 and m["eval/hacking_alarm"] == 0.0 and "eval/hacking" not in m
+    assert m["eval/judge/reward/delta"] == pytest.approx(1e-6) and "eval/judge/reward/noise" not in m
+    # a judge that returns NaN on all prompts but one, 8 prompts: the judge has no verdict, hence the evaluation
+    nan7 = [0.5] + [float("nan")] * 7
+    panel = JudgePanel({"colour": _Fixed(nan7, [0.4] + [float("nan")] * 7)})
+    panel.observe(0, [0.0] * 8)
+    m = panel.observe(5, [1.0] * 8)
+    assert "[judges] no verdict at step 5: colour 1 finite prompts < 8" in capsys.readouterr().out
+    assert m["eval/hacking_no_verdict"] == 1.0 and m["eval/judge/reward/noise"] == 0.0  # the reward has a verdict
+    # with a second judge scoring all 8, the evaluation has a verdict; the short judge is left out of the rule
+    falls = [float(i) for i in range(8)]
+    panel = JudgePanel({"colour": _Fixed(nan7, nan7), "other": _Fixed(falls, [x - 5.0 for x in falls])})
+    panel.observe(0, [0.0] * 8)
+    m = panel.observe(5, [1.0] * 8)
+    assert "[judges] left out of the rule at step 5: colour 1 finite prompts < 8" in capsys.readouterr().out
+    assert m["eval/hacking"] == 1.0 and panel.alarm_judges == ["other"] and "eval/hacking_no_verdict" not in m
+    # the summary says there was no verdict rather than "quiet"
+    rows = [{"step": 5, "eval/hacking_alarm": 0.0, "eval/hacking_no_verdict": 1.0, "eval/judge/reward/delta": 1e-6,
+             "eval/judge/colour/delta": -1e-6}]
+    assert judge_summary(rows, "flow_grpo") == {"hacking_alarm": False, "hacking_alarm_step": None}
+    assert ("[flow_grpo] judges: no verdict at the last evaluation (step 5, fewer than 8 finite held-out prompts) "
+            "reward +1e-06 (no verdict), colour -1e-06 (no verdict)") in capsys.readouterr().out
+
+
+def test_fewer_held_out_prompts_than_the_minimum_warn_at_start():
+    log = SimpleNamespace(judges={"colour": {"reward": "prompt_color"}}, hacking=HackingConfig())
+    with pytest.warns(UserWarning, match=r"log.judges: the evaluation has 4 held-out prompts, fewer than the 8 the "
+                                         r"reward-hacking alarm needs for a verdict .* \(data.eval_size\)"):
+        assert build_judges(log, "cpu", eval_prompts=4, eval_key="data.eval_size") is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_judges(log, "cpu", eval_prompts=8)  # enough: no warning
 
 
 def test_summary_line_and_stop(tmp_path, capsys):
@@ -113,3 +171,31 @@ def test_config_keys_and_errors(tmp_path):
 
     with pytest.raises(ValueError, match="log.judges are scored at every evaluation"):
         train(load_config({**base, "log": {"judges": {"colour": {"reward": "prompt_color"}}}}))
+
+
+def test_a_judge_argument_the_reward_does_not_take_is_one_line(tmp_path, capsys):
+    """An argument a judge's reward does not take fails while the config is read, naming the judge, the key and the
+    valid ones (issue 27: a TypeError from the reward's constructor once the run had started); a judge's own
+    `device` is an argument like any other."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from mmrl import cli
+    from mmrl.training.judges import build_judges
+
+    valid = "['batch_size', 'device', 'differentiable', 'hard', 'sigma', 'target']"
+    base = {"algorithm": "flow_grpo", "output_dir": str(tmp_path), "log": {"eval_every": 5}}
+    with pytest.raises(ValueError, match=rf"^log.judges.prompt_color.bogus_kw: reward 'prompt_color' has no argument "
+                                         rf"'bogus_kw'; valid: {valid.replace('[', '[[]')}$"):
+        load_config({**base, "log": {"judges": {"prompt_color": {"bogus_kw": 1}}}})
+    config = Path(__file__).resolve().parents[1] / "configs" / "diffusion" / "flow_grpo_tiny.yaml"
+    assert cli.main(["config", "check", str(config),
+                     "log.judges={colour: {reward: prompt_color, bogus_kw: 1}}"]) == 2
+    assert capsys.readouterr().err.startswith(f"mmrl: error: log.judges.colour.bogus_kw: reward 'prompt_color' has no "
+                                              f"argument 'bogus_kw'; valid: {valid}  (MMRL_DEBUG")
+    # log.judges set after the config was read: the same line when the judges are built
+    log = SimpleNamespace(judges={"colour": {"reward": "prompt_color", "bogus_kw": 1}}, hacking=HackingConfig())
+    with pytest.raises(ValueError, match=r"^log.judges.colour.bogus_kw: reward 'prompt_color' has no argument"):
+        build_judges(log, "cpu")
+    log.judges = {"colour": {"reward": "prompt_color", "device": "cpu"}}
+    assert list(build_judges(log, "cpu").judges) == ["colour"]

@@ -18,6 +18,7 @@ from mmrl.testing import metrics_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_SD3 = ROOT / "assets" / "tiny_sd3_shapes"
+TINY_FLOW = ROOT / "configs/diffusion/flow_grpo_tiny.yaml"
 FAST_DIFFUSION = {"train.max_steps": 2, "train.save_every": 1, "rollout.num_steps": 2, "rollout.prompts_per_step": 2,
                   "rollout.group_size": 2, "log.eval_every": 0, "log.sample_every": 0, "data.eval_prompts": ""}
 
@@ -45,6 +46,20 @@ def test_function_rewards_are_called_like_trl_reward_functions():
         from_callable(lambda images, **k: [0.0])(images=x)
     with pytest.raises(ValueError, match="cannot tell whether it scores images or text"):
         from_callable(lambda x: x)
+
+
+def test_a_reward_function_returning_text_is_named_with_the_sample():
+    """float('good') failed without naming the function or the sample; '0.5' was silently taken as a number."""
+    def grade(images, prompts, **kwargs):
+        return [0.5, "good"]
+
+    x = torch.zeros(2, 3, 4, 4)
+    with pytest.raises(TypeError, match=re.escape("reward function 'grade' returned 'good' (str) for sample 1 of 2 "
+                                                  "(prompt 'a blue square'); expected one number per sample (None "
+                                                  "where it does not apply)")):
+        from_callable(grade)(images=x, prompts=["a red circle", "a blue square"])
+    with pytest.raises(TypeError, match=re.escape("reward function 'says' returned '1' (str) for sample 0 of 1; ")):
+        from_callable(lambda completions: ["1"], name="says")(completions=["x"])
 
 
 # ------------------------------------------------------------------------------------------ save_to_disk data
@@ -93,6 +108,32 @@ def test_trainer_builds_the_config_a_yaml_would():
         mmrl.Trainer("vlm_multiturn", reward_funcs=["exact_match"])
     with pytest.raises(ConfigError, match="unknown config key 'train.lr'|renamed to 'optim.lr'"):
         mmrl.Trainer("flow_grpo", overrides={"train.lr": 1e-4})
+    for weights in ([float("nan")], [float("inf")], ["1"]):  # NaN was found only at step 1, as a NaN reward
+        with pytest.raises(ConfigError, match=re.escape(f"reward_weights[0]: expected a finite number, got "
+                                                        f"{weights[0]!r}")):
+            mmrl.Trainer("flow_grpo", reward_funcs=["ocr"], reward_weights=weights)
+
+
+def test_a_failed_start_leaves_no_inputs_behind(tmp_path):
+    """The inputs a Trainer wrote for a start that failed (here: no model folder) go with the rest of that start:
+    a new output_dir entirely, in an existing one only what this start added."""
+    def args(out, prompts):
+        return dict(model=tmp_path / "no_model", reward_funcs=["jpeg_compressibility"], train_dataset=prompts,
+                    output_dir=out, overrides=FAST_DIFFUSION)
+
+    with pytest.raises(FileNotFoundError, match="model.path '.*no_model' does not exist"):
+        mmrl.Trainer(TINY_FLOW, **args(tmp_path / "new", ["a red circle"])).train()
+    assert not (tmp_path / "new").exists()
+    mine = tmp_path / "mine"
+    (mine / "inputs").mkdir(parents=True)
+    (mine / "inputs" / "notes.txt").write_text("mine")
+    with pytest.raises(FileNotFoundError, match="no_model"):
+        mmrl.Trainer(TINY_FLOW, **args(mine, ["a red circle"])).train()
+    assert sorted(p.relative_to(mine).as_posix() for p in mine.rglob("*")) == ["inputs", "inputs/notes.txt"]
+    with pytest.raises(ConfigError, match=re.escape("train/eval prompts: item 1: 'prompt' is int 7, expected a "
+                                                    "string (the prompt text)")):
+        mmrl.Trainer(TINY_FLOW, **args(tmp_path / "ints", [{"prompt": "a"}, {"prompt": 7}])).train()
+    assert not (tmp_path / "ints").exists()
 
 
 @pytest.mark.slow

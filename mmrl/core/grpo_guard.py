@@ -20,6 +20,15 @@ source: Flow-Factory (X-GenGroup/Flow-Factory at a0b2bc5, src/flow_factory/train
 ratio = exp((log_prob - old_log_prob) * scale_factor + mse / (2 * scale_factor)), scale_factor =
 sqrt(-dt) * std_dev_t, mse = mean over latent dims of (next_latents_mean - old next_latents_mean)^2); only for the
 Flow-SDE dynamics there ("Flow-SDE" = our sde_type "sde").
+
+Gradient reweighting (the paper's second part: "a gradient reweighting strategy equalizes policy gradients over noise
+conditions"). For the Flow-GRPO step, d mu / d v = (1 + std_t^2 (1 - sigma) / (2 sigma)) dt = (1 + a^2 / 2) dt
+(a = noise_level, std_t^2 = a^2 sigma / (1 - sigma)), so the guard ratio's gradient is (1 + a^2 / 2) dt mean_d(eps dv):
+proportional to the step size. Dividing the step's policy loss by -dt = sigma_t - sigma_(t+1) makes it the same for
+every step. source: verl-omni (verl-project/verl-omni at a1139ba, verl_omni/trainer/diffusion/diffusion_algos.py
+`GRPOGuardLoss.compute_loss`: pg_loss = mean(per-element clipped loss) / sqrt_dt^2, sqrt_dt = sqrt(-dt); the KL is
+added outside it). Flow-Factory's trainer does not reweight. The paper's own equation was not available to us; its
+abstract, verl-omni's code and the derivation above agree on 1 / (-dt).
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ import torch
 
 Tensor = torch.Tensor
 
-__all__ = ["grpo_guard_log_ratio"]
+__all__ = ["grpo_guard_log_ratio", "grpo_guard_step_weight"]
 
 
 def grpo_guard_log_ratio(logp: Tensor, old_logp: Tensor, mean: Tensor, old_mean: Tensor, step_std: Tensor) -> Tensor:
@@ -49,3 +58,12 @@ def grpo_guard_log_ratio(logp: Tensor, old_logp: Tensor, mean: Tensor, old_mean:
         raise ValueError("step_std: the GRPO-Guard ratio needs a stochastic step (std > 0) for every sample")
     mse = (mean.to(dtype) - old_mean.detach().to(dtype)).flatten(1).pow(2).mean(1)
     return (logp.to(dtype) - old_logp.detach().to(dtype)) * s + mse / (2.0 * s)
+
+
+def grpo_guard_step_weight(sigma: Tensor | float, sigma_next: Tensor | float) -> float:
+    """GRPO-Guard's gradient reweighting of one step's policy loss: 1 / (sigma - sigma_next), i.e. 1 / (-dt)
+    (module docstring). sigma > sigma_next: a step towards the data."""
+    s, s_next = float(sigma), float(sigma_next)
+    if not s > s_next:
+        raise ValueError(f"grpo_guard_step_weight: expected sigma > sigma_next, got {s}, {s_next}")
+    return 1.0 / (s - s_next)

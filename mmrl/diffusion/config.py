@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from mmrl.training import LoRAConfig, OnNonfinite, OptimConfig, TrackersConfig
-from mmrl.training.judges import JudgeFields
+from mmrl.training.judges import JudgeFields, check_judges
 
 # old key (earlier mmrl versions) -> new key, common to flow_grpo, dpo and nft (each recipe adds its own)
 RENAMED_KEYS: dict[str, str] = {
@@ -218,3 +218,9 @@ def check_common(cfg: Any, online: bool = True) -> None:
         raise ValueError("log.judges are scored at every evaluation: set data.eval_prompts (the held-out prompts) and "
                          f"log.eval_every > 0 (got eval_prompts={cfg.data.eval_prompts!r}, "
                          f"eval_every={log.eval_every})")
+    num_frames = getattr(cfg.rollout, "num_frames", 1)
+    if num_frames > 1:  # an image family refuses videos here, before the image rewards would be blamed for them
+        from mmrl.diffusion.models import check_num_frames
+
+        check_num_frames(cfg.model.path, num_frames)
+    check_judges(log, "video" if num_frames > 1 else "image")

@@ -176,6 +176,11 @@ class AlgoConfig:
     """`grpo_guard`: the PPO log-ratio of each step becomes GRPO-Guard's (log r) * s + mean((mu - mu_old)^2) / (2 s)
     (s = the step's std; Flow-Factory's `grpo-guard`): no negative bias, one scale for every step. Needs
     rollout.sde_type=sde; keeps the rollout's step means (memory as the latents)."""
+    grpo_guard_reweight: bool = False
+    """With ratio_norm=grpo_guard: GRPO-Guard's gradient reweighting, each trained step's policy loss divided by its
+    step size sigma_t - sigma_(t+1) (-dt), as verl-omni's `grpo_guard` loss; the guard's per-step gradient is
+    (1 + noise_level^2 / 2) dt mean(eps dv), so the steps then weigh alike (`mmrl.core.grpo_guard`). The KL term
+    is not reweighted. Off: Flow-Factory's `grpo-guard` (no reweighting)."""
     velocity_norm: VelocityNormConfig = field(default_factory=VelocityNormConfig)
     """||v_theta|| / ||v_ref|| on the trained steps (diag/velocity_norm_ratio, whenever the reference runs) and a
     hinge penalty coef * mean max(0, ratio - 1)^2 (`coef`, 0 = off); `reference_pass` runs the reference for the
@@ -230,6 +235,9 @@ def train(cfg: Config) -> dict:
     if algo.ratio_norm == "grpo_guard" and rollout.sde_type != "sde":
         raise ValueError(f"algo.ratio_norm=grpo_guard needs rollout.sde_type=sde (Gaussian Euler-Maruyama steps), "
                          f"got {rollout.sde_type!r}")
+    if algo.grpo_guard_reweight and algo.ratio_norm != "grpo_guard":
+        raise ValueError(f"algo.grpo_guard_reweight balances the per-step gradients of GRPO-Guard's ratio: it needs "
+                         f"algo.ratio_norm=grpo_guard, got {algo.ratio_norm!r}")
     cfg.update.updates_per_epoch(rollout.batch)  # update.mini_batch_size must divide the batch: fail before loading
     loop = DiffusionLoop(cfg)
     model = loop.model

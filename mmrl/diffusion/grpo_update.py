@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import torch
 
-from mmrl.core.grpo_guard import grpo_guard_log_ratio
+from mmrl.core.grpo_guard import grpo_guard_log_ratio, grpo_guard_step_weight
 from mmrl.core.kl import gaussian_kl_equal_std
 from mmrl.core.losses import clipped_policy_loss
 from mmrl.diffusion.diagnostics import MAX_KEYS, velocity_norm_term, velocity_norms
@@ -29,7 +29,8 @@ def train_on_rollout(parts, step: int, traj, adv, keep) -> dict:
     rollout's, or pi_old recomputed by `_old_policy`), plus algo.kl.coef * the closed-form Gaussian KL to the
     reference (whose forward runs when a term needs it: algo.kl.coef, algo.velocity_norm; it also gives the
     velocity-norm diagnostic). `algo.ratio_norm: grpo_guard` replaces the PPO log-ratio by GRPO-Guard's
-    (`mmrl.core.grpo_guard`) against the sampling policy's step means. With MIS/veto masks the mean (and DDP's loss
+    (`mmrl.core.grpo_guard`) against the sampling policy's step means (`algo.grpo_guard_reweight`: each step's
+    policy loss divided by its -dt). With MIS/veto masks the mean (and DDP's loss
     scale) is over the (sample, step) pairs kept."""
     cfg, ctx, model, states, timer = parts.cfg, parts.ctx, parts.model, parts.states, parts.timer
     update, algo, rollout = cfg.update, cfg.algo, cfg.rollout
@@ -37,6 +38,7 @@ def train_on_rollout(parts, step: int, traj, adv, keep) -> dict:
     vn = getattr(algo, "velocity_norm", None)
     need_ref = kl_coef > 0 or (vn is not None and vn.needs_reference())
     guard_ratio = getattr(algo, "ratio_norm", "none") == "grpo_guard"
+    guard_reweight = guard_ratio and getattr(algo, "grpo_guard_reweight", False)
     step_kw = dict(guidance_scale=rollout.guidance_scale, noise_level=rollout.noise_level, sde_type=rollout.sde_type,
                    cfg_grad=rollout.cfg_grad)
     acc: dict[str, list] = defaultdict(list)  # floats or 0-dim tensors (converted once, at the end: no GPU syncs)
@@ -96,6 +98,8 @@ def train_on_rollout(parts, step: int, traj, adv, keep) -> dict:
                                                         old_means[rows.to(old_means.device), j], cur.step_std)
                 loss, m = clipped_policy_loss(logp, old_j, a_j, mask=mask_j,
                                               clip_low=algo.clip_range, clip_high=algo.clip_range)
+                if guard_reweight:  # the policy loss only (not the KL): / -dt
+                    loss = loss * grpo_guard_step_weight(traj.sigmas[j], traj.sigmas[j + 1])
                 if kl_coef > 0:
                     std = cur.std.flatten(1)[:, 0].clamp(min=1e-8)  # [b]: one per sample, any latent rank
                     kl = gaussian_kl_equal_std(cur.mean, ref_means[j][0], std)  # [b]

@@ -151,7 +151,8 @@ class DiffusionLoop:
         self.stateful["transformer_evals"] = self.evals
         build_norm = getattr(cfg.reward, "build_running_norm", None)
         self.reward_norm = build_norm(self.stateful) if build_norm is not None else None  # identical on every rank
-        self.judges = build_judges(cfg.log, run.device, self.stateful)  # log.judges: held-out judges + hacking alarm
+        # log.judges: held-out judges + the hacking alarm (which warns when too few held-out prompts)
+        self.judges = build_judges(cfg.log, run.device, self.stateful, len(self.eval_items))
 
     def begin(self, postfix: Callable[[dict], dict] | None = None) -> int:
         """Resume (`train.resume`), the judges' baseline evaluation (before any update) and the step-0 sample grid;

@@ -82,7 +82,8 @@ def sde_step_metrics(rollout: Any) -> Callable[[Trajectory], dict]:
     def metrics(traj: Trajectory) -> dict:
         out = {"rollout/num_steps": len(traj.sigmas) - 1}
         if rollout.window_size:
-            out["rollout/window_start"] = int(traj.train_steps[0]) if len(traj.train_steps) else -1
+            sde = traj.sde_mask.nonzero()  # (not train_steps: CPS leaves its last step out of those)
+            out["rollout/window_start"] = int(sde[0]) if len(sde) else -1
         return out
 
     return metrics

@@ -10,7 +10,9 @@ SDE window (Flow-GRPO-Fast): with `window_size > 0` only `window_size` consecuti
 position drawn uniformly from `window_range` (or fixed when the range has one start), are stochastic;
 every other step is a deterministic Euler (ODE) step, and only the window's steps are trained on.
 Without a window every step is stochastic and the first `int(num_steps * timestep_fraction)` steps are
-trained on (Flow-GRPO: 0.99 of 10 steps = the first 9, i.e. all but the last).
+trained on (Flow-GRPO: 0.99 of 10 steps = the first 9, i.e. all but the last). With `sde_type="cps"` the step
+into sigma = 0 is never trained on (its noise std is 0: no density, and the KL would divide by 0); it is sampled
+as the other steps are (deterministically, as CPS gives it), so a window of one step there trains nothing.
 
 MixGRPO (`mmrl.diffusion.mixgrpo`): `window=(start, end)` fixes the window (its progressive schedule is computed by
 the recipe from the RL step); `ode_solver="dpm2"` integrates the deterministic steps after the last SDE step (all
@@ -218,6 +220,11 @@ def sample_groups(
             train_steps = torch.arange(k)
     else:
         train_steps = torch.zeros(0, dtype=torch.long)
+    if sde_type == "cps" and len(train_steps):
+        # CPS into sigma_next = 0 has std sigma_next sin(noise_level pi / 2) = 0: the step is deterministic (the
+        # Euler step), its log-prob is no density and the KL's 1 / (2 std^2) explodes (a 1e-3 velocity difference
+        # gave KL ~5e7); it is still sampled, but not trained on
+        train_steps = train_steps[sigmas[train_steps + 1].cpu() > 0]
     sde_steps = sde_mask.nonzero().flatten().tolist()
     step_noise = torch.randn((b, len(sde_steps), *x0.shape[1:]), generator=generator, device=device) if sde_steps else None
     last_sde = sde_steps[-1] if sde_steps else -1  # steps after it are the "post-window" ODE

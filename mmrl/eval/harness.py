@@ -190,6 +190,7 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
              max_prompts: int = 0, batch_size: int = 8, grid_images: int = 32, config_file: str | None = None,
              overrides: Sequence[str] = ()) -> dict:
     """Evaluate the diffusion policy of `cfg` (see the module docstring); returns the report (also written)."""
+    from mmrl.checkpoint_files import probe_writable
     from mmrl.diffusion.conditioning import check_data, encode_items, sample_panels
     from mmrl.diffusion.common import load_recipe_model
     from mmrl.diffusion.scoring import load_reward_fn
@@ -222,9 +223,14 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
     label = ("base" if adapters is None else f"step_{step}" if step is not None else "checkpoint") + \
         ("" if state == "default" else f"_{state}")
     out = Path(out) if out is not None else default_out_dir(cfg, adapters, label)
-    (out / "images").mkdir(parents=True, exist_ok=True)
-    for old in (out / "images").glob("p*_s*.*"):  # a rerun in the same directory leaves no stale image behind
-        old.unlink()
+    try:  # before the model loads: a read-only disk (a run on a read-only mount, default --out) is one line
+        for directory in (out, out / "images"):
+            probe_writable(directory)
+        for old in (out / "images").glob("p*_s*.*"):  # a rerun in the same directory leaves no stale image behind
+            old.unlink()
+    except OSError as exc:
+        raise ValueError(f"mmrl eval: cannot write into {out} ({exc.strerror or exc}); pass --out DIR, a directory "
+                         f"on a writable disk") from None
 
     t0 = time.perf_counter()
     if cfg.num_threads:

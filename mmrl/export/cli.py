@@ -31,13 +31,16 @@ def add_export_subparser(sub: argparse._SubParsersAction) -> argparse.ArgumentPa
     ex.add_argument("checkpoint", help="a run directory (its newest complete checkpoint), checkpoints/step_N/ or its "
                                        "adapters/")
     ex.add_argument("--format", required=True, choices=sorted(FORMATS), help="the output format (see above)")
-    ex.add_argument("--out", required=True, help="output directory (new or empty; written atomically)")
+    ex.add_argument("--out", required=True, help="output directory (new or empty; written atomically); never the run "
+                                                 "or checkpoint being exported, nor inside it")
     ex.add_argument("--state", default="default", choices=["default", "old"],
                     help="policy state (old = the EMA / old policy, when the run kept one)")
     ex.add_argument("--config", help="the config the checkpoint was trained with (default: its own config.yaml)")
     ex.add_argument("--base", help="the base model directory (default: the config's model.path)")
     ex.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="weights dtype of the merged formats (auto: the base model's stored dtype)")
-    ex.add_argument("--overwrite", action="store_true", help="replace a non-empty --out directory")
+    ex.add_argument("--overwrite", action="store_true",
+                    help="replace an earlier export in --out (a directory holding mmrl_export.json); a run, a "
+                         "checkpoint or other files are never replaced")
     ex.set_defaults(func=cmd_export)
     return ex

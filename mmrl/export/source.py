@@ -54,16 +54,18 @@ def resolve_source(path: str | Path, *, state: str = "default", config: str | Pa
     else:
         raise FileNotFoundError(f"mmrl export: {sub} holds neither {PEFT_WEIGHTS_NAME} (LoRA) nor {FULL_WEIGHTS_NAME} "
                                 f"(full fine-tuning)")
+    candidates = [adapters.parent / "config.yaml", adapters.parent.parent.parent / "config.yaml"]
+    own = next((c for c in candidates if c.is_file()), None)  # the config.yaml the checkpoint was written with
     if config is None:
-        candidates = [adapters.parent / "config.yaml", adapters.parent.parent.parent / "config.yaml"]
-        found = [c for c in candidates if c.is_file()]
-        if not found:
+        if own is None:
             raise FileNotFoundError(f"mmrl export: no config.yaml beside {adapters} (the checkpoint's step directory "
                                     f"holds one); pass --config CONFIG.yaml, the config it was trained with")
-        config = found[0]
+        config = own
     cfg = load_config(config)
     if cfg.algorithm not in RECIPES:
         raise ValueError(f"mmrl export: {config}: unknown algorithm {cfg.algorithm!r}")
+    if own is not None and Path(config).resolve() != own.resolve():
+        _same_family(cfg.algorithm, config, own)
     base_path = Path(base if base is not None else cfg.model.path).expanduser()
     if not base_path.exists():
         hint = "" if base is not None else " (model.path of the checkpoint's config, relative paths are taken " \
@@ -72,6 +74,24 @@ def resolve_source(path: str | Path, *, state: str = "default", config: str | Pa
                                 f"the checkpoint was trained from")
     return ExportSource(state_dir=sub, mode=mode, state=state, step=step, config=cfg, config_file=Path(config),
                         base=base_path.resolve())
+
+
+def _same_family(algorithm: str, config: str | Path, own: Path) -> None:
+    """`--config` of another trainer family (diffusion / vlm) than the checkpoint's own config.yaml is refused,
+    naming both: the export would otherwise call the checkpoint by the --config's family."""
+    from mmrl.config import load_yaml
+
+    try:
+        written_by = load_yaml(own).get("algorithm")
+    except (ValueError, OSError):  # an unreadable own config: --config is all there is to go by
+        return
+    if written_by not in RECIPES:
+        return
+    family, theirs = RECIPES[algorithm].split(".")[1], RECIPES[written_by].split(".")[1]
+    if family != theirs:
+        raise ValueError(f"mmrl export: --config {config} is a {algorithm} ({family}) config, but the checkpoint was "
+                         f"written by {written_by} ({theirs}) per its {own}; pass the config it was trained with (or "
+                         f"leave --config out)")
 
 
 def write_json(path: Path, obj: dict) -> None:

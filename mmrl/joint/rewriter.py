@@ -47,9 +47,9 @@ from mmrl.runtime import Timer, seed_everything
 from mmrl.training import (FullOptimizerState, KLConfig, OnNonfinite, OptimConfig, TrackersConfig, UpdateGuard,
                            build_optimizer, check_rewards, checkpoint_due, finite_stats, restore_checkpoint,
                            save_checkpoint, start_run)
-from mmrl.training.judges import JudgeFields, build_judges, stop_for_hacking
+from mmrl.training.judges import JudgeFields, build_judges, check_judges, stop_for_hacking
 from mmrl.training.run import closes_runs
-from mmrl.vlm.grpo import ModelConfig, RolloutConfig
+from mmrl.vlm.grpo import LossAgg, ModelConfig, RolloutConfig
 from mmrl.vlm.grpo_checks import check_clip_ranges
 from mmrl.vlm.update import VLMUpdateConfig
 from mmrl.vlm.warm_start import WarmStartConfig
@@ -126,8 +126,7 @@ class AlgoConfig:
     dual_clip: float = 0.0
     """Dual-clip constant c > 1 for negative advantages (0 = off): bounds the loss of a token whose ratio has grown
     large, which several PPO passes over one batch (`update.epochs`) can produce."""
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = \
-        "token-mean"
+    loss_agg: LossAgg = "token-mean"
     """Loss aggregation over tokens."""
     kl: KLConfig = field(default_factory=KLConfig)
     """KL(policy || reference = adapters off) as a loss term: coef (0 = no reference pass), estimator."""
@@ -179,6 +178,7 @@ class Config(RunConfig):
 
 def check_config(cfg: Config) -> None:
     """Fail before loading any model (one line naming the key, expected vs got)."""
+    from mmrl.diffusion.models import flow_model_class
     from mmrl.pipelines.data import require_path
 
     ro, d, al = cfg.rollout, cfg.data, cfg.algo
@@ -193,6 +193,7 @@ def check_config(cfg: Config) -> None:
     require_path("data.train_prompts", d.train_prompts, "prompt file")
     if d.eval_prompts:
         require_path("data.eval_prompts", d.eval_prompts, "prompt file")
+    flow_model_class(cfg.renderer.path, "renderer.path")  # the renderer's folder, named by its own key
     if "{prompt}" not in d.template:
         raise ValueError(f"data.template: expected a {{prompt}} placeholder, got {d.template!r}")
     if bool(d.image_key) != ("<image>" in d.template):
@@ -210,6 +211,7 @@ def check_config(cfg: Config) -> None:
         require_path("data.format_examples", d.format_examples, "prompt file")
     if cfg.log.judges and not d.eval_prompts:
         raise ValueError("log.judges are scored at every evaluation: set data.eval_prompts (the held-out prompts)")
+    check_judges(cfg.log, "image")  # they score the renderer's images
     cfg.update.updates_per_epoch(ro.prompts_per_step * ro.group_size)  # mini_batch_size must divide the batch
 
 
@@ -247,7 +249,7 @@ def train(cfg: Config) -> dict:
     eval_items = load_prompts(cfg.data.eval_prompts)[: cfg.log.eval_max_prompts] if cfg.data.eval_prompts else []
     reward_fn = load_reward_fn(cfg.reward.components, run.device)
     renderer = load_flow_model(r.path, run.device, run.dtype, r.max_sequence_length or None,
-                               family_options=r.family_options)
+                               family_options=r.family_options, key="renderer.path")
     renderer.transformer.requires_grad_(False)
     with ctx.main_process_first():  # rank 0 builds the tiny demo policy (model.build_tiny) before the others load it
         states, processor = build_policy(cfg.model, run.device, run.dtype, keep_ref=al.kl.coef > 0)
@@ -273,7 +275,7 @@ def train(cfg: Config) -> dict:
     optimizer, lr_sched = build_optimizer(params, cfg.optim, total_steps=updates)
     sampler = PromptSampler(train_items, seed=cfg.seed)
     stateful = {"optimizer": optimizer, "lr_scheduler": lr_sched, "data": sampler}
-    judges = build_judges(cfg.log, run.device, stateful)  # log.judges: scored on the eval renders
+    judges = build_judges(cfg.log, run.device, stateful, len(eval_items))  # scored on the eval renders
     start, _ = restore_checkpoint(ctx, run, states, stateful)
     loss_fn = PolicyGradientLoss(al.policy_loss, al.clip_low, al.clip_high, al.dual_clip, al.loss_agg,
                                  ro.max_new_tokens, al.entropy_coef, al.kl.coef, al.kl.estimator, False)
@@ -390,12 +392,10 @@ def train(cfg: Config) -> dict:
 
 def _target(item: Any, intent_key: str) -> str:
     """The text a reward scores an image against: the user's prompt, or metadata[intent_key]."""
-    if not intent_key:
-        return item.prompt
-    if intent_key not in item.metadata:
+    if intent_key and intent_key not in item.metadata:
         raise ValueError(f"reward.intent_key={intent_key!r}: prompt {item.prompt!r} has no such metadata key "
                          f"(has: {sorted(item.metadata)})")
-    return str(item.metadata[intent_key])
+    return str(item.metadata[intent_key]) if intent_key else item.prompt
 
 
 def _request(cfg: Config, processor: Any, item: Any, n: int | None = None):

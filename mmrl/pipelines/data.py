@@ -37,7 +37,7 @@ def read_text(path: str | Path) -> str:
                         f"is not UTF-8); {hint}") from None
     if "\x00" in text:
         raise DataError(f"{path}: a binary file (it contains NUL bytes), not text; {hint}")
-    return text
+    return text.removeprefix("\ufeff")  # a byte-order mark (Windows editors) is not part of the first prompt
 
 
 def is_saved_dataset(path: str | Path) -> bool:
@@ -124,6 +124,15 @@ def _require(row: dict, key: str, path: Any, i: int) -> Any:
     return row[key]
 
 
+def _require_text(row: dict, key: str, path: Any, i: int) -> str:
+    """`row[key]` that must be text (a prompt): a number or a list is refused, not trained on as its string form."""
+    value = _require(row, key, path, i)
+    if not isinstance(value, str):
+        raise DataError(f"{path}: row {i}: '{key}' is {type(value).__name__} {value!r:.60}, expected a string (the "
+                        f"prompt text); quote it in the file")
+    return value
+
+
 # ------------------------------------------------------------------------------------------ prompts
 
 
@@ -157,9 +166,9 @@ def load_prompts(path: str | Path, image_root: str | Path | None = None) -> list
                 if row is None:
                     continue
             key = "instruction" if "prompt" not in row and "instruction" in row else "prompt"
-            prompt = _require(row, key, path, i)
+            prompt = _require_text(row, key, path, i)
             meta = {k: v for k, v in row.items() if k != key}
-            items.append(PromptItem(str(prompt), meta))
+            items.append(PromptItem(prompt, meta))
     if not items:
         raise DataError(f"prompt file {path} contains no prompts")
     return items
@@ -241,7 +250,8 @@ def load_preference_pairs(path: str | Path, image_root: str | Path | None = None
     pairs: list[PreferencePair] = []
     if rows and "chosen" in rows[0]:
         for i, row in enumerate(rows):
-            pairs.append(PreferencePair(str(_require(row, "prompt", path, i)), resolve(_require(row, "chosen", path, i)),
+            pairs.append(PreferencePair(_require_text(row, "prompt", path, i),
+                                        resolve(_require(row, "chosen", path, i)),
                                         resolve(_require(row, "rejected", path, i)),
                                         {k: v for k, v in row.items() if k not in ("prompt", "chosen", "rejected")}))
     elif rows and "image_0" in rows[0]:
@@ -251,11 +261,11 @@ def load_preference_pairs(path: str | Path, image_root: str | Path | None = None
                 continue
             a, b = resolve(_require(row, "image_0", path, i)), resolve(_require(row, "image_1", path, i))
             w, l = (a, b) if label > 0.5 else (b, a)
-            pairs.append(PreferencePair(str(_require(row, "prompt", path, i)), w, l))
+            pairs.append(PreferencePair(_require_text(row, "prompt", path, i), w, l))
     elif rows and "score" in rows[0]:
         by_prompt: dict[str, list[tuple[float, Any]]] = {}
         for i, row in enumerate(rows):
-            by_prompt.setdefault(str(_require(row, "prompt", path, i)), []).append(
+            by_prompt.setdefault(_require_text(row, "prompt", path, i), []).append(
                 (float(_require(row, "score", path, i)), resolve(_require(row, "image", path, i))))
         for prompt, scored in by_prompt.items():
             scored.sort(key=lambda s: s[0])

@@ -12,8 +12,9 @@ when it has a `source_image`:
   preservation compare the result with the source outside the mask (everywhere when there is none);
 - other keys stay in the row's metadata (e.g. `source_caption` / `target_caption` for the CLIP direction score).
 
-A row whose source (or mask) file is missing or is not an image is skipped with a warning naming the file (as the
-visual-QA loader does); the image itself is read when a step draws the row. `load_sources(items, h, w)` gives the
+A row whose source (or mask) file is missing, is not an image or is truncated (PNG) is skipped with a warning naming
+the file (as the visual-QA loader does); a mask of another size than its source is an error naming both sizes. The
+pixels are decoded when a step draws the row. `load_sources(items, h, w)` gives the
 source images of a batch as a float tensor at the size the model conditions on.
 
 The synthetic task (`shapes_edit_example`, `make_shapes_edit_file`): a one-shape scene of `mmrl.pipelines.shapes`,
@@ -31,7 +32,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from mmrl.pipelines.shapes import COLORS, Shape, render_scene, sample_scene
 
@@ -56,38 +57,53 @@ def _ref(value: Any, root: Path) -> Any:
     return value
 
 
-def _check_image(ref: Any) -> str | None:
-    """None when `ref` opens as an image (header only), else why not."""
+def _read_image(ref: Any) -> tuple[tuple[int, int] | None, str | None]:
+    """((width, height), None) when `ref` opens as an image, else (None, why not). PIL's `verify` reads the file
+    through without decoding the pixels: a truncated PNG (missing chunks, a bad CRC) fails here rather than at the
+    step that draws its row. (A truncated JPEG has nothing to verify: `load_image` names it when the row is drawn.)"""
     import io
 
     try:
         if isinstance(ref, str) and not ref.startswith("data:"):
             if not Path(ref).is_file():
-                return f"file not found: {ref}"
-            with Image.open(ref) as im:
-                im.size  # noqa: B018 - reading the header is the check
+                return None, f"file not found: {ref}"
+            opened = Image.open(ref)
         elif isinstance(ref, (bytes, bytearray)):
-            with Image.open(io.BytesIO(ref)) as im:
-                im.size  # noqa: B018
-        return None
-    except (OSError, ValueError) as exc:  # PIL.UnidentifiedImageError is an OSError
-        return f"not an image: {ref if isinstance(ref, str) else type(ref).__name__} ({type(exc).__name__})"
+            opened = Image.open(io.BytesIO(ref))
+        else:  # a data URL or an in-memory image: read when the row is drawn
+            return None, None
+        with opened as im:
+            size = im.size
+            im.verify()
+        return size, None
+    except (OSError, ValueError, SyntaxError) as exc:  # PIL.UnidentifiedImageError is an OSError
+        what = ref if isinstance(ref, str) else f"<{type(ref).__name__}>"
+        if isinstance(exc, UnidentifiedImageError):
+            return None, f"not an image: {what} ({type(exc).__name__})"
+        return None, f"a truncated or corrupt image: {what} ({type(exc).__name__}: {exc})"
 
 
 def resolve_edit_row(row: dict, root: Path, path: Any, index: int) -> dict | None:
     """The row with `source_image` / `mask` resolved to loadable references, or None (with a warning naming the
-    file and row) when one of them cannot be read."""
-    out = dict(row)
+    file and row) when one of them cannot be read (missing, not an image, truncated). A mask whose size differs
+    from its source's is a ValueError naming both: it would be stretched onto the source (as diffusers' inpaint
+    pipelines do without a word), so its white region would not be the region to edit."""
+    out, sizes = dict(row), {}
     for key in (SOURCE_KEY, MASK_KEY):
         if out.get(key) is None:
             out.pop(key, None)
             continue
         ref = _ref(out[key], root)
-        problem = _check_image(ref)
+        sizes[key], problem = _read_image(ref)
         if problem is not None:
             warnings.warn(f"{path}: row {index} skipped: {key} {problem}", stacklevel=3)
             return None
         out[key] = ref
+    src, mask = sizes.get(SOURCE_KEY), sizes.get(MASK_KEY)
+    if src is not None and mask is not None and src != mask:
+        raise ValueError(f"{path}: row {index}: {MASK_KEY} is {mask[0]}x{mask[1]} (width x height) but "
+                        f"{SOURCE_KEY} is {src[0]}x{src[1]}; a mask marks pixels of its source, so it must have the "
+                        f"source's size")
     return out
 
 

@@ -75,10 +75,25 @@ class FunctionReward(RewardModel):
             except TypeError:
                 raise TypeError(f"reward function {self.name!r} returned {type(out).__name__}; expected one number "
                                 f"per sample (a list, array or tensor of length {n})") from None
-            scores = torch.tensor([float("nan") if v is None else float(v) for v in values], dtype=torch.float32)
+            scores = torch.tensor([self._number(v, i, n, named) for i, v in enumerate(values)], dtype=torch.float32)
         if scores.shape[0] != n:
             raise ValueError(f"reward function {self.name!r} returned {scores.shape[0]} scores for {n} samples")
         return RewardOutput(scores, {})
+
+    def _number(self, value: Any, i: int, n: int, named: dict[str, Any]) -> float:
+        """Sample i's score as a float (None -> NaN); a string (even '0.5') or anything else float() refuses is an
+        error naming the function and the sample, not float()'s bare "could not convert"."""
+        if value is None:
+            return float("nan")
+        if not isinstance(value, (str, bytes)):
+            try:
+                return float(value)
+            except (TypeError, ValueError):
+                pass
+        prompts = named.get("prompts")
+        where = f" (prompt {prompts[i]!r:.80})" if isinstance(prompts, (list, tuple)) and i < len(prompts) else ""
+        raise TypeError(f"reward function {self.name!r} returned {value!r:.80} ({type(value).__name__}) for sample {i} "
+                        f"of {n}{where}; expected one number per sample (None where it does not apply)")
 
     def score_images(self, images, prompts, metadata):
         return self._call(images.shape[0], {"images": images, "prompts": prompts}, metadata)

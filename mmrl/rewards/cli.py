@@ -40,6 +40,8 @@ from typing import Any, Sequence
 
 import torch
 
+from mmrl.pipelines.data import read_text
+from mmrl.rewards.registry import check_reward_arguments
 from mmrl.rewards.remote_server import DEFAULT_MAX_PIXELS, DEFAULT_MAX_REQUEST_PIXELS, TOKEN_ENV
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
@@ -182,6 +184,8 @@ def load_reward_from_args(spec: str, weights: str | None, kw_items: Sequence[str
             _fail(f"reward YAML {spec!r} must hold a mapping (name -> weight), got {type(target).__name__}")
     elif spec not in available():
         _fail(f"unknown reward {spec!r}; run `mmrl reward list` (available: {', '.join(available())})")
+    else:  # `--kw` names and values checked against the reward's arguments before it is built
+        check_reward_arguments(spec, {k: v for k, v in kwargs.items() if k != "weights"}, "--kw", sep=" ")
     if device is not None:
         try:
             return load(target, **{"device": device, **kwargs})
@@ -216,7 +220,7 @@ def read_prompts(path: str) -> tuple[list[str], list[dict] | None, list[str] | N
     p = Path(path)
     if not p.is_file():
         _fail(f"prompts file not found: {path!r}")
-    lines = p.read_text(encoding="utf-8").splitlines()
+    lines = read_text(p).splitlines()  # UTF-8, binary files named, a byte-order mark dropped
     if p.suffix.lower() != ".jsonl":
         return [ln for ln in lines if ln.strip()], None, None
     prompts, metadata, completions = [], [], []

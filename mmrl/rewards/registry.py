@@ -12,6 +12,7 @@ can import it without an import circle. `mmrl.rewards.load` (in base.py) turns a
 from __future__ import annotations
 
 import importlib
+import math
 from typing import Any, Callable
 
 _REGISTRY: dict[str, Callable[..., Any]] = {}
@@ -61,8 +62,8 @@ def create(name: str, **kwargs: Any) -> Any:
     return _REGISTRY[name](**kwargs)
 
 
-def reward_arguments(name: str) -> list[str] | None:
-    """The keyword arguments the reward registered under `name` is built with (sorted), or None when it takes any
+def _parameters(name: str) -> dict[str, Any] | None:
+    """{argument: inspect.Parameter} the reward registered under `name` is built with, or None when it takes any
     (`**kwargs`); unknown name -> ValueError listing the valid ones. Imports the reward's module, never a model."""
     import inspect
 
@@ -79,20 +80,66 @@ def reward_arguments(name: str) -> list[str] | None:
         return None
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return None
-    return sorted(p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                                       inspect.Parameter.KEYWORD_ONLY))
+    return {p.name: p for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                    inspect.Parameter.KEYWORD_ONLY)}
 
 
-def check_reward_arguments(name: str, kwargs: dict, where: str) -> None:
-    """ValueError naming `where.<arg>` for an argument the reward `name` does not take (valid ones listed), or
-    `where` for an unknown reward: what `create(name, **kwargs)` would fail on, found before any model loads."""
+def reward_arguments(name: str) -> list[str] | None:
+    """The keyword arguments the reward registered under `name` is built with (sorted), or None when it takes any
+    (`**kwargs`); unknown name -> ValueError listing the valid ones. Imports the reward's module, never a model."""
+    params = _parameters(name)
+    return None if params is None else sorted(params)
+
+
+# an argument annotated with one of these (or it `| None`) must get a value of that kind
+_SCALARS = {"int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+            "float": ("a number", lambda v: (isinstance(v, (int, float)) and not isinstance(v, bool))
+                      or (isinstance(v, str) and _is_float(v))),  # YAML reads `1e-3` (no dot) as a string
+            "bool": ("true or false", lambda v: isinstance(v, bool))}
+
+
+def _is_float(text: str) -> bool:
     try:
-        valid = reward_arguments(name)
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _expected_scalar(param: Any, value: Any) -> str | None:
+    """What `value` should have been for an argument annotated int / float / bool (None: it fits, or the argument
+    takes other things too): a word for a number (`quality=abc`) is refused here, not deep inside the reward."""
+    ann = param.annotation if isinstance(param.annotation, str) else getattr(param.annotation, "__name__", "")
+    kinds = {a.strip() for a in str(ann).split("|")}
+    if value is None and "None" in kinds:
+        return None
+    kinds.discard("None")
+    if len(kinds) != 1 or next(iter(kinds)) not in _SCALARS:
+        return None
+    word, fits = _SCALARS[next(iter(kinds))]
+    return None if fits(value) else word
+
+
+def check_reward_arguments(name: str, kwargs: dict, where: str, sep: str = ".") -> None:
+    """ValueError naming `where<sep><arg>` for an argument the reward `name` does not take (valid ones listed) or a
+    value of the wrong kind for an int / float / bool argument, or `where` for an unknown reward: what
+    `create(name, **kwargs)` would fail on, found before any model loads."""
+    try:
+        params = _parameters(name)
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
-    unknown = [k for k in kwargs if valid is not None and k not in valid]
+    if params is None:
+        return
+    unknown = [k for k in kwargs if k not in params]
     if unknown:
-        raise ValueError(f"{where}.{unknown[0]}: reward '{name}' has no argument '{unknown[0]}'; valid: {valid}")
+        raise ValueError(f"{where}{sep}{unknown[0]}: reward '{name}' has no argument '{unknown[0]}'; valid: "
+                         f"{sorted(params)}")
+    for key, value in kwargs.items():
+        expected = _expected_scalar(params[key], value)
+        if expected is not None:
+            default = params[key].default
+            shown = "" if default is params[key].empty else f" (default {default!r})"
+            raise ValueError(f"{where}{sep}{key}: reward '{name}' takes {expected} for '{key}'{shown}, got {value!r}")
 
 
 def check_reward_mapping(mapping: Any, where: str) -> None:
@@ -110,6 +157,8 @@ def check_reward_mapping(mapping: Any, where: str) -> None:
     for key, spec in mapping.items():
         at = f"{where}.{key}"
         if spec is None or (isinstance(spec, (int, float)) and not isinstance(spec, bool)):
+            if spec is not None and not math.isfinite(spec):
+                raise ValueError(f"{at}: expected a finite weight, got {spec!r}")
             check_reward_arguments(str(key), {}, at)
             continue
         if not isinstance(spec, dict):
@@ -118,5 +167,7 @@ def check_reward_mapping(mapping: Any, where: str) -> None:
         weight = args.pop("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)):
             raise ValueError(f"{at}.weight: expected a number, got {weight!r}")
+        if not math.isfinite(weight):  # a NaN weight makes every summed reward NaN
+            raise ValueError(f"{at}.weight: expected a finite number, got {weight!r}")
         name = args.pop("reward", args.pop("name", key))
         check_reward_arguments(str(name), args, at)

@@ -11,6 +11,9 @@ training reward rose while a judge fell, each beyond its noise (the rule and its
     eval/judge/reward/delta    the training reward's change (on the same prompts); eval/judge/reward/noise
     eval/hacking               1 when this evaluation meets the rule (reward rose and a judge fell), else 0
     eval/hacking_alarm         1 from the evaluation where `hacking.patience` consecutive ones fired the alarm on
+    eval/hacking_no_verdict    1 (instead of eval/hacking) when the training reward, or every judge, was compared on
+                               fewer than `mmrl.core.hacking.MIN_PROMPTS` finite prompts: no verdict, and a line
+                               says so ("no verdict: K finite prompts < 8"); such a score logs no `noise`
 
 The run summary prints one line (fired at step N and which judge fell, or quiet) and reports `hacking_alarm`,
 `hacking_alarm_step`. With `hacking.stop: true` the run stops after the step that fired the alarm (a checkpoint is
@@ -21,14 +24,16 @@ baseline.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from mmrl.core.hacking import ScoreChange, hacking_verdict, score_change
+from mmrl.core.hacking import MIN_PROMPTS, ScoreChange, hacking_verdict, score_change
 
-__all__ = ["HackingConfig", "JudgeFields", "JudgePanel", "build_judges", "judge_summary", "stop_for_hacking"]
+__all__ = ["HackingConfig", "JudgeFields", "JudgePanel", "build_judges", "check_judges", "judge_summary",
+           "stop_for_hacking"]
 
 
 @dataclass
@@ -70,25 +75,72 @@ class JudgeFields:
                 raise ValueError(f"log.judges.{name}: expected a mapping of load kwargs (or null), got {spec!r}")
             if isinstance(spec, dict) and "weight" in spec:
                 raise ValueError(f"log.judges.{name}: a judge has no weight (it is never trained on); remove 'weight'")
+            _check_judge(name, spec)  # an unknown reward or argument: while the config is read, before any load
         post = getattr(super(), "__post_init__", None)  # the next base's checks
         if post is not None:
             post()
 
 
-def build_judges(log_cfg: Any, device: Any, stateful: dict | None = None) -> "JudgePanel | None":
-    """The `JudgePanel` of `log.judges` (None when empty), registered in `stateful` as "judges" (checkpointed)."""
+def _check_judge(name: str, spec: dict | None) -> tuple[str, dict]:
+    """(zoo reward name, load kwargs) of judge `name`; ValueError naming `log.judges.<name>[.<arg>]` for a reward
+    that does not exist or an argument it does not take (the valid ones listed)."""
+    from mmrl.rewards.registry import check_reward_arguments
+
+    kw = dict(spec or {})
+    zoo = str(kw.pop("reward", name))
+    check_reward_arguments(zoo, kw, f"log.judges.{name}")
+    return zoo, kw
+
+
+def _registered_kind(name: str, kwargs: dict) -> str | None:
+    """What the reward registered under `name` scores (image, text, video) without building it; None when only the
+    built reward knows (a factory, a remote reward without `kind`, a module that fails to import)."""
+    from mmrl.rewards.registry import lookup
+
+    if name == "remote":
+        return kwargs.get("kind")
+    try:
+        obj = lookup(name)
+    except Exception:  # noqa: BLE001 - an optional dependency missing: building it will say so
+        return None
+    kind = getattr(obj, "kind", None) if isinstance(obj, type) else None
+    return kind if isinstance(kind, str) else None
+
+
+def check_judges(log_cfg: Any, makes: str) -> None:
+    """Before the run starts (no model loaded, no run directory): every `log.judges` entry names a known reward,
+    with arguments it takes, that scores what the run makes (`makes`: image, video or text); a judge of another
+    kind failed only at the baseline evaluation, after the model load."""
+    from mmrl import rewards
+
+    for name, spec in (getattr(log_cfg, "judges", None) or {}).items():
+        zoo, kw = _check_judge(name, spec)  # an unknown reward or argument: named with the valid ones
+        kind = _registered_kind(zoo, kw)
+        if kind is not None and kind != makes:
+            same = [n for n in rewards.available()  # the zoo's names (not tests' `_...` or the Trainer's `python:...`)
+                    if n[0].isalpha() and ":" not in n and _registered_kind(n, {}) == makes]
+            raise ValueError(f"log.judges.{name}: reward '{zoo}' scores {kind}s, but this run makes {makes}s; a "
+                             f"judge scores what the run makes: name one that scores {makes}s ({', '.join(same)})")
+
+
+def build_judges(log_cfg: Any, device: Any, stateful: dict | None = None, eval_prompts: int | None = None,
+                 eval_key: str = "log.eval_max_prompts") -> "JudgePanel | None":
+    """The `JudgePanel` of `log.judges` (None when empty), registered in `stateful` as "judges" (checkpointed).
+    `eval_prompts`: the number of held-out prompts the recipe evaluates; fewer than MIN_PROMPTS warns (the alarm
+    can give no verdict), naming `eval_key`, the setting that limits them."""
     specs = getattr(log_cfg, "judges", None) or {}
     if not specs:
         return None
+    if eval_prompts is not None and eval_prompts < MIN_PROMPTS:
+        warnings.warn(f"log.judges: the evaluation has {eval_prompts} held-out prompts, fewer than the {MIN_PROMPTS} "
+                      f"the reward-hacking alarm needs for a verdict (mmrl.core.hacking.MIN_PROMPTS): it will log no "
+                      f"verdict; evaluate on at least {MIN_PROMPTS} prompts ({eval_key})", stacklevel=2)
     from mmrl import rewards
 
     judges = {}
     for name, spec in specs.items():
-        kw = dict(spec or {})
-        zoo = kw.pop("reward", name)
-        if zoo not in rewards.available():
-            raise ValueError(f"log.judges.{name}: unknown reward '{zoo}'; available: {rewards.available()}")
-        judges[name] = rewards.load(zoo, device=str(device), **kw)
+        zoo, kw = _check_judge(name, spec)  # again: log.judges may have been set after the config was read
+        judges[name] = rewards.load(zoo, **{"device": str(device), **kw})  # a judge's own device wins
     panel = JudgePanel(judges, log_cfg.hacking)
     if stateful is not None:
         stateful["judges"] = panel
@@ -141,8 +193,16 @@ class JudgePanel:
             return metrics
         changes = {n: self._change(n, s) for n, s in scores.items()}
         for n, ch in changes.items():
-            metrics[f"eval/judge/{n}/delta"], metrics[f"eval/judge/{n}/noise"] = ch.delta, ch.noise
+            metrics[f"eval/judge/{n}/delta"] = ch.delta
+            if ch.verdict:  # below MIN_PROMPTS the threshold means nothing: none is logged
+                metrics[f"eval/judge/{n}/noise"] = ch.noise
         hacking, fell = hacking_verdict(changes["reward"], {n: c for n, c in changes.items() if n != "reward"})
+        short = ", ".join(f"{n} {ch.prompts} finite prompts < {MIN_PROMPTS}" for n, ch in changes.items()
+                          if not ch.verdict)
+        if hacking is None:
+            print(f"[judges] no verdict at step {step}: {short}", flush=True)
+        elif short:
+            print(f"[judges] left out of the rule at step {step}: {short}", flush=True)
         self.consecutive = self.consecutive + 1 if hacking else 0
         if self.alarm_step is None and self.consecutive >= self.cfg.patience:
             self.alarm_step, self.alarm_judges = int(step), fell
@@ -150,7 +210,10 @@ class JudgePanel:
             print(f"[judges] REWARD HACKING at step {step}: training reward {changes['reward'].delta:+.4g} (noise "
                   f"{changes['reward'].noise:.3g}) while " + ", ".join(
                       f"{n} {changes[n].delta:+.4g} (noise {changes[n].noise:.3g})" for n in fell), flush=True)
-        metrics["eval/hacking"] = float(hacking)
+        if hacking is None:
+            metrics["eval/hacking_no_verdict"] = 1.0
+        else:
+            metrics["eval/hacking"] = float(hacking)
         metrics["eval/hacking_alarm"] = float(self.alarm_step is not None)
         return metrics
 
@@ -158,7 +221,7 @@ class JudgePanel:
         base = torch.tensor(self.baseline[name], dtype=torch.float64)
         ok = torch.isfinite(base) & torch.isfinite(current)  # a prompt a judge could not score is left out
         if not bool(ok.any()):
-            return ScoreChange(0.0, 0.0, 0.0, 0.0)
+            return ScoreChange(0.0, 0.0, 0.0, 0.0, prompts=0)
         return score_change(base[ok], current[ok], self.cfg.z, 0.0 if name == "reward" else self.cfg.min_effect)
 
     # -------------------------------------------------------------------------------------- checkpoint
@@ -202,7 +265,7 @@ def stop_for_hacking(ctx: Any, run: Any, step: int, panel: "JudgePanel | None", 
 
 def judge_summary(rows: list[dict], name: str) -> dict:
     """The run summary's judge line and keys (nothing when the run had no judges)."""
-    evals = [r for r in rows if r.get("eval/hacking") is not None]
+    evals = [r for r in rows if r.get("eval/hacking_alarm") is not None]
     if not evals:
         return {}
     fired = next((r for r in evals if r.get("eval/hacking_alarm")), None)
@@ -211,12 +274,17 @@ def judge_summary(rows: list[dict], name: str) -> dict:
                      and k.endswith("/delta") and k.split("/")[2] != "reward"})
 
     def moved(r: dict, n: str) -> str:
-        return f"{n} {r.get(f'eval/judge/{n}/delta', 0.0):+.4g} (noise {r.get(f'eval/judge/{n}/noise', 0.0):.3g})"
+        noise = r.get(f"eval/judge/{n}/noise")
+        limit = "no verdict" if noise is None else f"noise {noise:.3g}"
+        return f"{n} {r.get(f'eval/judge/{n}/delta', 0.0):+.4g} ({limit})"
 
     if fired is not None:
         fell = [n for n in judges if judge_fell(fired, n)]
         print(f"[{name}] reward hacking alarm at step {fired['step']}: {moved(fired, 'reward')}, while "
               + ", ".join(moved(fired, n) for n in fell), flush=True)
+    elif last.get("eval/hacking_no_verdict"):
+        print(f"[{name}] judges: no verdict at the last evaluation (step {last['step']}, fewer than {MIN_PROMPTS} "
+              "finite held-out prompts) " + ", ".join(moved(last, n) for n in ["reward", *judges]), flush=True)
     else:
         print(f"[{name}] judges quiet (no reward hacking): last evaluation (step {last['step']}) "
               + ", ".join(moved(last, n) for n in ["reward", *judges]), flush=True)

@@ -130,7 +130,7 @@ class RewardConfig(RunningNormFields):  # + running_norm, running_norm_center, r
     and whitens over the batch (GDPO, arXiv 2601.05242; not with algo.kl.in_reward or running_norm)."""
 
     def __post_init__(self) -> None:
-        from mmrl.rewards.registry import check_reward_arguments, reward_arguments
+        from mmrl.rewards.registry import check_reward_arguments, check_reward_mapping, reward_arguments
 
         super().__post_init__()
         try:
@@ -138,6 +138,8 @@ class RewardConfig(RunningNormFields):  # + running_norm, running_norm_center, r
         except ValueError as exc:
             raise ValueError(f"reward.name: {exc}") from None
         check_reward_arguments(self.name, self.kwargs, "reward.kwargs")  # before any model loads
+        if self.name == "composite":  # its components, their weights and arguments
+            check_reward_mapping(self.kwargs, "reward.kwargs")
 
 
 @dataclass
@@ -256,7 +258,7 @@ def train(cfg: Config) -> dict:
     stateful = {"optimizer": FullOptimizerState(optimizer) if fsdp else optimizer, "lr_scheduler": lr_sched,
                 "data": data}
     reward_norm = cfg.reward.build_running_norm(stateful)  # identical on every rank: updated with global rewards
-    judges = build_judges(cfg.log, run.device, stateful)  # log.judges: scored with the eval accuracy
+    judges = build_judges(cfg.log, run.device, stateful, len(eval_items), "data.eval_size")  # scored with accuracy
     pipe = rollout_process(cfg, ctx, run, BUILDER, stateful)  # rollout.worker=process: None inline
     start, _ = restore_checkpoint(ctx, run, states, stateful)
     if pipe is not None:  # the rollout process starts from this version's weights and data position

@@ -11,6 +11,7 @@ from mmrl.core import get_advantage_estimator, get_policy_loss, kl_estimate
 from mmrl.pipelines.data import require_path
 from mmrl.pipelines.shapes_qa import ShapesQA
 from mmrl.training.async_rollout import check_async_rollout
+from mmrl.training.judges import check_judges
 
 
 def check_config(cfg: Any) -> None:
@@ -27,6 +28,7 @@ def check_config(cfg: Any) -> None:
     if log.judges and (not d.eval_size or (d.kind == "geo3k" and not d.val_path)):
         raise ValueError("log.judges are scored on the eval prompts: set data.eval_size > 0 (and data.val_path for "
                          f"geo3k), got eval_size={d.eval_size}, val_path={d.val_path!r}")
+    check_judges(log, "text")  # they score the policy's responses
     if cfg.dist.strategy == "fsdp" and ro.engine != "hf":
         raise ValueError("dist.strategy=fsdp: vlm_grpo supports FSDP with rollout.engine=hf only")
     if cfg.model.lora.init_path:

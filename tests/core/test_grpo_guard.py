@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from mmrl.core.grpo_guard import grpo_guard_log_ratio
+from mmrl.core.grpo_guard import grpo_guard_log_ratio, grpo_guard_step_weight
 from mmrl.diffusion.sde import sde_step_with_logprob
 
 
@@ -48,6 +48,25 @@ def test_identity_and_gradient_on_real_sde_steps():
     # at the sampling weights the ratio is exactly 1 (log 0): no bias, unlike the plain ratio's -mse / 2s^2 term
     same = grpo_guard_log_ratio(old.log_prob, old.log_prob, old.mean, old.mean, old.step_std)
     assert torch.equal(same, torch.zeros(3))
+
+
+def test_gradient_reweighting_by_hand():
+    """GRPO-Guard's gradient reweighting (algo.grpo_guard_reweight): the step's loss times 1 / (sigma - sigma_next).
+    The guard ratio's gradient is eps * (1 + a^2 / 2) dt / D (a = noise_level 0.7, D = 16 latent dims): 0.2 and 0.1
+    times -1.245 eps / 16 at the steps 0.8 -> 0.6 and 0.4 -> 0.3; reweighted, both are -1.245 eps / 16."""
+    assert grpo_guard_step_weight(0.8, 0.6) == pytest.approx(5.0)
+    assert grpo_guard_step_weight(0.4, 0.3) == pytest.approx(10.0)
+    torch.manual_seed(1)
+    x, v_old, noise = torch.randn(3, 4, 2, 2), torch.randn(3, 4, 2, 2), torch.randn(3, 4, 2, 2)
+    for sigma, sigma_next in ((0.8, 0.6), (0.4, 0.3)):
+        old = sde_step_with_logprob(x, v_old, sigma, sigma_next, noise_level=0.7, noise=noise)
+        v = (v_old + 0.01 * torch.randn(3, 4, 2, 2)).requires_grad_(True)
+        new = sde_step_with_logprob(x, v, sigma, sigma_next, noise_level=0.7, prev_sample=old.prev_sample)
+        out = grpo_guard_log_ratio(new.log_prob, old.log_prob, new.mean, old.mean, new.step_std)
+        (out.sum() * grpo_guard_step_weight(sigma, sigma_next)).backward()
+        assert torch.allclose(v.grad, -(1 + 0.49 / 2) * noise / 16, atol=1e-6), (sigma, sigma_next)
+    with pytest.raises(ValueError, match="expected sigma > sigma_next, got 0.3, 0.3"):
+        grpo_guard_step_weight(0.3, 0.3)
 
 
 def test_errors():

@@ -56,7 +56,9 @@ def test_grpo_guard_ratio_starts_at_one_and_trains(tmp_path, tiny_sd3_path):
     _train(_cfg("flow_grpo", out, tiny_sd3_path, ["algo.ratio_norm=grpo_guard", "update.epochs=2"],
                 optim={"lr": 3e-2}))
     rows = metrics_rows(out)
-    assert all(r["diag/logprob_drift"] == 0.0 for r in rows)  # the recorded means and log-probs agree
+    # the recorded means and log-probs agree with the trainer's: two computation paths (the rollout's batch and a
+    # training micro-batch), equal up to float rounding (0 on some CPUs, 1.2e-7 on an AVX-512/AMX Xeon)
+    assert all(r["diag/logprob_drift"] < 1e-5 for r in rows)
     assert all(r["train/updates"] == 2 and r["policy/clipfrac_ratio"] >= 0.0 for r in rows)
     # with recomputed pi_old the means come from the recompute pass; the run gives the same first step
     out2 = tmp_path / "guard_recompute"
@@ -82,6 +84,27 @@ def test_grpo_guard_changes_the_update_only_after_the_first_one(tmp_path, tiny_s
         rows[mode] = metrics_rows(out)[0]
     assert rows["none"]["policy/ratio_max"] != rows["grpo_guard"]["policy/ratio_max"]
     assert rows["none"]["reward/mean"] == rows["grpo_guard"]["reward/mean"]  # the same rollout
+
+
+def test_grpo_guard_reweight_divides_the_step_gradient_by_its_dt(tmp_path, tiny_sd3_path):
+    """algo.grpo_guard_reweight (verl-omni's grpo_guard loss): one trained step (window [1, 2) of 3), one update,
+    no KL: the gradient norm is the plain guard's divided by sigma_1 - sigma_2."""
+    from mmrl.diffusion.models import load_flow_model
+
+    rows = {}
+    for on in (False, True):
+        out = tmp_path / str(on)
+        _train(_cfg("flow_grpo", out, tiny_sd3_path, ["algo.ratio_norm=grpo_guard", f"algo.grpo_guard_reweight={on}",
+                                                      "rollout.window_size=1", "rollout.window_range=[1,2]",
+                                                      "update.mini_batch_size=0", "train.max_steps=1"]))
+        rows[on] = metrics_rows(out)[0]
+    sigmas = load_flow_model(tiny_sd3_path).sigmas(3, 64, 64)
+    assert rows[True]["reward/mean"] == rows[False]["reward/mean"]  # the same rollout
+    assert rows[True]["policy/grad_norm"] == pytest.approx(rows[False]["policy/grad_norm"]
+                                                           / float(sigmas[1] - sigmas[2]), rel=1e-4)
+    with pytest.raises(ValueError, match="algo.grpo_guard_reweight balances .* needs algo.ratio_norm=grpo_guard, "
+                                         "got 'none'"):
+        _train(_cfg("flow_grpo", tmp_path / "bad", tiny_sd3_path, ["algo.grpo_guard_reweight=true"]))
 
 
 # ---------------------------------------------------------------------------------------- velocity norm
@@ -192,7 +215,7 @@ def test_aggregation_and_group_rewards_in_every_recipe(tmp_path, tiny_sd3_path, 
 
 @pytest.mark.parametrize("algorithm", ["flow_grpo", "nft", "awm", "dpo"])
 def test_judges_in_every_recipe_baseline_and_resume(tmp_path, tiny_sd3_path, algorithm):
-    judges = ["log.eval_every=1", f"data.eval_prompts={EVAL}", "log.eval_max_prompts=4", "log.num_samples=4",
+    judges = ["log.eval_every=1", f"data.eval_prompts={EVAL}", "log.eval_max_prompts=8", "log.num_samples=4",
               "log.judges={colour: {reward: prompt_color}, jpeg_small: {reward: jpeg_compressibility}}"]
     full = tmp_path / "full"
     summary = _train(_cfg(algorithm, full, tiny_sd3_path, judges + ["train.max_steps=2"]))
@@ -213,14 +236,19 @@ def test_judges_in_every_recipe_baseline_and_resume(tmp_path, tiny_sd3_path, alg
 
 
 def test_judges_added_when_resuming_start_fresh(tmp_path, tiny_sd3_path):
+    """Also the alarm's minimum in a recipe: 3 held-out prompts (< 8) warn at the start and give no verdict."""
     out = tmp_path / "run"
     judged = ["log.eval_every=1", f"data.eval_prompts={EVAL}", "log.eval_max_prompts=3", "log.num_samples=3",
               "log.judges={colour: {reward: prompt_color}}", "train.save_every=1"]
     _train(_cfg("flow_grpo", out, tiny_sd3_path, ["train.max_steps=1", "train.save_every=1"]))  # no judges
-    _train(_cfg("flow_grpo", out, tiny_sd3_path, judged + ["train.max_steps=3"]))
+    with pytest.warns(UserWarning, match=r"the evaluation has 3 held-out prompts, fewer than the 8 .*"
+                                         r"\(log.eval_max_prompts\)"):
+        _train(_cfg("flow_grpo", out, tiny_sd3_path, judged + ["train.max_steps=3"]))
     rows = metrics_rows(out)
     # step 2: the first evaluation with judges is their baseline (no rule yet); step 3 compares with it
-    assert "eval/judge/colour" in rows[1] and "eval/hacking" not in rows[1] and "eval/hacking" in rows[2]
+    assert "eval/judge/colour" in rows[1] and "eval/hacking_alarm" not in rows[1]
+    assert "eval/judge/colour/delta" in rows[2] and rows[2]["eval/hacking_no_verdict"] == 1.0
+    assert "eval/hacking" not in rows[2] and "eval/judge/colour/noise" not in rows[2]
 
 
 # ---------------------------------------------------------------------------------------- the hacking demo

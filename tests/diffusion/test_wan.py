@@ -146,6 +146,20 @@ def test_frame_counts_and_options_fail_in_one_line(tiny_wan_path, tiny_sd3_path)
         load_flow_model(tiny_sd3_path, family_options={"shift": 3.0})
 
 
+def test_more_frames_than_the_rotary_table_takes_is_one_line(tiny_wan_path):
+    """Latent frames beyond the transformer's rope_max_seq_len (64 in the tiny Wan) are refused at load (issue 27:
+    `RuntimeError: shape '[25001, 1, 1, -1]' is invalid` from diffusers' rotary embedding at the first step); the
+    largest count allowed runs."""
+    with pytest.raises(ValueError, match=r"^rollout.num_frames=257: 65 latent frames \(\(257 - 1\) / 4 \+ 1\), "
+                                         r"more than the Wan transformer's rotary positions take \(64: "
+                                         r"rope_max_seq_len 64 in its config.json\); use at most 253 frames$"):
+        load_flow_model(tiny_wan_path, num_frames=257)
+    m = load_flow_model(tiny_wan_path, num_frames=253, max_sequence_length=SEQ)
+    traj = sample_groups(m, m.encode_prompts(P[:1]), 1, num_steps=1, height=16, width=16, guidance_scale=1.0,
+                         noise_level=0.0, generator=torch.Generator().manual_seed(0))
+    assert traj.latents.shape == (1, 2, 16, 64, 2, 2) and traj.images.shape == (1, 253, 3, 16, 16)
+
+
 def test_video_encode_is_the_inverse_of_decode_scaling(tiny_wan_path):
     """encode_images: VAE posterior mean, then (z - latents_mean) / latents_std; decode undoes it (as the pipeline)."""
     m = load_flow_model(tiny_wan_path, num_frames=5, max_sequence_length=SEQ)

@@ -5,6 +5,7 @@ processes, and the real recipe on tiny models of its layout."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -144,6 +145,24 @@ def test_config_errors(tmp_path, tiny):
     with pytest.raises(ValueError, match=r"algo.dual_clip: expected 0 \(off\) or a constant > 1"):
         train(_cfg(tmp_path / "h", tiny, ["algo.dual_clip=0.5"]))  # refused before any model loads
     assert not (tmp_path / "h" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("path, message", [("", "renderer.path is empty: expected a local diffusers pipeline"),
+                                           ("{tmp}/none", "renderer.path '{tmp}/none' does not exist: expected")])
+def test_a_missing_renderer_is_named_by_its_own_key_before_the_start(tmp_path, path, message):
+    """The renderer's folder was reported as `model.path` (and an empty value as '.'), after the run started."""
+    paths = {"policy": str(tmp_path / "qwen"), "renderer": path.format(tmp=tmp_path)}
+    with pytest.raises(FileNotFoundError, match="^" + re.escape(message.format(tmp=tmp_path))):
+        train(_cfg(tmp_path / "run", paths))
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_judge_that_cannot_score_the_renders_is_refused_before_the_start(tmp_path):
+    paths = {"policy": str(tmp_path / "qwen"), "renderer": str(SHAPES_MODEL)}
+    with pytest.raises(ValueError, match=re.escape("log.judges.answer: reward 'exact_match' scores texts, but this "
+                                                   "run makes images")):
+        train(_cfg(tmp_path / "run", paths, ["log.judges={answer: {reward: exact_match}}"]))
+    assert not (tmp_path / "run").exists()
 
 
 def test_render_shares_noise_within_a_group(tiny):

@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 from PIL import Image
@@ -27,6 +28,37 @@ def test_prompts_txt_and_jsonl(tmp_path):
     (tmp_path / "e.txt").write_text("\n")
     with pytest.raises(DataError, match="contains no prompts"):
         load_prompts(tmp_path / "e.txt")
+
+
+@pytest.mark.parametrize("name, text", [("p.txt", "a red circle\nb\n"), ("p.jsonl", '{"prompt": "a red circle"}\n'),
+                                        ("p.json", '[{"prompt": "a red circle"}]')])
+def test_a_byte_order_mark_is_not_part_of_the_first_prompt(tmp_path, name, text):
+    """Files saved by Windows editors start with U+FEFF: it stayed in the first prompt of a .txt (and a .jsonl or
+    .json failed to parse)."""
+    (tmp_path / name).write_text(text, encoding="utf-8-sig")
+    assert (tmp_path / name).read_bytes().startswith(b"\xef\xbb\xbf")
+    assert load_prompts(tmp_path / name)[0].prompt == "a red circle"
+
+
+@pytest.mark.parametrize("value, shown", [(7, "int 7"), (["a", "b"], "list ['a', 'b']"), ({"x": 1}, "dict {'x': 1}")])
+def test_a_prompt_that_is_not_text_is_refused_naming_the_file_and_row(tmp_path, value, shown):
+    """A number or a list in the prompt column was trained on as its string form ('7', "['a', 'b']")."""
+    j = tmp_path / "p.jsonl"
+    j.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"prompt": value}) + "\n")
+    with pytest.raises(DataError, match=re.escape(f"p.jsonl: row 1: 'prompt' is {shown}, expected a string (the "
+                                                  f"prompt text); quote it in the file")):
+        load_prompts(j)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": value, "chosen": "a.png", "rejected": "b.png"}) + "\n")
+    with pytest.raises(DataError, match=re.escape(f"pairs.jsonl: row 0: 'prompt' is {shown}")):
+        load_preference_pairs(pairs)
+
+
+def test_a_saved_dataset_with_int_prompts_is_refused(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"prompt": [3, 4]}).save_to_disk(str(tmp_path / "ds"))
+    with pytest.raises(DataError, match=re.escape("ds: row 0: 'prompt' is int 3, expected a string")):
+        load_prompts(tmp_path / "ds")
 
 
 def test_prompt_sampler_resume_is_exact():

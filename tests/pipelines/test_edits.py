@@ -3,6 +3,7 @@ unreadable image skipped with a warning naming the file, sources and masks as te
 
 import io
 import json
+import re
 import random
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from mmrl.pipelines.data import DataError, load_prompts
 from mmrl.pipelines.edits import load_masks, load_sources, make_shapes_edit_file, shapes_edit_example
@@ -81,6 +83,26 @@ def test_missing_or_broken_source_is_skipped_with_a_warning_naming_it(tmp_path):
     (tmp_path / "none.jsonl").write_text(json.dumps({**rows[0], "source_image": "nope.png"}) + "\n")
     with pytest.warns(UserWarning, match="nope.png"), pytest.raises(DataError, match="contains no prompts"):
         load_prompts(tmp_path / "none.jsonl")
+
+
+def test_a_truncated_source_is_skipped_and_a_mask_of_another_size_refused_naming_them(tmp_path):
+    """A truncated source PNG (half its bytes) and a 17x23 mask on a 64x64 source passed the start-up read without a
+    word: the first failed at the step that drew the row, the second was stretched onto the source."""
+    make_shapes_edit_file(tmp_path, n=2, seed=0)
+    rows = [json.loads(x) for x in (tmp_path / "edits.jsonl").read_text().splitlines()]
+    whole = (tmp_path / rows[0]["source_image"]).read_bytes()
+    (tmp_path / "images" / "cut.png").write_bytes(whole[: len(whole) // 2])
+    (tmp_path / "cut.jsonl").write_text("".join(json.dumps(r) + "\n" for r in
+                                                [rows[0], {**rows[1], "source_image": "images/cut.png"}]))
+    with pytest.warns(UserWarning, match=re.escape(f"cut.jsonl: row 1 skipped: source_image a truncated or corrupt "
+                                                   f"image: {tmp_path / 'images' / 'cut.png'} (OSError: ")):
+        assert len(load_prompts(tmp_path / "cut.jsonl")) == 1
+    Image.new("L", (17, 23), 255).save(tmp_path / "images" / "small_mask.png")
+    (tmp_path / "masks.jsonl").write_text(json.dumps({**rows[0], "mask": "images/small_mask.png"}) + "\n")
+    with pytest.raises(ValueError, match=re.escape("masks.jsonl: row 0: mask is 17x23 (width x height) but "
+                                                  "source_image is 64x64; a mask marks pixels of its source, so it "
+                                                  "must have the source's size")):
+        load_prompts(tmp_path / "masks.jsonl")
 
 
 def test_module_cli_writes_the_synthetic_task(tmp_path):

@@ -33,3 +33,16 @@ def test_mapping_spec_builds_the_registered_composite():
     assert rewards.load(model) is model
     with pytest.raises(TypeError, match="must be a string or a mapping, got int"):
         rewards.load(3)
+
+
+def test_reward_arguments_are_checked_by_kind_before_the_reward_is_built():
+    """int / float / bool arguments get a value of that kind (a word for a number failed inside the reward, unnamed);
+    YAML's `1e-3` (a string: no dot) counts as a number, as it does for config floats."""
+    registry.check_reward_arguments("number_match", {"tol": "1e-3"}, "reward.kwargs")
+    registry.check_reward_arguments("jpeg_incompressibility", {"quality": 50, "batch_size": 2}, "x")
+    with pytest.raises(ValueError, match=r"^reward.kwargs.tol: reward 'number_match' takes a number for 'tol' "
+                                         r"\(default 1e-06\), got 'abc'$"):
+        registry.check_reward_arguments("number_match", {"tol": "abc"}, "reward.kwargs")
+    with pytest.raises(ValueError, match=r"^x.lowercase: reward 'exact_match' takes true or false for 'lowercase' "
+                                         r"\(default True\), got 'no'$"):
+        registry.check_reward_arguments("exact_match", {"lowercase": "no"}, "x")

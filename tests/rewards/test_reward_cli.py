@@ -122,6 +122,12 @@ def test_score_text_reward_from_jsonl(tmp_path):
     (["jpeg_compressibility"], "pass --images"),
     (["jpeg_compressibility", "--images", "{img}", "--device", "tpu"], "unknown device 'tpu'"),
     (["{bad_yaml}", "--images", "{img}"], "is not valid YAML"),
+    (["jpeg_incompressibility", "--images", "{img}", "--kw", "quality=abc"],  # was: int() of 'abc', key unnamed
+     "mmrl reward: error: --kw quality: reward 'jpeg_incompressibility' takes an integer for 'quality' (default 95), "
+     "got 'abc'\n"),
+    (["jpeg_incompressibility", "--images", "{img}", "--kw", "qualty=5"],
+     "mmrl reward: error: --kw qualty: reward 'jpeg_incompressibility' has no argument 'qualty'; valid: "
+     "['batch_size', 'device', 'quality']\n"),
 ])
 def test_score_errors_exit_2(image_dir, tmp_path, capsys, argv, msg):
     prompts = tmp_path / "p.txt"
@@ -133,6 +139,16 @@ def test_score_errors_exit_2(image_dir, tmp_path, capsys, argv, msg):
         run(["reward", "score", *argv, "--no-progress"])
     assert ei.value.code == 2
     assert msg in capsys.readouterr().err
+
+
+def test_score_prompts_drop_a_byte_order_mark(image_dir, tmp_path, capsys):
+    """A prompt file saved with a BOM (U+FEFF): it stayed in the first prompt's CSV cell."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a grey square\nnoisy\nnoise\n", encoding="utf-8-sig")
+    assert run(["reward", "score", "jpeg_compressibility", "--images", str(image_dir), "--prompts", str(prompts),
+                "--no-progress"]) == 0
+    rows = list(csv.DictReader(capsys.readouterr().out.splitlines()))
+    assert [r["prompt"] for r in rows] == ["a grey square", "noisy", "noise"]
 
 
 def test_score_and_serve_name_the_reward_the_same_way_and_the_old_flag_still_works(image_dir, capsys):

@@ -37,7 +37,7 @@ def test_gdpo_and_judges_in_the_recipe(tiny_path, tmp_path):  # noqa: F811
     out = tmp_path / "gdpo"
     reward = ['reward.name=composite', 'reward.kwargs={components: {exact_match: 1.0, format: {weight: 0.5}}}',
               "reward.aggregation=normalise_then_sum", "reward.overlong_buffer=2",
-              "log.judges={match: {reward: exact_match}}", "log.eval_every=1"]
+              "log.judges={match: {reward: exact_match}}", "log.eval_every=1", "data.eval_size=8"]  # 8: a verdict
     summary = grpo.train(_cfg(tiny_path, out, *reward))
     rows = metrics_rows(out)
     assert all("reward/exact_match" in r and "reward/format" in r for r in rows)

@@ -30,7 +30,7 @@ import pkgutil
 
 from mmrl.diffusion.models.base import (  # noqa: F401
     ATTENTION_LORA_TARGETS, MODEL_FAMILIES, FlowModel, PromptEmbedCache, PromptEmbeds, available_families,
-    flow_model_class, load_flow_model, register_family,
+    check_num_frames, flow_model_class, load_flow_model, register_family,
 )
 from mmrl.diffusion.models.flux import FluxModel  # noqa: F401
 from mmrl.diffusion.models.sd3 import SD3Model  # noqa: F401

@@ -348,28 +348,41 @@ def _image_only_error(class_name: str, num_frames: int) -> ValueError:
                       f"(video pipelines: {video})")
 
 
-def flow_model_class(path: str | Path) -> type[FlowModel]:
+def check_num_frames(path: str | Path, num_frames: int) -> None:
+    """`rollout.num_frames` > 1 with an image family (read from model_index.json, no weights loaded): one line
+    naming the family, before anything is loaded for the run. A missing folder is left to the model load."""
+    if num_frames != 1 and (Path(path) / "model_index.json").is_file():
+        cls = flow_model_class(path)
+        if not cls.is_video:
+            raise _image_only_error(next(k for k, v in MODEL_FAMILIES.items() if v is cls), num_frames)
+
+
+def flow_model_class(path: str | Path, key: str = "model.path") -> type[FlowModel]:
     """The FlowModel subclass of a local pipeline directory (its model_index.json `_class_name`), without loading
-    any weights; clear errors for a missing directory or an unknown pipeline class (naming the supported ones)."""
+    any weights; clear errors naming the config `key` for an empty value, a missing directory or an unknown
+    pipeline class (naming the supported ones)."""
+    expected = ("expected a local diffusers pipeline directory (with model_index.json, e.g. written by "
+                "StableDiffusion3Pipeline.save_pretrained, a downloaded stabilityai/stable-diffusion-3.5-medium "
+                "snapshot, or mmrl.tiny.build_tiny_sd3(path))")
+    if not str(path).strip():  # Path('') is '.', the current directory: say what was given
+        raise FileNotFoundError(f"{key} is empty: {expected}")
     path = Path(path)
     index = path / "model_index.json"
     if not path.is_dir() or not index.is_file():
         what = "does not exist" if not path.exists() else "has no model_index.json"
-        raise FileNotFoundError(
-            f"model.path '{path}' {what}: expected a local diffusers pipeline directory (with model_index.json, "
-            f"e.g. written by StableDiffusion3Pipeline.save_pretrained, a downloaded "
-            f"stabilityai/stable-diffusion-3.5-medium snapshot, or mmrl.tiny.build_tiny_sd3(path))")
+        raise FileNotFoundError(f"{key} '{path}' {what}: {expected}")
     cls_name = json.loads(index.read_text()).get("_class_name", "")
     if cls_name not in MODEL_FAMILIES:
-        raise ValueError(f"model.path '{path}': pipeline class '{cls_name}' is not supported; "
+        raise ValueError(f"{key} '{path}': pipeline class '{cls_name}' is not supported; "
                          f"supported: {available_families()}")
     return MODEL_FAMILIES[cls_name]
 
 
 def load_flow_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                     max_sequence_length: int | None = None, num_frames: int = 1,
-                    family_options: dict[str, Any] | None = None) -> FlowModel:
-    """Load a local diffusers pipeline directory as a FlowModel (family chosen by model_index.json).
+                    family_options: dict[str, Any] | None = None, key: str = "model.path") -> FlowModel:
+    """Load a local diffusers pipeline directory as a FlowModel (family chosen by model_index.json); errors name
+    the config `key` that gave `path`.
 
     Text encoders and VAE are frozen (requires_grad False, eval mode); the transformer is left frozen
     too - adapters (or full fine-tuning) decide what trains. The VAE stays fp32 (as Flow-GRPO).
@@ -380,12 +393,12 @@ def load_flow_model(path: str | Path, device: str | torch.device = "cpu", dtype:
 
     from mmrl.checkpoint_files import refusing_pickled_weights
 
+    model_cls = flow_model_class(path, key)
     path = Path(path)
-    model_cls = flow_model_class(path)
     cls_name = next(name for name, cls in MODEL_FAMILIES.items() if cls is model_cls)
     if int(num_frames) != 1 and not model_cls.is_video:  # fail before loading the weights
         raise _image_only_error(cls_name, int(num_frames))
-    with refusing_pickled_weights("model.path", path):  # a pickled .bin: one line naming it, not 40
+    with refusing_pickled_weights(key, path):  # a pickled .bin: one line naming it, not 40
         pipe = getattr(diffusers, cls_name).from_pretrained(str(path), dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     for name, module in pipe.components.items():

@@ -16,7 +16,8 @@ The sampler is Euler / Flow-GRPO SDE on the pipeline scheduler's sigma schedule:
 `UniPCMultistepScheduler` (flow sigmas, `flow_shift`) the sigmas are UniPC's, but the solver is first-order (UniPC
 is a multistep predictor-corrector, which a per-step log-probability cannot follow); with a
 `FlowMatchEulerDiscreteScheduler` the ODE rollout equals diffusers' pipeline. The frame count must be 4k+1 (the
-VAE's temporal factor 4; diffusers rounds other counts with a warning, this refuses them).
+VAE's temporal factor 4; diffusers rounds other counts with a warning, this refuses them) and at most
+4 (rope_max_seq_len - 1) + 1 (the transformer's rotary table; 4093 frames with the published models' 1024).
 Not covered: image-to-video (Wan I2V, TI2V with a first frame), VACE, Wan-Animate.
 """
 
@@ -114,11 +115,21 @@ class WanModel(FlowModel):
         self.guidance_scale_2 = None if guidance_scale_2 is None else float(guidance_scale_2)
 
     def set_num_frames(self, num_frames: int) -> None:
-        if num_frames < 1 or (num_frames - 1) % self.temporal_factor:
-            k = self.temporal_factor
+        """Frames per video: k*m + 1 (the VAE's temporal factor k; it encodes the first frame alone, then k at a
+        time), and at most as many latent frames (per temporal patch) as the transformer's rotary position table
+        holds (`rope_max_seq_len`: diffusers slices the table to the frame count and reshapes, which fails beyond)."""
+        k = self.temporal_factor
+        if num_frames < 1 or (num_frames - 1) % k:
             raise ValueError(f"rollout.num_frames={num_frames}: the Wan VAE takes {k}k+1 frames (1, {k + 1}, "
                              f"{2 * k + 1}, {4 * k + 1}, ...); use {max(1, (num_frames - 1) // k * k + 1)} or "
                              f"{((num_frames - 1) // k + 1) * k + 1}")
+        experts = [self.pipe.transformer] + ([self.pipe.transformer_2] if self.pipe.transformer_2 is not None else [])
+        rope = min(int(t.config.rope_max_seq_len) for t in experts)
+        latent, most_latent = (num_frames - 1) // k + 1, (rope + 1) * self.patch_size[0] - 1
+        if latent > most_latent:
+            raise ValueError(f"rollout.num_frames={num_frames}: {latent} latent frames (({num_frames} - 1) / {k} + 1), "
+                             f"more than the Wan transformer's rotary positions take ({most_latent}: rope_max_seq_len "
+                             f"{rope} in its config.json); use at most {(most_latent - 1) * k + 1} frames")
         self.num_frames = int(num_frames)
 
     # ------------------------------------------------------------------ text
