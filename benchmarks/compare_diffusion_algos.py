@@ -172,7 +172,7 @@ def _instrument(clocks: Clocks):
     """Patch Run.progress / Run.log, common.evaluate_ode and SD3Model._forward; returns the undo function."""
     from mmrl.diffusion import common
     from mmrl.diffusion.models import SD3Model
-    from mmrl.runtime import Run
+    from mmrl.run.directory import Run
 
     saved = (Run.progress, Run.log, common.evaluate_ode, SD3Model._forward)
 

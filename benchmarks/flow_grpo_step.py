@@ -116,7 +116,7 @@ def bench(name: str, path: Path, size: int, steps: int, out: Path, prompts: int 
     import mmrl.diffusion.models as models
     from mmrl.config import load_config
     from mmrl.diffusion import flow_grpo
-    from mmrl.runtime import Run
+    from mmrl.run.directory import Run
 
     clock = TransformerClock()
     orig_load = models.load_flow_model

@@ -3,7 +3,7 @@ rank gathers every policy state and the whole AdamW state, rank 0 writes) vs sha
 torch.distributed.checkpoint: every rank writes its own shards).
 
 Each launch is 2 ranks (gloo, CPU) of FSDP2 over an SD3Transformer2DModel trained in full (fp32, "old" snapshot kept,
-as NFT/AWM keep one, AdamW after one step), then one `mmrl.training.save_checkpoint`. Per rank it records the resident
+as NFT/AWM keep one, AdamW after one step), then one `mmrl.run.save_checkpoint`. Per rank it records the resident
 memory (RSS) just before the save and the peak during it (Linux VmHWM, reset right before the save; freed heap is
 returned to the OS first with malloc_trim, so a gather cannot hide in memory the process already had). The formats
 are launched alternately (A B, B A, ...) in fresh processes; the table gives min / median / max over the launches.
@@ -76,8 +76,8 @@ def build_model(layers: int, small: bool):
 
 def worker(ctx: DistContext, fmt: str, out: str, layers: int, small: bool, result: str) -> None:
     from mmrl.adapters import PolicyStates
-    from mmrl.runtime import Run
-    from mmrl.training import FullOptimizerState, save_checkpoint
+    from mmrl.run.checkpoint import FullOptimizerState, save_checkpoint
+    from mmrl.run.directory import Run
 
     model = build_model(layers, small).requires_grad_(True)
     n_params = sum(p.numel() for p in model.parameters())

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from mmrl.config import RECIPES, ConfigError, default_config, load_config, recipe_module, to_yaml
 from mmrl.rewards.remote import RemoteRewardError
-from mmrl.runtime import RunError, list_checkpoints, started_run_dir
+from mmrl.run.directory import started_run_dir
+from mmrl.run.files import RunError, list_checkpoints
 
 # errors a user can fix from the message alone: printed without a traceback (MMRL_DEBUG=1 shows it)
 USER_ERRORS = (ConfigError, FileNotFoundError, ValueError, RunError, RemoteRewardError)
@@ -133,7 +134,7 @@ DEMO_MIN_RISE_STD = 2.0
 def demo_result_line(name: str, summary: dict, cfg) -> str:
     """What a demo's result means, in words that cannot be mistaken for another number: the VLM demo's greedy eval
     accuracy (the training reward is of sampled responses), the diffusion demo's reward rise and its check."""
-    from mmrl.plots import reward_axis
+    from mmrl.training.summary import reward_axis
 
     unit = reward_axis(cfg)["unit"]
     first, last = summary.get("reward_first5", summary.get("reward_first")), summary.get("reward_last5",

@@ -106,7 +106,7 @@ class Trainer:
     def train(self) -> dict:
         """Run the recipe (resuming from `output_dir`'s newest checkpoint, as `mmrl train` does); returns its summary."""
         from mmrl.rewards.registry import _REGISTRY
-        from mmrl.trackers import callbacks_active
+        from mmrl.run.trackers import callbacks_active
 
         cfg = copy.deepcopy(self.config)
         saved = {name: _REGISTRY.get(name) for name, model, _ in self.rewards if model is not None}

@@ -43,7 +43,7 @@ def test_plain_payload_roundtrip_through_a_weights_only_checkpoint(tmp_path):
     plain = to_plain(payload)
     path = tmp_path / "state.pt"
     torch.save({"payload": plain}, path)
-    from mmrl.checkpoint_files import load_state_file
+    from mmrl.run.files import load_state_file
 
     back = from_plain(load_state_file(path)["payload"])  # weights_only=True: plain state only
     r = back["results"][0]
@@ -223,7 +223,7 @@ def test_staleness_zero_continues_the_trainers_random_stream(tmp_path):
     (it would keep the directory locked after the trainer ended)."""
     import os
 
-    from mmrl.run_lock import LOCK_NAME, RunLock
+    from mmrl.run.lock import LOCK_NAME, RunLock
 
     class Owner:  # (a lock's owner is held by weak reference: a plain object() cannot be)
         pass
@@ -293,7 +293,7 @@ def test_a_failing_or_dying_rollout_process_stops_the_trainer_with_its_cause():
         pipe.next(1)
     pipe.close()
 
-    from mmrl.training import closes_runs
+    from mmrl.run.start import closes_runs
 
     @closes_runs
     def train(cfg):  # the trainer fails (a NaN loss, Ctrl-C) while its rollout process works on the next batch

@@ -124,7 +124,7 @@ def test_profile_fold_categories_by_hand():
         "_encode_plus (transformers/tokenization_utils_tokenizers.py:1) 2",
         f"{rollout};sde_step_with_logprob (mmrl/diffusion/sde.py:122) 4",
         f"{step};UpdateGuard.step (mmrl/training/guards.py:152);_single_tensor_adam (torch/optim/adam.py:1) 1",
-        "train (mmrl/diffusion/flow_grpo.py:290);plot_reward_curve (mmrl/plots.py:61) 99",  # after the steps
+        "train (mmrl/diffusion/flow_grpo.py:290);plot_reward_curve (mmrl/run/plots.py:61) 99",  # after the steps
         " 535",  # a sample without Python frames
     ]
     cats, framework = prof.fold(lines)

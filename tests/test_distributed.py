@@ -159,7 +159,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     from mmrl.config import RunConfig
     from mmrl.core.advantages import group_advantages
     from mmrl.distributed import DistContext
-    from mmrl.runtime import Run
+    from mmrl.run.directory import Run
 
     ctx = DistContext.init("auto")
     res: dict = {"rank": ctx.rank, "world_size": ctx.world_size, "device": str(ctx.device), "backend": ctx.backend}
@@ -393,7 +393,8 @@ def test_fsdp_step_equals_single_process_step(two_ranks, single):
 
 @pytest.mark.slow
 def test_rank0_checkpoint_and_single_process_resume(two_ranks, single):
-    from mmrl.runtime import Run, list_checkpoints
+    from mmrl.run.directory import Run
+    from mmrl.run.files import list_checkpoints
 
     out, res = two_ranks
     assert res[0]["ckpt_dir_given"] and not res[1]["ckpt_dir_given"]

@@ -128,10 +128,10 @@ COMMANDS: dict[str, object] = {
         "needs a CUDA device: the test runs the same script with --small on CPU"),
     "python benchmarks/gpu_check.py --small --steps 1 --out runs/gpu_check_small": ByTest(
         "tests/test_scale_benchmarks.py::test_gpu_check_small_runs_every_recipe", "the test runs this command"),
-    "python -m mmrl.training.consolidate runs/nft/checkpoints/step_40 runs/nft-full/step_40": ByTest(
+    "python -m mmrl.run.consolidate runs/nft/checkpoints/step_40 runs/nft-full/step_40": ByTest(
         "tests/test_sharded_checkpoint.py::test_sharded_and_gathered_checkpoints_resume_on_another_number_of_ranks",
         "needs a sharded run: the test consolidates the checkpoint of a 2-rank run and resumes from it"),
-    "python -m mmrl.training.consolidate runs/nft/checkpoints/step_40 runs/nft-weights/step_40 --weights-only": ByTest(
+    "python -m mmrl.run.consolidate runs/nft/checkpoints/step_40 runs/nft-weights/step_40 --weights-only": ByTest(
         "tests/test_sharded_checkpoint.py::test_sharded_full_weights_load_into_diffusers_and_mmrl_eval",
         "needs a sharded run: the test consolidates one with --weights-only and loads the weights into diffusers"),
     # docs/dpo-nft.md

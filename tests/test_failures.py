@@ -11,8 +11,9 @@ import torch
 import mmrl.cli as cli
 from mmrl.config import load_config
 from mmrl.rewards.remote import RemoteRewardError
-from mmrl.runtime import Run, RunError
-from mmrl.training import closes_runs
+from mmrl.run.directory import Run
+from mmrl.run.files import RunError
+from mmrl.run.start import closes_runs
 
 
 def _fake_recipe(fail_at: int, saved: tuple[int, ...]):

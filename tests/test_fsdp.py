@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from mmrl.run.consolidate import checkpoint_optimizer_state
 from mmrl.testing import child_env, run_torchrun
-from mmrl.training.consolidate import checkpoint_optimizer_state
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -291,12 +291,12 @@ def _flow_grpo_tests():
 
 def _one_update_fsdp(tfg, model_path, scenario, ctx):
     """test_flow_grpo._one_update with the transformer sharded by FSDP2 (wrap, refresh, then the optimizer)."""
-    from mmrl.diffusion.common import build_policy_states
     from mmrl.core.prompt_stats import PerPromptStatTracker
+    from mmrl.diffusion.common import build_policy_states
     from mmrl.diffusion.grpo_update import train_on_rollout
-    from mmrl.diffusion.scoring import global_advantages
     from mmrl.diffusion.models import load_flow_model
     from mmrl.diffusion.sampling import Trajectory, sample_groups
+    from mmrl.diffusion.scoring import global_advantages
     from mmrl.runtime import Timer, seed_everything
 
     P, G = tfg.P, tfg.G

@@ -13,8 +13,9 @@ import pytest
 
 from mmrl import cli
 from mmrl.config import load_config
-from mmrl.plots import caption_lines, make_image_grid, plot_reward_curve, reward_axis
+from mmrl.run.plots import caption_lines, make_image_grid, plot_reward_curve
 from mmrl.testing import child_env, metrics_rows, run_torchrun
+from mmrl.training.summary import reward_axis
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_DIFFUSION = ["train.save_every=1", "rollout.num_steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2",
@@ -187,7 +188,7 @@ def test_torchrun_without_a_strategy_trains_data_parallel(tmp_path):
 
 
 def test_one_process_auto_is_none_and_said_so(tmp_path, capsys):
-    from mmrl.training import start_run
+    from mmrl.run.start import start_run
 
     cfg = load_config(ROOT / "configs/diffusion/flow_grpo_tiny.yaml", [f"output_dir={tmp_path}"])
     assert cfg.dist.strategy == "auto"

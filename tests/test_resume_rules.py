@@ -1,11 +1,11 @@
-"""A resume never says one thing and does another (`mmrl.resume_rules`, `mmrl.training.optim.LRSchedule`): every
+"""A resume never says one thing and does another (`mmrl.run.resume`, `mmrl.training.optim.LRSchedule`): every
 config change a resume reports takes effect from the resumed step on, or the resume is refused at start; a run whose
 checkpoints are all unusable is never silently restarted."""
 
 import io
 import json
-import warnings
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -13,8 +13,9 @@ import torch
 
 import mmrl.cli as cli
 from mmrl.config import ConfigError, RunConfig, TrainConfig, default_config, to_dict
-from mmrl.resume_rules import config_changes, flatten, is_frozen_on_resume, mapping_fields, refused_changes
-from mmrl.runtime import Run, RunError
+from mmrl.run.directory import Run
+from mmrl.run.files import RunError
+from mmrl.run.resume import config_changes, flatten, is_frozen_on_resume, mapping_fields, refused_changes
 from mmrl.testing import metrics_rows
 from mmrl.training import OptimConfig, build_optimizer, lr_factor
 

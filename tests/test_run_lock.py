@@ -1,4 +1,4 @@
-"""One run per directory (`mmrl.run_lock`): real processes competing for a run directory, a lock file left by a
+"""One run per directory (`mmrl.run.lock`): real processes competing for a run directory, a lock file left by a
 dead process, the lock released however a run ends, several processes of one run, and file systems without locks."""
 
 import errno
@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 
 from mmrl.config import RunConfig, TrainConfig
-from mmrl.run_lock import LOCK_NAME, RunLock
-from mmrl.runtime import Run, RunError, list_checkpoints
+from mmrl.run.directory import Run
+from mmrl.run.files import RunError, list_checkpoints
+from mmrl.run.lock import LOCK_NAME, RunLock
+from mmrl.run.start import closes_runs
 from mmrl.testing import child_env, metrics_rows, run_torchrun
-from mmrl.training import closes_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOW = ROOT / "configs" / "diffusion" / "flow_grpo_tiny.yaml"

@@ -162,7 +162,7 @@ def test_multiturn_running_norm_hand_stats_and_resume(tiny_vl, tmp_path, monkeyp
     """(a) the logged running mean/std/count equal those of every turn reward the advantages saw so far (the step's
     included: update, then apply); (b) the statistics are in the checkpoint and a run resumed after step 1 logs
     exactly the uninterrupted run's step 2."""
-    from mmrl.runtime import Run
+    from mmrl.run.directory import Run
     from mmrl.vlm.multiturn import train
 
     on = ("reward.running_norm=true", "reward.running_norm_center=true")
@@ -187,7 +187,7 @@ def test_multiturn_running_norm_hand_stats_and_resume(tiny_vl, tmp_path, monkeyp
 def test_multiturn_running_norm_off_changes_nothing(tiny_vl, tmp_path, monkeypatch):
     """(c) off (the default): no statistics logged or checkpointed, and the advantages are those of the raw turn
     rewards (the same run with the normaliser's update/apply replaced by identity logs the same metrics)."""
-    from mmrl.runtime import Run
+    from mmrl.run.directory import Run
     from mmrl.vlm import credit
     from mmrl.vlm.multiturn import train
 
@@ -262,9 +262,8 @@ def test_flow_grpo_running_norm_hand_stats_and_resume(tiny_sd3_path, tmp_path, m
     """(a) the logged running mean/std/count equal those of every reward scored so far (the logged reward/mean is
     their per-step mean), and the stat tracker gets (r - running mean) / running std with the step included;
     (b) the statistics are checkpointed and a resumed run logs exactly the uninterrupted run's step 2."""
-    from mmrl.runtime import Run
-
     from mmrl.diffusion.flow_grpo import train
+    from mmrl.run.directory import Run
 
     on = ("reward.running_norm=true", "reward.running_norm_center=true")
     scored, tracked = _capture_flow(monkeypatch)
@@ -292,9 +291,8 @@ def test_flow_grpo_running_norm_hand_stats_and_resume(tiny_sd3_path, tmp_path, m
 def test_flow_grpo_running_norm_off_changes_nothing(tiny_sd3_path, tmp_path, monkeypatch):
     """(c) off (the default): the tracker gets the raw rewards bit for bit, no statistics are logged or
     checkpointed."""
-    from mmrl.runtime import Run
-
     from mmrl.diffusion.flow_grpo import train
+    from mmrl.run.directory import Run
 
     scored, tracked = _capture_flow(monkeypatch)
     train(_fg_cfg(tmp_path / "off", tiny_sd3_path, "train.max_steps=1"))

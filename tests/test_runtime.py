@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from mmrl.config import ConfigError, RunConfig, TrainConfig
-from mmrl.resume_rules import config_changes, is_frozen_on_resume
-from mmrl.runtime import (
-    Run, RunError, Timer, checkpoint_step, get_rng_state, list_checkpoints, resolve_device, resolve_dtype,
-    save_image_grid, set_rng_state, verify_checkpoint,
-)
+from mmrl.run.directory import Run
+from mmrl.run.files import RunError, checkpoint_step, list_checkpoints, verify_checkpoint
+from mmrl.run.plots import save_image_grid
+from mmrl.run.resume import config_changes, is_frozen_on_resume
+from mmrl.runtime import Timer, get_rng_state, resolve_device, resolve_dtype, set_rng_state
 
 
 def make_cfg(tmp_path, **train):
@@ -260,7 +260,7 @@ def test_state_files_load_with_weights_only(tmp_path):
 def test_disk_full_while_writing_a_checkpoint(tmp_path, monkeypatch, failure):
     import errno
 
-    import mmrl.checkpoint_files as checkpoint_files
+    import mmrl.run.files as checkpoint_files
 
     run = _two_checkpoints(tmp_path, keep_last=5)
     with pytest.raises(RunError, match=r"no space left on the device of .*checkpoints while writing checkpoint step_3 "

@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmrl.checkpoint_files import load_state_file
 from mmrl.config import RunConfig, TrainConfig
 from mmrl.distributed import DistConfig, DistContext, full_optimizer_state_dict
+from mmrl.run.consolidate import main as consolidate_main
+from mmrl.run.files import load_state_file
 from mmrl.testing import child_env, spawn_ranks
-from mmrl.training.consolidate import main as consolidate_main
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("lora", "full")
@@ -65,8 +65,8 @@ def _inputs(i: int) -> dict:
 
 
 def _setup(ctx: DistContext, mode: str, out: Path, fmt: str, resume: str = "auto"):
-    from mmrl.runtime import Run
-    from mmrl.training import FullOptimizerState
+    from mmrl.run.checkpoint import FullOptimizerState
+    from mmrl.run.directory import Run
 
     fsdp = ctx.enabled
     cfg = _Cfg(output_dir=str(out), train=TrainConfig(max_steps=SAVE_AT + 1, save_every=SAVE_AT, resume=resume),
@@ -116,7 +116,7 @@ def _diff(a: dict, b: dict) -> float:
 
 def save_worker(ctx: DistContext, out: str) -> None:
     """Train 2 steps, save (step_2), record the values at the save and after a third step: every mode x format."""
-    from mmrl.training import save_checkpoint
+    from mmrl.run.checkpoint import save_checkpoint
 
     for mode in MODES:
         for fmt in FORMATS:
@@ -136,7 +136,7 @@ def save_worker(ctx: DistContext, out: str) -> None:
 def resume_worker(ctx: DistContext, out: str, sources: str) -> None:
     """Resume every `<mode>_<fmt>_w<N>` directory named in `sources` (comma-separated) with this world size: the
     restored values equal the saved ones exactly, and one more step equals the writer's third step."""
-    from mmrl.training import restore_checkpoint
+    from mmrl.run.checkpoint import restore_checkpoint
 
     for name in sources.split(","):
         src = Path(out) / name
@@ -237,8 +237,8 @@ if __name__ == "__main__":
 def _sharded_single_process_checkpoint(out: Path, states, step: int = 1) -> Path:
     """A complete sharded checkpoint of `states` (+ an AdamW with one step of state) written by this process through
     the spine's `save_checkpoint`."""
-    from mmrl.runtime import Run
-    from mmrl.training import save_checkpoint
+    from mmrl.run.checkpoint import save_checkpoint
+    from mmrl.run.directory import Run
 
     run = Run(_Cfg(output_dir=str(out), train=TrainConfig(max_steps=step, save_every=step),
                    dist=DistConfig(checkpoint="sharded")))
@@ -266,7 +266,7 @@ def test_sharded_full_weights_load_into_diffusers_and_mmrl_eval(tmp_path):
     assert not (ckpt / "adapters" / "default").exists() and (ckpt / "sharded" / ".metadata").is_file()
 
     out = tmp_path / "full" / "step_1"
-    proc = subprocess.run([sys.executable, "-m", "mmrl.training.consolidate", str(ckpt), str(out), "--weights-only"],
+    proc = subprocess.run([sys.executable, "-m", "mmrl.run.consolidate", str(ckpt), str(out), "--weights-only"],
                           cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)  # as docs/scaling.md
     assert proc.returncode == 0 and json.loads(proc.stdout) == {"out": str(out), "weights_only": True}, proc.stderr
     assert not (out / "state.pt").exists() and not (out / "COMPLETE").exists()  # weights only: not a checkpoint

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mmrl.config import ConfigError, RunConfig, TrainConfig, from_dict
-from mmrl.runtime import Run
+from mmrl.run.directory import Run
 from mmrl.training import TrackersConfig
 
 
@@ -73,8 +73,9 @@ def test_tensorboard_and_wandb_get_metrics_images_and_config(tmp_path, monkeypat
     assert acc.Tags()["images"] == ["samples/rollout"]
     grids = acc.Images("samples/rollout")
     assert [g.step for g in grids] == [2, 3]
-    from PIL import Image
     import io
+
+    from PIL import Image
     saved = Image.open(run.samples_dir / "step_000003.png")
     assert Image.open(io.BytesIO(grids[-1].encoded_image_string)).size == saved.size
     assert "config/text_summary" in acc.Tags()["tensors"] and "samples/rollout/text_summary" in acc.Tags()["tensors"]

@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from mmrl.config import ConfigError, RunConfig, TrainConfig, load_config
-from mmrl.runtime import Run
-from mmrl.training import (NONFINITE_KEY, SKIPPED_KEY, NonFiniteError, UpdateConfig, UpdateGuard, check_finite_weights,
-                           check_rewards, finite_stats, group_keep)
+from mmrl.run.checkpoint import check_finite_weights
+from mmrl.run.directory import Run
+from mmrl.run.files import NonFiniteError
+from mmrl.training import NONFINITE_KEY, SKIPPED_KEY, UpdateConfig, UpdateGuard, check_rewards, finite_stats, group_keep
 
 
 def strict_rows(path):

@@ -9,11 +9,14 @@ import pytest
 import torch
 
 from mmrl.adapters import PolicyStates
-from mmrl.config import ConfigError, RunConfig, TrainConfig, _RENAMED, apply_overrides, from_dict
+from mmrl.config import _RENAMED, ConfigError, RunConfig, TrainConfig, apply_overrides, from_dict
 from mmrl.distributed import DistConfig, DistContext
-from mmrl.runtime import Run, RunError, get_rng_state
-from mmrl.training import (LoRAConfig, OptimConfig, UpdateConfig, build_optimizer, checkpoint_due, lr_factor,
-                           peft_lora_config, restore_checkpoint, save_checkpoint, start_run, summarise)
+from mmrl.run.checkpoint import checkpoint_due, restore_checkpoint, save_checkpoint
+from mmrl.run.directory import Run
+from mmrl.run.files import RunError
+from mmrl.run.start import start_run
+from mmrl.runtime import get_rng_state
+from mmrl.training import LoRAConfig, OptimConfig, UpdateConfig, build_optimizer, lr_factor, peft_lora_config, summarise
 
 
 @pytest.mark.parametrize("warmup, end, total", [(0, 1.0, 10), (4, 1.0, 10), (0, 0.1, 8), (3, 0.5, 6)])

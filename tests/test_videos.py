@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from mmrl.config import RunConfig, TrainConfig
-from mmrl.plots import save_video_grid
+from mmrl.pipelines.videos import gif_bytes, read_video, to_uint8_frames, write_video
 from mmrl.rewards.video import sample_video
-from mmrl.runtime import Run
+from mmrl.run.directory import Run
+from mmrl.run.plots import save_video_grid
 from mmrl.training import TrackersConfig
-from mmrl.videos import gif_bytes, read_video, to_uint8_frames, write_video
 
 
 @dataclass

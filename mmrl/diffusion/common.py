@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from mmrl.perf.meter import counting_paused, not_counted
-from mmrl.runtime import Run
+from mmrl.run.directory import Run
 
 Tensor = torch.Tensor
 

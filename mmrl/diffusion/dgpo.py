@@ -43,8 +43,8 @@ from mmrl.diffusion import old_policy
 from mmrl.diffusion.awm import LogConfig  # samples, evaluation, `eval_state` (the same section as AWM's)
 from mmrl.diffusion.common import noise_latents
 from mmrl.distributed import DistConfig
+from mmrl.run.start import closes_runs
 from mmrl.training import KLConfig, UpdateConfig
-from mmrl.training.run import closes_runs
 from mmrl.training.updates import padding_rows, reduce_metrics
 
 __all__ = ["Config", "train", "RENAMED_KEYS"]

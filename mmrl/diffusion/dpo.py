@@ -57,8 +57,8 @@ from mmrl.core.pairing import build_pairs
 from mmrl.diffusion import config as dc
 from mmrl.diffusion.diagnostics import VelocityNormConfig
 from mmrl.distributed import DistConfig
+from mmrl.run.start import closes_runs
 from mmrl.training import OptimConfig, UpdateConfig, finite_stats, group_keep
-from mmrl.training.run import closes_runs
 
 __all__ = ["Config", "train", "make_shapes_preference_file", "RENAMED_KEYS"]
 

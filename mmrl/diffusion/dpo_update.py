@@ -13,7 +13,7 @@ from mmrl.core.losses import dpo_loss
 from mmrl.diffusion.common import flow_matching_mse, noise_latents, sample_sigmas
 from mmrl.diffusion.diagnostics import MAX_KEYS, velocity_norm_term, velocity_norms
 from mmrl.diffusion.models import PromptEmbeds
-from mmrl.training.run import merge_rank_lists
+from mmrl.distributed import merge_rank_lists
 
 __all__ = ["dpo_update", "offline_eval", "pair_errors", "margin"]
 

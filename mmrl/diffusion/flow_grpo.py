@@ -51,9 +51,9 @@ from mmrl.config import RunConfig
 from mmrl.diffusion import config as dc
 from mmrl.diffusion.diagnostics import VelocityNormConfig
 from mmrl.distributed import DistConfig
+from mmrl.run.start import closes_runs
 from mmrl.training import KLConfig, RunningNormFields, UpdateConfig
 from mmrl.training.config import AsyncRolloutFields, RolloutCorrectionConfig
-from mmrl.training.run import closes_runs
 
 __all__ = ["Config", "train", "RENAMED_KEYS"]
 

@@ -104,7 +104,7 @@ class DiffusionLoop:
         from mmrl.diffusion.conditioning import check_data
         from mmrl.diffusion.scoring import load_reward_fn
         from mmrl.pipelines.data import load_prompts
-        from mmrl.training import start_run
+        from mmrl.run.start import start_run
 
         self.cfg = cfg
         sizes = ({"rollout.prompts_per_step": cfg.rollout.prompts_per_step} if online
@@ -131,7 +131,7 @@ class DiffusionLoop:
         from mmrl.core.prompt_stats import PerPromptStatTracker
         from mmrl.diffusion import old_policy
         from mmrl.pipelines.data import PromptSampler
-        from mmrl.training import FullOptimizerState
+        from mmrl.run.checkpoint import FullOptimizerState
         from mmrl.training.judges import build_judges
 
         cfg, ctx, run = self.cfg, self.ctx, self.run
@@ -158,7 +158,7 @@ class DiffusionLoop:
         """Resume (`train.resume`), the judges' baseline evaluation (before any update) and the step-0 sample grid;
         returns the step a restored checkpoint ended (0 for a fresh run). `postfix(metrics)`: the progress bar's
         fields besides the reward."""
-        from mmrl.training import restore_checkpoint
+        from mmrl.run.checkpoint import restore_checkpoint
 
         cfg, ctx = self.cfg, self.ctx
         self.start, _ = restore_checkpoint(ctx, self.run, self.states, self.stateful)

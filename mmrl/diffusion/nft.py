@@ -48,12 +48,12 @@ from mmrl.config import RunConfig
 from mmrl.core.losses import nft_loss, nft_optimality_prob
 from mmrl.diffusion import config as dc
 from mmrl.diffusion import old_policy
+from mmrl.diffusion.common import noise_latents
 from mmrl.diffusion.diagnostics import MAX_KEYS, VelocityNormConfig, velocity_reference_terms
 from mmrl.diffusion.old_policy import NFT_EMA_SCHEDULES
-from mmrl.diffusion.common import noise_latents
 from mmrl.distributed import DistConfig
+from mmrl.run.start import closes_runs
 from mmrl.training import KLConfig, UpdateConfig
-from mmrl.training.run import closes_runs
 from mmrl.training.updates import reduce_metrics
 
 __all__ = ["Config", "train", "ema_decay", "EMA_SCHEDULES", "RENAMED_KEYS"]

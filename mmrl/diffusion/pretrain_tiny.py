@@ -290,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.grid:
         from diffusers import StableDiffusion3Pipeline
 
-        from mmrl.runtime import save_image_grid
+        from mmrl.run.plots import save_image_grid
 
         pipe = StableDiffusion3Pipeline.from_pretrained(args.out)
         pipe.set_progress_bar_config(disable=True)

@@ -43,19 +43,12 @@ optimizer state), ``lockstep.py`` (LockstepForwards), ``launch.py`` (launcher en
 ``python -m mmrl.distributed`` runs the self-check in ``__main__.py``.
 """
 
-from mmrl.distributed.context import BACKENDS, STRATEGIES, DistConfig, DistContext, rank_seed
+from mmrl.distributed.context import BACKENDS, STRATEGIES, DistConfig, DistContext, merge_rank_lists, rank_seed
 from mmrl.distributed.launch import exit_launched_process
 from mmrl.distributed.lockstep import LockstepForwards
-from mmrl.distributed.sharded import (
-    clip_grad_norm,
-    dcp_load,
-    dcp_save,
-    dcp_tensor_metadata,
-    full_optimizer_state_dict,
-    full_tensor,
-    load_full_optimizer_state_dict,
-)
+from mmrl.distributed.sharded import (clip_grad_norm, dcp_load, dcp_save, dcp_tensor_metadata,
+                                      full_optimizer_state_dict, full_tensor, load_full_optimizer_state_dict)
 
-__all__ = ["DistConfig", "DistContext", "rank_seed", "STRATEGIES", "BACKENDS", "full_optimizer_state_dict",
+__all__ = ["DistConfig", "DistContext", "merge_rank_lists", "rank_seed", "STRATEGIES", "BACKENDS", "full_optimizer_state_dict",
            "load_full_optimizer_state_dict", "LockstepForwards", "full_tensor", "clip_grad_norm",
            "exit_launched_process", "dcp_save", "dcp_load", "dcp_tensor_metadata"]

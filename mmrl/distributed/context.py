@@ -8,6 +8,7 @@ import contextlib
 import datetime
 import inspect
 import os
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -45,7 +46,7 @@ class DistConfig:
     ever holds the whole model or optimizer), `full` (gathered into whole tensors and written by rank 0, as one
     process writes them) or `auto` (sharded under FSDP with several processes, full otherwise). Either format
     resumes on any number of processes and under any strategy; LoRA adapters are always written whole (peft and
-    diffusers files). `python -m mmrl.training.consolidate` turns a sharded checkpoint into the full one."""
+    diffusers files). `python -m mmrl.run.consolidate` turns a sharded checkpoint into the full one."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -447,3 +448,15 @@ class DistContext:
                 yield Path(self.broadcast_object(None)) if all_ranks else None
         finally:
             self.barrier()
+
+
+def merge_rank_lists(ctx: Any, lists: dict[str, list]) -> dict[str, list]:
+    """{key: values of rank 0 + values of rank 1 + ...} (all-gathered; a rank may lack a key). One process:
+    `lists` unchanged. A collective: every rank must call it."""
+    if not ctx.enabled:
+        return lists
+    merged: dict[str, list] = defaultdict(list)
+    for part in ctx.all_gather_object(dict(lists)):
+        for k, v in part.items():
+            merged[k] += list(v)
+    return merged

@@ -58,7 +58,7 @@ def resolve_checkpoint(path: str | Path, what: str = "--checkpoint") -> tuple[Pa
     `checkpoints/step_N/` directory, or that directory's `adapters/`. Errors name what is missing (`what`: the
     option or command the path came from)."""
     from mmrl.adapters import INDEX_NAME
-    from mmrl.runtime import checkpoint_step, list_checkpoints, verify_checkpoint
+    from mmrl.run.files import checkpoint_step, list_checkpoints, verify_checkpoint
 
     p = Path(path)
     if not p.exists():
@@ -117,7 +117,8 @@ def apply_checkpoint(model: Any, adapters: Path, state: str = "default") -> dict
     """Put the saved policy state `state` of `adapters/` (PolicyStates.save layout) into `model.transformer`:
     a LoRA becomes the transformer's active adapter, full fine-tuning weights are copied in. Returns provenance
     ({"mode", "state", "weights", "sha256"})."""
-    from mmrl.adapters import FULL_WEIGHTS_NAME, PEFT_WEIGHTS_NAME, PolicyStates, load_sharded_state, sharded_weights_dir
+    from mmrl.adapters import (FULL_WEIGHTS_NAME, PEFT_WEIGHTS_NAME, PolicyStates, load_sharded_state,
+                               sharded_weights_dir)
 
     shards = sharded_weights_dir(adapters)  # full fine-tuning weights as every rank's shards (dist.checkpoint: sharded)
     sub = state_dir(adapters, state) if shards is None else None
@@ -190,15 +191,16 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
              max_prompts: int = 0, batch_size: int = 8, grid_images: int = 32, config_file: str | None = None,
              overrides: Sequence[str] = ()) -> dict:
     """Evaluate the diffusion policy of `cfg` (see the module docstring); returns the report (also written)."""
-    from mmrl.checkpoint_files import probe_writable
-    from mmrl.diffusion.conditioning import check_data, encode_items, sample_panels
-    from mmrl.diffusion.common import load_recipe_model
-    from mmrl.diffusion.scoring import load_reward_fn
-    from mmrl.diffusion.sampling import sample_groups
-    from mmrl.pipelines.data import load_prompts
-    from mmrl.runtime import resolve_device, resolve_dtype, save_image_grid
-    from mmrl.plots import save_video_grid
     from tqdm.auto import tqdm
+
+    from mmrl.diffusion.common import load_recipe_model
+    from mmrl.diffusion.conditioning import check_data, encode_items, sample_panels
+    from mmrl.diffusion.sampling import sample_groups
+    from mmrl.diffusion.scoring import load_reward_fn
+    from mmrl.pipelines.data import load_prompts
+    from mmrl.run.files import probe_writable
+    from mmrl.run.plots import save_image_grid, save_video_grid
+    from mmrl.runtime import resolve_device, resolve_dtype
 
     if not RECIPES.get(cfg.algorithm, "").startswith("mmrl.diffusion."):
         diffusion = sorted(k for k, v in RECIPES.items() if v.startswith("mmrl.diffusion."))
@@ -326,10 +328,10 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
 
 def _save_files(u8: torch.Tensor, paths: Sequence[Path]) -> None:
     """Write uint8 images [N, 3, H, W] to `paths` as PNG (lossless: the report's scores are of these files), or
-    videos [N, F, 3, H, W] as MP4 (`mmrl.videos.write_video`)."""
+    videos [N, F, 3, H, W] as MP4 (`mmrl.pipelines.videos.write_video`)."""
     from PIL import Image
 
-    from mmrl.videos import write_video
+    from mmrl.pipelines.videos import write_video
 
     for img, path in zip(u8, paths):
         if img.dim() == 4:

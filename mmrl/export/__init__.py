@@ -28,8 +28,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-from mmrl.checkpoint_files import COMPLETE_MARKER, RunError, disk_full
 from mmrl.export.source import ExportSource, resolve_source, write_json
+from mmrl.run.files import COMPLETE_MARKER, RunError, disk_full
 
 __all__ = ["EXPORT_META", "FORMATS", "ExportSource", "export", "resolve_source"]
 

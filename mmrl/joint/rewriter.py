@@ -43,12 +43,12 @@ import torch
 from mmrl.config import RunConfig, TrainConfig
 from mmrl.core import get_advantage_estimator, kl_estimate
 from mmrl.distributed import DistConfig
+from mmrl.run.checkpoint import FullOptimizerState, checkpoint_due, restore_checkpoint, save_checkpoint
+from mmrl.run.start import closes_runs, start_run
 from mmrl.runtime import Timer, seed_everything
-from mmrl.training import (FullOptimizerState, KLConfig, OnNonfinite, OptimConfig, TrackersConfig, UpdateGuard,
-                           build_optimizer, check_rewards, checkpoint_due, finite_stats, restore_checkpoint,
-                           save_checkpoint, start_run)
+from mmrl.training import (KLConfig, OnNonfinite, OptimConfig, TrackersConfig, UpdateGuard, build_optimizer,
+                           check_rewards, finite_stats)
 from mmrl.training.judges import JudgeFields, build_judges, check_judges, stop_for_hacking
-from mmrl.training.run import closes_runs
 from mmrl.vlm.grpo import LossAgg, ModelConfig, RolloutConfig
 from mmrl.vlm.grpo_checks import check_clip_ranges
 from mmrl.vlm.update import VLMUpdateConfig

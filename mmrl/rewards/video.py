@@ -39,11 +39,11 @@ AGGREGATES = ("mean", "min", "max", "frame")
 
 def to_video_tensor(videos: Any, name: str = "video reward") -> torch.Tensor:
     """Videos as a float [B, F, 3, H, W] tensor in [0, 1]: from such a tensor (float or uint8), a list of
-    [F, 3, H, W] tensors, or a list of video file paths (`mmrl.videos.read_video`). All videos share one shape."""
+    [F, 3, H, W] tensors, or a list of video file paths (`mmrl.pipelines.videos.read_video`). All videos share one shape."""
     if isinstance(videos, (str, Path)):
         videos = [videos]
     if isinstance(videos, (list, tuple)):
-        from mmrl.videos import read_video
+        from mmrl.pipelines.videos import read_video
 
         items = [torch.from_numpy(read_video(v)).permute(0, 3, 1, 2) if isinstance(v, (str, Path)) else v
                  for v in videos]

@@ -64,6 +64,7 @@ import torch
 
 from mmrl.distributed import rank_seed
 from mmrl.perf.meter import attach_flops_meter
+from mmrl.run.start import close_on_failure
 from mmrl.runtime import get_rng_state, seed_everything, set_rng_state, tune_malloc
 from mmrl.training.payloads import decode, encode, from_plain, pack_tensors, to_plain, unpack_tensors
 
@@ -85,10 +86,13 @@ def open_rollouts() -> set[int]:
 
 def close_rollouts(since: set[int]) -> None:
     """Stop every rollout process opened after `open_rollouts()` returned `since`: a recipe that raised stops its
-    rollout process at once (`mmrl.training.closes_runs`), not when its traceback is dropped."""
+    rollout process at once (`mmrl.run.closes_runs`), not when its traceback is dropped."""
     for pipe in list(_OPEN):
         if id(pipe) not in since:
             pipe.close()
+
+
+close_on_failure(open_rollouts, close_rollouts, set())  # closes_runs stops them when a recipe raises
 
 
 class RolloutProcessError(RuntimeError):

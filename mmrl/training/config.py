@@ -14,7 +14,7 @@ TrackerName = Literal["jsonl", "tensorboard", "wandb"]
 
 @dataclass
 class TrackersConfig:
-    """Experiment trackers (`mmrl.trackers`); every recipe's `log:` section has these keys."""
+    """Experiment trackers (`mmrl.run.trackers`); every recipe's `log:` section has these keys."""
 
     trackers: list[TrackerName] = field(default_factory=lambda: ["jsonl"])
     """Where metrics, sample images (with prompt and reward) and the config go: jsonl (metrics.jsonl, always on),

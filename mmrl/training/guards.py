@@ -22,6 +22,8 @@ from typing import Any, Literal, Mapping, Sequence
 
 import torch
 
+from mmrl.run.files import NonFiniteError, last_checkpoint
+
 Tensor = torch.Tensor
 
 OnNonfinite = Literal["error", "drop_sample"]
@@ -29,12 +31,8 @@ ON_NONFINITE = ("error", "drop_sample")
 NONFINITE_KEY = "reward/nonfinite_samples"
 SKIPPED_KEY = "train/skipped_updates"
 
-__all__ = ["OnNonfinite", "ON_NONFINITE", "NONFINITE_KEY", "SKIPPED_KEY", "NonFiniteError", "check_rewards",
-           "group_keep", "finite_stats", "UpdateGuard", "check_finite_weights", "last_checkpoint"]
-
-
-class NonFiniteError(ValueError):
-    """A reward, loss, gradient or weight is NaN/inf where the run cannot go on with it."""
+__all__ = ["OnNonfinite", "ON_NONFINITE", "NONFINITE_KEY", "SKIPPED_KEY", "check_rewards", "group_keep", "finite_stats",
+           "UpdateGuard"]
 
 
 # ------------------------------------------------------------------------------------------ rewards
@@ -96,16 +94,6 @@ def finite_stats(scores: Tensor, prefix: str = "reward/") -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------------------ optimizer steps
-
-
-def last_checkpoint(run: Any) -> str:
-    """The newest complete checkpoint of `run` (a path), or a sentence saying there is none."""
-    if run is None:
-        return "unknown"
-    from mmrl.runtime import list_checkpoints
-
-    ckpts = list_checkpoints(run.ckpt_dir)
-    return str(ckpts[-1][1]) if ckpts else f"none in {run.ckpt_dir}"
 
 
 def _all_finite(values: Sequence[Any]) -> bool:
@@ -171,22 +159,3 @@ class UpdateGuard:
         out = {SKIPPED_KEY: self.skipped}
         self.skipped = 0
         return out
-
-
-# ------------------------------------------------------------------------------------------ checkpoints
-
-
-def check_finite_weights(states: Any, step: int, ctx: Any = None, run: Any = None) -> None:
-    """Raise `NonFiniteError` (and write nothing) if a tensor of any policy state (`PolicyStates`) holds NaN/inf.
-
-    Call it on every rank right before a checkpoint is written: each rank checks its own tensors (its shards under
-    FSDP) and the count is all-reduced, so all ranks raise together."""
-    bad = states.nonfinite_tensors()
-    n_bad = len(bad)
-    if ctx is not None and ctx.enabled:
-        n_bad = int(ctx.all_reduce_sum(float(n_bad)))
-    if n_bad:
-        first = bad[0] if bad else "on another rank"
-        raise NonFiniteError(
-            f"step {step}: {n_bad} policy tensor(s) hold NaN/inf (first: {first}); checkpoint step_{step} was not "
-            f"written; last complete checkpoint: {last_checkpoint(run)}")

@@ -149,7 +149,7 @@ def build_judges(log_cfg: Any, device: Any, stateful: dict | None = None, eval_p
 
 class JudgePanel:
     """The judges of a run and the alarm state (module docstring). Judges added when a run resumes from a checkpoint
-    written without them start fresh (stateful name "judges" is in `mmrl.training.checkpoint.FRESH_ON_RESUME`):
+    written without them start fresh (stateful name "judges" is in `mmrl.run.checkpoint.FRESH_ON_RESUME`):
     their baseline is the first evaluation after the resumed step."""
 
     def __init__(self, judges: dict[str, Any], cfg: HackingConfig | None = None):
@@ -253,7 +253,7 @@ def stop_for_hacking(ctx: Any, run: Any, step: int, panel: "JudgePanel | None", 
     stop = ctx.max_int(int(panel.stop_requested)) if ctx.enabled else int(panel.stop_requested)
     if not stop:
         return False
-    from mmrl.training.checkpoint import checkpoint_due, save_checkpoint
+    from mmrl.run.checkpoint import checkpoint_due, save_checkpoint
 
     if not checkpoint_due(run.cfg, step):
         save_checkpoint(ctx, run, step, states, stateful, fsdp=fsdp)

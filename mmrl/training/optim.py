@@ -24,7 +24,7 @@ class LRSchedule(torch.optim.lr_scheduler.LambdaLR):
     checkpoint. torch restores an optimizer's `param_groups` (lr, betas, eps, weight_decay) and a scheduler's
     `base_lrs` from the state dicts, so a run resumed with `optim.lr=0.1` would go on at the saved lr; here
     loading a checkpoint keeps only what is state (AdamW's moments and step counts, the scheduler steps taken) and
-    `apply_config` sets the rest from `optim` and `total_steps` (`mmrl.training.restore_checkpoint` calls it once
+    `apply_config` sets the rest from `optim` and `total_steps` (`mmrl.run.restore_checkpoint` calls it once
     both are loaded)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, optim: OptimConfig, total_steps: int):

@@ -2,7 +2,7 @@
 
 - `to_plain(obj)` / `from_plain(obj)`: a rollout batch (dataclasses and dict subclasses of mmrl, PIL images, numpy
   arrays, tensors, containers) as tensors, numbers, strings and containers only, which is what a checkpoint loads
-  with ``weights_only=True`` (`mmrl.checkpoint_files.load_state_file`) and what crosses processes through
+  with ``weights_only=True`` (`mmrl.run.files.load_state_file`) and what crosses processes through
   torch.multiprocessing queues (tensors in shared memory). Only classes of mmrl modules are rebuilt: a foreign
   checkpoint cannot make this process import anything else.
 - `encode(plain)` / `decode(data)`: plain state as pickle bytes (tensors by value) and back: how batches cross from
@@ -187,5 +187,5 @@ def encode(plain: Any) -> bytes:
 
 def decode(data: bytes) -> Any:
     """`encode`'s input back. Only for bytes from this run's own rollout process (checkpoints, which may come from
-    elsewhere, are read with ``weights_only=True``: `mmrl.checkpoint_files.load_state_file`)."""
+    elsewhere, are read with ``weights_only=True``: `mmrl.run.files.load_state_file`)."""
     return pickle.loads(data)

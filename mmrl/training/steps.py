@@ -61,7 +61,7 @@ class StepLoop:
 
     def end_step(self, step: int, metrics: dict) -> bool:
         """The tail of a step on every rank (module docstring); True when the hacking alarm stops the run."""
-        from mmrl.training.checkpoint import checkpoint_due, save_checkpoint
+        from mmrl.run.checkpoint import checkpoint_due, save_checkpoint
         from mmrl.training.judges import stop_for_hacking
 
         ctx, run = self.ctx, self.run

@@ -44,7 +44,7 @@ __all__ = ["MicroStep", "UpdateIterator", "padding_rows", "reduce_metrics"]
 def reduce_metrics(ctx: Any, values: dict[str, list], max_keys: tuple[str, ...] = ()) -> dict[str, float]:
     """One value per metric of a batch's micro-step values (floats or 0-dim tensors, converted once here: no GPU
     sync per micro-step): every rank's values merged (a collective), then the max for `max_keys`, else the mean."""
-    from mmrl.training.run import merge_rank_lists
+    from mmrl.distributed import merge_rank_lists
 
     vals = merge_rank_lists(ctx, {k: [float(x) for x in v] for k, v in values.items()})
     return {k: max(v) if k in max_keys else sum(v) / len(v) for k, v in vals.items() if v}

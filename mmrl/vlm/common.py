@@ -57,7 +57,7 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu", dtype: tor
     rollout and training log-probs must agree)."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from mmrl.checkpoint_files import refusing_pickled_weights
+    from mmrl.run.files import refusing_pickled_weights
 
     path = Path(path)
     if not (path / "config.json").is_file():

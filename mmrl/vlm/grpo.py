@@ -28,27 +28,25 @@ from mmrl.core import get_advantage_estimator, kl_estimate
 from mmrl.core.correction import weighted_advantages
 from mmrl.core.multi_reward import multi_reward_advantages
 from mmrl.distributed import DistConfig
-from mmrl.rewards import load as load_reward
-from mmrl.runtime import Timer, seed_everything
-from mmrl.training import (FullOptimizerState, KLConfig, OnNonfinite, OptimConfig, UpdateGuard, attach_flops_meter,
-                           build_optimizer, checkpoint_due, perf_metrics, restore_checkpoint, save_checkpoint,
-                           start_run)
 from mmrl.perf.meter import add_flops
+from mmrl.rewards import load as load_reward
+from mmrl.run.checkpoint import FullOptimizerState, checkpoint_due, restore_checkpoint, save_checkpoint
+from mmrl.run.start import closes_runs, start_run
+from mmrl.runtime import Timer, seed_everything
+from mmrl.training import (KLConfig, OnNonfinite, OptimConfig, UpdateGuard, attach_flops_meter, build_optimizer,
+                           perf_metrics)
 from mmrl.training.async_rollout import policy_weights, rollout_process
 from mmrl.training.config import AsyncRolloutFields, RolloutCorrectionConfig, RunningNormFields, TrackersConfig
 from mmrl.training.judges import JudgeFields, build_judges, stop_for_hacking
-from mmrl.training.run import closes_runs
 from mmrl.vlm.batch import RolloutBatch
-from mmrl.vlm.common import (VisionCache, language_block_types, vision_has_adapters, vision_tower,
-                             vision_tower_trainable)
+from mmrl.vlm.common import VisionCache, language_block_types, vision_has_adapters, vision_tower, vision_tower_trainable
 from mmrl.vlm.grpo_checks import check_config, recompute_old_logprobs
 from mmrl.vlm.policy import VLMLoRAConfig, build_policy, rl_parameters
 from mmrl.vlm.rollout_collect import (DataConfig, build_data, check_fsdp_images, collect_rollouts, evaluate, finish,
-                                      make_rollout_engine, reward_components, rollout_metrics, save_sample_grid,
-                                      score, shapes_warm_start_pairs, to_request)
+                                      make_rollout_engine, reward_components, rollout_metrics, save_sample_grid, score,
+                                      shapes_warm_start_pairs, to_request)
 from mmrl.vlm.rollout_worker import BUILDER, sampling_params
-from mmrl.vlm.update import (PairedForwards, PolicyGradientLoss, VLMUpdateConfig, contiguous_minibatches,
-                             policy_update)
+from mmrl.vlm.update import PairedForwards, PolicyGradientLoss, VLMUpdateConfig, contiguous_minibatches, policy_update
 from mmrl.vlm.warm_start import WarmStartConfig, format_warm_start
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]

@@ -21,19 +21,19 @@ import torch
 
 from mmrl.config import RunConfig, TrainConfig
 from mmrl.distributed import DistConfig
+from mmrl.run.checkpoint import FullOptimizerState, checkpoint_due, restore_checkpoint, save_checkpoint
+from mmrl.run.start import closes_runs, start_run
 from mmrl.runtime import Timer, seed_everything
-from mmrl.training import (NONFINITE_KEY, SKIPPED_KEY, FullOptimizerState, KLConfig, LoRAConfig, OnNonfinite,
-                           OptimConfig, RunningNormFields, TrackersConfig, UpdateConfig, UpdateGuard, attach_flops_meter,
-                           build_optimizer, checkpoint_due, finite_stats, peft_lora_config, perf_metrics,
-                           restore_checkpoint, save_checkpoint, start_run, summarise)
-from mmrl.training.run import closes_runs
-from mmrl.vlm.grpo_checks import check_clip_ranges
+from mmrl.training import (NONFINITE_KEY, SKIPPED_KEY, KLConfig, LoRAConfig, OnNonfinite, OptimConfig,
+                           RunningNormFields, TrackersConfig, UpdateConfig, UpdateGuard, attach_flops_meter,
+                           build_optimizer, finite_stats, peft_lora_config, perf_metrics, summarise)
 from mmrl.vlm.common import VisionCache, vision_has_adapters, vision_tower
 from mmrl.vlm.credit import Advantage, collect_groups, episode_returns, token_advantages, turn_advantages
 from mmrl.vlm.envs import EnvManager, make_env
 from mmrl.vlm.episode_train import check_fsdp_rl_params, episode_batch, format_pairs, zero_grads
 from mmrl.vlm.episodes import (ChatFormat, EnvConfig, RolloutConfig, RolloutStats, episode_metrics, rollout_episodes,
                                samples_text)
+from mmrl.vlm.grpo_checks import check_clip_ranges
 from mmrl.vlm.rollout import SamplingParams
 from mmrl.vlm.update import PackingFields, PairedForwards, PolicyGradientLoss, policy_update
 from mmrl.vlm.warm_start import WarmStartConfig, format_warm_start

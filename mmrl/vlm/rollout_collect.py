@@ -277,6 +277,7 @@ def finish(run: Any, summary: dict) -> dict:
     """The run's summary: first/last eval accuracy (printed), the first-5 / last-5 mean training accuracy and,
     with `log.judges`, the reward-hacking line."""
     from mmrl.training.judges import judge_summary
+    from mmrl.training.summary import reward_axis
 
     rows = run.read_metrics()
     summary.update(judge_summary(rows, "vlm_grpo"))
@@ -289,7 +290,7 @@ def finish(run: Any, summary: dict) -> dict:
         if last is not None:
             print(f"[vlm_grpo] eval accuracy{key[len('eval_accuracy_first'):] or ' (all)'}: first {summary[key]:.3f} "
                   f"-> last {last:.3f}", flush=True)
-    return run.finish(summary)
+    return run.finish(summary, reward_axis(run.cfg))
 
 
 def make_rollout_engine(cfg: Any, states: Any, processor: Any, fsdp_ctx: Any = None, engine: str | None = None

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from mmrl.config import load_config
-from mmrl.diffusion.common import LatentCache, flow_matching_mse, noise_latents, sample_sigmas
 from mmrl.core.pairing import build_pairs
+from mmrl.diffusion.common import LatentCache, flow_matching_mse, noise_latents, sample_sigmas
 from mmrl.diffusion.dpo import Config, make_shapes_preference_file, train
 from mmrl.testing import (RESUMED_RUN, assert_close_across_paths, assert_same_path, child_env, metrics_rows,
                           run_torchrun, spawn_ranks, without_time)
@@ -380,7 +380,7 @@ def test_online_nan_reward_error_or_pairs_without_it(tmp_path, tiny_sd3_path, mo
     """`_test_nan_at_1` (conftest): image 1 of each batch has a NaN reward: an error by default; with drop_sample it
     is in no pair (its group keeps its 2 other images) and training goes on."""
     import mmrl.diffusion.dpo as dpo_mod
-    from mmrl.training import NonFiniteError
+    from mmrl.run.files import NonFiniteError
 
     reward = {"components": {"_test_nan_at_1": 1.0}}
     with pytest.raises(NonFiniteError, match=r"reward component '_test_nan_at_1' .* for sample 1 of 6"):

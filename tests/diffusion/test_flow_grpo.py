@@ -205,8 +205,8 @@ def test_saved_lora_loads_into_plain_diffusers_pipeline(tmp_path, tiny_sd3_path)
     from diffusers import StableDiffusion3Pipeline
 
     from mmrl.adapters import PolicyStates
-    from mmrl.training import peft_lora_config
     from mmrl.diffusion.models import load_flow_model
+    from mmrl.training import peft_lora_config
 
     out = tmp_path / "run"
     cfg = _cfg(out, tiny_sd3_path, train={"max_steps": 1})
@@ -327,8 +327,8 @@ def test_restore_checkpoint_truncate_flag(tmp_path):
     from types import SimpleNamespace
 
     from mmrl.config import RunConfig
-    from mmrl.runtime import Run
-    from mmrl.training import restore_checkpoint
+    from mmrl.run.checkpoint import restore_checkpoint
+    from mmrl.run.directory import Run
 
     run = Run(RunConfig(algorithm="flow_grpo", output_dir=str(tmp_path)))
     run.log(1, {"reward/mean": 1.0})
@@ -350,7 +350,7 @@ def test_checkpoint_of_the_earlier_version_resumes(tmp_path, tiny_sd3_path):
     assert sorted(state["stateful"]) == ["data", "lr_scheduler", "optimizer", "tracker", "transformer_evals"]
     assert all(isinstance(v, list) for v in state["stateful"]["tracker"]["buffers"].values())
     torch.save({k: v for k, v in state.items() if k != "step"}, state_file)  # the earlier save_state call
-    from mmrl.checkpoint_files import write_manifest
+    from mmrl.run.files import write_manifest
 
     write_manifest(old / "checkpoints" / "step_1")  # state.pt changed: its size and crc32 as the run records them
     train(_cfg(old, tiny_sd3_path, ["train.max_steps=2"], **common))
@@ -406,9 +406,9 @@ def _one_update(model_path, scenario, ctx):
     trainable weights after it (by name), this rank's advantages, the tracker state and the loss metrics."""
     from mmrl.diffusion.common import build_policy_states
     from mmrl.diffusion.grpo_update import train_on_rollout
-    from mmrl.diffusion.scoring import global_advantages
     from mmrl.diffusion.models import load_flow_model
     from mmrl.diffusion.sampling import Trajectory, sample_groups
+    from mmrl.diffusion.scoring import global_advantages
     from mmrl.runtime import Timer, seed_everything
 
     cfg = _scenario_cfg(model_path, scenario)
@@ -546,7 +546,7 @@ def _strict_rows(out_dir):
 
 
 def test_nan_reward_is_an_error_naming_component_and_prompt(tmp_path, tiny_sd3_path):
-    from mmrl.training import NonFiniteError
+    from mmrl.run.files import NonFiniteError
 
     cfg = _cfg(tmp_path / "run", tiny_sd3_path, ["train.max_steps=1"],
                reward={"components": {"jpeg_compressibility": 0.1, "_test_nan_at_1": 1.0}})
@@ -555,7 +555,7 @@ def test_nan_reward_is_an_error_naming_component_and_prompt(tmp_path, tiny_sd3_p
                                              r"reward.on_nonfinite=drop_sample"):
         train(cfg)
     # nothing trained, nothing saved: a run that failed before its first metrics row, checkpoint or sample leaves
-    # nothing of its start behind (mmrl.training.closes_runs), so the new run directory is gone
+    # nothing of its start behind (mmrl.run.closes_runs), so the new run directory is gone
     ckpts = tmp_path / "run" / "checkpoints"
     assert not ckpts.exists() or not list(ckpts.iterdir())
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
@@ -592,7 +592,7 @@ def _nan_policy_loss(monkeypatch):
 
 def test_nonfinite_gradient_skips_updates_then_stops(tmp_path, tiny_sd3_path, monkeypatch):
     import mmrl.training as fg
-    from mmrl.training import NonFiniteError
+    from mmrl.run.files import NonFiniteError
 
     _nan_policy_loss(monkeypatch)
     seen = {}
@@ -615,7 +615,8 @@ def test_nonfinite_gradient_skips_updates_then_stops(tmp_path, tiny_sd3_path, mo
 
 
 def test_no_checkpoint_with_nan_weights(tmp_path, tiny_sd3_path, monkeypatch):
-    from mmrl.training import NonFiniteError, UpdateGuard
+    from mmrl.run.files import NonFiniteError
+    from mmrl.training import UpdateGuard
 
     _nan_policy_loss(monkeypatch)
     monkeypatch.setattr(UpdateGuard, "update_ok", lambda self, losses, grad_norm: True)  # the guard switched off

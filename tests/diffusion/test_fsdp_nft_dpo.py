@@ -11,16 +11,16 @@ fine-tuning (full-weight "old"/"ref" snapshots sharded by FSDP) equals DDP too.
 from __future__ import annotations
 
 import json
-import sys
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from mmrl.run.consolidate import checkpoint_optimizer_state, checkpoint_weights
 from mmrl.testing import child_env, run_torchrun
-from mmrl.training.consolidate import checkpoint_optimizer_state, checkpoint_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).parent / "torchrun"

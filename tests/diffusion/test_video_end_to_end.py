@@ -19,7 +19,7 @@ CONFIG = "configs/diffusion/flow_grpo_wan_tiny.yaml"
 @pytest.mark.slow
 def test_docs_video_commands_two_processes_resume_and_eval(tmp_path):
     from mmrl import cli
-    from mmrl.videos import read_video
+    from mmrl.pipelines.videos import read_video
 
     tiny = tmp_path / "tiny"
     assert cli.main(["tiny", str(tiny)]) == 0  # mmrl tiny runs/tiny

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from mmrl import rewards
+from mmrl.pipelines.videos import write_video
 from mmrl.rewards.video import sample_video
-from mmrl.videos import write_video
 
 
 def _uniform_video(levels, size=8):

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from mmrl.run.consolidate import checkpoint_optimizer_state, checkpoint_weights
 from mmrl.testing import child_env, metrics_rows, run_torchrun
-from mmrl.training.consolidate import checkpoint_optimizer_state, checkpoint_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -170,11 +170,11 @@ def test_multiturn_fsdp_full_finetuning_equals_ddp(tmp_path):
 
 
 def test_multiturn_fsdp_refuses_training_the_vision_tower():
+    import tempfile
+
     from mmrl.tiny import build_tiny_qwen2_vl
     from mmrl.vlm.common import load_policy, vision_tower
     from mmrl.vlm.episode_train import check_fsdp_rl_params
-
-    import tempfile
 
     with tempfile.TemporaryDirectory() as d:
         model, _ = load_policy(build_tiny_qwen2_vl(Path(d) / "tiny", seed=0))

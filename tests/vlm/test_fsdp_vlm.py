@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from mmrl.pipelines.shapes_qa import ShapesQA
+from mmrl.run.consolidate import checkpoint_optimizer_state, checkpoint_weights
 from mmrl.testing import child_env, metrics_rows, run_torchrun
-from mmrl.training.consolidate import checkpoint_optimizer_state, checkpoint_weights
 from mmrl.vlm.rollout_collect import check_fsdp_images, to_request
 
 ROOT = Path(__file__).resolve().parents[2]

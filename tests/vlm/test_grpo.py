@@ -20,8 +20,8 @@ from PIL import Image
 
 from mmrl.config import load_config
 from mmrl.core import keep_groups, overlong_penalty
-from mmrl.testing import RESUMED_RUN, assert_same_path, child_env, metrics_rows, run_torchrun, spawn_ranks, without_time
 from mmrl.pipelines.shapes_qa import ShapesQA
+from mmrl.testing import RESUMED_RUN, assert_same_path, child_env, metrics_rows, run_torchrun, spawn_ranks, without_time
 from mmrl.vlm import grpo
 from mmrl.vlm.policy import build_policy
 
@@ -643,7 +643,7 @@ def _strict_rows(out):
 def test_nan_reward_error_or_drop_sample(tiny_path, tmp_path):
     from safetensors.torch import load_file
 
-    from mmrl.training import NonFiniteError
+    from mmrl.run.files import NonFiniteError
 
     with pytest.raises(NonFiniteError, match=r"reward '_test_nan_text' returned a non-finite score \(nan\) for sample "
                                              r"1 of 8 \(prompt 0, response 1: .*\).*reward.on_nonfinite=drop_sample"):
@@ -661,9 +661,8 @@ def test_nan_reward_error_or_drop_sample(tiny_path, tmp_path):
 
 
 def test_nonfinite_loss_skips_update_then_stops(tiny_path, tmp_path, monkeypatch):
-    from mmrl.training import NonFiniteError
-
     from mmrl.core import POLICY_LOSSES
+    from mmrl.run.files import NonFiniteError
 
     real_loss, real_update, unchanged = POLICY_LOSSES["ppo_clip"], grpo.policy_update, []
 
@@ -718,7 +717,7 @@ def test_cpgd_advantage_and_loss_train_end_to_end(tiny_path, tmp_path, monkeypat
 def test_running_reward_norm_is_applied_and_checkpointed(tiny_path, tmp_path):
     """`reward.running_norm` (LightRFT): the statistics grow with every reward seen (8 per step here) and go into
     the checkpoint, so a resumed run continues them."""
-    from mmrl.runtime import Run
+    from mmrl.run.directory import Run
     from mmrl.vlm.grpo import train
 
     out = tmp_path / "rn"

@@ -79,7 +79,7 @@ def test_torchrun_ddp_each_rank_with_its_rollout_process(tmp_path):
     starts its own rollout process, which generates that rank's share. max_staleness=0 equals the synchronous DDP run;
     with max_staleness=1 the checkpoint holds both ranks' in-flight batches, and a resume on one process is refused
     in one line."""
-    from mmrl.checkpoint_files import load_state_file
+    from mmrl.run.files import load_state_file
     from mmrl.testing import child_env, run_torchrun
 
     root = Path(__file__).resolve().parents[2]

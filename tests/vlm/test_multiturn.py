@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from mmrl.vlm.envs import Env, EnvManager, Observation, register_env, turn_discounted_return
 from mmrl.testing import RESUMED_RUN, assert_same_path, child_env, run_torchrun, without_time
 from mmrl.vlm.credit import episode_returns, informative_groups, token_advantages, turn_advantages
+from mmrl.vlm.envs import Env, EnvManager, Observation, register_env, turn_discounted_return
 from mmrl.vlm.episode_train import episode_batch
 from mmrl.vlm.episodes import ChatFormat, Episode, Turn, encode_observation, rollout_episodes
 from mmrl.vlm.rollout import HFRolloutEngine, SamplingParams
@@ -277,7 +277,7 @@ def _recipe_cfg(out, model_path, **sections):
 
 def _to_earlier_layout(ckpt):
     """Rewrite a checkpoint as vlm_multiturn wrote it before the shared layout: policy/ + flat state.pt keys."""
-    from mmrl.checkpoint_files import write_manifest
+    from mmrl.run.files import write_manifest
 
     (ckpt / "adapters").rename(ckpt / "policy")
     st = torch.load(ckpt / "state.pt", weights_only=False)
@@ -648,7 +648,7 @@ def test_nan_turn_reward_error_or_drop_sample(tiny, tmp_path):
 
     from safetensors.torch import load_file
 
-    from mmrl.training import NonFiniteError
+    from mmrl.run.files import NonFiniteError
     from mmrl.vlm.multiturn import train
 
     # one environment worker: the steps run in episode order, so the same episode gets the NaN every time

@@ -391,7 +391,7 @@ def load_flow_model(path: str | Path, device: str | torch.device = "cpu", dtype:
     """
     import diffusers
 
-    from mmrl.checkpoint_files import refusing_pickled_weights
+    from mmrl.run.files import refusing_pickled_weights
 
     model_cls = flow_model_class(path, key)
     path = Path(path)

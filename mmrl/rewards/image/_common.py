@@ -50,7 +50,7 @@ def load_state_dict_file(path: Path, what: str, trust_pickle: bool = False) -> d
     try:
         obj = torch.load(str(path), map_location="cpu", weights_only=not trust_pickle)
     except Exception as exc:  # pickle with non-tensor objects, truncated file, ...
-        from mmrl.checkpoint_files import pickle_refusal
+        from mmrl.run.files import pickle_refusal
 
         refused = pickle_refusal(exc, path)
         if refused is not None:
@@ -248,7 +248,7 @@ class HFClip:
     def __init__(self, model_dir: Path, processor_dir: Path, what: str, processor_download: str):
         from transformers import AutoTokenizer, CLIPModel
 
-        from mmrl.checkpoint_files import refusing_pickled_weights
+        from mmrl.run.files import refusing_pickled_weights
 
         try:
             with refusing_pickled_weights(what, model_dir):  # a pickled .bin: one line naming it

@@ -5,7 +5,7 @@ A gathered checkpoint makes every rank hold the whole optimizer state (AdamW: tw
 every full fine-tuning state in full while rank 0 writes them: ~56 GB of CPU memory per rank for a 7B full fine-tune.
 Here each rank writes only the shards it holds; DCP's ``.metadata`` records every tensor's global shape and chunks, so
 a load reads back exactly the slices a rank needs, with any number of ranks and under any strategy (FSDP2 DTensor
-shards, DDP or a single process with plain tensors). Inside ``checkpoints/step_N/`` (``mmrl.training.checkpoint``)::
+shards, DDP or a single process with plain tensors). Inside ``checkpoints/step_N/`` (``mmrl.run.checkpoint``)::
 
     sharded/   .metadata, __<rank>_0.distcp   {"policy": {state: {param name: tensor}} (full fine-tuning only),
                                                "optimizer": {param name: {"exp_avg": .., "exp_avg_sq": .., "step": ..}}}
@@ -18,7 +18,7 @@ manifest after ``dcp.save`` has returned, i.e. after every rank has written). Th
 parameter name rather than through ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``, which
 initialises a fresh optimizer's state by a zero-gradient ``step()``: a checkpoint written before any update, or
 parameters that never had a gradient, must come back with no state, as the uninterrupted run has.
-``python -m mmrl.training.consolidate`` writes the whole tensors (the gathered layout) from a sharded checkpoint.
+``python -m mmrl.run.consolidate`` writes the whole tensors (the gathered layout) from a sharded checkpoint.
 """
 
 from __future__ import annotations

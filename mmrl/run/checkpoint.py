@@ -4,9 +4,9 @@
       adapters/      every PolicyStates state (peft + diffusers-loadable LoRA, or full weights)
       state.pt       {"stateful": {name: obj.state_dict()}, "extra": {...}, "rng": RNG states, "step": N}
       config.yaml    the resolved config this state was trained with
-      MANIFEST.json  size + crc32 of every file;  COMPLETE  written last (see mmrl.runtime.Run.checkpoint)
+      MANIFEST.json  size + crc32 of every file;  COMPLETE  written last (see mmrl.run.Run.checkpoint)
       sharded/       sharded checkpoints only (`dist.checkpoint`, default under FSDP): optimizer state and full
-                     fine-tuning weights as every rank's own shards (torch.distributed.checkpoint; mmrl.training.sharded)
+                     fine-tuning weights as every rank's own shards (torch.distributed.checkpoint; mmrl.run.sharded)
 
 Both formats resume on any number of ranks and under any strategy; the loader reads whichever it finds.
 
@@ -19,9 +19,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mmrl.runtime import RunError, checkpoint_step, get_rng_state, set_rng_state
-from mmrl.training.sharded import (OPTIMIZER_MARK, SHARDED_DIR, load_optimizer_sharded, optimizer_sharded_state,
-                                   reshard_fsdp)
+from mmrl.run.files import NonFiniteError, RunError, checkpoint_step, last_checkpoint
+from mmrl.run.sharded import OPTIMIZER_MARK, SHARDED_DIR, load_optimizer_sharded, optimizer_sharded_state, reshard_fsdp
+from mmrl.runtime import get_rng_state, set_rng_state
 
 # resumable objects that exist only while an option is on (`reward.running_norm`, `log.judges`): a checkpoint
 # written with the option off lacks them, and a resume that turns it on starts them empty
@@ -70,10 +70,9 @@ def save_checkpoint(ctx: Any, run: Any, step: int, states: Any, stateful: dict[s
     """Write checkpoints/step_<step>/ atomically. Every rank calls it: the weights are checked for NaN/inf first
     (all ranks raise together; nothing is written). Sharded format (`dist.checkpoint`, default under FSDP with
     several ranks): every rank writes its shards of the optimizer state and of full fine-tuning weights
-    (mmrl.training.sharded), rank 0 the rest. Full format: FSDP gathers shards and full-tensor optimizer state on
+    (mmrl.run.sharded), rank 0 the rest. Full format: FSDP gathers shards and full-tensor optimizer state on
     every rank (`fsdp=True`; wrap the optimizer in `FullOptimizerState`) and rank 0 writes. The other ranks wait
     at a barrier until the checkpoint is complete."""
-    from mmrl.training.guards import check_finite_weights
 
     check_finite_weights(states, step, ctx, run)
     for obj in stateful.values():  # state spread over ranks (e.g. in-flight rollouts) is collected first, on every rank
@@ -95,7 +94,7 @@ def save_checkpoint(ctx: Any, run: Any, step: int, states: Any, stateful: dict[s
 
 def _save_sharded(ctx: Any, run: Any, step: int, states: Any, stateful: dict[str, Any], *, fsdp: bool,
                   extra: dict | None) -> None:
-    """The sharded format (see mmrl.training.sharded): one `dcp.save` (a collective) of this rank's optimizer and
+    """The sharded format (see mmrl.run.sharded): one `dcp.save` (a collective) of this rank's optimizer and
     full fine-tuning shards into step_N/sharded/, the small rest by rank 0, all inside `Run.checkpoint`'s temp dir
     (manifest and atomic rename once every rank has written)."""
     from mmrl.adapters.files import SHARDED_KEY
@@ -169,3 +168,19 @@ def restore_checkpoint(ctx: Any, run: Any, states: Any, stateful: dict[str, Any]
         run.truncate_metrics(step)
         print(f"[{getattr(run.cfg, 'algorithm', 'train')}] resumed from {ckpt} (step {step})", flush=True)
     return step, extra
+
+
+def check_finite_weights(states: Any, step: int, ctx: Any = None, run: Any = None) -> None:
+    """Raise `NonFiniteError` (and write nothing) if a tensor of any policy state (`PolicyStates`) holds NaN/inf.
+
+    Called on every rank right before a checkpoint is written: each rank checks its own tensors (its shards under
+    FSDP) and the count is all-reduced, so all ranks raise together."""
+    bad = states.nonfinite_tensors()
+    n_bad = len(bad)
+    if ctx is not None and ctx.enabled:
+        n_bad = int(ctx.all_reduce_sum(float(n_bad)))
+    if n_bad:
+        first = bad[0] if bad else "on another rank"
+        raise NonFiniteError(
+            f"step {step}: {n_bad} policy tensor(s) hold NaN/inf (first: {first}); checkpoint step_{step} was not "
+            f"written; last complete checkpoint: {last_checkpoint(run)}")

@@ -10,7 +10,7 @@ also works on NFS (emulated with fcntl record locks, which NLM shares between ho
 locks (flock fails with ENOLCK / EOPNOTSUPP) the lock falls back to the PID in the file: a live process of that
 PID on this host is a holder; anything else is stale.
 
-Only the main process (rank 0) of a run takes the lock and writes into the directory; `mmrl.training.start_run`
+Only the main process (rank 0) of a run takes the lock and writes into the directory; `mmrl.run.start_run`
 shares rank 0's outcome with the other ranks, so a refused start ends every rank with the same one-line error.
 A process holds at most one lock per directory: a newer `Run` on a directory this process already holds (a
 second `train()` call in one Python session after the first failed) takes the lock over without a gap.
@@ -30,7 +30,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from mmrl.checkpoint_files import RunError
+from mmrl.run.files import RunError
 
 LOCK_NAME = ".mmrl.lock"
 _HELD: dict[str, "RunLock"] = {}  # resolved run directory -> the lock this process holds on it

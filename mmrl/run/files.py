@@ -23,6 +23,10 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 MANIFEST = "MANIFEST.json"  # {relative path: [size in bytes, crc32]} of every file of a checkpoint
 
 
+class NonFiniteError(ValueError):
+    """A reward, loss, gradient or weight is NaN/inf where the run cannot go on with it."""
+
+
 class RunError(RuntimeError):
     """A run cannot start or go on for a reason outside the config (disk full, a corrupt checkpoint, a run
     directory that holds another run): the message names the file and what to do."""
@@ -225,3 +229,11 @@ def checkpoint_step(path: str | Path) -> int:
     if not (path / COMPLETE_MARKER).is_file():
         raise FileNotFoundError(f"checkpoint {path} is incomplete (no {COMPLETE_MARKER} marker): it was interrupted while being written")
     return int(m.group(1))
+
+
+def last_checkpoint(run: Any) -> str:
+    """The newest complete checkpoint of `run` (a path), or a sentence saying there is none."""
+    if run is None:
+        return "unknown"
+    ckpts = list_checkpoints(run.ckpt_dir)
+    return str(ckpts[-1][1]) if ckpts else f"none in {run.ckpt_dir}"

@@ -1,10 +1,10 @@
-"""Run start for every recipe: the process group and the run directory."""
+"""Run start for every recipe: the process group and the run directory (`start_run`), and what ends it however
+train() ends (`closes_runs`)."""
 
 from __future__ import annotations
 
 import functools
 import os
-from collections import defaultdict
 from typing import Any, Callable
 
 
@@ -14,13 +14,15 @@ def start_run(cfg: Any, global_sizes: dict[str, int] | None = None):
     `dist.strategy: auto` becomes `ddp` when several processes were launched, `none` in one (printed by rank 0).
     Checks: several processes with `dist.strategy: none` is an error (the ranks would train apart silently); every
     global size in `global_sizes` (config key -> value) must be divisible by the number of processes. Rank 0
-    takes the run directory's lock (`mmrl.run_lock`), creates it and writes config.yaml first; the other ranks then
-    run the run-directory checks of `mmrl.runtime.Run` without writing, or, when rank 0 failed, raise its error (no
+    takes the run directory's lock (`mmrl.run.lock`), creates it and writes config.yaml first; the other ranks then
+    run the run-directory checks of `mmrl.run.Run` without writing, or, when rank 0 failed, raise its error (no
     rank is left waiting). They get no progress bar and use `ctx.device` (cuda:LOCAL_RANK). One process: exactly
     `Run(cfg)`. Also tunes glibc malloc for the run (``mmrl.runtime.tune_malloc``; opt out with
     MMRL_NO_MALLOC_TUNING=1): large CPU buffers stay in the heap between calls; no number changes."""
     from mmrl.distributed import DistContext
-    from mmrl.runtime import Run, RunError, tune_malloc
+    from mmrl.run.directory import Run
+    from mmrl.run.files import RunError
+    from mmrl.runtime import tune_malloc
 
     tune_malloc()
     hide_hf_progress_bars()
@@ -81,33 +83,33 @@ def hide_hf_progress_bars() -> None:
         pass
 
 
-def merge_rank_lists(ctx: Any, lists: dict[str, list]) -> dict[str, list]:
-    """{key: values of rank 0 + values of rank 1 + ...} (all-gathered; a rank may lack a key). One process:
-    `lists` unchanged. A collective: every rank must call it."""
-    if not ctx.enabled:
-        return lists
-    merged: dict[str, list] = defaultdict(list)
-    for part in ctx.all_gather_object(dict(lists)):
-        for k, v in part.items():
-            merged[k] += list(v)
-    return merged
+# what closes_runs stops when a recipe's train() raises, besides its runs: (snapshot of what is open, closer)
+_FAILURE_CLOSERS: list[tuple[Callable[[], Any], Callable[[Any], None], Any]] = []
+
+
+def close_on_failure(snapshot: Callable[[], Any], close: Callable[[Any], None], nothing_open: Any) -> None:
+    """Register something a recipe may open that `closes_runs` must stop when train() raises (the rollout processes
+    of `mmrl.training.async_rollout`): `snapshot()` is taken when train() starts, `close(snapshot)` stops what was
+    opened after it; `nothing_open` stands for the snapshot when the closer was registered during the call."""
+    _FAILURE_CLOSERS.append((snapshot, close, nothing_open))
 
 
 def closes_runs(train: Callable[[Any], dict]) -> Callable[[Any], dict]:
-    """Decorator for a recipe's `train(cfg)`: however it ends, the runs it opened are closed (`mmrl.runtime.Run.close`):
+    """Decorator for a recipe's `train(cfg)`: however it ends, the runs it opened are closed (`mmrl.run.Run.close`):
     the directory lock released (on a return, an exception or Ctrl-C), and a run that failed before it wrote a
     metrics row, checkpoint or sample leaves nothing of its start behind (a bad path, a bad size, a model that
-    does not load). The rollout processes it started (`rollout.worker: process`) are stopped when it raises."""
-    from mmrl.runtime import close_runs, open_runs
-    from mmrl.training.async_rollout import close_rollouts, open_rollouts
+    does not load). What it registered with `close_on_failure` (rollout processes) is stopped when it raises."""
+    from mmrl.run.directory import close_runs, open_runs
 
     @functools.wraps(train)
     def wrapper(cfg: Any) -> dict:
-        since, rollouts = open_runs(), open_rollouts()
+        since = open_runs()
+        opened = {id(entry): entry[0]() for entry in _FAILURE_CLOSERS}
         try:
             out = train(cfg)
         except BaseException:
-            close_rollouts(rollouts)
+            for entry in list(_FAILURE_CLOSERS):
+                entry[1](opened.get(id(entry), entry[2]))
             close_runs(since, failed=True)
             raise
         close_runs(since)

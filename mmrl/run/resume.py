@@ -144,7 +144,7 @@ def check_resume_config(cfg: Any, resume: Path, run_dir: Path, report: bool = Tr
 def preflight(run: Any) -> Path | None:
     """Refuse a start that would discard what `run`'s directory holds (unless train.overwrite), then check the config
     changes of a resume (`check_resume_config`). Returns the checkpoint to resume from (`run.find_resume()`)."""
-    from mmrl.checkpoint_files import RunError, checkpoint_step, list_checkpoints
+    from mmrl.run.files import RunError, checkpoint_step, list_checkpoints
 
     cfg, mode = run.cfg, str(run.cfg.train.resume)
     overwrite = bool(getattr(cfg.train, "overwrite", False))

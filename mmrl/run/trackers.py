@@ -59,7 +59,7 @@ class TensorBoardTracker:
         captions also as text."""
         import numpy as np
 
-        from mmrl.plots import make_image_grid
+        from mmrl.run.plots import make_image_grid
 
         grid = make_image_grid(list(images), list(captions) if captions else None)
         self.writer.add_image(f"samples/{name}", np.asarray(grid.convert("RGB")), step, dataformats="HWC")
@@ -74,8 +74,8 @@ class TensorBoardTracker:
         import numpy as np
         from torch.utils.tensorboard.summary import Summary
 
-        from mmrl.plots import make_image_grid
-        from mmrl.videos import gif_bytes
+        from mmrl.pipelines.videos import gif_bytes
+        from mmrl.run.plots import make_image_grid
 
         frames = np.stack([np.asarray(make_image_grid(_frames_at(videos, t))) for t in range(len(videos[0]))])
         image = Summary.Image(height=frames.shape[1], width=frames.shape[2], colorspace=3,
@@ -122,7 +122,7 @@ class WandbTracker:
         """uint8 [F, H, W, 3] clips as MP4 `wandb.Video`s (encoded here, so wandb needs no moviepy)."""
         import io
 
-        from mmrl.videos import encode_mp4
+        from mmrl.pipelines.videos import encode_mp4
 
         caps = list(captions) if captions else [None] * len(videos)
         self.run.log({f"samples/{name}": [self.wandb.Video(io.BytesIO(encode_mp4(v, fps)), caption=c, format="mp4")
@@ -183,7 +183,7 @@ def callbacks_active(callbacks: Sequence[Any]) -> Iterator[None]:
 def _check_writable(name: str, directory: Path) -> None:
     """ValueError naming the tracker and the folder when the tracker could not write there (read-only, a file in
     the way, no permission): found before the tracker starts, whose own writer threads would print tracebacks."""
-    from mmrl.checkpoint_files import probe_writable
+    from mmrl.run.files import probe_writable
 
     try:
         probe_writable(directory)

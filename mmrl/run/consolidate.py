@@ -1,6 +1,6 @@
 """A sharded checkpoint (`dist.checkpoint: sharded`) rewritten as the gathered layout, in one process:
 
-    python -m mmrl.training.consolidate runs/x/checkpoints/step_40 runs/x-full/step_40 [--weights-only]
+    python -m mmrl.run.consolidate runs/x/checkpoints/step_40 runs/x-full/step_40 [--weights-only]
 
 The output is what a run with `dist.checkpoint: full` writes: `adapters/<state>/model.safetensors` per full fine-tuning
 state (parameter names as in the model: loadable into the diffusers / transformers model, see docs/scaling.md),
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from mmrl.training.sharded import OPTIMIZER_MARK, SHARDED_DIR
+from mmrl.run.sharded import OPTIMIZER_MARK, SHARDED_DIR
 
 
 def _full_optimizer(meta: dict, path: Path, key: str) -> dict:
@@ -45,7 +45,7 @@ def _full_optimizer(meta: dict, path: Path, key: str) -> dict:
 
 def checkpoint_optimizer_state(ckpt: str | Path, key: str = "optimizer") -> dict:
     """The optimizer state of checkpoint `ckpt` (either format) as `optimizer.state_dict()` with whole tensors."""
-    from mmrl.checkpoint_files import load_state_file
+    from mmrl.run.files import load_state_file
 
     saved = load_state_file(Path(ckpt) / "state.pt")["stateful"][key]
     return _full_optimizer(saved, Path(ckpt) / SHARDED_DIR, key) if saved.get(OPTIMIZER_MARK) else saved
@@ -69,8 +69,7 @@ def consolidate_checkpoint(ckpt: str | Path, out: str | Path, weights_only: bool
     from safetensors.torch import save_file
 
     from mmrl.adapters import FULL_WEIGHTS_NAME, INDEX_NAME, load_sharded_state, sharded_weights_dir
-    from mmrl.checkpoint_files import COMPLETE_MARKER, load_state_file, verify_checkpoint, write_manifest
-    from mmrl.runtime import checkpoint_step
+    from mmrl.run.files import COMPLETE_MARKER, checkpoint_step, load_state_file, verify_checkpoint, write_manifest
 
     ckpt, out = Path(ckpt), Path(out)
     checkpoint_step(ckpt)  # a complete step_<N> directory
@@ -114,7 +113,7 @@ def consolidate_checkpoint(ckpt: str | Path, out: str | Path, weights_only: bool
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mmrl.training.consolidate",
+    ap = argparse.ArgumentParser(prog="python -m mmrl.run.consolidate",
                                  description="Rewrite a sharded mmrl checkpoint as whole tensors (the gathered layout).")
     ap.add_argument("checkpoint", help="a complete checkpoints/step_<N>/ directory written with dist.checkpoint=sharded")
     ap.add_argument("out", help="new directory to write (name it step_<N> to resume from it)")

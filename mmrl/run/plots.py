@@ -1,5 +1,5 @@
 """Images and curves written into a run directory: sample grids with captions (PNG; videos: MP4 grids through
-`mmrl.videos`) and the reward curve PNG."""
+`mmrl.pipelines.videos`) and the reward curve PNG."""
 
 from __future__ import annotations
 
@@ -81,13 +81,13 @@ def save_image_grid(images: Any, captions: list[str] | None, path: str | Path, c
 def write_samples(directory: Path, trackers: list, step: int, images: torch.Tensor, captions: list[str] | None = None,
                   name: str | None = None) -> Path:
     """`Run.save_samples`: images [N, 3, H, W] -> a PNG grid (`directory/<name or step_N.png>`); videos
-    [N, F, 3, H, W] -> an MP4 grid (same name, `.mp4`; `mmrl.videos`). Each tracker gets the samples with their
+    [N, F, 3, H, W] -> an MP4 grid (same name, `.mp4`; `mmrl.pipelines.videos`). Each tracker gets the samples with their
     captions (reward, prompt): images (TensorBoard draws them as one grid per step), or videos where the tracker
     takes them."""
     kind = "eval" if (name or "").startswith("eval") else "rollout"
     path = Path(directory) / (name or f"step_{step:06d}.png")
     if isinstance(images, torch.Tensor) and images.dim() == 5:
-        from mmrl.videos import DEFAULT_FPS, to_uint8_frames
+        from mmrl.pipelines.videos import DEFAULT_FPS, to_uint8_frames
 
         path = save_video_grid(images, captions, path.with_suffix(".mp4"))
         clips = [to_uint8_frames(v) for v in images]
@@ -102,45 +102,6 @@ def write_samples(directory: Path, trackers: list, step: int, images: torch.Tens
     return path
 
 
-def reward_axis(cfg: Any) -> dict:
-    """`{"unit", "value_range"}` of a run config's reward, for the reward curve: the registered reward classes'
-    `unit` and `score_range` (a weighted sum: the weighted bounds when every component is bounded). A run whose
-    rewards come from environments (no reward names) gets `"episode return"`, unbounded."""
-    from mmrl.rewards.registry import lookup
-
-    if getattr(cfg, "algorithm", "") == "dpo" and getattr(getattr(cfg, "algo", None), "mode", "") == "offline":
-        return {"unit": "implicit reward margin of the preference pairs", "value_range": (None, None)}  # no reward
-    reward = getattr(cfg, "reward", None)
-    components = getattr(reward, "components", None)
-    if components is None and getattr(reward, "name", None):
-        kwargs = getattr(reward, "kwargs", None) or {}
-        components = dict(kwargs.get("components") or {}) if reward.name == "composite" else {reward.name: 1.0}
-    if not components:
-        return {"unit": "episode return", "value_range": (None, None)}
-    parts, lo, hi = [], 0.0, 0.0
-    for key, spec in components.items():
-        weight = float(spec.get("weight", 1.0)) if isinstance(spec, dict) else float(1.0 if spec is None else spec)
-        name = (spec.get("reward") or spec.get("name") or key) if isinstance(spec, dict) else key
-        try:
-            cls = lookup(str(name))
-        except ImportError:  # an optional extra not installed: the curve is drawn without the reward's facts
-            cls = None
-        unit = getattr(cls, "unit", "score")
-        c_lo, c_hi = getattr(cls, "score_range", (None, None))
-        if weight < 0:
-            c_lo, c_hi = c_hi, c_lo
-        lo = None if lo is None or c_lo is None else lo + weight * c_lo
-        hi = None if hi is None or c_hi is None else hi + weight * c_hi
-        parts.append((weight, str(key), unit))
-    if len(parts) == 1:
-        weight, key, unit = parts[0]
-        label = f"{key}: {unit}" if weight == 1 else f"{weight:g} x {key} ({unit})"
-    else:
-        label = "weighted sum: " + " + ".join(f"{w:g}*{k}" for w, k, _ in parts)
-    return {"unit": label, "value_range": (lo, hi)}
-
-
-# eval metrics drawn on their own [0, 1] axis, with what they are
 _EVAL_RATES = {"eval/accuracy": "eval accuracy (greedy)", "eval/success_rate": "eval success rate"}
 
 
@@ -207,7 +168,7 @@ def save_video_grid(videos: torch.Tensor, captions: Sequence[str] | None, path: 
                     fps: int | None = None, cols: int | None = None) -> Path:
     """Videos [N, F, 3, H, W] in [0, 1] -> one MP4 (or GIF) whose every frame is the grid of the N videos' frames,
     with a caption under each (as `make_image_grid` draws them)."""
-    from mmrl.videos import DEFAULT_FPS, write_video
+    from mmrl.pipelines.videos import DEFAULT_FPS, write_video
 
     if videos.dim() != 5 or videos.shape[2] != 3:
         raise ValueError(f"save_video_grid: expected videos [N, F, 3, H, W], got {tuple(videos.shape)}")
