@@ -8,7 +8,6 @@ YAML is strict: an unknown key is an error that names the key, its path and the 
 from __future__ import annotations
 
 import ast
-import contextvars
 import dataclasses
 import importlib
 import inspect
@@ -44,36 +43,6 @@ class ConfigError(ValueError):
 # refused while the config is read, naming the key, rather than failing after the model load.
 FLOAT_LIMIT = 3.4028234663852886e38  # torch.finfo(torch.float32).max
 INT_LIMIT = 2**63
-
-
-# old dotted key (or whole section) -> its new name, for the recipe being loaded (a recipe module's RENAMED_KEYS)
-_RENAMED: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("mmrl_renamed_keys", default={})
-
-
-def renamed_to(key: str, renamed: dict[str, str] | None = None) -> str | None:
-    """The current name of a key that an earlier mmrl version spelt differently ('sample.group_size' ->
-    'rollout.group_size'): the exact key first, then its enclosing sections; None if it was not renamed."""
-    renamed = _RENAMED.get() if renamed is None else renamed
-    if key in renamed:
-        return renamed[key]
-    parts = key.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        section = ".".join(parts[:i])
-        if section in renamed:
-            return ".".join([renamed[section], *parts[i:]])
-    return None
-
-
-def renamed_key_error(key: str, value: Any = None) -> ConfigError | None:
-    """ConfigError naming the replacement of a renamed key (for a whole section given as a mapping: the new name
-    of each key in it); None if `key` was not renamed."""
-    new = renamed_to(key)
-    if new is None:
-        return None
-    if isinstance(value, dict) and value:
-        moves = ", ".join(f"{key}.{k} -> {renamed_to(f'{key}.{k}')}" for k in value)
-        return ConfigError(f"config section '{key}' was renamed to '{new}': {moves}")
-    return ConfigError(f"config key '{key}' was renamed to '{new}'")
 
 
 @dataclass
@@ -172,8 +141,6 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
-        if not isinstance(value, dict) and renamed_to(where) is not None:  # e.g. the earlier `model.lora: true`
-            raise ConfigError(f"config key '{where}' (a value) is now a section: use '{renamed_to(where)}'")
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping (section {tp.__name__}), got {value!r}")
         return from_dict(tp, value, path=where)
@@ -236,9 +203,6 @@ def from_dict(cls: type, data: dict, path: str = "", defaults: Any = None) -> An
     if unknown:
         key = unknown[0]
         full = f"{path}.{key}" if path else key
-        moved = renamed_key_error(full, data[key])
-        if moved is not None:
-            raise moved
         raise ConfigError(
             f"unknown config key '{full}' (in section '{path or '<top>'}'); valid keys: {sorted(fields)}"
         )
@@ -357,9 +321,6 @@ def apply_overrides(cfg: Any, overrides: typing.Iterable[str]) -> Any:
         for i, part in enumerate(parts):
             names = [f.name for f in dataclasses.fields(obj)]
             if part not in names:
-                moved = renamed_key_error(key.strip())
-                if moved is not None:
-                    raise moved
                 where = ".".join(parts[:i]) or "<top>"
                 raise ConfigError(f"unknown config key '{key}' (in section '{where}'); valid keys: {sorted(names)}")
             hint = typing.get_type_hints(type(obj))[part]
@@ -431,15 +392,11 @@ def load_config(source: str | Path | dict, overrides: typing.Iterable[str] = ())
         module = recipe_module(algorithm)
     except ConfigError as exc:
         raise ConfigError(f"{where}{exc}") from None
-    token = _RENAMED.set(dict(getattr(module, "RENAMED_KEYS", {})))
     try:
-        try:
-            cfg = from_dict(module.Config, data)
-        except ConfigError as exc:
-            raise ConfigError(f"{where}{exc}") from None
-        return apply_overrides(cfg, [o for o in overrides if not o.startswith("algorithm=")])
-    finally:
-        _RENAMED.reset(token)
+        cfg = from_dict(module.Config, data)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}{exc}") from None
+    return apply_overrides(cfg, [o for o in overrides if not o.startswith("algorithm=")])
 
 
 def default_config(algorithm: str) -> RunConfig:

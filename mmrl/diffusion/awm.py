@@ -51,9 +51,8 @@ from mmrl.run.start import closes_runs
 from mmrl.training import KLConfig, UpdateConfig
 from mmrl.training.updates import padding_rows, reduce_metrics
 
-__all__ = ["Config", "train", "ema_decay", "EMA_SCHEDULES", "RENAMED_KEYS"]
+__all__ = ["Config", "train", "ema_decay", "EMA_SCHEDULES"]
 
-RENAMED_KEYS = dict(dc.RENAMED_KEYS)  # the diffusion recipes' pre-issue-12 names (sample.* -> rollout.*, ...)
 
 EMA_SCHEDULES = AWM_EMA_SCHEDULES
 EmaSchedule = Literal["copy", "linear", "delayed_linear", "awm_linear"]

@@ -1,6 +1,6 @@
-"""Config sections the three diffusion recipes (flow_grpo, dpo, nft) share: `model` (with `model.lora`), `data`,
+"""Config sections the diffusion recipes share: `model` (with `model.lora`), `data`,
 `rollout`, `reward`, `log`. Each recipe subclasses a section where it adds keys or changes a default; the
-optimizer/update/KL sections come from `mmrl.training`. Also the renamed keys all three share (`RENAMED_KEYS`)."""
+optimizer/update/KL sections come from `mmrl.training`."""
 
 from __future__ import annotations
 
@@ -9,28 +9,6 @@ from typing import Any, ClassVar, Literal
 
 from mmrl.training import LoRAConfig, OnNonfinite, OptimConfig, TrackersConfig
 from mmrl.training.judges import JudgeFields, check_judges
-
-# old key (earlier mmrl versions) -> new key, common to flow_grpo, dpo and nft (each recipe adds its own)
-RENAMED_KEYS: dict[str, str] = {
-    "sample": "rollout",
-    "sample.batch_size": "rollout.micro_batch_size",
-    "data.prompts_per_step": "rollout.prompts_per_step",
-    "model.lora": "model.lora.rank (0 = full fine-tuning, > 0 = LoRA rank)",
-    "model.lora_rank": "model.lora.rank",
-    "model.lora_alpha": "model.lora.alpha",
-    "model.lora_target_modules": "model.lora.target_modules",
-    "model.lora_init": "model.lora.init",
-    "model.init_lora_path": "model.lora.init_path",
-    "train.lr": "optim.lr",
-    "train.weight_decay": "optim.weight_decay",
-    "train.adam_betas": "optim.betas",
-    "train.adam_eps": "optim.eps",
-    "train.warmup_steps": "optim.warmup_steps",
-    "train.micro_batch_size": "update.micro_batch_size",
-    "train.max_grad_norm": "update.max_grad_norm",
-    "train.max_skipped_updates": "update.max_skipped_updates",
-    "log.num_sample_images": "log.num_samples",
-}
 
 
 # A recipe default that differs from a shared section's is a subclass with its own field default, never a

@@ -47,9 +47,7 @@ from mmrl.run.start import closes_runs
 from mmrl.training import KLConfig, UpdateConfig
 from mmrl.training.updates import padding_rows, reduce_metrics
 
-__all__ = ["Config", "train", "RENAMED_KEYS"]
-
-RENAMED_KEYS = dict(dc.RENAMED_KEYS)
+__all__ = ["Config", "train"]
 
 
 @dataclass

@@ -60,10 +60,8 @@ from mmrl.distributed import DistConfig
 from mmrl.run.start import closes_runs
 from mmrl.training import OptimConfig, UpdateConfig, finite_stats, group_keep
 
-__all__ = ["Config", "train", "make_shapes_preference_file", "RENAMED_KEYS"]
+__all__ = ["Config", "train", "make_shapes_preference_file"]
 
-# keys of earlier mmrl versions -> their names now (an old key in a YAML or override fails naming the new one)
-RENAMED_KEYS = {**dc.RENAMED_KEYS, "dpo": "algo"}
 
 # ------------------------------------------------------------------------------------------ config
 

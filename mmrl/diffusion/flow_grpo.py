@@ -55,19 +55,8 @@ from mmrl.run.start import closes_runs
 from mmrl.training import KLConfig, RunningNormFields, UpdateConfig
 from mmrl.training.config import AsyncRolloutFields, RolloutCorrectionConfig
 
-__all__ = ["Config", "train", "RENAMED_KEYS"]
+__all__ = ["Config", "train"]
 
-# keys of earlier mmrl versions -> their names now (an old key in a YAML or override fails naming the new one)
-RENAMED_KEYS = {
-    **dc.RENAMED_KEYS,
-    "train.num_inner_epochs": "update.epochs",
-    "train.updates_per_step": "update.mini_batch_size",  # = rollout.prompts_per_step * group_size / updates
-    "train.beta": "algo.kl.coef",
-    "train.clip_range": "algo.clip_range",
-    "train.adv_clip_max": "algo.adv_clip_max",
-    "train.ema": "algo.ema",
-    "train.ema_decay": "algo.ema_decay",
-}
 
 # ------------------------------------------------------------------------------------------ config
 

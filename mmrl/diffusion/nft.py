@@ -56,17 +56,8 @@ from mmrl.run.start import closes_runs
 from mmrl.training import KLConfig, UpdateConfig
 from mmrl.training.updates import reduce_metrics
 
-__all__ = ["Config", "train", "ema_decay", "EMA_SCHEDULES", "RENAMED_KEYS"]
+__all__ = ["Config", "train", "ema_decay", "EMA_SCHEDULES"]
 
-# keys of earlier mmrl versions -> their names now (an old key in a YAML or override fails naming the new one)
-RENAMED_KEYS = {
-    **dc.RENAMED_KEYS,
-    "nft": "algo",
-    "train.num_inner_epochs": "update.epochs",
-    "train.updates_per_step": "update.mini_batch_size",  # = rollout.prompts_per_step * group_size / updates
-    "train.kl_beta": "algo.kl.coef",
-    "train.adv_clip_max": "algo.adv_clip_max",
-}
 
 EMA_SCHEDULES = NFT_EMA_SCHEDULES
 EmaSchedule = Literal["copy", "linear", "delayed_linear"]

@@ -26,8 +26,6 @@ from mmrl.runtime import get_rng_state, set_rng_state
 # resumable objects that exist only while an option is on (`reward.running_norm`, `log.judges`): a checkpoint
 # written with the option off lacks them, and a resume that turns it on starts them empty
 FRESH_ON_RESUME = ("reward_norm", "judges")
-# flat state.pt keys of the VLM recipes' earlier layout -> stateful names of this one
-_LEGACY_STATEFUL = {"optimizer": "optimizer", "scheduler": "lr_scheduler", "data": "data"}
 
 
 class FullOptimizerState:
@@ -131,16 +129,11 @@ def restore_checkpoint(ctx: Any, run: Any, states: Any, stateful: dict[str, Any]
     ckpt = Path(ckpt)
     step = checkpoint_step(ckpt)
     state = run.load_state(ckpt)
-    if (ckpt / "adapters").is_dir() and "stateful" in state:
-        saved, extra = state["stateful"], dict(state.get("extra", {}))
-        weights = ckpt / "adapters"
-    elif (ckpt / "policy").is_dir() and "stateful" not in state:  # the VLM recipes' earlier layout
-        saved = {new: state[old] for old, new in _LEGACY_STATEFUL.items() if old in state}
-        extra = {k: v for k, v in state.items() if k not in _LEGACY_STATEFUL and k not in ("rng", "step")}
-        weights = ckpt / "policy"
-    else:
-        raise RunError(f"checkpoint {ckpt} has neither adapters/ + state.pt['stateful'] (this version's layout) nor "
-                       f"policy/ (the earlier VLM layout): not a checkpoint of an mmrl recipe")
+    if not ((ckpt / "adapters").is_dir() and "stateful" in state):
+        raise RunError(f"checkpoint {ckpt} has no adapters/ + state.pt['stateful'] (the layout of every mmrl recipe): "
+                       f"not a checkpoint of an mmrl recipe")
+    saved, extra = state["stateful"], dict(state.get("extra", {}))
+    weights = ckpt / "adapters"
     missing = [k for k in stateful if k not in saved and k not in FRESH_ON_RESUME]
     if missing:
         raise RunError(f"checkpoint {ckpt}: state.pt lacks {missing} (has {sorted(saved)}): written by another recipe?")

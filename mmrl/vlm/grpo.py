@@ -50,18 +50,6 @@ from mmrl.vlm.update import PairedForwards, PolicyGradientLoss, VLMUpdateConfig,
 from mmrl.vlm.warm_start import WarmStartConfig, format_warm_start
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
-RENAMED_KEYS = {
-    "model.finetune": "model.lora.rank (0 = full fine-tuning)", "model.lora_rank": "model.lora.rank",
-    "model.lora_alpha": "model.lora.alpha", "model.lora_target_modules": "model.lora.target_modules",
-    "rollout.n": "rollout.group_size", "rollout.batch_size": "rollout.prompts_per_step",
-    "rollout.gen_batch_size": "rollout.micro_batch_size", "algo.ppo_epochs": "update.epochs",
-    "algo.mini_batch_size": "update.mini_batch_size", "algo.micro_batch_size": "update.micro_batch_size",
-    "train.grad_clip": "update.max_grad_norm", "train.lr": "optim.lr", "train.weight_decay": "optim.weight_decay",
-    "train.lr_warmup_steps": "optim.warmup_steps", "train.reuse_vision_features": "update.reuse_vision_features",
-    "train.max_skipped_updates": "update.max_skipped_updates", "algo.kl_coef": "algo.kl.coef",
-    "algo.kl_estimator": "algo.kl.estimator", "algo.kl_in_reward": "algo.kl.in_reward", "warmup": "warm_start",
-    "warmup.sft_steps": "warm_start.steps", "log.n_samples": "log.num_samples",
-}
 
 
 @dataclass

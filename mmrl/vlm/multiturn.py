@@ -38,21 +38,6 @@ from mmrl.vlm.rollout import SamplingParams
 from mmrl.vlm.update import PackingFields, PairedForwards, PolicyGradientLoss, policy_update
 from mmrl.vlm.warm_start import WarmStartConfig, format_warm_start
 
-# keys of earlier versions -> their names now (a config using an old name fails naming the new one)
-RENAMED_KEYS = {
-    "rollout.groups_per_step": "rollout.prompts_per_step", "rollout.batch_size": "rollout.micro_batch_size",
-    "model.lora_rank": "model.lora.rank", "model.lora_alpha": "model.lora.alpha",
-    "model.lora_target_modules": "model.lora.target_modules", "train.lr": "optim.lr",
-    "train.weight_decay": "optim.weight_decay", "train.lr_end_factor": "optim.lr_end_factor",
-    "train.max_grad_norm": "update.max_grad_norm", "train.ppo_epochs": "update.epochs",
-    "train.mini_batches": "update.mini_batch_size (episodes per update = prompts_per_step * group_size / mini_batches)",
-    "train.micro_batch_size": "update.micro_batch_size", "train.reuse_vision_features": "update.reuse_vision_features",
-    "train.warm_start_steps": "warm_start.steps", "train.warm_start_lr": "warm_start.lr",
-    "train.warm_start_batch": "warm_start.batch_size", "train.warm_start_params": "warm_start.params",
-    "train.eval_every": "log.eval_every", "algo.kl_coef": "algo.kl.coef", "algo.kl_kind": "algo.kl.estimator",
-    "train.max_skipped_updates": "update.max_skipped_updates",
-}
-
 
 def _at_least(section: str, obj: Any, **least: int) -> None:
     for key, lo in least.items():

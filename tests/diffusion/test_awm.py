@@ -147,7 +147,7 @@ def test_bad_config_errors(tmp_path, tiny_sd3_path):
                             ("rollout.group_size=1", "group_size"), ("algo.adv_clip_max=0", "adv_clip_max")]:
         with pytest.raises(ValueError, match=match):
             _cfg(tmp_path / "d", tiny_sd3_path, [override])
-    with pytest.raises(ConfigError, match="config key 'sample.group_size' was renamed to 'rollout.group_size'"):
+    with pytest.raises(ConfigError, match="unknown config key 'sample.group_size'"):
         _cfg(tmp_path / "e", tiny_sd3_path, ["sample.group_size=4"])
     with pytest.raises(ConfigError, match="unknown config key 'algo.beta'"):
         _cfg(tmp_path / "f", tiny_sd3_path, ["algo.beta=0.1"])

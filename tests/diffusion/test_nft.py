@@ -116,12 +116,7 @@ def test_published_hyperparameters():
     assert (ocr.algo.guidance_beta, ocr.algo.ema_schedule, updates(ocr)) == (0.1, "delayed_linear", 2)
 
 
-def test_renamed_keys_and_metric_names(tmp_path, tiny_sd3_path, check_metric_names):
-    for old, new in [("nft.guidance_beta", "algo.guidance_beta"), ("train.kl_beta", "algo.kl.coef"),
-                     ("sample.group_size", "rollout.group_size"), ("train.updates_per_step", "update.mini_batch_size"),
-                     ("model.lora_alpha", "model.lora.alpha")]:
-        with pytest.raises(ConfigError, match=f"config key '{old}' was renamed to '{new}'"):
-            _cfg(tmp_path, tiny_sd3_path, [f"{old}=2"])
+def test_metric_names(tmp_path, tiny_sd3_path, check_metric_names):
     out = tmp_path / "run"
     train(_cfg(out, tiny_sd3_path, ["train.max_steps=1", f"data.eval_prompts={EVAL_PROMPTS}", "log.eval_every=1",
                                     "log.eval_max_prompts=2"]))
