@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["FLOAT32_ATOL", "FLOAT32_RTOL", "RESUMED_RUN", "assert_close_across_paths", "assert_same_path", "child_env",
-           "environment_report", "metrics_rows", "png_claiming_size", "run_torchrun", "signal_death", "spawn_ranks", "without_time"]
+           "child_processes", "environment_report", "metrics_rows", "png_claiming_size", "process_ended",
+           "run_torchrun", "signal_death", "spawn_ranks", "without_time"]
 
 # float32 has a 2^-24 ~ 6e-8 relative rounding step; through a tiny model's forward and a loss the results of two
 # paths drift apart by up to ~1e-6 relative (measured: NFT pos/neg loss 1.8e-8, 2 ranks vs 1 process ~1e-7), far
@@ -141,6 +142,30 @@ def metrics_rows(out_dir: str | Path) -> list[dict]:
     """The rows of ``OUT_DIR/metrics.jsonl``."""
     path = Path(out_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def process_ended(pid: int) -> bool:
+    """Process `pid` has ended (Linux /proc): gone, or a zombie that no parent has reaped yet (a container's PID 1
+    may never reap the orphans it inherits)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return True
+
+
+def child_processes(pid: int) -> dict[int, str]:
+    """{PID: command line} of the running children of process `pid` (Linux /proc)."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            if ppid == pid and not process_ended(int(entry.name)):
+                out[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
 
 
 # measurements of the machine rather than of the training (mmrl.perf.meter): throughput and memory

@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 from mmrl.config import ConfigError, load_config
-from mmrl.testing import assert_same_path, metrics_rows
+from mmrl.testing import assert_same_path, metrics_rows, process_ended
 from mmrl.training.payloads import from_plain, pack_tensors, to_plain, unpack_tensors
 
 REPO = Path(__file__).resolve().parents[1]
@@ -146,7 +146,8 @@ def test_stale_batches_with_recomputed_pi_old_need_the_correction_weights(cfg_fi
 
 class CountingProducer:
     """A producer without models (built in the spawned process by name): a batch records its step, the weight it
-    was made with, the data position and one random draw; `cfg` = {"fail_at": step, "exit_at": step}."""
+    was made with, the data position and one random draw; `cfg` = {"fail_at": step, "exit_at": step, "sleep_at":
+    step (generates for 10 minutes), "big": n (each batch carries n float32 values too)}."""
 
     def __init__(self, cfg, rank, world, device):
         self.cfg, self.rank, self.w, self.position = dict(cfg), rank, None, 0
@@ -167,8 +168,14 @@ class CountingProducer:
             import os
 
             os._exit(3)
+        if step == self.cfg.get("sleep_at"):
+            import time
+
+            time.sleep(600)
         self.position += 1
-        return {"step": step, "w": self.w, "position": self.position, "draw": torch.rand(())}, {"time/rollout_s": 0.0}
+        extra = {"big": torch.zeros(self.cfg["big"])} if "big" in self.cfg else {}
+        return ({"step": step, "w": self.w, "position": self.position, "draw": torch.rand(()), **extra},
+                {"time/rollout_s": 0.0})
 
 
 class Position:
@@ -306,6 +313,87 @@ def test_a_failing_or_dying_rollout_process_stops_the_trainer_with_its_cause():
     with pytest.raises(KeyboardInterrupt):
         train(None)
     assert not pipes[0].proc.is_alive()  # stopped when train() raised, not when its traceback is dropped
+
+
+def test_a_rollout_process_killed_mid_batch_stops_the_trainer_within_seconds():
+    """`kill -9` of the rollout process (what the OOM killer does) while a batch is half through the pipe: the
+    trainer stops within seconds with one line naming the process and the signal (it read the cut batch forever)."""
+    import os
+    import signal
+    import time
+
+    from mmrl.training.async_rollout import RolloutProcessError
+
+    def hung(*_):  # (pytest.fail: not an OSError, which the trainer's read would take for the pipe's end)
+        pytest.fail("the trainer still waits for the batch of a dead rollout process after 20 s")
+
+    pipe = _pipe(1, cfg={"big": 1 << 20})  # 4 MB batches: the pipe holds 64 KB, the rest waits for the trainer
+    old = signal.signal(signal.SIGALRM, hung)
+    try:
+        pipe.start(0, {"w": torch.tensor(0.0)})
+        pipe.next(1)  # ... and the batch of step 2 is being made
+        pipe.push(1, {"w": torch.tensor(1.0)})
+        assert pipe.outbox._reader.poll(60)  # its first bytes are in the pipe
+        time.sleep(0.2)
+        os.kill(pipe.proc.pid, signal.SIGKILL)
+        signal.alarm(20)
+        t0 = time.time()
+        with pytest.raises(RolloutProcessError) as err:
+            pipe.next(2)
+        took = time.time() - t0
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+        pipe.close()
+    assert str(err.value) == (f"rollout process (PID {pipe.proc.pid}, rank 0) died from signal 9 (SIGKILL: e.g. the "
+                              f"OOM killer, or kill -9) while the trainer waited for the batch of step 2")
+    assert took < 5 and process_ended(pipe.proc.pid)
+
+
+_TRAINER = """
+import sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from test_async_rollout import _pipe
+if __name__ == "__main__":
+    pipe = _pipe(1, cfg={"sleep_at": 2})
+    pipe.start(0, {"w": torch.tensor(0.0)})
+    pipe.next(1)  # the rollout process now generates the batch of step 2 for 10 minutes
+    pipe.push(1, {"w": torch.tensor(1.0)})
+    print(pipe.proc.pid, flush=True)
+    pipe.next(2)
+"""
+
+
+def test_a_rollout_process_ends_within_seconds_of_its_trainers_death(tmp_path):
+    """`kill -9` of the trainer while its rollout process generates: the rollout process ends within seconds (it
+    kept generating, the device held, until its batch was done) and says why."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from mmrl.testing import child_env
+
+    trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, str(REPO / "tests")], env=child_env(), cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rollout = None
+    try:
+        rollout = int(trainer.stdout.readline())
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+        end = time.time() + 5
+        while not process_ended(rollout) and time.time() < end:
+            time.sleep(0.1)
+        assert process_ended(rollout), "the rollout process outlived its trainer"
+    finally:
+        trainer.kill()
+        if rollout is not None and not process_ended(rollout):
+            os.kill(rollout, signal.SIGKILL)
+    err = trainer.stderr.read()
+    assert (f"mmrl: rollout process (PID {rollout}, rank 0): its trainer process (PID {trainer.pid}) is gone; "
+            f"exiting") in err, err[-2000:]
 
 
 def test_resume_with_in_flight_batches_on_another_number_of_processes_is_refused():

@@ -50,7 +50,8 @@ def _wait_for(predicate, timeout: float = 120.0, what: str = "") -> None:
 @pytest.mark.slow
 def test_two_trainings_in_one_directory(tmp_path):
     """A second `mmrl train` started while the first runs exits with one line naming the holder's PID and host, and
-    so does `train.resume=never train.overwrite=true`: nothing of the running run is touched. After a `kill -9` of
+    so does `train.resume=never train.overwrite=true`, even with the first run's lock file deleted: nothing of the
+    running run is touched. After a `kill -9` of
     the first, the lock file it leaves is taken over with a note and the run resumes from its newest checkpoint;
     metrics.jsonl holds every step once."""
     out = tmp_path / "run"
@@ -60,6 +61,7 @@ def test_two_trainings_in_one_directory(tmp_path):
                              text=True)
     try:
         _wait_for(lambda: len(list_checkpoints(out / "checkpoints")) >= 2, what="the first run's checkpoints")
+        (out / LOCK_NAME).unlink()  # the directory's own lock stays; the first run writes the file again
         seconds = [subprocess.Popen(_mmrl("train", str(FLOW), f"output_dir={out}", *TINY, *extra), cwd=tmp_path,
                                     env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                    for extra in ([], ["train.resume=never", "train.overwrite=true"])]
@@ -95,7 +97,7 @@ def _cfg(tmp_path, **train) -> RunConfig:
 _HOLD = """
 import sys, time
 from mmrl.config import RunConfig, TrainConfig
-from mmrl.runtime import Run
+from mmrl.run.directory import Run
 run = Run(RunConfig(algorithm="toy", output_dir=sys.argv[1], train=TrainConfig()))
 print("holding", flush=True)
 time.sleep(120)
@@ -131,6 +133,113 @@ def test_a_run_of_another_process_is_refused_and_a_dead_ones_lock_taken_over(tmp
     assert json.loads((run.dir / LOCK_NAME).read_text())["pid"] == os.getpid()
     run.finish()
     assert not (run.dir / LOCK_NAME).exists()
+
+
+_WRITER = """
+import sys, time
+from mmrl.config import RunConfig, TrainConfig
+from mmrl.run.directory import Run
+run = Run(RunConfig(algorithm="toy", output_dir=sys.argv[1], train=TrainConfig()))
+print("holding", flush=True)
+for step in range(1, 100000):
+    run.log(step, {"reward/mean": 0.5})
+    time.sleep(0.02)
+"""
+
+
+def _steps(out: Path) -> list[int]:
+    """The steps of the complete rows of a live run's metrics.jsonl."""
+    path = out / "metrics.jsonl"
+    lines = path.read_text().split("\n")[:-1] if path.is_file() else []  # (not a line being written)
+    return [json.loads(line)["step"] for line in lines]
+
+
+def test_a_deleted_lock_file_lets_no_second_run_in(tmp_path):
+    """Deleting `.mmrl.lock` of a live run (its flock went with the file's name) let the next start lock a new file
+    and rewrite the live run's metrics.jsonl. The run directory's own lock refuses it, naming the holder: from the
+    kernel's lock table while the file is gone, from the file once the holder has written it again (at its next
+    write, which it makes after saying so). The live run's rows stay, each step once."""
+    out = tmp_path / "run"
+    idle = _holder(out)  # writes nothing: its lock file stays gone
+    try:
+        (out / LOCK_NAME).unlink()
+        with pytest.raises(RunError, match=rf"^output_dir {out} is in use by another run: PID {idle.pid} on host "
+                                           rf"{socket.gethostname()} holds {out} \(its lock file {LOCK_NAME} was "
+                                           rf"removed or replaced\); wait for it to finish"):
+            Run(_cfg(tmp_path))
+    finally:
+        idle.kill()
+        idle.wait()
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(out)], env=child_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "holding"
+        _wait_for(lambda: len(_steps(out)) >= 5, timeout=60, what="the first rows")
+        (out / LOCK_NAME).unlink()
+        for extra in ({}, {"resume": "never", "overwrite": True}):
+            with pytest.raises(RunError, match=rf"is in use by another run: PID {writer.pid} on host "):
+                Run(_cfg(tmp_path, **extra))
+        _wait_for(lambda: (out / LOCK_NAME).is_file() and json.loads((out / LOCK_NAME).read_text() or "{}").get("pid")
+                  == writer.pid, timeout=10, what="the lock file written again")
+        with pytest.raises(RunError, match=rf"is in use by another run: PID {writer.pid} on host .*\(started "):
+            Run(_cfg(tmp_path))
+        rows = len(_steps(out))
+        _wait_for(lambda: len(_steps(out)) > rows + 5, timeout=60, what="more rows")
+    finally:
+        writer.kill()
+        _, err = writer.communicate()
+    assert f"[mmrl] the run lock file {out / LOCK_NAME} was removed while this run held it; written again" in err
+    steps = _steps(out)
+    assert steps == list(range(1, len(steps) + 1))
+
+
+def test_a_run_whose_lock_was_taken_stops_before_its_next_write(tmp_path, monkeypatch):
+    """Where directories cannot be flocked (NFS), the lock file alone holds the directory: before every write a run
+    checks it. A removed lock file is written again (and locked); one that another run has locked since, or a run
+    directory replaced, stops the run with one line before it writes."""
+    import fcntl
+    import stat
+
+    flock = fcntl.flock
+
+    def no_directory_locks(fd, op):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+        return flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", no_directory_locks)
+    run = Run(_cfg(tmp_path))
+    lock = run.dir / LOCK_NAME
+    try:
+        lock.unlink()
+        run.log(1, {"reward/mean": 0.5})
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+        refused = subprocess.run([sys.executable, "-c", _HOLD, str(run.dir)], env=child_env(), capture_output=True,
+                                 text=True, timeout=60)  # (the child's directory flock works: the file refuses it)
+        assert refused.returncode == 1 and f"is in use by another run: PID {os.getpid()}" in refused.stderr
+        lock.unlink()
+        holder = _holder(run.dir)  # a second start that found no lock file: it took a new one
+        try:
+            with pytest.raises(RunError, match=rf"^output_dir {run.dir}: its run lock {lock} was replaced while this "
+                                               rf"run \(PID {os.getpid()}\) held it, and PID {holder.pid} on host "
+                                               rf".* holds it now; this run stops so that two runs never write into "
+                                               rf"one directory"):
+                run.log(2, {"reward/mean": 0.5})
+        finally:
+            holder.kill()
+            holder.wait()
+        assert [r["step"] for r in run.read_metrics()] == [1]
+    finally:
+        run.close()
+    run = Run(_cfg(tmp_path))
+    try:
+        run.dir.rename(tmp_path / "moved")
+        run.dir.mkdir()
+        with pytest.raises(RunError, match=rf"^output_dir {run.dir} was removed or replaced while this run \(PID "):
+            run.log(1, {"reward/mean": 0.5})
+        assert list(run.dir.iterdir()) == []
+    finally:
+        run.close()
 
 
 def _lock_fds(under: Path) -> list[str]:

@@ -173,8 +173,21 @@ class Run:
         return make_trackers(names, self.dir, to_dict(self.cfg), project=getattr(log, "wandb_project", "mmrl"),
                              wandb_mode=getattr(log, "wandb_mode", "offline"))
 
+    def check_lock(self) -> None:
+        """Before every write into the run directory: this run still holds it (`RunLock.check`). When another run
+        has taken it, RunError, without the "rerun to resume" hint (the directory is that run's now)."""
+        if self.lock is None:
+            return
+        try:
+            self.lock.check()
+        except RunError:
+            global _STARTED_RUN_DIR
+            _STARTED_RUN_DIR = None
+            raise
+
     def _write_config(self) -> None:
         if self._config_pending:
+            self.check_lock()
             tmp = self.dir / "config.yaml.tmp"
             tmp.write_text(self._config_text)
             os.replace(tmp, self.dir / "config.yaml")
@@ -188,6 +201,7 @@ class Run:
     # ---------------------------------------------------------------- metrics
     def log(self, step: int, metrics: dict[str, Any]) -> dict:
         """Append one JSON line `{"step": step, **metrics}` to metrics.jsonl (flushed)."""
+        self.check_lock()
         self._write_config()  # a resumed run's config.yaml, now that the resume has worked
         self.start.wrote = True
         row = {"step": int(step)}
@@ -214,6 +228,7 @@ class Run:
 
     def truncate_metrics(self, step: int) -> None:
         """Keep only rows with step <= `step` (called on resume so no step is logged twice)."""
+        self.check_lock()
         rows = [r for r in self.read_metrics() if r.get("step", 0) <= step]
         tmp = self.metrics_path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -262,6 +277,7 @@ class Run:
         """Write a checkpoint atomically: yields a temp dir; on success marks it complete and renames it
         to checkpoints/step_<N>/, deletes complete checkpoints with a step > N (an abandoned timeline) and
         prunes to keep_last. An exception (or a kill) leaves no step_<N> behind."""
+        self.check_lock()
         tmp = self.ckpt_dir / f".tmp-step_{step}-{os.getpid()}"
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -280,6 +296,7 @@ class Run:
                                    f"({type(exc).__name__}: {str(exc)[:120]}); nothing half-written was kept and "
                                    f"{keep}: free space, then rerun to resume") from exc
                 raise
+            self.check_lock()  # (a long save: the directory is still this run's)
             final = self.ckpt_dir / f"step_{step}"
             if final.exists():  # re-saving the same step (e.g. after a resume): swap atomically-ish
                 old = self.ckpt_dir / f".tmp-old-step_{step}-{os.getpid()}"
@@ -336,12 +353,14 @@ class Run:
     def save_samples(self, step: int, images: torch.Tensor, captions: list[str] | None = None,
                      name: str | None = None) -> Path:
         """A grid of the samples in samples/ (PNG; videos [N, F, 3, H, W]: MP4), also sent to the trackers."""
+        self.check_lock()
         self.start.wrote = True
         return write_samples(self.samples_dir, self.trackers, step, images, captions, name)
 
     def finish(self, extra: dict | None = None, axis: dict | None = None) -> dict:
         """Write plots/reward_curve.png (`axis`: the reward's `unit` and `value_range`, `mmrl.training.summary.
         reward_axis`) and return a summary of the run's metrics."""
+        self.check_lock()
         rows = self.read_metrics()
         summary: dict[str, Any] = {"output_dir": str(self.dir), "steps_logged": len(rows)}
         if rows:

@@ -1,14 +1,22 @@
 """One run per directory: the lock a training run holds on its output_dir, and what a run that failed to start
 leaves behind (nothing).
 
-The lock is `flock(LOCK_EX | LOCK_NB)` on `<output_dir>/.mmrl.lock`, a file that names its holder (PID, host, start
-time, command). flock rather than an O_EXCL lock file + PID check, because the kernel releases an flock when its
-holder exits for any reason (an exception, Ctrl-C, `kill -9`, an OOM kill): a lock can never outlive its process, so
-"stale" needs no guessing from PIDs, which other hosts cannot check and which the system reuses. A lock file left
-behind by a process that died holds no flock; the next run takes it over and says whose it was. On Linux flock
-also works on NFS (emulated with fcntl record locks, which NLM shares between hosts). On a file system without
-locks (flock fails with ENOLCK / EOPNOTSUPP) the lock falls back to the PID in the file: a live process of that
-PID on this host is a holder; anything else is stale.
+The lock is `flock(LOCK_EX | LOCK_NB)` on the run directory itself and on `<output_dir>/.mmrl.lock`, a file that
+names its holder (PID, host, start time, command). flock rather than an O_EXCL lock file + PID check, because the
+kernel releases an flock when its holder exits for any reason (an exception, Ctrl-C, `kill -9`, an OOM kill): a lock
+can never outlive its process, so "stale" needs no guessing from PIDs, which other hosts cannot check and which the
+system reuses. A lock file left behind by a process that died holds no flock; the next run takes it over and says
+whose it was. On Linux flock also works on NFS (emulated with fcntl record locks, which NLM shares between hosts).
+On a file system without locks (flock fails with ENOLCK / EOPNOTSUPP) the lock falls back to the PID in the file: a
+live process of that PID on this host is a holder; anything else is stale.
+
+An flock belongs to a file, not to its name: deleting `.mmrl.lock` of a live run would let the next start create a
+new file and lock that. The lock of the directory's own inode stays while the run lives, whatever happens to the
+names in it, so the next start is refused (naming the holder from the lock file, or from /proc/locks when the file
+is gone). Where directories cannot be flocked (NFS) the file's lock alone decides, and before every write into the
+directory (`RunLock.check`: a metrics row, a checkpoint, samples, config.yaml) the holder checks that its lock file
+is still the one it locked: a removed file is written again, a file another run has locked since stops this run
+with one line naming that run, before it writes anything more.
 
 Only the main process (rank 0) of a run takes the lock and writes into the directory; `mmrl.run.start_run`
 shares rank 0's outcome with the other ranks, so a refused start ends every rank with the same one-line error.
@@ -55,6 +63,13 @@ def _read_info(fd: int) -> dict:
         return {}
 
 
+def _write_info(fd: int, started: float) -> None:
+    """Name this process as the holder in the lock file open as `fd`."""
+    mine = {"pid": os.getpid(), "host": socket.gethostname(), "started": started, "argv": sys.argv}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(mine).encode(), 0)
+
+
 def _pid_alive(pid: Any) -> bool:
     try:
         os.kill(int(pid), 0)
@@ -65,12 +80,74 @@ def _pid_alive(pid: Any) -> bool:
     return True
 
 
-class RunLock:
-    """The lock of one run directory (see the module docstring). `acquire` raises RunError naming the holder."""
+def _same_file(fd: int, path: Path) -> bool:
+    """`path` names the file (or directory) open as `fd`."""
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_ino, a.st_dev) == (b.st_ino, b.st_dev)
 
-    def __init__(self, directory: Path, fd: int, owner: object, flocked: bool, note: str | None):
+
+def _flock_pid(fd: int) -> int | None:
+    """The PID holding an flock on the file open as `fd`, from /proc/locks (Linux; None when it cannot be told)."""
+    st = os.fstat(fd)
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()
+            if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == key and fields[4].isdigit():
+                return int(fields[4])
+    except OSError:
+        pass
+    return None
+
+
+def _lock_directory(directory: Path) -> tuple[int, bool]:
+    """(descriptor of `directory`, whether it is flocked now); RunError naming the holder when another process
+    holds it. A file system whose directories cannot be flocked (NFS) gives (descriptor, False)."""
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return dfd, True
+    except BlockingIOError:
+        path = directory / LOCK_NAME
+        info: dict = {}
+        for _ in range(2):  # the holder writes a removed lock file again at its next write: give it a moment
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                info = _read_info(fd)
+                os.close(fd)
+            except OSError:
+                pass
+            if info:
+                break
+            time.sleep(0.2)
+        pid = _flock_pid(dfd)
+        os.close(dfd)
+        if info and (pid is None or info.get("pid") == pid):
+            holder = f"{_holder_text(info)} holds {path}"
+        else:  # the lock file is gone (or is not the holder's): the kernel's lock table names the holder
+            holder = (f"PID {pid if pid is not None else '?'} on host {socket.gethostname()} holds {directory} "
+                      f"(its lock file {LOCK_NAME} was removed or replaced)")
+        raise RunError(f"output_dir {directory} is in use by another run: {holder}; wait for it to finish (or stop "
+                       f"it), or choose another output_dir") from None
+    except OSError:  # no flock on directories here: the lock file alone decides
+        return dfd, False
+    except BaseException:
+        os.close(dfd)
+        raise
+
+
+class RunLock:
+    """The lock of one run directory (see the module docstring). `acquire` raises RunError naming the holder;
+    `check` (before every write into the directory) raises RunError when another run has taken it."""
+
+    def __init__(self, directory: Path, fd: int, owner: object, flocked: bool, note: str | None, dir_fd: int = -1,
+                 dir_flocked: bool = False):
         self.directory, self.path, self.fd = directory, directory / LOCK_NAME, fd
         self.flocked, self.note = flocked, note
+        self.dir_fd, self.dir_flocked = dir_fd, dir_flocked
         self._take(owner)
 
     def _take(self, owner: object) -> None:
@@ -97,17 +174,24 @@ class RunLock:
             held.note = None
             return held
         path = directory / LOCK_NAME
-        for _ in range(20):  # the holder may be removing the file as we open it: open again
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            try:
-                lock = cls._lock_fd(directory, path, fd, owner)
-            except BaseException:
+        dir_fd, dir_flocked = _lock_directory(directory)
+        try:
+            for _ in range(20):  # the holder may be removing the file as we open it: open again
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                try:
+                    lock = cls._lock_fd(directory, path, fd, owner)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                if lock is not None:
+                    lock.dir_fd, lock.dir_flocked = dir_fd, dir_flocked
+                    _HELD[key] = lock
+                    return lock
                 os.close(fd)
-                raise
-            if lock is not None:
-                _HELD[key] = lock
-                return lock
-            os.close(fd)
+        except BaseException:
+            os.close(dir_fd)
+            raise
+        os.close(dir_fd)
         raise RunError(f"output_dir {directory}: cannot take the run lock {path} (it keeps being replaced)")
 
     @classmethod
@@ -142,10 +226,46 @@ class RunLock:
                                f"choose another output_dir")
             note = (f"took over the run lock of {directory} left by {_holder_text(info)}, which is no longer running"
                     + ("" if flocked or here else " (another host, no file locks: cannot check it; make sure)"))
-        mine = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "argv": sys.argv}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(mine).encode(), 0)
+        _write_info(fd, time.time())
         return cls(directory, fd, owner, flocked, note)
+
+    def check(self) -> None:
+        """Before a write into the directory: the run directory and the lock file are still the ones this lock
+        holds. A removed (or unlocked, replaced) lock file is written again and locked; a lock file that another
+        process has locked since, or a directory removed or replaced, raises RunError: this run stops before it
+        writes into another run's directory."""
+        if self.fd < 0:
+            return
+        if self.dir_fd >= 0 and not _same_file(self.dir_fd, self.directory):
+            raise RunError(f"output_dir {self.directory} was removed or replaced while this run (PID {os.getpid()}) "
+                           f"wrote into it; it stops here so that it writes nothing into another directory of that "
+                           f"name")
+        if _same_file(self.fd, self.path):
+            return
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise RunError(f"output_dir {self.directory}: its run lock {self.path} was removed while this run held "
+                           f"it and cannot be written again ({exc})") from None
+        try:
+            if self.flocked:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            info = _read_info(fd)
+            os.close(fd)
+            raise RunError(f"output_dir {self.directory}: its run lock {self.path} was replaced while this run (PID "
+                           f"{os.getpid()}) held it, and {_holder_text(info)} holds it now; this run stops so that two "
+                           f"runs never write into one directory (the rows and checkpoints it wrote are in "
+                           f"{self.directory}, unless the other run has discarded them)") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        started = _read_info(self.fd).get("started", time.time())
+        _write_info(fd, started)
+        os.close(self.fd)
+        self.fd = fd
+        print(f"[mmrl] the run lock file {self.path} was removed while this run held it; written again",
+              file=sys.stderr, flush=True)
 
     def release(self, owner: object) -> None:
         """Remove the lock file and drop the lock, if `owner` (the Run that took it) still holds it."""
@@ -162,6 +282,9 @@ class RunLock:
             pass
         os.close(self.fd)
         self.fd = -1
+        if self.dir_fd >= 0:  # last: a start waiting for the directory finds the lock file gone
+            os.close(self.dir_fd)
+            self.dir_fd = -1
         _HELD.pop(str(self.directory.resolve()), None)
 
 

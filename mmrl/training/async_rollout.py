@@ -51,22 +51,22 @@ decoupled PPO), slime (train_async: one-step-off), OpenRLHF (async queue; queued
 
 from __future__ import annotations
 
-import importlib
 import os
 import queue as queue_mod
+import signal
 import sys
 import time
-import traceback
 import weakref
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Iterable, Protocol
 
 import torch
 
 from mmrl.distributed import rank_seed
-from mmrl.perf.meter import attach_flops_meter
+from mmrl.run.files import RunError
 from mmrl.run.start import close_on_failure
-from mmrl.runtime import get_rng_state, seed_everything, set_rng_state, tune_malloc
-from mmrl.training.payloads import decode, encode, from_plain, pack_tensors, to_plain, unpack_tensors
+from mmrl.runtime import get_rng_state, set_rng_state
+from mmrl.training.async_worker import POLL_S, worker_main
+from mmrl.training.payloads import decode, encode, from_plain, pack_tensors
 
 __all__ = ["AsyncRollout", "RolloutProducer", "rollout_process", "policy_weights", "load_policy_weights",
            "check_async_rollout", "ASYNC_SEED_RANK", "RolloutProcessError"]
@@ -75,7 +75,6 @@ ASYNC_SEED_RANK = 500_000
 """Rank offset of the rollout processes' per-step seeds (max_staleness > 0): `rank_seed(seed, ASYNC_SEED_RANK + rank,
 step)` never equals a trainer rank's seed."""
 
-_POLL_S = 0.5  # how often a blocked side checks that the other one is still alive
 _OPEN: "weakref.WeakSet[AsyncRollout]" = weakref.WeakSet()  # rollout processes of this process not yet closed
 
 
@@ -95,8 +94,21 @@ def close_rollouts(since: set[int]) -> None:
 close_on_failure(open_rollouts, close_rollouts, set())  # closes_runs stops them when a recipe raises
 
 
-class RolloutProcessError(RuntimeError):
-    """The rollout process died or failed; the message names the step and the cause."""
+class RolloutProcessError(RunError):
+    """The rollout process died; the message names it, how it ended and what the trainer waited for (a RunError: the
+    CLI prints it as one line with the resume hint)."""
+
+
+def _how_it_ended(exitcode: int | None) -> str:
+    """'died from signal 9 (SIGKILL: e.g. the OOM killer, or kill -9)' / 'exited with code 3' of an exit code."""
+    if exitcode is None or exitcode >= 0:
+        return f"exited with code {exitcode}"
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        name = "unknown signal"
+    hint = ": e.g. the OOM killer, or kill -9" if -exitcode == signal.SIGKILL else ""
+    return f"died from signal {-exitcode} ({name}{hint})"
 
 
 class RolloutProducer(Protocol):
@@ -177,101 +189,7 @@ def policy_weights(states: Any, only: Iterable[torch.Tensor] | None = None) -> d
 
 
 # ------------------------------------------------------------------------------------------ the rollout process
-
-
-def _import(spec: str) -> Callable:
-    module, _, attr = spec.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _picklable(exc: BaseException) -> BaseException:
-    import pickle
-
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:  # noqa: BLE001 - an exception type that does not survive pickling
-        return RuntimeError(f"{type(exc).__name__}: {exc}")
-
-
-def _next_message(inbox: Any, parent: Any) -> tuple | None:
-    """The next message for the rollout process; None once the trainer process is gone."""
-    while True:
-        try:
-            return inbox.get(timeout=_POLL_S)
-        except queue_mod.Empty:
-            pass
-        except (OSError, EOFError):  # a message whose shared tensors died with the trainer
-            pass
-        if parent is not None and not parent.is_alive():
-            return None
-
-
-def _worker_main(builder: str, cfg: Any, rank: int, world: int, device: str, threads: int, inbox: Any,
-                 outbox: Any) -> None:
-    """The rollout process: build the producer, then serve `inbox` in order until "stop" or the trainer is gone.
-
-    It never exits on its own while the trainer lives: the tensors of a batch it sent are shared through file
-    descriptors that the trainer fetches from this process when it unpickles the batch, so after an error it sends
-    the error and waits for "stop"."""
-    import multiprocessing
-
-    parent = multiprocessing.parent_process()
-    outbox.cancel_join_thread()  # exiting never blocks on batches nobody will read
-    try:
-        tune_malloc()  # as the trainer (start_run): buffers stay in the heap between calls
-        if threads > 0:
-            torch.set_num_threads(threads)
-        producer = _import(builder)(cfg, rank, world, device)
-        # the rollout's forwards are part of the step's FLOPs (perf/tflops_per_step), as in the synchronous loop
-        flops_model = getattr(producer, "flops_model", None)
-        meter = attach_flops_meter(flops_model) if flops_model is not None else None
-        outbox.put(("ready", os.getpid()))
-        version, idle, busy, load_s = -1, 0.0, 0.0, 0.0
-        while True:
-            t0 = time.perf_counter()
-            msg = _next_message(inbox, parent)
-            t1 = time.perf_counter()
-            idle += t1 - t0
-            if msg is None or msg[0] == "stop":
-                return
-            kind = msg[0]
-            if kind == "weights":
-                version = int(msg[1])
-                producer.load_weights(unpack_tensors(msg[2]))
-                load_s += time.perf_counter() - t1
-            elif kind == "state":
-                producer.load_state_dict(msg[1])
-            elif kind == "produce":
-                _, step, seed, rng = msg
-                if rng is not None:
-                    set_rng_state(decode(rng))
-                if seed is not None:
-                    seed_everything(seed)
-                if meter is not None:
-                    meter.pop()  # (forwards of weight loads and the like are not the rollout's)
-                payload, metrics = producer.produce(step)
-                plain = to_plain(payload)
-                busy += time.perf_counter() - t1
-                state = {"producer": producer.state_dict(), "rng": get_rng_state() if rng is not None else None}
-                info = {"version": version, "idle_s": idle, "busy_s": busy, "weight_load_s": load_s,
-                        "metrics": dict(metrics), "flops": meter.pop() if meter is not None else 0}
-                outbox.put(("batch", int(step), encode({"payload": plain, "state": state, "info": info})))
-                idle = busy = load_s = 0.0
-                continue
-            else:
-                raise ValueError(f"rollout process: unknown message {kind!r}")
-            busy += time.perf_counter() - t1
-    except BaseException as exc:  # noqa: BLE001 - reported to the trainer, which raises it
-        try:
-            outbox.put(("error", _picklable(exc), traceback.format_exc()))
-        except Exception:  # noqa: BLE001 - the queue is gone too
-            return
-        while (msg := _next_message(inbox, parent)) is not None and msg[0] != "stop":
-            pass  # until the trainer has taken what was sent
+# (its own side: mmrl.training.async_worker)
 
 
 def _shutdown(proc: Any, inbox: Any) -> None:
@@ -283,6 +201,8 @@ def _shutdown(proc: Any, inbox: Any) -> None:
         if proc.pid is not None and proc.is_alive():
             proc.terminate()
             proc.join(timeout=5)
+        # the process is gone: this process's exit must not wait to hand it messages (a full pipe would block it)
+        inbox.cancel_join_thread()
     except Exception:  # noqa: BLE001 - interpreter shutdown
         pass
 
@@ -315,7 +235,7 @@ class AsyncRollout:
         self.device, self.mirror = device, dict(mirror or {})
         ctx = tmp.get_context("spawn")
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=_worker_main, args=(builder, cfg, self.rank, self.world, str(device or "cpu"),
+        self.proc = ctx.Process(target=worker_main, args=(builder, cfg, self.rank, self.world, str(device or "cpu"),
                                                             int(threads), self.inbox, self.outbox),
                                 daemon=True, name=f"mmrl-rollout-{self.rank}")
         self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.inbox)
@@ -338,19 +258,21 @@ class AsyncRollout:
         except queue_mod.Empty:
             if self.proc.is_alive():
                 return None
-        except (OSError, EOFError):  # a batch whose shared tensors died with the process
+        except (OSError, EOFError):  # the pipe's end: a batch cut by the process's death (it is still exiting)
+            self.proc.join(timeout=5)
             if self.proc.is_alive():
                 raise
         self.close()
-        raise RolloutProcessError(f"rollout process {self.proc.pid} (rank {self.rank}) exited with code "
-                                  f"{self.proc.exitcode} while the trainer waited for {waiting_for}; its output is "
-                                  f"above") from None
+        code = self.proc.exitcode
+        raise RolloutProcessError(f"rollout process (PID {self.proc.pid}, rank {self.rank}) {_how_it_ended(code)} "
+                                  f"while the trainer waited for {waiting_for}" +
+                                  ("; its output is above" if code is not None and code > 0 else "")) from None
 
     def _receive(self, waiting_for: str) -> None:
         """Block until one message arrives from the rollout process and file it; raise if the process failed."""
         msg = None
         while msg is None:
-            msg = self._get(_POLL_S, waiting_for)
+            msg = self._get(POLL_S, waiting_for)
         self._file(msg, waiting_for)
 
     def _file(self, msg: tuple, waiting_for: str) -> None:
@@ -368,9 +290,10 @@ class AsyncRollout:
                 obj.load_state_dict(state["producer"][name])
         # "ready": the producer is built (nothing to do)
 
-    def _drain_nowait(self) -> None:
-        while (msg := self._get(0.0, "finished batches")) is not None:
-            self._file(msg, "finished batches")
+    def _drain_nowait(self, waiting_for: str) -> None:
+        """File the messages that have arrived, without waiting."""
+        while (msg := self._get(0.0, waiting_for)) is not None:
+            self._file(msg, waiting_for)
 
     def _submit(self, upto: int) -> None:
         """Send the tickets up to step `upto`. k = 0: with the trainer's RNG state (the synchronous loop's random
@@ -391,6 +314,9 @@ class AsyncRollout:
         state = {name: obj.state_dict() for name, obj in self.mirror.items()}
         state.update(producer_state or {})
         self.proc.start()  # (torch.multiprocessing spawn: a script that trains needs `if __name__ == "__main__":`)
+        # the trainer only reads `outbox`: with the rollout process holding the only write end, a batch cut by its
+        # death (a kill -9 while the batch is half through the pipe) ends in EOF instead of a read that never returns
+        self.outbox._writer.close()
         self._send("state", state)
         self.version = self.consumed = int(step)
         self._send("weights", self.version, pack_tensors(weights))
@@ -414,7 +340,7 @@ class AsyncRollout:
                                f"{self.version})")
         self._submit(step + self.k)  # ticket t is sent when the trainer asks for batch t-k: version t-1-k is pushed
         t0 = time.perf_counter()
-        self._drain_nowait()
+        self._drain_nowait(f"the batch of step {step}")
         queue_length = sum(1 for s in self.ready if s >= step)
         while step not in self.ready:
             if self.submitted < step:
@@ -448,7 +374,7 @@ class AsyncRollout:
     # ---------------------------------------------------------------- checkpoints
     def _finish_submitted(self) -> None:
         while any(s not in self.ready for s in range(self.consumed + 1, self.submitted + 1)):
-            self._receive("in-flight batches before a checkpoint")
+            self._receive(f"the in-flight batches before the checkpoint of step {self.consumed}")
 
     def _local_state(self) -> dict:
         self._finish_submitted()
