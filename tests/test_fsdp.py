@@ -294,10 +294,11 @@ def _one_update_fsdp(tfg, model_path, scenario, ctx):
     from mmrl.core.prompt_stats import PerPromptStatTracker
     from mmrl.diffusion.common import build_policy_states
     from mmrl.diffusion.grpo_update import train_on_rollout
+    from mmrl.diffusion.loop import TrainingParts
     from mmrl.diffusion.models import load_flow_model
     from mmrl.diffusion.sampling import Trajectory, sample_groups
     from mmrl.diffusion.scoring import global_advantages
-    from mmrl.runtime import Timer, seed_everything
+    from mmrl.runtime import seed_everything
 
     P, G = tfg.P, tfg.G
     cfg = tfg._scenario_cfg(model_path, scenario)
@@ -328,7 +329,7 @@ def _one_update_fsdp(tfg, model_path, scenario, ctx):
     tracker = PerPromptStatTracker("group", history=4)
     adv, keep, adv_metrics = global_advantages(ctx, tracker, prompts, scores, cfg.algo.adv_clip_max, True)
     torch.manual_seed(100 + ctx.rank)
-    out = train_on_rollout(cfg, model, states, traj, adv, keep, opt, sched, params, Timer(), ctx)
+    out = train_on_rollout(TrainingParts(cfg, ctx, model, states, opt, sched, params), 0, traj, adv, keep)
     sd = states.state_dict()["states"]  # gathered
     return {"default": sd["default"], "n_keep": len(keep), "metrics": {**out, **adv_metrics}}
 

@@ -240,7 +240,7 @@ def _capture_flow(monkeypatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     from mmrl.diffusion import scoring
 
     scored, tracked = [], []
-    # the rollout step scores through score_images (mmrl.diffusion.rollout_worker.rollout_and_score, the code the
+    # the rollout step scores through score_images (mmrl.diffusion.rollout.rollout_and_score, the code the
     # synchronous loop and the rollout process share)
     real_score, real_update = scoring.score_images, PerPromptStatTracker.update
 

@@ -78,9 +78,19 @@ class TrainingParts:
     optimizer: Any
     lr_scheduler: Any
     params: Any
-    guard: Any
-    timer: Any
+    guard: Any = None
+    timer: Any = None
     counters: Any = None
+
+    def __post_init__(self) -> None:  # (a test's update without a run: a fresh guard, a timer of its own)
+        if self.guard is None:
+            from mmrl.training import UpdateGuard
+
+            self.guard = UpdateGuard(self.cfg.update.max_skipped_updates, self.ctx)
+        if self.timer is None:
+            from mmrl.runtime import Timer
+
+            self.timer = Timer()
 
     def updates(self, units: Any, *, metrics: dict, step: int, **options: Any) -> UpdateIterator:
         """The micro-steps of this batch's optimizer updates (`mmrl.training.updates.UpdateIterator`) with the

@@ -302,8 +302,9 @@ def _pair_noise(x):
 def _one_dpo_update(model_path, split, ctx):
     import mmrl.diffusion.dpo_update as dpo_mod
     from mmrl.diffusion.common import build_policy_states
+    from mmrl.diffusion.loop import TrainingParts
     from mmrl.diffusion.models import load_flow_model
-    from mmrl.runtime import Timer, seed_everything
+    from mmrl.runtime import seed_everything
 
     cfg = _cfg("/tmp/unused", model_path, update={"micro_batch_size": 2}, optim={"lr": 1e-3})
     model = load_flow_model(model_path)
@@ -328,8 +329,8 @@ def _one_dpo_update(model_path, split, ctx):
     randn_like, sigmas = torch.randn_like, dpo_mod.sample_sigmas
     torch.randn_like, dpo_mod.sample_sigmas = _pair_noise, lambda n, *a, **k: torch.full((n,), 0.6)
     try:
-        m = dpo_mod.dpo_update(cfg, model, states, x_w[rows], x_l[rows], embeds.select(rows), 1.0, opt, sched,
-                                params, Timer(), ctx, pad)
+        m = dpo_mod.dpo_update(TrainingParts(cfg, ctx, model, states, opt, sched, params), 0, x_w[rows], x_l[rows],
+                               embeds.select(rows), 1.0, pad)
     finally:
         torch.randn_like, dpo_mod.sample_sigmas = randn_like, sigmas
     after = {names[id(p)]: p.detach().clone() for p in params}

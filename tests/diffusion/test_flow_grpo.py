@@ -394,10 +394,11 @@ def _one_update(model_path, scenario, ctx):
     trainable weights after it (by name), this rank's advantages, the tracker state and the loss metrics."""
     from mmrl.diffusion.common import build_policy_states
     from mmrl.diffusion.grpo_update import train_on_rollout
+    from mmrl.diffusion.loop import TrainingParts
     from mmrl.diffusion.models import load_flow_model
     from mmrl.diffusion.sampling import Trajectory, sample_groups
     from mmrl.diffusion.scoring import global_advantages
-    from mmrl.runtime import Timer, seed_everything
+    from mmrl.runtime import seed_everything
 
     cfg = _scenario_cfg(model_path, scenario)
     s, t = cfg.rollout, cfg.optim
@@ -427,7 +428,7 @@ def _one_update(model_path, scenario, ctx):
     tracker = PerPromptStatTracker("group", history=4)
     adv, keep, adv_metrics = global_advantages(ctx, tracker, prompts, scores, cfg.algo.adv_clip_max, True)
     torch.manual_seed(100 + ctx.rank)  # the order inside a chunk does not matter for one update
-    out = train_on_rollout(cfg, model, states, traj, adv, keep, opt, sched, params, Timer(), ctx)
+    out = train_on_rollout(TrainingParts(cfg, ctx, model, states, opt, sched, params), 0, traj, adv, keep)
     names = {id(p): n for n, p in states.model.named_parameters()}
     return {"params": {names[id(p)]: p.detach().clone() for p in params}, "adv": adv, "n_keep": len(keep),
             "tracker": tracker.state_dict(), "metrics": {**out, **adv_metrics}}

@@ -120,8 +120,10 @@ def _one_update(cfg, model_path, traj_fn, keep=None, adv_scale=1.0):
     """One Flow-GRPO update with SGD (gradient-proportional) on a fixed bf16 rollout; returns the LoRA deltas."""
     from mmrl.diffusion.common import build_policy_states
     from mmrl.diffusion.grpo_update import train_on_rollout
+    from mmrl.diffusion.loop import TrainingParts
     from mmrl.diffusion.models import load_flow_model
-    from mmrl.runtime import Timer, seed_everything
+    from mmrl.distributed import DistContext
+    from mmrl.runtime import seed_everything
 
     model = load_flow_model(model_path)
     seed_everything(0)
@@ -134,7 +136,7 @@ def _one_update(cfg, model_path, traj_fn, keep=None, adv_scale=1.0):
     adv = torch.tensor([1.0, -0.5, 0.0, 0.7, -1.2, 0.4]) * adv_scale
     keep = torch.tensor([0, 1, 3, 4, 5]) if keep is None else keep
     torch.manual_seed(1)
-    metrics = train_on_rollout(cfg, model, states, traj, adv, keep, opt, sched, params, Timer())
+    metrics = train_on_rollout(TrainingParts(cfg, DistContext(), model, states, opt, sched, params), 0, traj, adv, keep)
     return [p.detach() - b for p, b in zip(params, before)], metrics
 
 

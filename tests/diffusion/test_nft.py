@@ -253,10 +253,11 @@ def _one_update(model_path, scenario, ctx):
     from mmrl.core.prompt_stats import PerPromptStatTracker
     from mmrl.diffusion.scoring import global_advantages
     from mmrl.diffusion.models import load_flow_model
+    from mmrl.diffusion.loop import TrainingParts
     from mmrl.diffusion.nft import _train_on_rollout
     from mmrl.diffusion.old_policy import UpdateCounter
     from mmrl.diffusion.sampling import Trajectory, sample_groups
-    from mmrl.runtime import Timer, seed_everything
+    from mmrl.runtime import seed_everything
 
     cfg = _equality_cfg(model_path)
     s, t = cfg.rollout, cfg.algo
@@ -293,7 +294,8 @@ def _one_update(model_path, scenario, ctx):
     torch.randn_like = _sample_noise
     try:
         torch.manual_seed(100 + ctx.rank)  # the sample order inside a chunk does not matter for one update
-        out = _train_on_rollout(cfg, model, states, traj, r, keep, opt, sched, params, counters, Timer(), ctx)
+        out = _train_on_rollout(TrainingParts(cfg, ctx, model, states, opt, sched, params, counters=counters), 0, traj,
+                                r, keep)
     finally:
         torch.randn_like = randn_like
     states.ema("default", "old", 0.25)
