@@ -67,7 +67,7 @@ class RunConfig:
     """Keys every recipe has at the top level."""
 
     algorithm: str = ""
-    """Recipe name: one of mmrl.config.RECIPES (flow_grpo, dpo, nft, vlm_grpo, vlm_multiturn)."""
+    """Recipe name: a key of `mmrl.config.RECIPES` (`mmrl config dump ALGO` prints its keys)."""
     output_dir: str = "runs/default"
     """Run directory: config.yaml, metrics.jsonl, checkpoints/, samples/, plots/."""
     seed: int = 0

@@ -85,6 +85,8 @@ COMMANDS: dict[str, object] = {
     "make test": Short("make -n test", "the whole suite is what CI runs; here a dry run checks the target exists"),
     "make demo TORCH=cpu": ByTest("tests/test_newcomer.py::test_make_with_torch_cpu_installs_the_cpu_build_first",
                                   "a fresh .venv downloads torch: the test checks the commands make would run"),
+    # docs/architecture.md
+    "python benchmarks/golden_metrics.py list": RUN,
     # docs/config-keys.md
     "mmrl train configs/diffusion/flow_grpo_tiny.yaml sample.group_size=8": RUN,
     # docs/development.md

@@ -67,19 +67,6 @@ def ema_decay(schedule: str, n: int) -> float:
 
 
 @dataclass
-class RolloutConfig(dc.RolloutConfig):
-    guidance_scale: float = 1.0
-    """CFG in rollout and training (the published AWM runs are CFG-free: 1.0)."""
-    eval_guidance_scale: float = 1.0
-    """Guidance for evaluation."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.group_size < 2:
-            raise ValueError(f"rollout.group_size must be >= 2 for per-prompt advantages, got {self.group_size}")
-
-
-@dataclass
 class AWMKLConfig(KLConfig):
     coef: float = 1e-4
     """Weight of the velocity-space KL ||v - v_ref||^2 to the reference (adapters off); 0 = no reference pass."""
@@ -140,12 +127,6 @@ class RewardConfig(dc.AdvantageRewardConfig):
 
 
 @dataclass
-class LogConfig(dc.LogConfig):
-    eval_state: Literal["default", "old"] = "default"
-    """Policy state evaluated: `default` (the trained weights) or `old` (the EMA policy)."""
-
-
-@dataclass
 class Config(RunConfig):
     algorithm: str = "awm"
     """Recipe name."""
@@ -153,7 +134,7 @@ class Config(RunConfig):
     """Model and adapters."""
     data: dc.DataConfig = field(default_factory=dc.DataConfig)
     """Prompt files."""
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rollout: dc.CFGFreeRolloutConfig = field(default_factory=dc.CFGFreeRolloutConfig)
     """Rollout sampler (deterministic ODE)."""
     optim: dc.DiffusionOptimConfig = field(default_factory=dc.DiffusionOptimConfig)
     """AdamW and its learning-rate schedule (published: 3e-4, weight decay 1e-4)."""
@@ -163,7 +144,7 @@ class Config(RunConfig):
     """AWM loss, training points, KL terms and the "old" policy schedule."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Rewards and advantages."""
-    log: LogConfig = field(default_factory=LogConfig)
+    log: dc.EvalStateLogConfig = field(default_factory=dc.EvalStateLogConfig)
     """Samples, evaluation."""
     dist: DistConfig = field(default_factory=DistConfig)
     """Several processes under torchrun / accelerate launch (strategy none|ddp|fsdp, backend, ...)."""
@@ -171,10 +152,10 @@ class Config(RunConfig):
 
 def _step_range(cfg: Config) -> tuple[int, int]:
     """[lo, hi) of the rollout schedule's step indices the noise levels come from (ValueError if empty)."""
-    a = cfg.algo
-    lo, hi = int(a.skip_first_step), int(cfg.rollout.num_steps * a.timestep_fraction)
+    algo = cfg.algo
+    lo, hi = int(algo.skip_first_step), int(cfg.rollout.num_steps * algo.timestep_fraction)
     if hi <= lo:
-        raise ValueError(f"algo.timestep_fraction={a.timestep_fraction} (skip_first_step={a.skip_first_step}) "
+        raise ValueError(f"algo.timestep_fraction={algo.timestep_fraction} (skip_first_step={algo.skip_first_step}) "
                          f"leaves no step of rollout.num_steps={cfg.rollout.num_steps} to train on")
     return lo, hi
 

@@ -260,9 +260,9 @@ def evaluator(model: Any, states: Any, state: str, reward_fn: Any, items: Sequen
     `log.num_samples`) and its `JudgePanel`: call the result as `evaluate(run_or_NoSamples, step)`."""
     from functools import partial
 
-    s = cfg.rollout
-    return partial(evaluate_ode, model, states, state, reward_fn, items, num_steps=s.eval_num_steps,
-                   guidance_scale=s.eval_guidance_scale, height=s.eval_hw[0], width=s.eval_hw[1],
+    rollout = cfg.rollout
+    return partial(evaluate_ode, model, states, state, reward_fn, items, num_steps=rollout.eval_num_steps,
+                   guidance_scale=rollout.eval_guidance_scale, height=rollout.eval_hw[0], width=rollout.eval_hw[1],
                    batch_size=max(1, cfg.update.micro_batch_size), seed=cfg.seed, num_images=cfg.log.num_samples,
                    judges=judges)
 
@@ -287,11 +287,12 @@ def sample_grid(model: Any, states: Any, state: str, reward_fn: Any, items: Sequ
     its source image)."""
     if not items:
         return
-    s = cfg.rollout
+    rollout = cfg.rollout
     with not_counted():  # cost/transformer_evals and perf/tflops_per_step count training work only
-        images, _, scores, _ = ode_images(model, states, state, reward_fn, items, num_steps=s.eval_num_steps,
-                                          guidance_scale=s.eval_guidance_scale, height=s.height, width=s.width,
-                                          batch_size=max(1, cfg.update.micro_batch_size), seed=cfg.seed)
+        images, _, scores, _ = ode_images(model, states, state, reward_fn, items, num_steps=rollout.eval_num_steps,
+                                          guidance_scale=rollout.eval_guidance_scale, height=rollout.height,
+                                          width=rollout.width, batch_size=max(1, cfg.update.micro_batch_size),
+                                          seed=cfg.seed)
     from mmrl.diffusion.conditioning import sample_panels
 
     run.save_samples(step, *sample_panels(images, _captions(items, scores), [it.metadata for it in items]))

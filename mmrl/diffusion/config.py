@@ -109,6 +109,28 @@ class RolloutConfig:
 
 
 @dataclass
+class GroupRolloutConfig(RolloutConfig):
+    """The `rollout:` section of the recipes that compare samples within a prompt's group (Flow-GRPO, DiffusionNFT,
+    AWM, DGPO)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.group_size < 2:
+            raise ValueError(f"rollout.group_size must be >= 2 (advantages are relative within a prompt's group), got "
+                             f"{self.group_size}")
+
+
+@dataclass
+class CFGFreeRolloutConfig(GroupRolloutConfig):
+    """`rollout:` of the recipes that train CFG-free on their own ODE samples (DiffusionNFT, AWM)."""
+
+    guidance_scale: float = 1.0
+    """CFG in rollout and training (1.0 = off: DiffusionNFT and the published AWM runs train CFG-free)."""
+    eval_guidance_scale: float = 1.0
+    """Guidance for evaluation."""
+
+
+@dataclass
 class RewardConfig:
     MAPPING_SHORTHAND: ClassVar[dict[str, str]] = {"components": "weight"}  # `pickscore: 1.0` = {weight: 1.0}
 
@@ -170,6 +192,15 @@ class LogConfig(JudgeFields, TrackersConfig):  # + judges, hacking (log.judges: 
             if getattr(self, key) < 0:
                 raise ValueError(f"log.{key}: expected >= 0, got {getattr(self, key)}")
         super().__post_init__()  # log.judges / log.hacking
+
+
+@dataclass
+class EvalStateLogConfig(LogConfig):
+    """`log:` of the recipes whose "old" state is an EMA anchor that evaluation may use instead (NFT, AWM, DGPO)."""
+
+    eval_state: Literal["default", "old"] = "default"
+    """Policy state evaluated (and shown in the sample grids): `default` (the trained weights) or `old` (the EMA
+    policy)."""
 
 
 def check_common(cfg: Any, online: bool = True) -> None:

@@ -40,7 +40,6 @@ from mmrl.config import RunConfig
 from mmrl.core.dgpo import dgpo_clip_mask, dgpo_group_weights, dgpo_loss
 from mmrl.diffusion import config as dc
 from mmrl.diffusion import old_policy
-from mmrl.diffusion.awm import LogConfig  # samples, evaluation, `eval_state` (the same section as AWM's)
 from mmrl.diffusion.common import noise_latents
 from mmrl.distributed import DistConfig
 from mmrl.run.start import closes_runs
@@ -51,14 +50,9 @@ __all__ = ["Config", "train"]
 
 
 @dataclass
-class RolloutConfig(dc.RolloutConfig):
+class RolloutConfig(dc.GroupRolloutConfig):
     ode_solver: Literal["euler", "dpm2"] = "dpm2"
     """Deterministic sampler of the rollout: `dpm2` (DPM-Solver++(2M), as DGPO) or `euler`."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.group_size < 2:
-            raise ValueError(f"rollout.group_size must be >= 2 for group preferences, got {self.group_size}")
 
 
 @dataclass
@@ -130,19 +124,21 @@ class Config(RunConfig):
     """DGPO objective, training points, clipping, reference."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Rewards and advantages."""
-    log: LogConfig = field(default_factory=LogConfig)
+    log: dc.EvalStateLogConfig = field(default_factory=dc.EvalStateLogConfig)
     """Samples, evaluation."""
     dist: DistConfig = field(default_factory=DistConfig)
     """Several processes under torchrun / accelerate launch (strategy none|ddp|fsdp, backend, ...)."""
 
 
 def _check(cfg: Config) -> None:
-    s, a, u = cfg.rollout, cfg.algo, cfg.update
-    if u.micro_batch_size % s.group_size or (u.mini_batch_size and u.mini_batch_size % s.group_size):
-        raise ValueError(f"update.micro_batch_size={u.micro_batch_size} and update.mini_batch_size={u.mini_batch_size}"
-                         f" must be multiples of rollout.group_size={s.group_size} (DGPO's weights need whole groups)")
-    if a.trunc_steps >= s.num_steps:
-        raise ValueError(f"algo.trunc_steps={a.trunc_steps} must be < rollout.num_steps={s.num_steps}")
+    rollout, algo, update = cfg.rollout, cfg.algo, cfg.update
+    group = rollout.group_size
+    if update.micro_batch_size % group or (update.mini_batch_size and update.mini_batch_size % group):
+        raise ValueError(f"update.micro_batch_size={update.micro_batch_size} and update.mini_batch_size="
+                         f"{update.mini_batch_size} must be multiples of rollout.group_size={group} (DGPO's weights "
+                         f"need whole groups)")
+    if algo.trunc_steps >= rollout.num_steps:
+        raise ValueError(f"algo.trunc_steps={algo.trunc_steps} must be < rollout.num_steps={rollout.num_steps}")
 
 
 # ------------------------------------------------------------------------------------------ training

@@ -47,7 +47,7 @@ def offline_eval(cfg, model, states, pairs, cache, shift, draws: int = 4) -> dic
     """Implicit accuracy / margin on the first `log.eval_max_prompts` pairs, each at `draws` fixed
     (noise level, noise) draws from a seeded generator: the same points at every evaluation, and the
     global RNG is untouched (so evaluation does not change training)."""
-    d = cfg.algo
+    algo = cfg.algo
     batch = pairs[: cfg.log.eval_max_prompts]
     gen = torch.Generator().manual_seed(cfg.seed + 999)
     unique = list(dict.fromkeys(p.prompt for p in batch))
@@ -57,11 +57,12 @@ def offline_eval(cfg, model, states, pairs, cache, shift, draws: int = 4) -> dic
     margins = []
     for _ in range(draws):
         for rows in torch.split(torch.arange(len(batch)), max(1, cfg.update.micro_batch_size)):
-            sig = sample_sigmas(len(rows), d.timestep_sampling, shift, d.logit_mean, d.logit_std, generator=gen)
+            sig = sample_sigmas(len(rows), algo.timestep_sampling, shift, algo.logit_mean, algo.logit_std,
+                                generator=gen)
             noise = torch.randn(x_w[rows].shape, generator=gen)
             errs = pair_errors(model, states, x_w[rows], x_l[rows], embeds.select(rows), sig.to(model.device),
                                 noise.to(model.device))
-            margins.append(margin(d.beta, *errs))
+            margins.append(margin(algo.beta, *errs))
     m = torch.cat(margins)
     return {"eval/policy/implicit_acc": (m > 0).float().mean().item(), "eval/policy/reward_margin": m.mean().item()}
 

@@ -62,7 +62,7 @@ __all__ = ["Config", "train"]
 
 
 @dataclass
-class RolloutConfig(AsyncRolloutFields, dc.RolloutConfig):  # + worker, max_staleness, worker_threads
+class RolloutConfig(AsyncRolloutFields, dc.GroupRolloutConfig):  # + worker, max_staleness, worker_threads
     noise_level: float = 0.7
     """SDE noise level a (std_t = a * sqrt(sigma / (1 - sigma))); for cps the angle fraction."""
     sde_type: Literal["sde", "cps"] = "sde"
@@ -104,8 +104,6 @@ class RolloutConfig(AsyncRolloutFields, dc.RolloutConfig):  # + worker, max_stal
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.group_size < 2:
-            raise ValueError(f"rollout.group_size must be >= 2 for group-relative advantages, got {self.group_size}")
         if self.window_range and len(self.window_range) != 2:
             raise ValueError(f"rollout.window_range: expected [lo, hi], got {self.window_range}")
         if self.noise_level <= 0:

@@ -76,7 +76,7 @@ def train_on_rollout(parts, step: int, traj, adv, keep) -> dict:
     for mb in updates:
         rows = mb.rows
         emb = traj.embeds.select(traj.prompt_index[rows])
-        a = adv[rows].to(model.device)
+        adv_rows = adv[rows].to(model.device)
         weight = mb.weight(len(steps))  # mean over the update's samples and trained steps
         n_valid = None if valid is None else kept_pairs(mb.update_rows)
         ref_means = _reference_means(model, states, traj, rows, steps, emb, step_kw, ref_cache, timer) \
@@ -84,7 +84,7 @@ def train_on_rollout(parts, step: int, traj, adv, keep) -> dict:
         for j in steps:
             with mb.no_sync(last_point=j == steps[-1]):  # wraps forward AND backward
                 old_j = traj.log_probs[rows, j] if old_lp is None else old_lp[rows, j]
-                a_j = a if is_w is None else a * is_w[rows, j]  # TIS: w * A (loss homogeneous in A)
+                adv_j = adv_rows if is_w is None else adv_rows * is_w[rows, j]  # TIS: w * A (loss homogeneous in A)
                 mask_j = None if valid is None else valid[rows, j]
                 if mask_j is not None:  # the step's kept pairs' share of the update's kept pairs
                     weight = float(mask_j.sum()) / max(n_valid, 1) * mb.scale if mb.real else 0.0
@@ -96,7 +96,7 @@ def train_on_rollout(parts, step: int, traj, adv, keep) -> dict:
                 if guard_ratio:  # log r := GRPO-Guard's (the clipped loss takes logp - old_j)
                     logp = old_j + grpo_guard_log_ratio(cur.log_prob, old_j, cur.mean,
                                                         old_means[rows.to(old_means.device), j], cur.step_std)
-                loss, m = clipped_policy_loss(logp, old_j, a_j, mask=mask_j,
+                loss, m = clipped_policy_loss(logp, old_j, adv_j, mask=mask_j,
                                               clip_low=algo.clip_range, clip_high=algo.clip_range)
                 if guard_reweight:  # the policy loss only (not the KL): / -dt
                     loss = loss * grpo_guard_step_weight(traj.sigmas[j], traj.sigmas[j + 1])
@@ -148,8 +148,8 @@ def _old_policy(cfg, model, traj, keep, steps, step_kw, timer, ctx: DistContext 
     `algo.rollout_correction` between pi_old and the rollout's log-probs over the kept samples' trained steps
     ("token" = one denoising step, "sequence" = the product over a trajectory's trained steps): TIS weights and
     MIS / veto masks, `rollout/correction/*`. `means_out` [B, T, ...] (GRPO-Guard): filled with pi_old's step means."""
-    a = cfg.algo
-    if a.old_logprobs == "rollout":
+    algo = cfg.algo
+    if algo.old_logprobs == "rollout":
         return None, None, None, {}
     ctx = ctx or DistContext()
     old = torch.zeros_like(traj.log_probs)
@@ -169,8 +169,8 @@ def _old_policy(cfg, model, traj, keep, steps, step_kw, timer, ctx: DistContext 
     mask[keep[:, None].to(old.device), torch.as_tensor(steps, device=old.device)[None, :]] = True
     if not bool(mask.any()):
         return old, None, None, {}
-    w, valid, metrics = a.rollout_correction.apply(old, traj.log_probs, mask)
-    rejects = a.rollout_correction.rs_level != "none" or a.rollout_correction.veto_threshold > 0
+    w, valid, metrics = algo.rollout_correction.apply(old, traj.log_probs, mask)
+    rejects = algo.rollout_correction.rs_level != "none" or algo.rollout_correction.veto_threshold > 0
     return old, w, valid if rejects else None, metrics
 
 

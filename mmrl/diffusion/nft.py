@@ -72,19 +72,6 @@ def ema_decay(schedule: str, n: int) -> float:
 
 
 @dataclass
-class RolloutConfig(dc.RolloutConfig):
-    guidance_scale: float = 1.0
-    """CFG in rollout and training (DiffusionNFT trains CFG-free: 1.0)."""
-    eval_guidance_scale: float = 1.0
-    """Guidance for evaluation."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.group_size < 2:
-            raise ValueError(f"rollout.group_size must be >= 2 for per-prompt advantages, got {self.group_size}")
-
-
-@dataclass
 class NFTUpdateConfig(UpdateConfig):
     micro_batch_size: int = 9
     """Samples per forward/backward pass (gradient accumulation inside one update)."""
@@ -127,12 +114,6 @@ class RewardConfig(dc.AdvantageRewardConfig):
 
 
 @dataclass
-class LogConfig(dc.LogConfig):
-    eval_state: Literal["default", "old"] = "default"
-    """Policy state evaluated: `default` (the trained weights) or `old` (the EMA sampling policy)."""
-
-
-@dataclass
 class Config(RunConfig):
     algorithm: str = "nft"
     """Recipe name."""
@@ -140,7 +121,7 @@ class Config(RunConfig):
     """Model and adapters."""
     data: dc.DataConfig = field(default_factory=dc.DataConfig)
     """Prompt files."""
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rollout: dc.CFGFreeRolloutConfig = field(default_factory=dc.CFGFreeRolloutConfig)
     """Rollout sampler (deterministic ODE)."""
     optim: dc.DiffusionOptimConfig = field(default_factory=dc.DiffusionOptimConfig)
     """AdamW and its learning-rate schedule."""
@@ -150,7 +131,7 @@ class Config(RunConfig):
     """DiffusionNFT loss, KL and old-policy schedule."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Rewards and advantages."""
-    log: LogConfig = field(default_factory=LogConfig)
+    log: dc.EvalStateLogConfig = field(default_factory=dc.EvalStateLogConfig)
     """Samples, evaluation."""
     dist: DistConfig = field(default_factory=DistConfig)
     """Several processes under torchrun / accelerate launch (strategy none|ddp|fsdp, backend, find_unused_parameters)."""

@@ -143,7 +143,7 @@ class FlowGRPOProducer:
         from mmrl.pipelines.data import PromptSampler, load_prompts
         from mmrl.runtime import resolve_dtype
 
-        s = cfg.rollout
+        rollout = cfg.rollout
         self.cfg, self.shards = cfg, DistContext(rank=rank, world_size=world)
         dev = torch.device(device)
         self.model = load_recipe_model(cfg, dev, resolve_dtype(cfg.dtype))
@@ -152,10 +152,10 @@ class FlowGRPOProducer:
         self.flops_model = self.states.model  # its forwards join the trainer's perf/tflops_per_step
         items = load_prompts(cfg.data.train_prompts)
         n_distinct = len({it.prompt for it in items})
-        self.encode = PromptEmbedCache(self.model, n_distinct) if 0 < n_distinct <= s.prompt_cache_size \
+        self.encode = PromptEmbedCache(self.model, n_distinct) if 0 < n_distinct <= rollout.prompt_cache_size \
             else self.model.encode_prompts
         self.data = PromptSampler(items, seed=cfg.seed)
-        self.reward_fn = load_reward_fn(cfg.reward.components, dev, s.num_frames)
+        self.reward_fn = load_reward_fn(cfg.reward.components, dev, rollout.num_frames)
         self.scorer = AsyncRewardScorer(self.reward_fn) if cfg.reward.score_while_sampling else None
 
     def load_weights(self, tensors: dict) -> None:
