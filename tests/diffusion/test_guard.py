@@ -278,6 +278,6 @@ def test_hacking_demo_fires_on_jpeg_and_stays_quiet_when_regularised(tmp_path):
     quiet = tmp_path / "quiet"
     summary = _train(load_config(DEMO, [f"output_dir={quiet}", f"model.path={SHAPES}", "algo.kl.coef=1.0"]))
     evals = [r for r in metrics_rows(quiet) if "eval/hacking" in r]
-    assert not summary["hacking_alarm"] and [r["step"] for r in evals] == [5, 10]
+    assert not summary["hacking_alarm"] and [r["step"] for r in evals] == [1, 5, 10]  # after step 1, every 5, last
     assert evals[-1]["eval/judge/reward/delta"] > evals[-1]["eval/judge/reward/noise"]  # the reward did rise
     assert all(r["eval/judge/prompt_color/delta"] > -r["eval/judge/prompt_color/noise"] for r in evals)
