@@ -18,7 +18,7 @@ $(BIN)/python:
 # PyTorch's CPU index before mmrl, about 2.2 GB in .venv instead of 6.7 GB with the CUDA build pip takes by default.
 # Pinned as a pair with their `+cpu` label, so pip can take neither a CUDA build nor another release from a
 # find-links directory or an extra index of its config: an unreachable index fails here. Takes effect when .venv is
-# installed (after `make clean`).
+# installed (after `rm -rf .venv`; `make clean` removes runs/ too).
 TORCH ?=
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_VERSION ?= 2.14.1

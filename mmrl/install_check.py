@@ -113,7 +113,7 @@ def pip_command() -> str:
 
 def torch_fix(torch_build_: str | None) -> str:
     """The fix for a torch / torchvision problem: a fresh `.venv` of the same kind, or the matching pair from PyPI."""
-    make = "make clean && make install" + (" TORCH=cpu" if torch_build_ == "CPU" else "")
+    make = "rm -rf .venv && make install" + (" TORCH=cpu" if torch_build_ == "CPU" else "")
     return f'{make}, or {pip_command()} install "torch=={TORCH_PAIR[0]}" "torchvision=={TORCH_PAIR[1]}"'
 
 
@@ -201,7 +201,7 @@ def check(import_module=importlib.import_module, version_of=installed_version) -
                 import_module(name)
         except Exception as exc:  # noqa: BLE001
             return Outcome(False, f"{FAILED}cannot import {name} {version} beside torch {torch_version} "
-                                  f"({symptom(exc)}); fix: make clean && make install", build)
+                                  f"({symptom(exc)}); fix: rm -rf .venv && make install", build)
         versions.append(f"{name} {version}")
 
     gpus = 0
@@ -210,8 +210,8 @@ def check(import_module=importlib.import_module, version_of=installed_version) -
             gpus = int(torch.cuda.device_count())
         except Exception:  # noqa: BLE001 - no driver: no GPU
             gpus = 0
-    seen = "no GPU visible" if build != "CPU" and not gpus else (f"{gpus} GPU{'s' * (gpus > 1)} visible" if gpus else "")
-    versions[0] += f" ({build} build{', ' + seen if seen else ''})"
+    seen = f", {gpus} GPU{'s' * (gpus > 1)} visible" if gpus else (", no GPU visible" if build != "CPU" else "")
+    versions[0] += f" ({build} build{seen})"
     return Outcome(True, ", ".join(versions), build, gpus)
 
 
@@ -220,7 +220,7 @@ def main() -> int:
     if not outcome.ok:
         print(outcome.line, file=sys.stderr)
         return 1
-    hint = ("; no GPU: the CPU build is smaller (make clean && make install TORCH=cpu)"
+    hint = ("; no GPU: the CPU build is smaller (rm -rf .venv && make install TORCH=cpu)"
             if outcome.build != "CPU" and not outcome.gpus else "")
     print(f"{PASSED}{outcome.line}{hint}")
     return 0

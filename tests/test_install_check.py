@@ -64,13 +64,13 @@ def test_cpu_torch_beside_pypis_cuda_torchvision_is_named_with_its_fix():
                     {"torchvision": "0.28.0+cu130"})
     assert not out.ok and out.line == (
         "mmrl: install check failed: torchvision 0.28.0+cu130 (a CUDA 13.0 build) does not match torch 2.13.0+cpu "
-        f"(a CPU build) (torchvision::nms missing); fix: make clean && make install TORCH=cpu, or {PIP_FIX}")
+        f"(a CPU build) (torchvision::nms missing); fix: rm -rf .venv && make install TORCH=cpu, or {PIP_FIX}")
 
 
 def test_torchvision_of_another_torch_release():
     out = run_check({"torch": fake_torch("2.14.1+cu130", cuda="13.0")}, {"torchvision": "0.28.0+cu130"})
     assert out.line == ("mmrl: install check failed: torchvision 0.28.0+cu130 does not pair with torch 2.14.1+cu130 "
-                        f"(torch 2.14 goes with torchvision 0.29); fix: make clean && make install, or {PIP_FIX}")
+                        f"(torch 2.14 goes with torchvision 0.29); fix: rm -rf .venv && make install, or {PIP_FIX}")
 
 
 def test_torchvision_of_another_cuda_major_version():
@@ -81,26 +81,27 @@ def test_torchvision_of_another_cuda_major_version():
     assert out.line == (
         "mmrl: install check failed: torchvision 0.29.1+cu128 (a CUDA 12.8 build) does not match torch 2.14.1+cu130 "
         "(a CUDA 13.0 build) (RuntimeError: Detected that PyTorch and torchvision were compiled with different CUDA "
-        f"major versions.); fix: make clean && make install, or {PIP_FIX}")
+        f"major versions.); fix: rm -rf .venv && make install, or {PIP_FIX}")
 
 
 def test_torchvision_operators_missing_without_build_labels():
     """Versions without a build label (a macOS or source build): the import succeeds, the operators are missing."""
     out = run_check({"torch": fake_torch("2.14.1", nms=False)}, {"torchvision": "0.29.1"})
-    assert out.line == ("mmrl: install check failed: torchvision 0.29.1 does not work beside torch 2.14.1 (a CPU build) "
-                        f"(torchvision::nms missing); fix: make clean && make install TORCH=cpu, or {PIP_FIX}")
+    assert out.line == ("mmrl: install check failed: torchvision 0.29.1 does not work beside torch 2.14.1 (a CPU "
+                        "build) (torchvision::nms missing); fix: rm -rf .venv && make install TORCH=cpu, or "
+                        f"{PIP_FIX}")
 
 
 def test_torch_or_torchvision_that_does_not_import_or_is_missing():
     lib = ImportError("libcudart.so.13: cannot open shared object file: No such file or directory")
     assert run_check({"torch": lib}, {"torch": "2.14.1+cu130"}).line == (
         "mmrl: install check failed: cannot import torch 2.14.1+cu130 (ImportError: libcudart.so.13: cannot open "
-        f"shared object file: No such file or directory); fix: make clean && make install, or {PIP_FIX}")
+        f"shared object file: No such file or directory); fix: rm -rf .venv && make install, or {PIP_FIX}")
     assert run_check({}, {"torch": None}).line == (
         "mmrl: install check failed: torch is not installed; fix: make install, or .venv/bin/pip install -e .")
     assert run_check({"torch": fake_torch("2.13.0+cpu")}, {"torchvision": None}).line == (
         "mmrl: install check failed: torchvision is not installed (torch 2.13.0+cpu is); "
-        f"fix: make clean && make install TORCH=cpu, or {PIP_FIX}")
+        f"fix: rm -rf .venv && make install TORCH=cpu, or {PIP_FIX}")
 
 
 def test_a_library_that_fails_on_torchvision_names_the_operator():
@@ -116,7 +117,7 @@ def test_a_library_that_fails_on_torchvision_names_the_operator():
     out = run_check({"torch": fake_torch("2.14.1+cu130", cuda="13.0"), "transformers": wrapped},
                     {"torchvision": "0.29.1+cu130"})
     assert out.line == ("mmrl: install check failed: cannot import transformers 5.24.0 beside torch 2.14.1+cu130 "
-                        "(torchvision::nms missing); fix: make clean && make install")
+                        "(torchvision::nms missing); fix: rm -rf .venv && make install")
     assert run_check({"torch": fake_torch("2.14.1+cu130", cuda="13.0")},
                      {"torchvision": "0.29.1+cu130", "peft": None}).line == (
         "mmrl: install check failed: peft is not installed; fix: make install, or .venv/bin/pip install -e .")
@@ -126,15 +127,15 @@ def test_success_line_names_versions_and_the_device_build(capsys, monkeypatch):
     cuda = run_check({"torch": fake_torch("2.14.1+cu130", cuda="13.0")}, {"torchvision": "0.29.1+cu130"})
     assert cuda.ok and cuda.line == ("torch 2.14.1+cu130 (CUDA 13.0 build, no GPU visible), torchvision 0.29.1+cu130, "
                                      "diffusers 0.42.1, transformers 5.24.0, peft 0.21.2")
-    assert run_check({"torch": fake_torch("2.14.1+cu130", cuda="13.0", gpus=2)},
-                     {"torchvision": "0.29.1+cu130"}).line.startswith("torch 2.14.1+cu130 (CUDA 13.0 build, 2 GPUs visible), ")
+    two = run_check({"torch": fake_torch("2.14.1+cu130", cuda="13.0", gpus=2)}, {"torchvision": "0.29.1+cu130"})
+    assert two.line.startswith("torch 2.14.1+cu130 (CUDA 13.0 build, 2 GPUs visible), ")
     cpu = run_check({"torch": fake_torch("2.14.1+cpu")}, {"torchvision": "0.29.1+cpu"})
     assert cpu.ok and cpu.line.startswith("torch 2.14.1+cpu (CPU build), torchvision 0.29.1+cpu, ")
 
     monkeypatch.setattr(ic, "check", lambda: cuda)
     assert ic.main() == 0
     assert capsys.readouterr().out == (f"mmrl: install check passed: {cuda.line}; no GPU: the CPU build is smaller "
-                                       "(make clean && make install TORCH=cpu)\n")
+                                       "(rm -rf .venv && make install TORCH=cpu)\n")
     monkeypatch.setattr(ic, "check", lambda: ic.Outcome(False, "mmrl: install check failed: x; fix: y"))
     assert ic.main() == 1
     assert capsys.readouterr() == ("", "mmrl: install check failed: x; fix: y\n")

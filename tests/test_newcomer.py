@@ -221,7 +221,7 @@ def test_make_with_torch_cpu_installs_the_cpu_build_first(tmp_path):
 # fails that pip call, FAKE_CHECK_FAIL is the line the install check prints before it fails
 _FAKE_PIP = """#!/bin/sh
 echo "pip $*" >> "$LOG"
-case " $* " in *" $FAKE_PIP_FAIL "*) [ -n "$FAKE_PIP_FAIL" ] && { echo "ERROR: No matching distribution" >&2; exit 1; };; esac
+[ -n "$FAKE_PIP_FAIL" ] && case " $* " in *" $FAKE_PIP_FAIL "*) echo "ERROR: no distribution" >&2; exit 1;; esac
 exit 0
 """
 _FAKE_PYTHON = """#!/bin/sh
@@ -263,7 +263,7 @@ def test_make_install_writes_its_stamp_only_after_pip_and_the_check_pass(tmp_pat
 
     stamp.write_text("")
     os.utime(stamp, (0, 0))  # a stamp older than pyproject.toml: the install runs again
-    failure = "mmrl: install check failed: torchvision 0.28.0 does not pair with torch 2.14.1; fix: make clean"
+    failure = "mmrl: install check failed: torchvision 0.28.0 does not pair with torch 2.14.1; fix: rm -rf .venv"
     proc, calls = make(FAKE_CHECK_FAIL=failure)
     assert proc.returncode != 0 and not stamp.exists() and failure in proc.stderr.splitlines()
     assert calls == ['pip install -q -e .[dev]', "python -m mmrl.install_check"]
