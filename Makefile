@@ -2,7 +2,8 @@
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.mmrl-installed
+# (a new name: a .venv stamped before the install check existed is checked once)
+STAMP := $(VENV)/.mmrl-install-checked
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
@@ -13,16 +14,29 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# TORCH=cpu (`make demo TORCH=cpu` on a machine without an NVIDIA GPU): the CPU build of torch first, about 200 MB,
-# instead of the CUDA build pip installs by default on Linux (6.6 GB). Takes effect when .venv is created.
+# TORCH=cpu (`make install TORCH=cpu`, Linux without an NVIDIA GPU): the CPU builds of torch and torchvision from
+# PyTorch's CPU index before mmrl, about 2.2 GB in .venv instead of 6.7 GB with the CUDA build pip takes by default.
+# Pinned as a pair with their `+cpu` label, so pip can take neither a CUDA build nor another release from a
+# find-links directory or an extra index of its config: an unreachable index fails here. Takes effect when .venv is
+# installed (after `rm -rf .venv`; `make clean` removes runs/ too).
 TORCH ?=
-TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_VERSION ?= 2.14.1
+TORCHVISION_VERSION ?= 0.29.1
+CPU_PAIR := torch==$(TORCH_VERSION)+cpu torchvision==$(TORCHVISION_VERSION)+cpu
 
+# The stamp is written only after pip and the install check (mmrl/install_check.py: torch, torchvision, diffusers,
+# transformers, peft import together) both passed: a failed or partial install leaves none, so the next make
+# installs and checks again; the check's one line names what to run.
 $(STAMP): pyproject.toml | $(BIN)/python
+	@rm -f $(STAMP)
 ifeq ($(TORCH),cpu)
-	$(BIN)/pip install -q "torch<=2.14.1" "torchvision<=0.29.1" --index-url $(TORCH_CPU_INDEX)
+	$(BIN)/pip install -q $(CPU_PAIR) --index-url $(TORCH_CPU_INDEX) || { echo "mmrl: install failed: pip found \
+	no $(CPU_PAIR) at $(TORCH_CPU_INDEX) (its error is above: unreachable?) and installed nothing in their place; \
+	fix: check the network or proxy and rerun, or take the CUDA build: make install (about 6.7 GB)" >&2; exit 1; }
 endif
 	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/python -m mmrl.install_check
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -175,20 +175,21 @@ def record(out: Path, models: Path | None, only: str | None) -> int:
     return 1 if failed else 0
 
 
-def _rows(run_dir: Path) -> list[dict]:
+def _rows(run_dir: Path, ignore: tuple[str, ...] = ()) -> list[dict]:
     from mmrl.testing import without_time
 
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [without_time(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    rows = [without_time(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    return [{k: v for k, v in r.items() if not k.startswith(ignore)} for r in rows]
 
 
-def compare(before: Path, after: Path) -> int:
+def compare(before: Path, after: Path, ignore: tuple[str, ...] = ()) -> int:
     names = sorted({str(p.parent.relative_to(before / "runs")) for p in (before / "runs").rglob("DONE")})
     bad = 0
     for name in names:
-        a, b = _rows(before / "runs" / name), _rows(after / "runs" / name)
+        a, b = _rows(before / "runs" / name, ignore), _rows(after / "runs" / name, ignore)
         if a == b and a:
             print(f"{name:<55} identical ({len(a)} rows)")
             continue
@@ -204,7 +205,8 @@ def compare(before: Path, after: Path) -> int:
         if len(a) != len(b):
             diffs.append(f"{len(a)} rows -> {len(b)} rows")
         print(f"{name:<55} DIFFERENT: " + "; ".join(diffs[:6]) + (f" (+{len(diffs) - 6} more)" if len(diffs) > 6 else ""))
-    print(f"{len(names) - bad} of {len(names)} cases identical")
+    print(f"{len(names) - bad} of {len(names)} cases identical" + (f" (keys starting {list(ignore)} left out)"
+                                                                   if ignore else ""))
     return 1 if bad else 0
 
 
@@ -243,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     cmp_ = sub.add_parser("compare", help="compare two records row by row")
     cmp_.add_argument("before", type=Path)
     cmp_.add_argument("after", type=Path)
+    cmp_.add_argument("--ignore", nargs="*", default=[], help="leave out keys starting with these (a deliberate "
+                      "behaviour change confined to them)")
     res = sub.add_parser("resume", help="continue each recorded run for one step with the current code")
     res.add_argument("before", type=Path)
     res.add_argument("--out", type=Path, required=True)
@@ -253,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "record":
         return record(args.out.resolve(), args.models.resolve() if args.models else None, args.only)
     if args.cmd == "compare":
-        return compare(args.before.resolve(), args.after.resolve())
+        return compare(args.before.resolve(), args.after.resolve(), tuple(args.ignore))
     if args.cmd == "resume":
         return resume(args.before.resolve(), args.out.resolve(), args.only)
     for case in _cases(args.models, args.models / "edits" / "edits.jsonl"):

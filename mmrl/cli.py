@@ -8,6 +8,7 @@
     mmrl reward list | score | serve                 the reward zoo without a trainer
     mmrl tiny DIR [--head-dim N]                     build the tiny real-architecture models into DIR
     mmrl demo [vlm|diffusion|all]                    the CPU demos `make demo` runs
+    mmrl --version                                   mmrl's version, the torch stack's and torch's device build
 """
 
 from __future__ import annotations
@@ -152,8 +153,30 @@ def demo_result_line(name: str, summary: dict, cfg) -> str:
     return train
 
 
+class VersionAction(argparse.Action):
+    """`mmrl --version`: mmrl's version, then the install check's line (torch, torchvision, diffusers, transformers,
+    peft and torch's device build; or what does not import together and the fix: exit code 1)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import platform
+
+        import mmrl
+        from mmrl import install_check
+
+        print(f"mmrl {mmrl.__version__} (Python {platform.python_version()}, {Path(mmrl.__file__).parent})", flush=True)
+        outcome = install_check.check()
+        print(outcome.line, file=sys.stdout if outcome.ok else sys.stderr)
+        parser.exit(0 if outcome.ok else 1)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mmrl", description="RL fine-tuning of generative multimodal models.")
+    p.add_argument("--version", action=VersionAction,
+                   help="print mmrl's version, the versions of torch, torchvision, diffusers, transformers and peft "
+                        "and torch's device build (CPU / CUDA), then exit")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train with a recipe config: mmrl train CONFIG.yaml [key=value ...]")

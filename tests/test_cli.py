@@ -74,6 +74,28 @@ def test_console_script_help():
     assert out.returncode == 0 and "train" in out.stdout and "config" in out.stdout
 
 
+def test_version_names_mmrl_the_torch_stack_and_the_device_build(capsys, monkeypatch):
+    import platform
+
+    import torch
+
+    import mmrl
+    from mmrl import install_check
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    out = capsys.readouterr().out.splitlines()
+    assert exit_.value.code == 0 and len(out) == 2
+    assert out[0] == f"mmrl {mmrl.__version__} (Python {platform.python_version()}, {Path(mmrl.__file__).parent})"
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU"
+    assert out[1].startswith(f"torch {torch.__version__} ({build} build") and ", diffusers " in out[1]
+
+    monkeypatch.setattr(install_check, "check", lambda: install_check.Outcome(False, "mmrl: install check failed: x"))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 1 and capsys.readouterr().err == "mmrl: install check failed: x\n"
+
+
 @pytest.mark.slow
 def test_tiny_head_dim_option(tmp_path, capsys):
     """`mmrl tiny DIR --head-dim 64` (docs/scaling.md): the Qwen2-VL / Qwen2.5-VL text decoders get 64-wide heads,

@@ -85,6 +85,7 @@ COMMANDS: dict[str, object] = {
     "make test": Short("make -n test", "the whole suite is what CI runs; here a dry run checks the target exists"),
     "make demo TORCH=cpu": ByTest("tests/test_newcomer.py::test_make_with_torch_cpu_installs_the_cpu_build_first",
                                   "a fresh .venv downloads torch: the test checks the commands make would run"),
+    "make clean": Short("make -n clean", "would remove the scratch dir's .venv link: a dry run checks the target"),
     # docs/architecture.md
     "python benchmarks/golden_metrics.py list": RUN,
     # docs/config-keys.md
@@ -206,6 +207,7 @@ COMMANDS: dict[str, object] = {
                                       "is checked to exist by test_every_documented_command_names_real_things"),
     'pip install -e ".[dev]"': Short('pip install --dry-run --no-index --no-build-isolation -e ".[dev]"',
                                      "offline dry run"),
+    "mmrl --version": RUN,
     "mmrl train configs/diffusion/flow_grpo_tiny.yaml train.max_steps=20 optim.lr=3e-4": Short(
         f"mmrl train configs/diffusion/flow_grpo_tiny.yaml train.max_steps=1 optim.lr=3e-4 {_TINY_DIFF}",
         "1 small step"),

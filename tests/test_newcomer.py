@@ -198,8 +198,9 @@ def test_one_process_auto_is_none_and_said_so(tmp_path, capsys):
 
 
 def test_make_with_torch_cpu_installs_the_cpu_build_first(tmp_path):
-    """`make demo TORCH=cpu` in a fresh clone (dry run): the CPU torch build from PyTorch's CPU index before mmrl;
-    without TORCH=cpu nothing changes."""
+    """`make demo TORCH=cpu` in a fresh clone (dry run): the CPU torch / torchvision pair, pinned with its `+cpu`
+    label (no CUDA build or other release can stand in) from PyTorch's CPU index, before mmrl; then the install check,
+    then the stamp. Without TORCH=cpu only the CPU pair is left out."""
     for name in ("Makefile", "pyproject.toml"):
         (tmp_path / name).symlink_to(ROOT / name)
     cpu = subprocess.run(["make", "-n", "demo", "TORCH=cpu"], cwd=tmp_path, capture_output=True, text=True)
@@ -207,9 +208,72 @@ def test_make_with_torch_cpu_installs_the_cpu_build_first(tmp_path):
     assert cpu.returncode == 0 and plain.returncode == 0, cpu.stderr + plain.stderr
     lines = cpu.stdout.splitlines()
     torch_line = next(i for i, ln in enumerate(lines) if "--index-url https://download.pytorch.org/whl/cpu" in ln)
-    assert '"torch<=2.14.1"' in lines[torch_line] and '"torchvision<=0.29.1"' in lines[torch_line]
-    assert torch_line < next(i for i, ln in enumerate(lines) if 'pip install -q -e ".[dev]"' in ln)
-    assert "download.pytorch.org" not in plain.stdout and "bin/mmrl demo" in plain.stdout
+    assert lines[torch_line].startswith(".venv/bin/pip install -q torch==2.14.1+cpu torchvision==0.29.1+cpu ")
+    order = [torch_line] + [next(i for i, ln in enumerate(lines) if ln == want) for want in (
+        '.venv/bin/pip install -q -e ".[dev]"', ".venv/bin/python -m mmrl.install_check",
+        "touch .venv/.mmrl-install-checked", ".venv/bin/mmrl demo")]
+    assert order == sorted(order)
+    assert "download.pytorch.org" not in plain.stdout
+    assert [ln for ln in plain.stdout.splitlines() if "mmrl.install_check" in ln or "touch" in ln] == [
+        ".venv/bin/python -m mmrl.install_check", "touch .venv/.mmrl-install-checked"]
+
+
+# stand-ins for .venv/bin/pip and .venv/bin/python: each call is logged; FAKE_PIP_FAIL (a word of the arguments)
+# fails that pip call, FAKE_CHECK_FAIL is the line the install check prints before it fails
+_FAKE_PIP = """#!/bin/sh
+echo "pip $*" >> "$LOG"
+[ -n "$FAKE_PIP_FAIL" ] && case " $* " in *" $FAKE_PIP_FAIL "*) echo "ERROR: no distribution" >&2; exit 1;; esac
+exit 0
+"""
+_FAKE_PYTHON = """#!/bin/sh
+echo "python $*" >> "$LOG"
+[ -n "$FAKE_CHECK_FAIL" ] && { echo "$FAKE_CHECK_FAIL" >&2; exit 1; }
+echo "mmrl: install check passed: fake"
+"""
+
+
+def test_make_install_writes_its_stamp_only_after_pip_and_the_check_pass(tmp_path):
+    """`make install` with stand-in pip and python: an unreachable CPU index stops it with one line and installs
+    nothing else; a failing install check stops it (make fails) and removes an older stamp, so the next make
+    checks again; only a passing check writes the stamp."""
+    import os
+
+    for name in ("Makefile", "pyproject.toml"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    bin_ = tmp_path / ".venv" / "bin"
+    bin_.mkdir(parents=True)
+    for name, text in (("pip", _FAKE_PIP), ("python", _FAKE_PYTHON)):
+        (bin_ / name).write_text(text)
+        (bin_ / name).chmod(0o755)
+    stamp, log = tmp_path / ".venv" / ".mmrl-install-checked", tmp_path / "calls.log"
+
+    def make(*args, **fake):
+        log.write_text("")
+        env = {**os.environ, "LOG": str(log), "FAKE_PIP_FAIL": "", "FAKE_CHECK_FAIL": "", **fake}
+        proc = subprocess.run(["make", "-s", "install", *args], cwd=tmp_path, env=env, capture_output=True, text=True)
+        return proc, log.read_text().splitlines()
+
+    proc, calls = make("TORCH=cpu", FAKE_PIP_FAIL="torch==2.14.1+cpu")
+    assert proc.returncode != 0 and not stamp.exists()
+    assert calls == ["pip install -q torch==2.14.1+cpu torchvision==0.29.1+cpu --index-url "
+                     "https://download.pytorch.org/whl/cpu"]
+    assert [ln for ln in proc.stderr.splitlines() if ln.startswith("mmrl:")] == [
+        "mmrl: install failed: pip found no torch==2.14.1+cpu torchvision==0.29.1+cpu at "
+        "https://download.pytorch.org/whl/cpu (its error is above: unreachable?) and installed nothing in their "
+        "place; fix: check the network or proxy and rerun, or take the CUDA build: make install (about 6.7 GB)"]
+
+    stamp.write_text("")
+    os.utime(stamp, (0, 0))  # a stamp older than pyproject.toml: the install runs again
+    failure = "mmrl: install check failed: torchvision 0.28.0 does not pair with torch 2.14.1; fix: rm -rf .venv"
+    proc, calls = make(FAKE_CHECK_FAIL=failure)
+    assert proc.returncode != 0 and not stamp.exists() and failure in proc.stderr.splitlines()
+    assert calls == ['pip install -q -e .[dev]', "python -m mmrl.install_check"]
+    proc, calls = make(FAKE_CHECK_FAIL=failure)  # no stamp: checked again, not taken as installed
+    assert proc.returncode != 0 and calls[-1] == "python -m mmrl.install_check"
+
+    proc, calls = make()
+    assert proc.returncode == 0 and stamp.exists() and calls[-1] == "python -m mmrl.install_check"
+    assert make()[1] == []  # installed and checked: nothing runs
 
 
 # ------------------------------------------------------------------------------------------ user docs
