@@ -117,7 +117,7 @@ def test_profile_fold_categories_by_hand():
         f"{step};_transition (mmrl/diffusion/grpo_update.py:120);forward (diffusers/models/transformers/"
         f"transformer_sd3.py:316) 50",
         f"{step};backward (torch/_tensor.py:625);_engine_run_backward (torch/autograd/graph.py:841) 20",
-        f"{rollout};FlowModel._vae_decode (mmrl/diffusion/models/base.py:150);conv (torch/nn/conv.py:1) 7",
+        f"{rollout};FlowModel.vae_decode (mmrl/diffusion/models/base.py:150);conv (torch/nn/conv.py:1) 7",
         "train (mmrl/diffusion/flow_grpo.py:236);PromptEmbedCache.__call__ (mmrl/diffusion/models/base.py:300);"
         "SD3Model.encode_prompts (mmrl/diffusion/models/sd3.py:19);forward (transformers/models/t5/modeling_t5.py:9) 3",
         "train (mmrl/diffusion/flow_grpo.py:236);SD3Model.encode_prompts (mmrl/diffusion/models/sd3.py:19);"

@@ -17,7 +17,7 @@ Families (one file each, registered by the pipeline class in model_index.json): 
 (QwenImageEditPipeline, QwenImageEditPlusPipeline), `flux_kontext.py` (FluxKontextPipeline). Edit families
 (`needs_source_image`) take `encode_prompts(prompts, images=...)` and carry the source image's latents in the
 returned PromptEmbeds. Adding one = a new file here with a `@register_family("<PipelineClass>")` FlowModel
-subclass implementing `encode_prompts`, `_forward`, `initial_noise`, `sigmas`, `decode` (see base.py and
+subclass implementing `encode_prompts`, `transformer_velocity`, `initial_noise`, `sigmas`, `decode` (see base.py and
 docs/adding-a-family.md); this package imports every module in it.
 
 What is simplified away: no negative prompts other than "" (the empty prompt, or the empty instruction with the

@@ -3,9 +3,10 @@ encoder) as FlowModels.
 
 Both keep the pipelines' noise space outside: latents [B, 128, H/16, W/16], i.e. the VAE's 32-channel latent
 2x2-patchified and normalised by the VAE's batch-norm statistics (the shape `Flux2Pipeline.prepare_latents` draws
-noise in). `_forward` packs them into [B, (H/16)(W/16), 128] tokens with 4-axis (t, h, w, l) position ids, text ids
-(0, 0, 0, l), timestep `t / 1000` (= sigma), and unpacks the prediction. The schedule is linspace(1, 1/N, N) with
-`mu = compute_empirical_mu(tokens, N)`: the shift depends on the step count as well as the image size.
+noise in). `transformer_velocity` packs them into [B, (H/16)(W/16), 128] tokens with 4-axis (t, h, w, l) position
+ids, text ids (0, 0, 0, l), timestep `t / 1000` (= sigma), and unpacks the prediction. The schedule is
+linspace(1, 1/N, N) with `mu = compute_empirical_mu(tokens, N)`: the shift depends on the step count as well as the
+image size.
 
 - [dev]: the guidance scale goes into the transformer's guidance embedding (no CFG, no negative prompt); text =
   Mistral3 hidden layers (10, 20, 30) of the prompt in the PixtralProcessor's chat template with the pipeline's
@@ -24,7 +25,7 @@ import warnings
 import numpy as np
 import torch
 
-from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, _text_only, register_family
+from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, register_family
 
 # source: Flow-Factory src/flow_factory/models/flux/flux2.py and flux2_klein.py (default LoRA targets). The
 # single-stream blocks' output projection (`single_transformer_blocks.N.attn.to_out`, a plain Linear) is not among
@@ -51,7 +52,7 @@ class Flux2Model(FlowModel):
         self._ids: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def encode_prompts(self, prompts, images=None):
-        _text_only(self, images)
+        self.check_text_only(images)
         with torch.no_grad():
             pe, _ = self.pipe.encode_prompt(prompt=list(prompts), device=self.device,
                                             max_sequence_length=self.max_sequence_length,
@@ -67,7 +68,7 @@ class Flux2Model(FlowModel):
             self._ids[key] = (img, txt)
         return self._ids[key]
 
-    def _forward(self, latents, sigma, embeds, guidance_scale):
+    def transformer_velocity(self, latents, sigma, embeds, guidance_scale):
         b, c, h, w = latents.shape
         pe = embeds["prompt_embeds"]
         img_ids, txt_ids = self._position_ids(b, h, w, pe.shape[1])
@@ -81,15 +82,15 @@ class Flux2Model(FlowModel):
         return out[:, : h * w].permute(0, 2, 1).reshape(b, c, h, w)
 
     def initial_noise(self, n, height, width, generator=None):
-        h, w = self._latent_hw(height, width, 2)
+        h, w = self.latent_hw(height, width, 2)
         c = self.pipe.transformer.config.in_channels
         return torch.randn((n, c, h // 2, w // 2), generator=generator, device=self.device, dtype=torch.float32)
 
     def sigmas(self, num_steps, height, width):
         from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 
-        h, w = self._latent_hw(height, width, 2)
-        sched = self._new_scheduler()
+        h, w = self.latent_hw(height, width, 2)
+        sched = self.new_scheduler()
         mu = compute_empirical_mu(image_seq_len=(h // 2) * (w // 2), num_steps=num_steps)
         if self.scheduler_config.get("use_flow_sigmas", False):
             sched.set_timesteps(num_steps, device="cpu", mu=mu)

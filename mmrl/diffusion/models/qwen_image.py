@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, _text_only, register_family
+from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, register_family
 
 # source: verl-project/verl-omni examples/flowgrpo_trainer/qwen_image/run_qwen_image_ocr_lora.sh (target_modules);
 # every name exists in diffusers 0.42's QwenImageTransformerBlock (`img_mlp.net.2` is the plain Linear of the MLP:
@@ -17,7 +17,7 @@ QWEN_IMAGE_LORA_TARGETS = [
 
 @register_family("QwenImagePipeline")
 class QwenImageModel(FlowModel):
-    """Qwen-Image. Latents stay [B, C, h, w] outside (16 channels, h = H/8); `_forward` packs them 2x2 into
+    """Qwen-Image. Latents stay [B, C, h, w] outside (16 channels, h = H/8); `transformer_velocity` packs them 2x2 into
     [B, (h/2)(w/2), 4C] tokens with `img_shapes` for the 3-D RoPE, timestep = sigma (the pipeline's t/1000).
 
     Text: the pipeline's `encode_prompt` (chat template, last hidden layer, template tokens dropped), rows of
@@ -39,12 +39,12 @@ class QwenImageModel(FlowModel):
 
     # ------------------------------------------------------------------ text
     def encode_prompts(self, prompts, images=None):
-        _text_only(self, images)
-        pe, mask = self._encode_text(list(prompts))
+        self.check_text_only(images)
+        pe, mask = self.encode_text(list(prompts))
         return PromptEmbeds(prompt_embeds=pe, prompt_embeds_mask=mask)
 
     @torch.no_grad()
-    def _encode_text(self, prompts, image=None):
+    def encode_text(self, prompts, image=None):
         """(prompt_embeds [N, L, D] in the model dtype, mask [N, L] long) from the pipeline's own encoder."""
         kw = {} if image is None else {"image": image}
         pe, mask = self.pipe.encode_prompt(prompt=prompts, device=self.device,
@@ -63,7 +63,7 @@ class QwenImageModel(FlowModel):
         pe, mask = pe[:, :n], mask[:, :n]
         return pe, (None if bool(mask.all()) else mask)
 
-    def _run(self, packed, img_shapes, sigma, embeds, guidance_scale):
+    def run_transformer(self, packed, img_shapes, sigma, embeds, guidance_scale):
         pe, mask = self._text_inputs(embeds)
         guidance = None
         if self.has_guidance_embedding:
@@ -72,10 +72,11 @@ class QwenImageModel(FlowModel):
                                 encoder_hidden_states_mask=mask, encoder_hidden_states=pe, img_shapes=img_shapes,
                                 return_dict=False)[0]
 
-    def _forward(self, latents, sigma, embeds, guidance_scale):
+    def transformer_velocity(self, latents, sigma, embeds, guidance_scale):
         b, c, h, w = latents.shape
-        out = self._run(self._pack_tokens(latents), [[(1, h // 2, w // 2)]] * b, sigma, embeds, guidance_scale)
-        return self._unpack_tokens(out, c, h, w)
+        shapes = [[(1, h // 2, w // 2)]] * b
+        out = self.run_transformer(self.pack_tokens(latents), shapes, sigma, embeds, guidance_scale)
+        return self.unpack_tokens(out, c, h, w)
 
     def combine_cfg(self, v_uncond, v_cond, guidance_scale, sigma=None):
         """True CFG, then each token (2x2 latent patch, all channels) rescaled to the conditional branch's norm:
@@ -91,10 +92,10 @@ class QwenImageModel(FlowModel):
         return (comb.reshape(b, c, h // 2, 2, w // 2, 2) * scale).reshape(b, c, h, w)
 
     def initial_noise(self, n, height, width, generator=None):
-        return self._packed_noise(n, height, width, generator)
+        return self.packed_noise(n, height, width, generator)
 
     def sigmas(self, num_steps, height, width):
-        return self._packed_sigmas(num_steps, height, width)
+        return self.packed_sigmas(num_steps, height, width)
 
     # ------------------------------------------------------------------ VAE
     def _latent_stats(self, like):

@@ -33,8 +33,8 @@ class QwenImageEditModel(QwenImageModel):
     def encode_prompts(self, prompts, images=None):
         pils = self._source_pils(prompts, images)
         prompts = list(prompts)
-        pe, mask = self._encode_text(prompts, pils)
-        neg, neg_mask = self._encode_text([""] * len(prompts), pils)  # CFG negative: same image, empty instruction
+        pe, mask = self.encode_text(prompts, pils)
+        neg, neg_mask = self.encode_text([""] * len(prompts), pils)  # CFG negative: same image, empty instruction
         return PromptEmbeds(prompt_embeds=pe, prompt_embeds_mask=mask, negative_prompt_embeds=neg,
                             negative_prompt_embeds_mask=neg_mask, image_latents=self.encode_images(images))
 
@@ -59,12 +59,12 @@ class QwenImageEditModel(QwenImageModel):
             embeds["negative_prompt_embeds_mask"]
         return neg
 
-    def _forward(self, latents, sigma, embeds, guidance_scale):
+    def transformer_velocity(self, latents, sigma, embeds, guidance_scale):
         b, c, h, w = latents.shape
         cond = embeds["image_latents"]
         img_shapes = [[(1, h // 2, w // 2), (1, cond.shape[-2] // 2, cond.shape[-1] // 2)]] * b
-        out = self._run(self._pack_tokens(latents, cond), img_shapes, sigma, embeds, guidance_scale)
-        return self._unpack_tokens(out, c, h, w)  # the target's tokens come first
+        out = self.run_transformer(self.pack_tokens(latents, cond), img_shapes, sigma, embeds, guidance_scale)
+        return self.unpack_tokens(out, c, h, w)  # the target's tokens come first
 
 
 @register_family("QwenImageEditPlusPipeline")
@@ -87,8 +87,8 @@ class QwenImageEditPlusModel(QwenImageEditModel):
         for prompt, pil in zip(prompts, pils):
             w, h = calculate_dimensions(CONDITION_IMAGE_SIZE, pil.width / pil.height)
             vl_image = [self.pipe.image_processor.resize(pil, h, w)]
-            pe, mask = self._encode_text([prompt], vl_image)
-            neg, neg_mask = self._encode_text([""], vl_image)
+            pe, mask = self.encode_text([prompt], vl_image)
+            neg, neg_mask = self.encode_text([""], vl_image)
             rows.append(PromptEmbeds(prompt_embeds=pe, prompt_embeds_mask=mask, negative_prompt_embeds=neg,
                                      negative_prompt_embeds_mask=neg_mask))
         out = PromptEmbeds.cat(rows)

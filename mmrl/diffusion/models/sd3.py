@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, _text_only, register_family
+from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, register_family
 
 
 @register_family("StableDiffusion3Pipeline")
@@ -15,31 +15,31 @@ class SD3Model(FlowModel):
     default_max_sequence_length = 128  # T5 tokens (the pipeline's own default is 256)
 
     def encode_prompts(self, prompts: list[str], images=None) -> PromptEmbeds:
-        _text_only(self, images)
+        self.check_text_only(images)
         with torch.no_grad():
             pe, _, pooled, _ = self.pipe.encode_prompt(
                 prompt=list(prompts), prompt_2=None, prompt_3=None, device=self.device,
                 do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length)
         return PromptEmbeds(prompt_embeds=pe.to(self.dtype), pooled_prompt_embeds=pooled.to(self.dtype))
 
-    def _forward(self, latents, sigma, embeds, guidance_scale):
+    def transformer_velocity(self, latents, sigma, embeds, guidance_scale):
         return self.transformer(
             hidden_states=latents.to(self.dtype), timestep=sigma * self.scheduler_config["num_train_timesteps"],
             encoder_hidden_states=embeds["prompt_embeds"], pooled_projections=embeds["pooled_prompt_embeds"],
             return_dict=False)[0]
 
     def initial_noise(self, n, height, width, generator=None):
-        h, w = self._latent_hw(height, width, self.transformer.config.patch_size)
+        h, w = self.latent_hw(height, width, self.transformer.config.patch_size)
         c = self.transformer.config.in_channels
         return torch.randn((n, c, h, w), generator=generator, device=self.device, dtype=torch.float32)
 
     def sigmas(self, num_steps, height, width):
-        sched = self._new_scheduler()
+        sched = self.new_scheduler()
         kw = {}
         if self.scheduler_config.get("use_dynamic_shifting"):
             from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 
-            h, w = self._latent_hw(height, width)
+            h, w = self.latent_hw(height, width)
             p = self.transformer.config.patch_size
             c = self.scheduler_config
             kw["mu"] = calculate_shift((h // p) * (w // p), c.get("base_image_seq_len", 256),
@@ -49,4 +49,4 @@ class SD3Model(FlowModel):
         return sched.sigmas.float()
 
     def decode(self, latents, height, width):
-        return self._vae_decode(latents)
+        return self.vae_decode(latents)

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, _text_only, register_family
+from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, register_family
 
 Tensor = torch.Tensor
 
@@ -134,7 +134,7 @@ class WanModel(FlowModel):
 
     # ------------------------------------------------------------------ text
     def encode_prompts(self, prompts, images=None):
-        _text_only(self, images)
+        self.check_text_only(images)
         with torch.no_grad():
             pe, _ = self.pipe.encode_prompt(prompt=list(prompts), do_classifier_free_guidance=False,
                                             max_sequence_length=self.max_sequence_length, device=self.device)
@@ -143,7 +143,7 @@ class WanModel(FlowModel):
     # ------------------------------------------------------------------ denoising
     def _high_noise(self, sigma: torch.Tensor) -> torch.Tensor:
         """Which sigmas the high-noise expert (`transformer`) takes: t = sigma * num_train_timesteps >= boundary, the
-        timestep `_forward` passes and `WanExperts` routes by."""
+        timestep `transformer_velocity` passes and `WanExperts` routes by."""
         return sigma * self.scheduler_config.get("num_train_timesteps", 1000) >= self.boundary
 
     def combine_cfg(self, v_uncond, v_cond, guidance_scale, sigma=None):
@@ -153,7 +153,7 @@ class WanModel(FlowModel):
         w = torch.where(high, torch.tensor(float(guidance_scale)), torch.tensor(self.guidance_scale_2))
         return v_uncond + w.view(-1, *([1] * (v_cond.dim() - 1))).to(v_cond) * (v_cond - v_uncond)
 
-    def _forward(self, latents, sigma, embeds, guidance_scale):
+    def transformer_velocity(self, latents, sigma, embeds, guidance_scale):
         b, _, f, h, w = latents.shape
         t = sigma * self.scheduler_config.get("num_train_timesteps", 1000)
         if self.expand_timesteps:  # Wan 2.2 TI2V: one timestep per latent token (all equal without a first frame)
@@ -163,7 +163,7 @@ class WanModel(FlowModel):
                                 encoder_hidden_states=embeds["prompt_embeds"], return_dict=False)[0]
 
     def initial_noise(self, n, height, width, generator=None):
-        h, w = self._latent_hw(height, width, self.patch_size[1])
+        h, w = self.latent_hw(height, width, self.patch_size[1])
         f = (self.num_frames - 1) // self.temporal_factor + 1
         c = self.pipe.transformer.config.in_channels
         return torch.randn((n, c, f, h, w), generator=generator, device=self.device, dtype=torch.float32)
@@ -179,7 +179,7 @@ class WanModel(FlowModel):
                 raise ValueError("WanPipeline: a UniPCMultistepScheduler without use_flow_sigmas is not a "
                                  "flow-matching schedule")
         else:
-            sched = self._new_scheduler()
+            sched = self.new_scheduler()
         sched.set_timesteps(num_steps, device="cpu")
         return sched.sigmas.float()
 

@@ -7,7 +7,7 @@ What diffusers' `ZImagePipeline` does per step, and what this family does the sa
   family's, and unpadded per sample for the transformer;
 - timestep convention: the transformer gets `(1000 - t) / 1000 = 1 - sigma` (0 at pure noise), a list of
   [C, 1, h, w] latents and a list of caption embeddings; its output is the negated velocity (the pipeline
-  negates it before the Euler step: `noise_pred = -noise_pred`), so `_forward` returns `-output`;
+  negates it before the Euler step: `noise_pred = -noise_pred`), so `transformer_velocity` returns `-output`;
 - guidance: `guidance_scale` is Z-Image's own `s` in `pos + s (pos - neg)` (= standard CFG with w = 1 + s), on
   when s > 0 (diffusers' rule; Flow-Factory's Z-Image configs use 4, Turbo 0). `cfg_normalization` and
   `cfg_truncation` (off by default in diffusers) are not implemented;
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, _text_only, register_family
+from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, register_family
 
 # source: Flow-Factory src/flow_factory/models/z_image/z_image.py (default LoRA targets)
 Z_IMAGE_LORA_TARGETS = [
@@ -36,7 +36,7 @@ class ZImageModel(FlowModel):
     lora_target_modules = Z_IMAGE_LORA_TARGETS
 
     def encode_prompts(self, prompts, images=None):
-        _text_only(self, images)
+        self.check_text_only(images)
         with torch.no_grad():
             texts = [self.pipe.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                              add_generation_prompt=True, enable_thinking=True)
@@ -46,7 +46,7 @@ class ZImageModel(FlowModel):
             mask = tok.attention_mask.to(self.device).bool()
             hidden = self.pipe.text_encoder(input_ids=tok.input_ids.to(self.device), attention_mask=mask,
                                             output_hidden_states=True).hidden_states[-2]
-        pe = hidden.to(self.dtype) * mask[..., None]  # padding rows are dropped again in _forward
+        pe = hidden.to(self.dtype) * mask[..., None]  # padding rows are dropped again in transformer_velocity
         return PromptEmbeds(prompt_embeds=pe, prompt_mask=mask)
 
     def cfg_enabled(self, guidance_scale):
@@ -56,7 +56,7 @@ class ZImageModel(FlowModel):
         # pos + s (pos - neg) on the negated outputs: bitwise the negation of the pipeline's combination
         return v_cond + guidance_scale * (v_cond - v_uncond)
 
-    def _forward(self, latents, sigma, embeds, guidance_scale):
+    def transformer_velocity(self, latents, sigma, embeds, guidance_scale):
         t = (1000 - sigma * 1000) / 1000  # the pipeline's (1000 - timestep) / 1000 with timestep = 1000 sigma
         x = list(latents.to(self.dtype).unsqueeze(2).unbind(0))
         caps = [pe[m] for pe, m in zip(embeds["prompt_embeds"], embeds["prompt_mask"])]
@@ -64,20 +64,20 @@ class ZImageModel(FlowModel):
         return -torch.stack([o.float() for o in out]).squeeze(2)
 
     def initial_noise(self, n, height, width, generator=None):
-        h, w = self._latent_hw(height, width, 2)
+        h, w = self.latent_hw(height, width, 2)
         c = self.pipe.transformer.in_channels
         return torch.randn((n, c, h, w), generator=generator, device=self.device, dtype=torch.float32)
 
     def sigmas(self, num_steps, height, width):
         from diffusers.pipelines.z_image.pipeline_z_image import calculate_shift, get_default_z_image_sigmas
 
-        h, w = self._latent_hw(height, width, 2)
+        h, w = self.latent_hw(height, width, 2)
         c = self.scheduler_config
         mu = calculate_shift((h // 2) * (w // 2), c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
                              c.get("base_shift", 0.5), c.get("max_shift", 1.15))
-        sched = self._new_scheduler()
+        sched = self.new_scheduler()
         sched.set_timesteps(sigmas=get_default_z_image_sigmas(num_steps), device="cpu", mu=mu)
         return sched.sigmas.float()
 
     def decode(self, latents, height, width):
-        return self._vae_decode(latents)
+        return self.vae_decode(latents)
