@@ -26,6 +26,9 @@ import numpy as np
 import torch
 
 from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, register_family
+from mmrl.perf import (
+    Architecture, FlopsEstimator, packed_joint_estimator, register_architecture, register_flops,
+)
 
 # source: Flow-Factory src/flow_factory/models/flux/flux2.py and flux2_klein.py (default LoRA targets). The
 # single-stream blocks' output projection (`single_transformer_blocks.N.attn.to_out`, a plain Linear) is not among
@@ -137,3 +140,68 @@ class Flux2KleinModel(Flux2Model):
                           f"distilled (is_distilled: true), as diffusers' Flux2KleinPipeline does", stacklevel=2)
             self._warned = True
         return guidance_scale > 1.0 and not self.is_distilled
+
+
+# ------------------------------------------------------------------ what mmrl.perf reads: FLOPs, real width
+
+
+@register_flops("Flux2Transformer2DModel")
+def _flops(module: torch.nn.Module) -> FlopsEstimator:
+    """FLUX.2 (dev / klein): the modulations computed once at the top, the single-stream blocks' q/k/v and MLP input
+    fused into one projection; reference-image tokens of an edit are part of the packed latents."""
+    return packed_joint_estimator(module, [
+        ("time_guidance_embed.", "sample"), ("modulation", "sample"), ("norm_out.linear", "sample"),
+        ("context_embedder", "text"), ("attn.add_", "text"), ("attn.to_add_out", "text"), ("ff_context.", "text"),
+        ("single_transformer_blocks.", "joint"), ("", "image")])
+
+
+def _training_row(model: torch.nn.Module, row: dict, dtype: torch.dtype) -> dict:
+    """One row of the training forward: 128-channel 2 x 2-patchified latents packed, (H/16)(W/16) tokens with 4-axis
+    ids, text tokens, timestep sigma, the guidance embedding's scale where the model has one ([dev])."""
+    g = torch.Generator().manual_seed(0)
+    c = model.config
+    n, m = (row["height"] // 16) * (row["width"] // 16), row["text_tokens"]
+    return {"hidden_states": torch.randn(1, n, c.in_channels, generator=g).to(dtype),
+            "encoder_hidden_states": torch.randn(1, m, c.joint_attention_dim, generator=g).to(dtype),
+            "timestep": torch.tensor([0.5]).to(dtype), "img_ids": torch.zeros(1, n, 4), "txt_ids": torch.zeros(1, m, 4),
+            "guidance": torch.tensor([3.5]) if c.guidance_embeds else None}
+
+
+def _flux2_config(heads: int, double: int, single: int, context: int, guidance_embeds: bool) -> dict:
+    """A Flux2Transformer2DModel config: what FLUX.2 [dev] and [klein] share (heads of 128, 128-channel packed
+    latents, mlp_ratio 3, 4-axis RoPE with theta 2000) and the numbers that differ."""
+    return dict(patch_size=1, in_channels=128, num_layers=double, num_single_layers=single, attention_head_dim=128,
+                num_attention_heads=heads, joint_attention_dim=context, mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32),
+                rope_theta=2000, guidance_embeds=guidance_embeds)
+
+
+_SMALL_AND_ROW = dict(inputs=_training_row, small_widths={"attention_head_dim": 16, "num_attention_heads": 2,
+                                                          "joint_attention_dim": 32, "axes_dims_rope": (4, 4, 4, 4)},
+                      small_row=dict(height=64, width=64, text_tokens=8))
+
+register_architecture(Architecture(
+    name="flux2_dev", kind="flux2", class_name="Flux2Transformer2DModel",
+    config=_flux2_config(heads=48, double=8, single=48, context=15360, guidance_embeds=True),
+    depth={"num_layers": 8, "num_single_layers": 48},
+    source="black-forest-labs/flux2 src/flux2/model.py Flux2Params (hidden 6144 = 48 heads x 128, 8 double + 48 "
+           "single blocks, context 15360 = 3 x Mistral-Small's 5120, mlp_ratio 3, guidance embedding; 32.2B)",
+    lora_targets=tuple(FLUX2_LORA_TARGETS), recipe="configs/diffusion/flow_grpo_flux2_dev.yaml",
+    # 512 px -> 128 x 32 x 32 patchified latents: 1024 packed tokens; prompts padded to 512 tokens; micro-batch 1
+    # (guidance embedding: no CFG)
+    step=dict(rows=1, height=512, width=512, text_tokens=512, lora_rank=64),
+    # LoRA only: a full fine-tuning depth point holds 3.3B trainable parameters with their gradients and AdamW state
+    # (26 GB), more than a 24 GB measuring machine has
+    measure_modes=("lora",), **_SMALL_AND_ROW,
+))
+
+register_architecture(Architecture(
+    name="flux2_klein_9b", kind="flux2", class_name="Flux2Transformer2DModel",
+    config=_flux2_config(heads=32, double=8, single=24, context=12288, guidance_embeds=False),
+    depth={"num_layers": 8, "num_single_layers": 24},
+    source="black-forest-labs/flux2 src/flux2/model.py Klein9BParams (hidden 4096 = 32 heads x 128, 8 double + 24 "
+           "single blocks, context 12288 = 3 x Qwen3-8B's 4096, mlp_ratio 3, no guidance embedding; 9.08B)",
+    lora_targets=tuple(FLUX2_LORA_TARGETS), recipe="configs/diffusion/flow_grpo_flux2_klein_pickscore.yaml",
+    # 384 px -> 128 x 24 x 24 patchified latents: 576 packed tokens; prompts padded to 512 tokens
+    # (max_sequence_length); micro-batch 1, distilled: guidance 1, no CFG
+    step=dict(rows=1, height=384, width=384, text_tokens=512, lora_rank=64), **_SMALL_AND_ROW,
+))

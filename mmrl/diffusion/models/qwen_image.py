@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, register_family
+from mmrl.perf import Architecture, FlopsEstimator, Pass, input_arg, register_architecture, register_flops
 
 # source: verl-project/verl-omni examples/flowgrpo_trainer/qwen_image/run_qwen_image_ocr_lora.sh (target_modules);
 # every name exists in diffusers 0.42's QwenImageTransformerBlock (`img_mlp.net.2` is the plain Linear of the MLP:
@@ -118,3 +119,59 @@ class QwenImageModel(FlowModel):
         z = self.vae.encode(x).latent_dist.mode()[:, :, 0].float()
         mean, std = self._latent_stats(z)
         return (z - mean) / std
+
+
+# ------------------------------------------------------------------ what mmrl.perf reads: FLOPs, real width
+
+
+@register_flops("QwenImageTransformer2DModel")
+def _flops(module: torch.nn.Module) -> FlopsEstimator:
+    """Qwen-Image (and its edit models): double-stream blocks only (image and text streams, joint attention over
+    both), packed latents [B, N, C] (an edit's reference-image tokens are part of N). Modulations once per sample;
+    with `zero_cond_t` (Qwen-Image-Edit-2511) the timestep embedding and the image modulations run on 2 rows per
+    sample (the noisy and the clean timestep). The last block's text output is never used, so its text
+    feed-forward and text attention output projection get no backward (autograd skips them)."""
+    width = module.config.num_attention_heads * module.config.attention_head_dim
+    n_blocks = len(module.transformer_blocks)
+    doubled = 2 if getattr(module, "zero_cond_t", False) else 1
+    last = f"transformer_blocks.{n_blocks - 1}."  # its text output is not used: that part gets no backward
+    rules = [("time_text_embed.", "time"), ("img_mod.", "time"), ("txt_mod.", "sample"), ("norm_out.linear", "sample"),
+             (last + "attn.to_add_out", "text_unused"), (last + "txt_mlp.", "text_unused"),
+             ("txt_in", "text"), ("attn.add_", "text"), ("attn.to_add_out", "text"), ("txt_mlp.", "text"),
+             ("", "image")]
+
+    def shapes(args, kwargs):
+        x, ctx = input_arg(args, kwargs, "hidden_states"), input_arg(args, kwargs, "encoder_hidden_states", 1)
+        b, n, m = x.shape[0], x.shape[1], ctx.shape[1]
+        return Pass({"image": b * n, "text": b * m, "text_unused": b * m, "sample": b, "time": doubled * b},
+                    b * width * n_blocks * (n + m) ** 2)
+
+    return FlopsEstimator(module, rules, shapes, forward_only=("text_unused",))
+
+
+def _training_row(model: torch.nn.Module, row: dict, dtype: torch.dtype) -> dict:
+    """One row of the training forward: 2 x 2-packed latents, (H/16)(W/16) tokens, text tokens with their mask (true
+    CFG pads the text to the batch's longest), timestep sigma."""
+    g = torch.Generator().manual_seed(0)
+    c, h, w, m = model.config, row["height"] // 16, row["width"] // 16, row["text_tokens"]
+    return {"hidden_states": torch.randn(1, h * w, c.in_channels, generator=g).to(dtype),
+            "encoder_hidden_states": torch.randn(1, m, c.joint_attention_dim, generator=g).to(dtype),
+            "encoder_hidden_states_mask": torch.ones(1, m), "timestep": torch.tensor([0.5]).to(dtype),
+            "img_shapes": [[(1, h, w)]]}
+
+
+register_architecture(Architecture(
+    name="qwen_image_20b", kind="qwen_image", class_name="QwenImageTransformer2DModel",
+    config=dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56)),
+    depth={"num_layers": 60},
+    source="Qwen/Qwen-Image transformer/config.json (60 double-stream blocks, width 3072, 24 heads; 20.4B parameters)",
+    lora_targets=tuple(QWEN_IMAGE_LORA_TARGETS), recipe="configs/diffusion/flow_grpo_qwen_image_ocr.yaml",
+    # 512 px -> 16 x 64 x 64 latents packed 2 x 2: 1024 tokens of 64 channels; prompts cut to 256 tokens
+    # (max_sequence_length); micro-batch 4 doubled by true CFG (4.0) in the training forward
+    step=dict(rows=8, height=512, width=512, text_tokens=256, lora_rank=64),
+    inputs=_training_row,
+    small_widths={"attention_head_dim": 16, "num_attention_heads": 2, "joint_attention_dim": 32,
+                  "axes_dims_rope": (4, 6, 6)},
+    small_row=dict(height=64, width=64, text_tokens=8),
+))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, register_family
+from mmrl.perf import Architecture, FlopsEstimator, Pass, input_arg, register_architecture, register_flops
 
 
 @register_family("StableDiffusion3Pipeline")
@@ -50,3 +51,69 @@ class SD3Model(FlowModel):
 
     def decode(self, latents, height, width):
         return self.vae_decode(latents)
+
+
+# ------------------------------------------------------------------ what mmrl.perf reads: FLOPs, real width
+
+
+@register_flops("SD3Transformer2DModel")
+def _flops(module: torch.nn.Module) -> FlopsEstimator:
+    """SD3 / SD3.5 MMDiT: image tokens (patches), text tokens (context), one row per sample (AdaLN, time/text
+    embeddings). Every joint block attends over image + text tokens; SD3.5's dual-attention blocks add an
+    image-only attention (`attn2`)."""
+    p = module.config.patch_size
+    width = module.config.num_attention_heads * module.config.attention_head_dim
+    blocks = list(module.transformer_blocks)
+    dual = sum(1 for b in blocks if getattr(b, "attn2", None) is not None)
+    rules = [("time_text_embed.", "sample"), ("norm1.linear", "sample"), ("norm1_context.linear", "sample"),
+             ("norm_out.linear", "sample"), ("context_embedder", "text"), ("attn.add_", "text"),
+             ("attn.to_add_out", "text"), ("ff_context.", "text"), ("", "image")]
+
+    def shapes(args, kwargs):
+        x, ctx = input_arg(args, kwargs, "hidden_states"), input_arg(args, kwargs, "encoder_hidden_states", 1)
+        b, n = x.shape[0], (x.shape[-2] // p) * (x.shape[-1] // p)
+        m = ctx.shape[1]
+        return Pass({"image": b * n, "text": b * m, "sample": b},
+                    b * width * (len(blocks) * (n + m) ** 2 + dual * n * n))
+
+    return FlopsEstimator(module, rules, shapes)
+
+
+def _training_row(model: torch.nn.Module, row: dict, dtype: torch.dtype) -> dict:
+    """One row of the training forward: [1, C, H/8, W/8] latents, text tokens, the pooled text, timestep 1000 sigma."""
+    g = torch.Generator().manual_seed(0)
+    c = model.config
+    h, w, m = row["height"] // 8, row["width"] // 8, row["text_tokens"]
+    text = torch.randn(1, m, c.joint_attention_dim, generator=g).to(dtype)
+    pooled = torch.randn(1, c.pooled_projection_dim, generator=g).to(dtype)
+    return {"hidden_states": torch.randn(1, c.in_channels, h, w, generator=g).to(dtype),
+            "encoder_hidden_states": text, "pooled_projections": pooled, "timestep": torch.tensor([500.0])}
+
+
+def _sd35_dual_blocks(cfg: dict) -> None:
+    # SD3.5-Medium: dual attention in blocks 0-12 of 24, never in the last (context_pre_only) block
+    cfg["dual_attention_layers"] = tuple(i for i in range(13) if i < cfg["num_layers"] - 1)
+
+
+register_architecture(Architecture(
+    name="sd35_medium", kind="sd3", class_name="SD3Transformer2DModel",
+    config=dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
+                num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+                pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
+                dual_attention_layers=tuple(range(13)), qk_norm="rms_norm"),
+    depth={"num_layers": 24}, fit=_sd35_dual_blocks,
+    source="stabilityai/stable-diffusion-3.5-medium transformer/config.json (2.24B parameters + a 0.23B "
+           "position table)",
+    lora_targets=tuple(SD3Model.lora_target_modules), recipe="configs/diffusion/flow_grpo_sd35_pickscore.yaml",
+    # 512 px -> 16 x 64 x 64 latents (1024 tokens of 2x2 patches); 77 CLIP + 128 T5 tokens; micro-batch 9 doubled by
+    # classifier-free guidance (guidance 4.5) in the training forward
+    step=dict(rows=18, height=512, width=512, text_tokens=205, lora_rank=32),
+    inputs=_training_row,
+    # the position table is a 0.23B-entry buffer computed in float64 at build time: measured with a 64 x 64 table,
+    # which covers 512 px (the weights count the real one)
+    measure_config={"pos_embed_max_size": 64},
+    small_widths={"attention_head_dim": 16, "num_attention_heads": 2, "joint_attention_dim": 32,
+                  "caption_projection_dim": 32, "pooled_projection_dim": 32, "pos_embed_max_size": 32,
+                  "sample_size": 16},
+    small_row=dict(height=64, width=64, text_tokens=8),
+))
