@@ -29,8 +29,8 @@ import importlib
 import pkgutil
 
 from mmrl.diffusion.models.base import (  # noqa: F401
-    ATTENTION_LORA_TARGETS, MODEL_FAMILIES, FlowModel, PromptEmbedCache, PromptEmbeds, available_families,
-    check_num_frames, flow_model_class, load_flow_model, register_family,
+    ATTENTION_LORA_TARGETS, MODEL_FAMILIES, FlowModel, PromptEmbedCache, PromptEmbeds, TinyCase, available_families,
+    check_num_frames, flow_model_class, load_flow_model, register_family, tiny_cases,
 )
 from mmrl.diffusion.models.flux import FluxModel  # noqa: F401
 from mmrl.diffusion.models.sd3 import SD3Model  # noqa: F401

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -72,6 +73,27 @@ class PromptEmbeds(dict):
         return PromptEmbeds(out)
 
 
+@dataclass(frozen=True)
+class TinyCase:
+    """A tiny random checkpoint of a family (its real classes at tiny sizes, built by an `mmrl.tiny` builder) and the
+    rollout to run on it. The recipe tests (every recipe on every case), the golden metrics (each family's first case)
+    and benchmarks/families.py read the cases of every registered family (`tiny_cases()`)."""
+
+    name: str
+    """Unique over all families (`sd3`, `wan22_a14b`): test ids, benchmark rows."""
+    build: Callable[..., Path]
+    """The mmrl.tiny builder (`build(path, **options) -> path`; `mmrl tiny DIR` builds it too)."""
+    rollout: dict[str, Any]
+    """Rollout keys: the smallest `height` / `width` its latent grid takes, `num_frames` (video), a `guidance_scale`."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """The builder's keyword arguments (e.g. a variant)."""
+    pipeline: str = ""
+    """The pipeline class the family is registered under (filled by `tiny_cases()`)."""
+
+    def build_at(self, path: str | Path) -> Path:
+        return self.build(path, **self.options)
+
+
 class FlowModel:
     """A diffusers flow-matching pipeline seen as encode / velocity / decode. Subclasses set
     `lora_target_modules` and implement the abstract methods below.
@@ -90,6 +112,7 @@ class FlowModel:
     is_video: bool = False  # latents [B, C, F, h, w]; decode gives [B, F, 3, H, W] when num_frames > 1
     num_frames: int = 1  # frames per sample (> 1 only for video families; set_num_frames)
     option_names: tuple[str, ...] = ()  # the keywords `configure` takes (model.family_options)
+    tiny_cases: tuple[TinyCase, ...] = ()  # declared by each registered class itself (not inherited): see TinyCase
 
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, max_sequence_length: int):
         self.pipe = pipe
@@ -349,6 +372,18 @@ def register_family(class_name: str) -> Callable[[type[FlowModel]], type[FlowMod
 def available_families() -> list[str]:
     """Pipeline class names `load_flow_model` accepts (model_index.json `_class_name`), sorted."""
     return sorted(MODEL_FAMILIES)
+
+
+def tiny_cases() -> dict[str, TinyCase]:
+    """Every registered family's tiny cases (each class's own `tiny_cases`, not a parent's), by case name, the
+    families in `available_families()` order; `case.pipeline` names the family."""
+    out: dict[str, TinyCase] = {}
+    for class_name in available_families():
+        for case in vars(MODEL_FAMILIES[class_name]).get("tiny_cases", ()):
+            if case.name in out:
+                raise ValueError(f"tiny case {case.name!r} of {class_name} is also {out[case.name].pipeline}'s")
+            out[case.name] = replace(case, pipeline=class_name)
+    return out
 
 
 def _image_only_error(class_name: str, num_frames: int) -> ValueError:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, register_family
+from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, TinyCase, register_family
 from mmrl.perf import (
     Architecture, FlopsEstimator, packed_joint_estimator, register_architecture, register_flops,
 )
+from mmrl.tiny import build_tiny_flux
 
 
 @register_family("FluxPipeline")
@@ -18,6 +19,7 @@ class FluxModel(FlowModel):
     (FLUX-dev) instead of classifier-free guidance; timestep = sigma."""
 
     family = "flux"
+    tiny_cases = (TinyCase("flux", build_tiny_flux, {"height": 64, "width": 64, "guidance_scale": 3.5}),)
     default_max_sequence_length = 512
 
     def __init__(self, *args, **kw):

@@ -25,10 +25,11 @@ import warnings
 import numpy as np
 import torch
 
-from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, register_family
+from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, TinyCase, register_family
 from mmrl.perf import (
     Architecture, FlopsEstimator, packed_joint_estimator, register_architecture, register_flops,
 )
+from mmrl.tiny import build_tiny_flux2, build_tiny_flux2_klein
 
 # source: Flow-Factory src/flow_factory/models/flux/flux2.py and flux2_klein.py (default LoRA targets). The
 # single-stream blocks' output projection (`single_transformer_blocks.N.attn.to_out`, a plain Linear) is not among
@@ -45,6 +46,7 @@ class Flux2Model(FlowModel):
     """FLUX.2 [dev] (`Flux2Pipeline`); see the module docstring."""
 
     family = "flux2"
+    tiny_cases = (TinyCase("flux2", build_tiny_flux2, {"height": 32, "width": 32, "guidance_scale": 3.5}),)
     default_max_sequence_length = 512  # the pipeline's
     lora_target_modules = FLUX2_LORA_TARGETS
     text_encoder_out_layers: tuple[int, ...] = (10, 20, 30)  # the pipeline's default
@@ -127,6 +129,7 @@ class Flux2KleinModel(Flux2Model):
     """FLUX.2 [klein] (`Flux2KleinPipeline`); see the module docstring."""
 
     family = "flux2_klein"
+    tiny_cases = (TinyCase("flux2_klein", build_tiny_flux2_klein, {"height": 32, "width": 32, "guidance_scale": 3.0}),)
     text_encoder_out_layers = (9, 18, 27)  # the pipeline's default
 
     def __init__(self, *args, **kw):

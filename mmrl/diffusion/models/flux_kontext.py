@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from mmrl.diffusion.models.base import PromptEmbeds, register_family
+from mmrl.diffusion.models.base import PromptEmbeds, TinyCase, register_family
 from mmrl.diffusion.models.flux import FluxModel
+from mmrl.tiny import build_tiny_flux_kontext
 
 # source: X-GenGroup/Flow-Factory src/flow_factory/models/flux/flux1_kontext.py (default_target_modules): the
 # joint-attention projections plus both feed-forwards of the double-stream blocks; all exist in diffusers 0.42's
@@ -30,6 +31,8 @@ class FluxKontextModel(FluxModel):
     `condition_image_size`)."""
 
     family = "flux_kontext"
+    tiny_cases = (TinyCase("flux_kontext", build_tiny_flux_kontext,
+                           {"height": 32, "width": 32, "guidance_scale": 2.5}),)
     needs_source_image = True
     lora_target_modules = KONTEXT_LORA_TARGETS
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, register_family
+from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, TinyCase, register_family
 from mmrl.perf import Architecture, FlopsEstimator, Pass, input_arg, register_architecture, register_flops
+from mmrl.tiny import build_tiny_qwen_image
 
 # source: verl-project/verl-omni examples/flowgrpo_trainer/qwen_image/run_qwen_image_ocr_lora.sh (target_modules);
 # every name exists in diffusers 0.42's QwenImageTransformerBlock (`img_mlp.net.2` is the plain Linear of the MLP:
@@ -29,6 +30,7 @@ class QwenImageModel(FlowModel):
     single frames, latents normalised with its per-channel `latents_mean` / `latents_std`."""
 
     family = "qwen_image"
+    tiny_cases = (TinyCase("qwen_image", build_tiny_qwen_image, {"height": 32, "width": 32, "guidance_scale": 4.0}),)
     default_max_sequence_length = 512  # the pipeline's default (its tokenizer limit is 1024)
     lora_target_modules = QWEN_IMAGE_LORA_TARGETS
     # the last block's text-stream output (txt_mlp, to_add_out, ...) feeds nothing: only the image tokens are predicted

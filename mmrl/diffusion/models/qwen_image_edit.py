@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from mmrl.diffusion.models.base import PromptEmbeds, register_family
+from mmrl.diffusion.models.base import PromptEmbeds, TinyCase, register_family
 from mmrl.diffusion.models.qwen_image import QwenImageModel
+from mmrl.tiny import build_tiny_qwen_image_edit, build_tiny_qwen_image_edit_plus
 
 
 @register_family("QwenImageEditPipeline")
@@ -26,6 +27,8 @@ class QwenImageEditModel(QwenImageModel):
     prompt embedding. The schedule's shift is computed from the target's tokens only (as the pipeline)."""
 
     family = "qwen_image_edit"
+    tiny_cases = (TinyCase("qwen_image_edit", build_tiny_qwen_image_edit,
+                           {"height": 32, "width": 32, "guidance_scale": 4.0}),)
     needs_source_image = True
     # the same transformer as Qwen-Image; Flow-Factory's and verl-omni's edit adapters use the same targets
     # (source: verl-omni examples/flowgrpo_trainer/qwen_image_edit/run_qwen_image_edit_lora.sh)
@@ -77,6 +80,8 @@ class QwenImageEditPlusModel(QwenImageEditModel):
     (2511) give the source tokens timestep 0 inside the transformer."""
 
     family = "qwen_image_edit_plus"
+    tiny_cases = (TinyCase("qwen_image_edit_plus", build_tiny_qwen_image_edit_plus,
+                           {"height": 32, "width": 32, "guidance_scale": 4.0}),)
 
     def encode_prompts(self, prompts, images=None):
         from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (CONDITION_IMAGE_SIZE,

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, register_family
+from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, TinyCase, register_family
 from mmrl.perf import Architecture, FlopsEstimator, Pass, input_arg, register_architecture, register_flops
+from mmrl.tiny import build_tiny_sd3
 
 
 @register_family("StableDiffusion3Pipeline")
@@ -13,6 +14,7 @@ class SD3Model(FlowModel):
     """Stable Diffusion 3 / 3.5 (`StableDiffusion3Pipeline`): latents [B, C, h, w], timestep = 1000 sigma."""
 
     family = "sd3"
+    tiny_cases = (TinyCase("sd3", build_tiny_sd3, {"height": 64, "width": 64, "guidance_scale": 1.0}),)
     default_max_sequence_length = 128  # T5 tokens (the pipeline's own default is 256)
 
     def encode_prompts(self, prompts: list[str], images=None) -> PromptEmbeds:

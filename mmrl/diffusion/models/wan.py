@@ -27,10 +27,13 @@ from typing import Any
 
 import torch
 
-from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, register_family
+from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, TinyCase, register_family
 from mmrl.perf import Architecture, FlopsEstimator, Pass, input_arg, register_architecture, register_flops
+from mmrl.tiny import build_tiny_wan
 
 Tensor = torch.Tensor
+
+_TINY_ROLLOUT = {"height": 32, "width": 32, "num_frames": 5, "guidance_scale": 3.0}  # Wan 2.1 and 2.2 A14B's tiny cases
 
 # source: Flow-Factory src/flow_factory/models/wan/wan2_t2v.py (default LoRA targets for Wan transformers)
 WAN_LORA_TARGETS = [
@@ -76,6 +79,8 @@ class WanModel(FlowModel):
     """Wan 2.1 / 2.2 text-to-video (`WanPipeline`); see the module docstring."""
 
     family = "wan"
+    tiny_cases = (TinyCase("wan21", build_tiny_wan, _TINY_ROLLOUT),
+                  TinyCase("wan22_a14b", build_tiny_wan, _TINY_ROLLOUT, {"variant": "2.2_a14b"}))
     is_video = True
     default_max_sequence_length = 512  # the pipeline's (Flow-Factory pads to it too)
     lora_target_modules = WAN_LORA_TARGETS

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, register_family
+from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, TinyCase, register_family
 from mmrl.perf import Architecture, FlopsEstimator, Pass, input_arg, register_architecture, register_flops
+from mmrl.tiny import build_tiny_z_image
 
 # source: Flow-Factory src/flow_factory/models/z_image/z_image.py (default LoRA targets)
 Z_IMAGE_LORA_TARGETS = [
@@ -33,6 +34,7 @@ class ZImageModel(FlowModel):
     """Z-Image (`ZImagePipeline`); see the module docstring."""
 
     family = "z_image"
+    tiny_cases = (TinyCase("z_image", build_tiny_z_image, {"height": 32, "width": 32, "guidance_scale": 2.0}),)
     default_max_sequence_length = 512  # the pipeline's
     lora_target_modules = Z_IMAGE_LORA_TARGETS
 
