@@ -169,12 +169,13 @@ class Clocks:
 
 
 def _instrument(clocks: Clocks):
-    """Patch Run.progress / Run.log, common.evaluate_ode and SD3Model._forward; returns the undo function."""
+    """Patch Run.progress / Run.log, common.evaluate_ode and SD3Model.transformer_velocity; returns the undo
+    function."""
     from mmrl.diffusion import common
     from mmrl.diffusion.models import SD3Model
     from mmrl.run.directory import Run
 
-    saved = (Run.progress, Run.log, common.evaluate_ode, SD3Model._forward)
+    saved = (Run.progress, Run.log, common.evaluate_ode, SD3Model.transformer_velocity)
 
     def progress(self, *a, **kw):
         clocks.start()
@@ -196,10 +197,10 @@ def _instrument(clocks: Clocks):
         clocks.evals += int(latents.shape[0])
         return saved[3](self, latents, *a, **kw)
 
-    Run.progress, Run.log, common.evaluate_ode, SD3Model._forward = progress, log, evaluate_ode, forward
+    Run.progress, Run.log, common.evaluate_ode, SD3Model.transformer_velocity = progress, log, evaluate_ode, forward
 
     def undo():
-        Run.progress, Run.log, common.evaluate_ode, SD3Model._forward = saved
+        Run.progress, Run.log, common.evaluate_ode, SD3Model.transformer_velocity = saved
     return undo
 
 

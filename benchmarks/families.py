@@ -2,8 +2,8 @@
 
     .venv/bin/python benchmarks/families.py [--families wan21,qwen_image,...] [--steps 4] [--repeats 5] [--threads 1]
 
-For every family's tiny checkpoint (`mmrl.tiny`, the real diffusers / transformers classes); every family the
-registry holds (`mmrl.diffusion.models.available_families()`) must have an entry in FAMILIES:
+For every tiny case of every registered family (`mmrl.diffusion.models.tiny_cases()`: each family's file declares
+its tiny checkpoint of the real diffusers / transformers classes; images here at 64 px, guidance on):
 
 1. Flow-GRPO step split: `mmrl.diffusion.flow_grpo.train` for `--steps` steps (the first, with one-off warm-up,
    left out), measured as in `flow_grpo_step.py` (whose `bench` this reuses): transformer forward time (hooks on the
@@ -41,33 +41,27 @@ INSTRUCTION = "make the circle red"
 VIDEO_REWARD = "reward.components={motion_amount: 1.0, f: {reward: video_frames, image_reward: jpeg_compressibility}}"
 
 
-def _wan(root, variant):
-    from mmrl.tiny import build_tiny_wan
-
-    return build_tiny_wan(root / variant, variant=variant)
-
-
-def _builder(name):
-    from mmrl import tiny
-
-    return lambda root: getattr(tiny, f"build_tiny_{name}")(root / name)
+# where this benchmark departs from a family's tiny case: images at 64 px (a video keeps its case's size) and these
+# guidance scales, so that every rollout runs its guidance path (CFG, or a guidance embedding)
+IMAGE_SIZE = 64
+GUIDANCE = {"sd3": 4.5, "wan21": 5.0, "wan22_a14b": 5.0, "z_image": 4.0, "flux2": 4.0, "flux2_klein": 4.0}
 
 
-# family -> (build(root) -> path, size, frames, guidance scale, pipeline class); what the rollout comparison and the
-# step run use
-FAMILIES = {
-    "wan21": (lambda root: _wan(root, "2.1"), 32, 5, 5.0, "WanPipeline"),
-    "wan22_a14b": (lambda root: _wan(root, "2.2_a14b"), 32, 5, 5.0, "WanPipeline"),
-    "z_image": (_builder("z_image"), 64, 1, 4.0, "ZImagePipeline"),
-    "flux2": (_builder("flux2"), 64, 1, 4.0, "Flux2Pipeline"),
-    "flux2_klein": (_builder("flux2_klein"), 64, 1, 4.0, "Flux2KleinPipeline"),
-    "sd3": (_builder("sd3"), 64, 1, 4.5, "StableDiffusion3Pipeline"),
-    "flux": (_builder("flux"), 64, 1, 3.5, "FluxPipeline"),
-    "qwen_image": (_builder("qwen_image"), 64, 1, 4.0, "QwenImagePipeline"),  # true CFG, norm rescale
-    "qwen_image_edit": (_builder("qwen_image_edit"), 64, 1, 4.0, "QwenImageEditPipeline"),
-    "qwen_image_edit_plus": (_builder("qwen_image_edit_plus"), 64, 1, 4.0, "QwenImageEditPlusPipeline"),
-    "flux_kontext": (_builder("flux_kontext"), 64, 1, 2.5, "FluxKontextPipeline"),  # guidance embedding
-}
+def _families() -> dict:
+    """case -> (build(root) -> path, size, frames, guidance scale, pipeline class): what the rollout comparison and the
+    step run use, one row per tiny case."""
+    from mmrl.diffusion.models import tiny_cases
+
+    out = {}
+    for name, case in tiny_cases().items():
+        frames = case.rollout.get("num_frames", 1)
+        size = case.rollout["height"] if frames > 1 else IMAGE_SIZE
+        out[name] = (lambda root, case=case: case.build_at(root / case.name), size, frames,
+                     GUIDANCE.get(name, case.rollout["guidance_scale"]), case.pipeline)
+    return out
+
+
+FAMILIES = _families()
 # edit pipelines that condition on a fixed-area copy of the source whatever the target size: that side, for both
 SOURCE_SIDE = {"QwenImageEditPipeline": 1024, "QwenImageEditPlusPipeline": 1024}
 PACKED = ("FluxPipeline", "FluxKontextPipeline", "QwenImagePipeline", "QwenImageEditPipeline",
@@ -184,11 +178,6 @@ def main(argv=None) -> int:
         raise SystemExit(f"--families: unknown {unknown}; valid: {list(FAMILIES)}")
     if args.steps < 2:
         raise SystemExit("--steps must be >= 2 (the first step is left out)")
-    from mmrl.diffusion.models import available_families
-
-    missing = sorted(set(available_families()) - {f[4] for f in FAMILIES.values()})
-    if missing:
-        raise SystemExit(f"registered model families without an entry in benchmarks/families.py FAMILIES: {missing}")
     torch.set_num_threads(args.threads)
     print(f"`python benchmarks/families.py {' '.join(argv if argv is not None else sys.argv[1:])}` - "
           f"{machine(args.threads)}\n", flush=True)

@@ -208,7 +208,7 @@ def decode_variants(path: Path, size: int, n: int, repeats: int) -> list[tuple[s
     def channels_last():
         with torch.no_grad():
             img = vae_cl.decode(z.contiguous(memory_format=torch.channels_last), return_dict=False)[0]
-        return (img.float() / 2 + 0.5).clamp(0, 1)  # scaling 1, shift 0 for the tiny VAE (as _vae_decode)
+        return (img.float() / 2 + 0.5).clamp(0, 1)  # scaling 1, shift 0 for the tiny VAE (as vae_decode)
 
     fns = {f"shipped (no_grad, batch {n})": shipped, "inference_mode": inference,
            f"2 chunks of {n // 2}": chunks(n // 2), "1 image at a time": chunks(1), "channels_last": channels_last}

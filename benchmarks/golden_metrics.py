@@ -7,8 +7,8 @@ path on the same machine, so any difference is a change of behaviour.
 
 Cases (`--list` prints them):
 - every `configs/*/*tiny*.yaml`, 3 steps, a checkpoint every step;
-- every diffusion model family (`mmrl.tiny.FAMILY_BUILDERS`, tiny checkpoints built once into OUT/models) x every
-  diffusion recipe (flow_grpo, nft, awm, dpo online, dgpo), LoRA, 3 steps;
+- every diffusion model family (its first tiny case, `mmrl.diffusion.models.tiny_cases()`: checkpoints built once
+  into OUT/models) x every diffusion recipe (flow_grpo, nft, awm, dpo online, dgpo), LoRA, 3 steps;
 - asynchronous rollouts (`rollout.worker=process`, `rollout.max_staleness` 0 and 1) of flow_grpo and vlm_grpo;
 - one 2-process DDP run (torchrun, gloo) of flow_grpo and of vlm_grpo.
 
@@ -42,19 +42,26 @@ IMAGE_REWARD = {"jpeg_compressibility": 1.0}
 VIDEO_REWARD = {"motion_amount": 1.0,
                 "frames": {"reward": "video_frames", "image_reward": "jpeg_compressibility", "weight": 0.1}}
 EDIT_REWARD = {"edit_region_color": 1.0, "edit_preservation": 0.5}
-# family -> (rollout settings: the smallest sizes each latent grid takes, reward)
-FAMILY_ROLLOUT = {
-    "StableDiffusion3Pipeline": ({"height": 64, "width": 64, "guidance_scale": 1.0}, IMAGE_REWARD),
-    "FluxPipeline": ({"height": 64, "width": 64, "guidance_scale": 3.5}, IMAGE_REWARD),
-    "WanPipeline": ({"height": 32, "width": 32, "num_frames": 5, "guidance_scale": 3.0}, VIDEO_REWARD),
-    "ZImagePipeline": ({"height": 32, "width": 32, "guidance_scale": 2.0}, IMAGE_REWARD),
-    "Flux2Pipeline": ({"height": 32, "width": 32, "guidance_scale": 3.5}, IMAGE_REWARD),
-    "Flux2KleinPipeline": ({"height": 32, "width": 32, "guidance_scale": 3.0}, IMAGE_REWARD),
-    "QwenImagePipeline": ({"height": 32, "width": 32, "guidance_scale": 4.0}, IMAGE_REWARD),
-    "QwenImageEditPipeline": ({"height": 32, "width": 32, "guidance_scale": 4.0}, EDIT_REWARD),
-    "QwenImageEditPlusPipeline": ({"height": 32, "width": 32, "guidance_scale": 4.0}, EDIT_REWARD),
-    "FluxKontextPipeline": ({"height": 32, "width": 32, "guidance_scale": 2.5}, EDIT_REWARD),
-}
+
+
+def family_cases() -> dict:
+    """Pipeline class -> its family's first tiny case (builder and rollout settings: the smallest sizes its latent
+    grid takes), declared in the family's file."""
+    from mmrl.diffusion.models import tiny_cases
+
+    out = {}
+    for case in tiny_cases().values():
+        out.setdefault(case.pipeline, case)
+    return out
+
+
+def family_reward(pipeline: str) -> dict:
+    from mmrl.diffusion.models import MODEL_FAMILIES
+
+    cls = MODEL_FAMILIES[pipeline]
+    return EDIT_REWARD if cls.needs_source_image else VIDEO_REWARD if cls.is_video else IMAGE_REWARD
+
+
 RECIPE_SETTINGS = {
     "flow_grpo": {"update": {"micro_batch_size": 4, "mini_batch_size": 2}, "algo": {"kl": {"coef": 0.01}, "ema": True},
                   "rollout": {"window_size": 2}},
@@ -77,7 +84,8 @@ def _cases(models: Path, edit_file: Path | None) -> list[dict]:
         overrides = [o.format(models=models) for o in CONFIG_INPUTS.get(cfg.stem, [])]
         out.append({"name": f"config/{cfg.stem}", "config": str(cfg.relative_to(REPO)), "overrides": overrides,
                     "nproc": 1})
-    for family, (rollout, reward) in FAMILY_ROLLOUT.items():
+    for family, case in family_cases().items():
+        rollout, reward = case.rollout, family_reward(family)
         for recipe in RECIPES:
             d = {"algorithm": recipe, "seed": 11, "device": "cpu",
                  "model": {"path": str(models / family), "max_sequence_length": 16, "lora": {"rank": 4, "alpha": 8}},
@@ -128,12 +136,11 @@ def _build_models(models: Path) -> Path:
     """Tiny checkpoints of every family and the edit rows, built once and shared by the record runs."""
     from mmrl.diffusion.dpo import make_shapes_preference_file
     from mmrl.pipelines.edits import make_shapes_edit_file
-    from mmrl.tiny import FAMILY_BUILDERS
 
     models.mkdir(parents=True, exist_ok=True)
-    for family, build in FAMILY_BUILDERS.items():
+    for family, case in family_cases().items():
         if not (models / family / "model_index.json").is_file():
-            build(models / family)
+            case.build_at(models / family)
     if not (models / "pairs" / "pairs.jsonl").is_file():
         make_shapes_preference_file(models / "pairs", 32)
     edit_file = models / "edits" / "edits.jsonl"

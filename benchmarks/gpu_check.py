@@ -101,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--steps must be >= 1")
     import torch
 
-    from mmrl.tiny.random_real import build_random_model, sized_architecture
+    import mmrl.diffusion.models  # noqa: F401  (the families register their architectures)
+    from mmrl.perf.architectures import get_architecture
+    from mmrl.tiny.random_real import build_random_model
 
     if not args.small and not torch.cuda.is_available():
         raise SystemExit("gpu_check: no CUDA device here; run with --small for the CPU check")
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 build_random_model(arch_name, path, small=args.small, dtype=dtype)
                 print(f"[gpu_check] built {arch_name} in {time.perf_counter() - t0:.0f} s: {path}", file=sys.stderr)
-            models[arch_name] = (path, sized_architecture(arch_name, args.small).parameters())
+            models[arch_name] = (path, get_architecture(arch_name, args.small).parameters())
         path, params = models[arch_name]
         run_dir = out / name
         overrides = [f"output_dir={run_dir}", f"model.path={path}", f"train.max_steps={args.steps}",

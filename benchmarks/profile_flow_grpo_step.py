@@ -7,12 +7,12 @@ Runs `py-spy record -r RATE -f raw` (the `dev` extra installs py-spy) on `benchm
 --steps N --decode-repeats 0 --threads 1` and keeps the samples taken inside a training step (a stack through one of
 the step's parts: `sample_groups`, `PromptEmbedCache` / `encode_prompts`, `score_rollout`, `global_advantages`,
 `train_on_rollout`). Each kept sample is put in the first category its stack matches: transformer forward (a frame
-in diffusers' transformer_sd3 / transformer_flux), backward (autograd's `run_backward`), VAE decode (`_vae_decode`),
-text encoders (transformers' CLIP / T5 modelling), reward (`score_rollout`), else framework, itself split by the
-innermost mmrl function of the stack. Prints a markdown table of shares of the step samples (the first step,
-warm-up, is included; with --steps 12 it is a small part) and the command lines. A sampling profile counts where
-the interpreter is, so the split differs from flow_grpo_step.py's hook timing by the module-call overhead it puts on
-the side of the caller; the shares are what to compare.
+in diffusers' transformer_sd3 / transformer_flux), backward (autograd's `run_backward`), VAE decode
+(`FlowModel.vae_decode`), text encoders (transformers' CLIP / T5 modelling), reward (`score_rollout`), else
+framework, itself split by the innermost mmrl function of the stack. Prints a markdown table of shares of the step
+samples (the first step, warm-up, is included; with --steps 12 it is a small part) and the command lines. A sampling
+profile counts where the interpreter is, so the split differs from flow_grpo_step.py's hook timing by the module-call
+overhead it puts on the side of the caller; the shares are what to compare.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ CATEGORIES = (
     ("transformer forward", ("diffusers/models/transformers/transformer_sd3.py",
                              "diffusers/models/transformers/transformer_flux.py")),
     ("transformer backward", ("run_backward",)),
-    ("VAE decode", ("_vae_decode (",)),
+    ("VAE decode", ("FlowModel.vae_decode (",)),
     ("text encoders", ("transformers/models/clip/modeling_clip.py", "transformers/models/t5/modeling_t5.py")),
     ("reward", ("score_rollout (",)),
 )

@@ -1,6 +1,7 @@
-"""Real width, honest memory: the real architectures (mmrl.perf.architectures) at their published widths with a few
-blocks and random bf16 weights, one training step each on CPU, memory measured per block and extrapolated to the
-full depth and the shipped recipe's micro-batch, against one 80 GB GPU; FLOPs per step from the architecture.
+"""Real width, honest memory: the registered real architectures (mmrl.perf.architectures; each diffusion family
+declares its own in its file) at their published widths with a few blocks and random bf16 weights, one training step
+each on CPU, memory measured per block and extrapolated to the full depth and the shipped recipe's micro-batch, against
+one 80 GB GPU; FLOPs per step from the architecture.
 
     python benchmarks/real_width.py [--arch sd35_medium,flux1_dev,qwen25_vl_3b] [--threads 2] [--out runs/real_width.json]
     python benchmarks/real_width.py --small          # tiny widths, in this process: a check of the code path
@@ -20,9 +21,10 @@ block).
 Extrapolation (an upper-bound model, stated in docs/scaling.md): peak = weights (+ persistent buffers, + the LoRA
 adapter) + old/ref states + gradients and AdamW state of every trained tensor + the optimizer step's temporaries + rows
 x what one row's step adds; that last term is linear in the number of blocks of each kind (from the depth points) and,
-where the measured row is shorter than the recipe's, in its tokens (per stream: see MEASURE). The SD3.5 row at 256 px
-checks the token scaling against a measurement. Several experts of one config (Wan 2.2 A14B): each one's weights are
-held, gradients and AdamW state only for those the recipe trains, and a row goes through one (one is measured).
+where the measured row is shorter than the recipe's, in its tokens (per stream: the architecture's `row_scale`). The
+SD3.5 row at 256 px checks the token scaling against a measurement. Several experts of one config (Wan 2.2 A14B):
+each one's weights are held, gradients and AdamW state only for those the recipe trains, and a row goes through one
+(one is measured).
 """
 
 from __future__ import annotations
@@ -43,48 +45,28 @@ sys.path.insert(0, str(HERE))
 
 GIB = 2**30
 GPU_GIB = 80.0
-# per kind: the depth points measured, the shape of the measured row, and how each measured component scales to the
-# recipe's row ("fixed" = everything that is not a counted block)
-MEASURE = {
-    # (SD3's position table is a 0.23B-entry buffer computed in float64 at build time: measured with a 64 x 64 table,
-    # which covers 512 px; the table's memory is in the weights column from the real config)
-    "sd3": {"depths": [{"num_layers": 2}, {"num_layers": 3}],
-            "shape": dict(height=512, width=512, text_tokens=205), "scale": {}, "build": {"pos_embed_max_size": 64}},
-    "flux": {"depths": [{"num_layers": 1, "num_single_layers": 1}, {"num_layers": 2, "num_single_layers": 1},
-                        {"num_layers": 1, "num_single_layers": 2}],
-             # 256 px (256 image tokens) + 128 text tokens = 384 tokens, scaled to 512 px + 512 = 1536
-             "shape": dict(height=256, width=256, text_tokens=128), "scale": {"*": 1536 / 384}},
-    # FLUX.2 [klein] 9B at its recipe's row: 384 px (576 packed tokens of 128 channels) + 512 text tokens; [dev] at
-    # its recipe's: 512 px (1024 tokens) + 512. [dev] is measured with LoRA only ("modes"): a full fine-tuning depth
-    # point holds 3.3B trainable parameters with their gradients and AdamW state (26 GB), more than this machine has
-    "flux2": {"depths": [{"num_layers": 1, "num_single_layers": 1}, {"num_layers": 2, "num_single_layers": 1},
-                         {"num_layers": 1, "num_single_layers": 2}],
-              "shape": dict(height=384, width=384, text_tokens=512), "scale": {},
-              "shapes": {"flux2_dev": dict(height=512, width=512, text_tokens=512)}, "modes": {"flux2_dev": ["lora"]}},
-    # Wan2.1-T2V-1.3B's row (5 frames of 256 px, 512 tokens); Wan2.2-T2V-A14B's (5 frames of 480 px, 1800 tokens):
-    # "shapes" overrides "shape" per architecture, each measured at its recipe's row
-    "wan": {"depths": [{"num_layers": 2}, {"num_layers": 3}],
-            "shape": dict(num_frames=5, height=256, width=256, text_tokens=512), "scale": {},
-            "shapes": {"wan22_t2v_a14b": dict(num_frames=5, height=480, width=480, text_tokens=512),
-                       # Wan2.2-TI2V-5B at verl-omni's row: 9 frames of 704 x 1280, 2640 tokens, 1024 text tokens
-                       "wan22_ti2v_5b": dict(num_frames=9, height=704, width=1280, text_tokens=1024)}},
-    "qwen_image": {"depths": [{"num_layers": 2}, {"num_layers": 3}],
-                   "shape": dict(height=512, width=512, text_tokens=256), "scale": {}},
-    "z_image": {"depths": [{"n_layers": 2}, {"n_layers": 3}],
-                "shape": dict(height=512, width=512, text_tokens=512), "scale": {}},
-    "qwen_vl": {"depths": [{"text_config.num_hidden_layers": 1, "vision_config.depth": 1},
-                           {"text_config.num_hidden_layers": 2, "vision_config.depth": 1},
-                           {"text_config.num_hidden_layers": 1, "vision_config.depth": 2}],
-                # the real image (38 x 38 patches), 120 prompt + 256 response tokens (737 in all); decoder layers
-                # scale to 361 + 120 + 2048 = 2529 tokens, the rest (dominated by the response logits) to 2048 / 256
-                "shape": dict(image_patches=(38, 38), prompt_tokens=120, response_tokens=256),
-                "scale": {"text_config.num_hidden_layers": 2529 / 737, "fixed": 2048 / 256}},
-}
-SMALL_SHAPE = {"sd3": dict(height=64, width=64, text_tokens=8), "flux": dict(height=64, width=64, text_tokens=8),
-               "flux2": dict(height=64, width=64, text_tokens=8),
-               "wan": dict(num_frames=5, height=32, width=32, text_tokens=8),
-               "qwen_image": dict(height=64, width=64, text_tokens=8), "z_image": dict(height=64, width=64, text_tokens=8),
-               "qwen_vl": dict(image_patches=(8, 8), prompt_tokens=8, response_tokens=8)}
+
+
+def architecture(name: str, small: bool = False):
+    """The registered architecture (the diffusion families register theirs when mmrl.diffusion.models is imported)."""
+    import mmrl.diffusion.models  # noqa: F401
+    from mmrl.perf.architectures import get_architecture
+
+    return get_architecture(name, small)
+
+
+def depth_points(arch) -> list[dict]:
+    """The depths measured: 2 and 3 blocks of a single depth key; with several, 1 of each, then one more of each in
+    turn (the first point is the base of the linear fit)."""
+    keys = list(arch.depth)
+    if len(keys) == 1:
+        return [{keys[0]: 2}, {keys[0]: 3}]
+    return [{k: 1 for k in keys}] + [{k: 1 + (k == more) for k in keys} for more in keys]
+
+
+def measured_row(arch, small: bool) -> dict:
+    """The row one measurement runs: the tiny-width row, the architecture's measured row, or its recipe's row."""
+    return arch.small_row if small else (arch.measured_row or arch.row())
 
 
 # ------------------------------------------------------------------------------------------------ one measurement
@@ -99,12 +81,10 @@ def _build(name: str, depth: dict, small: bool):
 
     import torch
 
-    from mmrl.tiny.random_real import sized_architecture
-
-    arch = sized_architecture(name, small)
-    build = {} if small else MEASURE[arch.kind].get("build", {})
+    arch = architecture(name, small)
+    build = {} if small else arch.measure_config
     model = replace(arch, config={**arch.config, **build}).build(depth, dtype=torch.float32 if small else torch.bfloat16)
-    if arch.kind == "wan":
+    if isinstance(getattr(model, "patch_embedding", None), torch.nn.Conv3d):  # Wan's (see PatchAsMatmul)
         model.patch_embedding = patch_as_matmul(model.patch_embedding)
     return arch, model
 
@@ -136,69 +116,13 @@ def patch_as_matmul(conv):
     return PatchAsMatmul(conv)
 
 
-def _inputs(kind: str, model, shape: dict, dtype):
-    """One row of the recipe's training forward (random values of the right shapes)."""
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    if kind == "wan":  # Wan's VAE: 4x in time ((F - 1) / 4 + 1 latent frames), 8x in space; Wan2.2's 48-channel
-        c = model.config  # VAE (TI2V-5B): 16x in space, and the pipeline passes one timestep per token
-        f = (shape["num_frames"] - 1) // 4 + 1
-        down = 16 if c.in_channels == 48 else 8
-        h, w = shape["height"] // down, shape["width"] // down
-        pt, ph, pw = c.patch_size
-        t = torch.full((1, (f // pt) * (h // ph) * (w // pw)), 500.0) if c.in_channels == 48 else torch.tensor([500.0])
-        return {"hidden_states": torch.randn(1, c.in_channels, f, h, w, generator=g).to(dtype), "timestep": t,
-                "encoder_hidden_states": torch.randn(1, shape["text_tokens"], c.text_dim, generator=g).to(dtype)}
-    if kind == "qwen_image":  # packed 2 x 2 latents; true CFG's text padded to the batch's longest
-        c, h, w, m = model.config, shape["height"] // 16, shape["width"] // 16, shape["text_tokens"]
-        return {"hidden_states": torch.randn(1, h * w, c.in_channels, generator=g).to(dtype),
-                "encoder_hidden_states": torch.randn(1, m, c.joint_attention_dim, generator=g).to(dtype),
-                "encoder_hidden_states_mask": torch.ones(1, m), "timestep": torch.tensor([0.5]).to(dtype),
-                "img_shapes": [[(1, h, w)]]}
-    if kind == "z_image":  # lists: one [C, 1, h, w] latent and one [M, D] caption per row
-        c = model.config
-        return {"x": [torch.randn(c.in_channels, 1, shape["height"] // 8, shape["width"] // 8, generator=g).to(dtype)],
-                "t": torch.tensor([0.5]).to(dtype), "return_dict": False,
-                "cap_feats": [torch.randn(shape["text_tokens"], c.cap_feat_dim, generator=g).to(dtype)]}
-    if kind == "flux2":  # 128-channel 2 x 2-patchified latents packed: (H / 16)(W / 16) tokens; 4-axis ids; no
-        c = model.config  # guidance embedding (klein)
-        n, m = (shape["height"] // 16) * (shape["width"] // 16), shape["text_tokens"]
-        return {"hidden_states": torch.randn(1, n, c.in_channels, generator=g).to(dtype),
-                "encoder_hidden_states": torch.randn(1, m, c.joint_attention_dim, generator=g).to(dtype),
-                "timestep": torch.tensor([0.5]).to(dtype), "img_ids": torch.zeros(1, n, 4), "txt_ids": torch.zeros(1, m, 4),
-                "guidance": torch.tensor([3.5]) if c.guidance_embeds else None}
-    if kind in ("sd3", "flux"):
-        c = model.config
-        h, w, m = shape["height"] // 8, shape["width"] // 8, shape["text_tokens"]
-        text = torch.randn(1, m, c.joint_attention_dim, generator=g).to(dtype)
-        pooled = torch.randn(1, c.pooled_projection_dim, generator=g).to(dtype)
-        if kind == "sd3":
-            return {"hidden_states": torch.randn(1, c.in_channels, h, w, generator=g).to(dtype),
-                    "encoder_hidden_states": text, "pooled_projections": pooled, "timestep": torch.tensor([500.0])}
-        n = (h // 2) * (w // 2)
-        return {"hidden_states": torch.randn(1, n, c.in_channels, generator=g).to(dtype), "encoder_hidden_states": text,
-                "pooled_projections": pooled, "timestep": torch.tensor([0.5]).to(dtype),
-                "guidance": torch.tensor([3.5]), "img_ids": torch.zeros(n, 3), "txt_ids": torch.zeros(m, 3)}
-    cfg = model.config
-    gh, gw = shape["image_patches"]
-    merged = gh * gw // 4
-    vocab = cfg.text_config.vocab_size
-    ids = ([cfg.vision_start_token_id] + [cfg.image_token_id] * merged + [cfg.vision_end_token_id]
-           + torch.randint(0, 150000 % vocab, (shape["prompt_tokens"] + shape["response_tokens"],), generator=g).tolist())
-    ids = torch.tensor([ids])
-    patch = cfg.vision_config.in_channels * cfg.vision_config.temporal_patch_size * cfg.vision_config.patch_size ** 2
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-            "mm_token_type_ids": (ids == cfg.image_token_id).long(),
-            "pixel_values": torch.randn(gh * gw, patch, generator=g).to(dtype),
-            "image_grid_thw": torch.tensor([[1, gh, gw]]), "response_tokens": shape["response_tokens"]}
-
-
-def _loss(kind: str, model, inputs: dict):
-    if kind in ("sd3", "flux", "flux2", "wan", "qwen_image"):
-        return model(**inputs).sample.float().pow(2).mean()
-    if kind == "z_image":
-        return sum(o.float().pow(2).mean() for o in model(**inputs)[0])
+def _loss(arch, model, inputs: dict):
+    """A scalar of the forward's output (diffusion transformers: the prediction; Z-Image: a list of them), or the
+    policy's response log-probability (Qwen-VL)."""
+    if arch.kind != "qwen_vl":
+        out = model(**inputs)
+        out = out.sample if hasattr(out, "sample") else out[0]
+        return sum(o.float().pow(2).mean() for o in out) if isinstance(out, list) else out.float().pow(2).mean()
     from mmrl.vlm.batch import token_logprobs
 
     kw = dict(inputs)
@@ -244,7 +168,7 @@ def measure(spec: dict) -> dict:
     opt.step()
     opt.param_groups[0]["lr"] = 1e-6
     opt.zero_grad(set_to_none=False)  # gradients stay allocated (counted apart): the step then adds activations only
-    inputs = _inputs(arch.kind, model, spec["shape"], dtype)
+    inputs = arch.inputs(model, spec["shape"], dtype)
     meter = attach_flops_meter(model)
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -255,7 +179,7 @@ def measure(spec: dict) -> dict:
                 *(v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)),
                 *(v for v in inputs.values() if torch.is_tensor(v))]
     with _tensor_peak_mode(existing) as step:
-        _loss(arch.kind, model, inputs).backward()
+        _loss(arch, model, inputs).backward()
     t_fb = time.perf_counter() - t0
     fb_peak = _status_mib("VmHWM")
     flops = meter.pop()
@@ -326,10 +250,10 @@ def extrapolate(arch, rows: list[dict], small: bool) -> list[dict]:
     depth_keys = list(arch.depth)
     full = dict(arch.depth)
     n_weights = arch.parameters() if not small else None
-    scale = MEASURE[arch.kind]["scale"] if not small else {}
+    scale = arch.row_scale if not small else {}
     table = []
     for mode in ("lora", "full"):
-        if not any(r["mode"] == mode for r in rows):  # not measured (MEASURE "modes")
+        if not any(r["mode"] == mode for r in rows):  # not measured (the architecture's measure_modes)
             continue
         for gc_on in (False, True):
             pts = [r for r in rows if r["mode"] == mode and r["gc"] == gc_on and not r.get("check")]
@@ -429,28 +353,25 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from _timing import machine, markdown_table
 
-    from mmrl.perf.architectures import ARCHITECTURES, get_architecture
-    from mmrl.tiny.random_real import sized_architecture
+    import mmrl.diffusion.models  # noqa: F401  (the families register their architectures)
+    from mmrl.perf.architectures import ARCHITECTURES
 
     names = [n for n in args.arch.split(",") if n] or list(ARCHITECTURES)
-    archs = [get_architecture(n) for n in names]
+    archs = [architecture(n) for n in names]
     measured, table = [], []
     t_all = time.perf_counter()
     for arch in archs:
-        plan = MEASURE[arch.kind]
-        shape = SMALL_SHAPE[arch.kind] if args.small else plan.get("shapes", {}).get(arch.name, plan["shape"])
-        modes = plan.get("modes", {}).get(arch.name, ["lora", "full"])
+        depths, shape = depth_points(arch), measured_row(arch, args.small)
         specs = [{"arch": arch.name, "depth": depth, "mode": mode, "gc": gc_on, "shape": shape, "small": args.small,
                   "threads": args.threads}
-                 for mode in modes for gc_on in (False, True) for depth in plan["depths"]]
+                 for mode in arch.measure_modes for gc_on in (False, True) for depth in depths]
         if arch.kind == "sd3" and not args.small:  # token scaling checked: 256 px measured vs 512 px scaled
-            specs.append({**specs[2 * len(plan["depths"])], "shape": dict(plan["shape"], height=256, width=256),
-                          "check": True})
+            specs.append({**specs[2 * len(depths)], "shape": dict(shape, height=256, width=256), "check": True})
         rows = [measure(s) for s in specs] if args.small else _child(specs, Path(args.cache) if args.cache else None)
         for spec, row in zip(specs, rows):
             row["check"] = spec.get("check", False)
         measured += rows
-        table += extrapolate(sized_architecture(arch.name, args.small), rows, args.small)
+        table += extrapolate(architecture(arch.name, args.small), rows, args.small)
     cmd = " ".join(["python", "benchmarks/real_width.py", *(sys.argv[1:] if argv is None else argv)])
     print(f"`{cmd}` - {machine(args.threads)}; {time.perf_counter() - t_all:.0f} s\n")
     print("Measured (one row, CPU, bf16 weights; what forward + backward adds at its peak: live tensor bytes, and "
@@ -480,8 +401,8 @@ def main(argv: list[str] | None = None) -> int:
                            f"{t['total_gib']:.1f}", "yes" if t["fits_80gb"] else "no") for t in table]))
     for arch in archs:
         if not any(t["arch"] == arch.name and t["mode"] == "full" for t in table):
-            n = sized_architecture(arch.name, args.small).parameters()
-            print(f"\n{arch.name}: full fine-tuning not measured (MEASURE modes: its depth points do not fit this "
+            n = architecture(arch.name, args.small).parameters()
+            print(f"\n{arch.name}: full fine-tuning not measured (measure_modes: its depth points do not fit this "
                   f"machine); its weights, gradients and AdamW moments alone (bf16, {n / 1e9:.1f}B parameters) are "
                   f"{8 * n / GIB:.1f} GiB, against {GPU_GIB:.0f} GB")
     print("\nFLOPs per training row (forward + backward, from the architecture, at the recipe's row shape): " + ", ".join(

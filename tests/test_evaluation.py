@@ -19,7 +19,7 @@ import yaml
 from PIL import Image, ImageFilter
 
 from mmrl.cli import main
-from mmrl.eval.shapes_check import (ObjectSpec, ShapesPrompt, accuracy, check_images, check_prompt, detect_shapes,
+from mmrl.pipelines.shapes_check import (ObjectSpec, ShapesPrompt, accuracy, check_images, check_prompt, detect_shapes,
                                     parse_shapes_prompt, scene_for_prompt)
 from mmrl.pipelines.data import load_prompts
 from mmrl.pipelines.shapes import Shape, render_scene, sample_scene

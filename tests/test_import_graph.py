@@ -1,4 +1,4 @@
-"""The import graph of mmrl's modules has no circle.
+"""The import graph of mmrl's modules has no circle, and its layers import downward only.
 
 Every module is parsed with `ast` (nothing is imported). An edge a -> b is a `import mmrl.x` / `from mmrl.x
 import y` in module a (absolute or relative) naming module b: `from mmrl.x import y` points at `mmrl.x.y` when
@@ -132,19 +132,50 @@ def test_mmrl_imports_have_no_circle_even_through_function_level_imports():
 
 
 # ---- the dependency rules of ARCHITECTURE.md (module- and function-level imports alike): core/ imports no other
-# mmrl layer; rewards/, pipelines/, adapters/ never import a trainer family; diffusion/ and vlm/ never import each
-# other nor joint/, the package above both (which imports both)
+# mmrl layer; no shared layer imports a recipe layer; diffusion/ and vlm/ never import each other nor joint/, the
+# package above both (which imports both); the layers themselves (mmrl.<layer>) import each other in one direction
+
+SHARED_LAYERS = ("core", "adapters", "distributed", "perf", "pipelines", "rewards", "run", "training", "tiny", "config",
+                 "runtime", "testing")
+RECIPE_LAYERS = ("diffusion", "vlm", "joint", "eval", "export", "trainer", "cli")
+
+
+def _graph() -> dict[str, set[str]]:
+    edges = import_edges(module_files())
+    return _union(edges["module"], edges["function"])
 
 
 def _imports(prefix: str) -> set[str]:
-    edges = import_edges(module_files())
-    graph = _union(edges["module"], edges["function"])
-    return {b for a, targets in graph.items() if a == prefix or a.startswith(prefix + ".") for b in targets}
+    return {b for a, targets in _graph().items() if a == prefix or a.startswith(prefix + ".") for b in targets}
 
 
 def _layer(name: str) -> str:
     parts = name.split(".")
     return parts[1] if len(parts) > 1 else ""
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """"importer -> imported" for every import from a shared layer into a recipe layer."""
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                  if _layer(a) in SHARED_LAYERS and _layer(b) in RECIPE_LAYERS)
+
+
+def layer_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """mmrl.<layer> -> the other layers its modules import (the package `mmrl` itself left out)."""
+    out: dict[str, set[str]] = {}
+    for a, targets in graph.items():
+        if _layer(a):
+            out.setdefault(_layer(a), set()).update(_layer(b) for b in targets if _layer(b) not in ("", _layer(a)))
+    return out
+
+
+def test_the_layer_rules_catch_an_upward_import_and_a_circle_of_layers():
+    graph = {"mmrl.perf.architectures": {"mmrl.diffusion.models.base"}, "mmrl.diffusion.models.base": {"mmrl.perf"},
+             "mmrl.rewards.image.x": {"mmrl.eval.shapes_check"}, "mmrl.eval.harness": {"mmrl.rewards"},
+             "mmrl.training.summary": {"mmrl.rewards.registry"}}
+    assert upward_imports(graph) == ["mmrl.perf.architectures -> mmrl.diffusion.models.base",
+                                     "mmrl.rewards.image.x -> mmrl.eval.shapes_check"]
+    assert cycles(layer_graph(graph)) == [["diffusion", "perf"], ["eval", "rewards"]]
 
 
 def test_trainer_families_never_import_each_other_or_joint():
@@ -158,11 +189,20 @@ def test_joint_sits_above_both_families():
     assert {"vlm", "diffusion"} <= layers
 
 
-def test_shared_layers_never_import_a_trainer_family():
-    for shared in ("mmrl.rewards", "mmrl.pipelines", "mmrl.core", "mmrl.adapters"):
-        bad = sorted(b for b in _imports(shared) if _layer(b) in {"vlm", "diffusion", "joint"})
-        assert not bad, f"{shared} imports {bad}"
+def test_every_layer_is_named_shared_or_recipe():
+    layers = {_layer(m) for m in module_files()} - {""}
+    assert layers == set(SHARED_LAYERS) | set(RECIPE_LAYERS), "a new mmrl layer: add it to SHARED or RECIPE_LAYERS"
+
+
+def test_shared_layers_never_import_a_recipe_layer():
+    assert upward_imports(_graph()) == []
     assert {_layer(b) for b in _imports("mmrl.core")} <= {"core"}
+
+
+def test_layers_import_each_other_in_one_direction():
+    """No circle of layers (perf -> diffusion -> perf, rewards -> eval -> rewards, ...): each layer stands on the
+    ones below it."""
+    assert cycles(layer_graph(_graph())) == []
 
 
 if __name__ == "__main__":  # python tests/test_import_graph.py: print today's circles

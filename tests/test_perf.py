@@ -7,6 +7,8 @@ per-step meter the recipes log (mmrl.perf.meter).
   share of the layers whose input needs no gradient.
 * Families: SD3 / SD3.5, FLUX.1, FLUX.2, Wan, Qwen-Image (and Edit-2511's doubled timestep rows), Z-Image (uneven
   image and caption lengths: the padding to 32 tokens and to the batch's longest), Qwen2-VL, Qwen2.5-VL, Qwen3-VL.
+* Every registered real-width architecture of a diffusion family, at its tiny widths on the training row it declares
+  (the family file's estimator and row builder, read through the registries), equals FlopCounterMode's count.
 * One SD3.5-Medium joint block (and its dual attention), one FLUX.1 single-stream block and one Qwen2.5-VL-3B decoder
   layer at their real widths (built on the meta device: no memory) equal the formulas written out by hand below.
 """
@@ -18,7 +20,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from mmrl.perf.flops import Pass, _window_lengths, flops_estimator
+import mmrl.diffusion.models  # noqa: F401  (each family registers its estimator and architectures)
+from mmrl.perf.architectures import ARCHITECTURES, get_architecture
+from mmrl.perf.flops import FLOP_FAMILIES, Pass, _window_lengths, flops_estimator
 from mmrl.perf.meter import FlopsMeter, attach_flops_meter, device_peak_tflops, perf_metrics
 
 
@@ -133,6 +137,17 @@ def test_diffusion_transformer_flops_equal_flop_counter(family):
     # the estimate also counts input gradients of the layers fed by the model's inputs (patch / text / timestep
     # embeddings): autograd skips those; at this tiny width they are a few percent, at real widths < 0.3%
     assert both <= estimate <= 1.06 * both, (both, estimate)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, a in ARCHITECTURES.items() if a.config_class is None))
+def test_every_registered_diffusion_architecture_counts_its_row_exactly(name):
+    arch = get_architecture(name, small=True)
+    assert arch.class_name in FLOP_FAMILIES, f"{name}: no @register_flops for {arch.class_name}"
+    torch.manual_seed(0)
+    model = arch.build(dtype=torch.float32)
+    kw = arch.inputs(model, arch.small_row, torch.float32)
+    est = flops_estimator(model)
+    assert est.forward_flops(est.shapes((), kw)) == _counted(lambda: model(**kw))
 
 
 @pytest.mark.parametrize("builder", ["build_tiny_qwen2_vl", "build_tiny_qwen25_vl", "build_tiny_qwen3_vl"])

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+import mmrl.diffusion.models  # noqa: F401  (the families register their real-width architectures)
+from mmrl.perf.architectures import get_architecture
 from mmrl.testing import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,8 +39,6 @@ def _run(*args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
 def test_real_width_extrapolation_by_hand():
     """Two depth points of SD3.5-Medium: what one row's step adds is 0.5 GiB per block and 0 fixed; gradients 0.05
     GiB per block; at 24 blocks and the recipe's 18 rows (micro-batch 9, CFG) the table adds up as written here."""
-    from mmrl.perf.architectures import get_architecture
-
     rw = _script("real_width")
     arch = get_architecture("sd35_medium")
     rows = []
@@ -73,8 +73,6 @@ def test_real_width_extrapolation_of_two_experts_by_hand():
     high-noise expert); the activations of the one a row goes through (2 rows: micro-batch 1 doubled by CFG)."""
     from dataclasses import replace
 
-    from mmrl.perf.architectures import get_architecture
-
     rw = _script("real_width")
     arch = get_architecture("wan22_t2v_a14b")
     one = replace(arch, experts=1)
@@ -99,19 +97,20 @@ def test_real_width_extrapolation_of_two_experts_by_hand():
 
 
 def test_real_width_wan_rows_follow_each_vae():
-    """The Wan row builder: Wan2.1 / A14B latents 8x smaller in space, one timestep per row; TI2V-5B's 48-channel
-    VAE 16x smaller and a timestep per token (expand_timesteps), as its pipeline passes them."""
+    """The Wan row builder (mmrl/diffusion/models/wan.py): Wan2.1 / A14B latents 8x smaller in space, one timestep per
+    row; TI2V-5B's 48-channel VAE 16x smaller and a timestep per token (expand_timesteps), as its pipeline passes
+    them."""
     import torch
-
-    from mmrl.tiny.random_real import sized_architecture
 
     rw = _script("real_width")
     row = {"num_frames": 9, "height": 704, "width": 1280, "text_tokens": 8}
-    ti2v = sized_architecture("wan22_ti2v_5b", small=True).build({"num_layers": 1}, dtype=torch.float32)
-    x = rw._inputs("wan", ti2v, row, torch.float32)
+    arch = get_architecture("wan22_ti2v_5b", small=True)
+    ti2v = arch.build({"num_layers": 1}, dtype=torch.float32)
+    x = arch.inputs(ti2v, row, torch.float32)
     assert x["hidden_states"].shape == (1, 48, 3, 44, 80) and x["timestep"].shape == (1, 3 * 22 * 40)
-    a14b = sized_architecture("wan22_t2v_a14b", small=True).build({"num_layers": 1}, dtype=torch.float32)
-    x = rw._inputs("wan", a14b, dict(row, num_frames=5, height=480, width=480), torch.float32)
+    arch = get_architecture("wan22_t2v_a14b", small=True)
+    a14b = arch.build({"num_layers": 1}, dtype=torch.float32)
+    x = arch.inputs(a14b, dict(row, num_frames=5, height=480, width=480), torch.float32)
     assert x["hidden_states"].shape == (1, 16, 2, 60, 60) and x["timestep"].shape == (1,)
     # the patch embedding as the benchmark computes it (a reshape and a matmul: oneDNN's bf16 Conv3d weight gradient
     # is pathologically slow on CPU at Wan2.2-A14B's width) equals the Conv3d, with the same parameters
@@ -120,12 +119,46 @@ def test_real_width_wan_rows_follow_each_vae():
     assert patch.weight is conv.weight and torch.allclose(patch(x["hidden_states"]), conv(x["hidden_states"]), rtol=1e-5, atol=1e-5)
 
 
+def test_real_width_plan_is_read_from_each_architecture():
+    """What benchmarks/real_width.py measures comes from the registered architectures (a family's file declares its
+    own): the depth points, the measured row (the recipe's unless the architecture names a smaller one to scale up)
+    and the modes, as written out here."""
+    rw = _script("real_width")
+    one, two = [{"num_layers": 2}, {"num_layers": 3}], [{"num_layers": 1, "num_single_layers": 1},
+                                                        {"num_layers": 2, "num_single_layers": 1},
+                                                        {"num_layers": 1, "num_single_layers": 2}]
+    image = {"height": 512, "width": 512}
+    plan = {"sd35_medium": (one, dict(image, text_tokens=205)),
+            "flux1_dev": (two, dict(height=256, width=256, text_tokens=128)),
+            "flux2_dev": (two, dict(image, text_tokens=512)),
+            "flux2_klein_9b": (two, dict(height=384, width=384, text_tokens=512)),
+            "wan21_t2v_1_3b": (one, dict(num_frames=5, height=256, width=256, text_tokens=512)),
+            "wan22_t2v_a14b": (one, dict(num_frames=5, height=480, width=480, text_tokens=512)),
+            "wan22_ti2v_5b": (one, dict(num_frames=9, height=704, width=1280, text_tokens=1024)),
+            "qwen_image_20b": (one, dict(image, text_tokens=256)),
+            "z_image_6b": ([{"n_layers": 2}, {"n_layers": 3}], dict(image, text_tokens=512)),
+            "qwen25_vl_3b": ([{"text_config.num_hidden_layers": 1, "vision_config.depth": 1},
+                              {"text_config.num_hidden_layers": 2, "vision_config.depth": 1},
+                              {"text_config.num_hidden_layers": 1, "vision_config.depth": 2}],
+                             dict(image_patches=(38, 38), prompt_tokens=120, response_tokens=256))}
+    from mmrl.perf.architectures import ARCHITECTURES
+
+    assert sorted(ARCHITECTURES) == sorted(plan)
+    for name, (depths, row) in plan.items():
+        arch = get_architecture(name)
+        assert rw.depth_points(arch) == depths and rw.measured_row(arch, small=False) == row, name
+        assert arch.inputs is not None and arch.small_widths and rw.measured_row(arch, small=True), name
+        assert arch.measure_modes == (("lora",) if name == "flux2_dev" else ("lora", "full")), name
+    assert get_architecture("flux1_dev").row_scale == {"*": 1536 / 384}
+    assert get_architecture("sd35_medium").measure_config == {"pos_embed_max_size": 64}
+
+
 def test_real_width_cache_resumes_where_a_run_stopped(tmp_path):
     """`--cache`: a measurement found in the JSONL file is not repeated; the missing one runs (in its own process, as
     the benchmark does) and is appended; rows come back in the order of the specs."""
     rw = _script("real_width")
     specs = [{"arch": "sd35_medium", "depth": {"num_layers": n}, "mode": "lora", "gc": False, "small": True,
-              "shape": rw.SMALL_SHAPE["sd3"], "threads": 1} for n in (2, 3)]
+              "shape": get_architecture("sd35_medium").small_row, "threads": 1} for n in (2, 3)]
     cache = tmp_path / "rw.jsonl"
     earlier = {"arch": "sd35_medium", "step_peak_gib": 123.0}  # a marker no real measurement gives
     cache.write_text(json.dumps({"key": rw._key(specs[1]), "row": earlier}) + "\n")
@@ -176,8 +209,6 @@ def test_real_width_benchmark_small(tmp_path):
 
 
 def test_new_family_architectures_have_their_published_sizes():
-    from mmrl.perf.architectures import get_architecture
-
     # Qwen-Image: 20B (60 blocks of width 3072); Z-Image: 6B (dim 3840, 30 blocks + 4 refiner blocks); FLUX.2
     # [klein] 9B (8 + 24 blocks of width 4096); Wan2.2-T2V-A14B: two experts of 14.29B (Wan2.1-14B's config)
     assert round(get_architecture("qwen_image_20b").parameters() / 1e9, 2) == 20.43

@@ -18,7 +18,7 @@ What it does, top to bottom:
      frames are scored and each video is saved as `images/p<i>_s<j>.mp4` for viewing, H.264 being lossy);
   4. every reward of `reward.components` (each component and the weighted sum; non-finite scores are counted
      and left out of the statistics) and, for prompts of the shapes grammar, the GenEval-style check of
-     `mmrl.eval.shapes_check` (object / color / count / position / background accuracy and overall; of a video:
+     `mmrl.pipelines.shapes_check` (object / color / count / position / background accuracy and overall; of a video:
      its first frame);
   5. `<out>/eval_report.json` and `<out>/eval_grid.png` (the first `grid_images` images with prompt, reward, check;
      videos: `eval_grid.mp4`).
@@ -40,7 +40,7 @@ from typing import Any, Sequence
 import torch
 
 from mmrl.config import RECIPES, to_dict
-from mmrl.eval.shapes_check import accuracy, check_images
+from mmrl.pipelines.shapes_check import accuracy, check_images
 
 __all__ = ["run_eval", "resolve_checkpoint", "state_dir", "apply_checkpoint", "copy_full_weights", "prompt_seed",
            "reward_stats", "sha256_file"]

@@ -1,30 +1,31 @@
 """The real architectures at their published widths, buildable at any depth with random weights, and the shape of the
 training micro-batch their shipped recipe runs: for memory measurements and throughput checks without downloading a
-checkpoint (benchmarks/real_width.py, benchmarks/gpu_check.py).
+checkpoint (benchmarks/real_width.py, benchmarks/gpu_check.py, mmrl.tiny.random_real).
 
-    arch = ARCHITECTURES["flux1_dev"]
+    import mmrl.diffusion.models                                            # the families register theirs
+    arch = get_architecture("flux1_dev")
     model = arch.build(depth={"num_layers": 1, "num_single_layers": 1})   # real width, 2 blocks, random bf16 weights
     arch.parameters()                                                       # the full-depth count (meta device)
+    arch.small()                                                            # the same class at tiny widths (CPU tests)
 
-Adding a family (Qwen-Image, Wan, FLUX.2, Z-Image, ...): one `register_architecture(Architecture(...))` with its
-published config, the keys that set its depth, the micro-batch of its recipe and, in mmrl.perf.flops, an estimator
-for its class; benchmarks/real_width.py then needs its input builder (one function keyed by `kind`).
+This module owns the registry; each diffusion family registers its architectures in its own file
+(mmrl/diffusion/models/<family>.py: `register_architecture(Architecture(...))` with the published config, the keys
+that set its depth, the micro-batch of its recipe, how to build one row of its training forward, and its tiny widths),
+so they are here once `mmrl.diffusion.models` is imported. The Qwen2.5-VL policy is registered below.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from mmrl.diffusion.models.base import ATTENTION_LORA_TARGETS
-from mmrl.diffusion.models.flux2 import FLUX2_LORA_TARGETS
-from mmrl.diffusion.models.qwen_image import QWEN_IMAGE_LORA_TARGETS
-from mmrl.diffusion.models.wan import WAN_LORA_TARGETS
-from mmrl.diffusion.models.z_image import Z_IMAGE_LORA_TARGETS
+# `step` keys that count rows or set the adapter, not the shape of a row
+_COUNTS = ("rows", "lora_rank", "trained_experts")
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,8 @@ class Architecture:
 
     name: str
     kind: str
-    """Input layout: `sd3`, `flux`, `flux2`, `wan`, `qwen_image`, `z_image` (diffusers transformers) or `qwen_vl` (a
-    transformers VLM)."""
+    """The model family (`sd3`, `flux`, `flux2`, `wan`, `qwen_image`, `z_image`: diffusers transformers) or `qwen_vl`
+    (a transformers VLM)."""
     class_name: str
     """diffusers / transformers class (transformers: the *ForConditionalGeneration class)."""
     config: dict
@@ -49,7 +50,8 @@ class Architecture:
     """The shipped recipe config whose micro-batch `step` describes (or the published run it follows, when no
     recipe here ships it)."""
     step: dict[str, Any]
-    """Shape of one training micro-batch of that recipe (rows through the model, resolution, tokens)."""
+    """Shape of one training micro-batch of that recipe: `rows` through the model, `lora_rank` (and
+    `trained_experts`), and the shape of one row (resolution, frames, tokens: `row()`)."""
     config_class: str | None = None
     experts: int = 1
     """Models of this config the pipeline holds (Wan 2.2 A14B: a high- and a low-noise expert; `step`'s
@@ -57,6 +59,37 @@ class Architecture:
     counts them all."""
     fit: Callable[[dict], None] | None = field(default=None, compare=False)
     """Adjusts config keys that depend on the depth (e.g. which blocks have dual attention) in place."""
+    inputs: Callable[[nn.Module, dict, torch.dtype], dict] | None = field(default=None, compare=False)
+    """`inputs(model, row, dtype)`: the keyword arguments of one training forward of a built model for one row of
+    shape `row` (random values, the layout the family's recipe passes)."""
+    small_widths: dict[str, Any] = field(default_factory=dict)
+    """Config keys (dotted) that make it tiny: `small()`, the same class and code path on a CPU."""
+    small_row: dict[str, Any] = field(default_factory=dict)
+    """The row a tiny-width measurement uses (`benchmarks/real_width.py --small`)."""
+    measured_row: dict[str, Any] | None = None
+    """The row benchmarks/real_width.py measures when the recipe's row (`row()`) does not fit a CPU measurement."""
+    row_scale: dict[str, float] = field(default_factory=dict)
+    """With `measured_row`: how what one measured row adds scales to the recipe's row, per depth key, `fixed` (all
+    but the counted blocks) or `*` (every part); 1 where not given."""
+    measure_config: dict[str, Any] = field(default_factory=dict)
+    """Config keys replaced for a measurement only (a buffer too large to build that the weights count anyway)."""
+    measure_modes: tuple[str, ...] = ("lora", "full")
+    """Fine-tuning modes a measurement at real width can hold on a CPU machine."""
+
+    def row(self) -> dict[str, Any]:
+        """The shape of one row of the recipe's micro-batch (`step` without its counts)."""
+        return {k: v for k, v in self.step.items() if k not in _COUNTS}
+
+    def small(self) -> "Architecture":
+        """The same architecture at `small_widths`, 2 blocks of each depth key."""
+        cfg = json.loads(json.dumps(self.config, default=list))
+        for key, value in self.small_widths.items():
+            node = cfg
+            *parents, leaf = key.split(".")
+            for p in parents:
+                node = node[p]
+            node[leaf] = value
+        return replace(self, config=cfg, depth={k: 2 for k in self.depth})
 
     def model_config(self, depth: dict[str, int] | None = None) -> dict:
         """The config at full depth, or with the `depth` keys replaced."""
@@ -115,31 +148,15 @@ def register_architecture(arch: Architecture) -> Architecture:
     return arch
 
 
-def get_architecture(name: str) -> Architecture:
+def get_architecture(name: str, small: bool = False) -> Architecture:
+    """The registered architecture `name`, or with `small` its tiny-width version (`Architecture.small`)."""
     if name not in ARCHITECTURES:
-        raise ValueError(f"unknown architecture {name!r}; valid: {sorted(ARCHITECTURES)}")
-    return ARCHITECTURES[name]
+        raise ValueError(f"unknown architecture {name!r}; valid: {sorted(ARCHITECTURES)} (the diffusion families "
+                         f"register theirs when mmrl.diffusion.models is imported)")
+    return ARCHITECTURES[name].small() if small else ARCHITECTURES[name]
 
 
-def _wan_config(heads: int, ffn_dim: int, layers: int, channels: int = 16) -> dict:
-    """A WanTransformer3DModel config: what every published Wan 2.1 / 2.2 transformer shares (heads of 128, (1, 2, 2)
-    patches, UMT5's 4096-wide text) and the numbers that differ."""
-    return dict(patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=128, in_channels=channels,
-                out_channels=channels, text_dim=4096, freq_dim=256, ffn_dim=ffn_dim, num_layers=layers,
-                cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
-
-
-def _flux2_config(heads: int, double: int, single: int, context: int, guidance_embeds: bool) -> dict:
-    """A Flux2Transformer2DModel config: what FLUX.2 [dev] and [klein] share (heads of 128, 128-channel packed
-    latents, mlp_ratio 3, 4-axis RoPE with theta 2000) and the numbers that differ."""
-    return dict(patch_size=1, in_channels=128, num_layers=double, num_single_layers=single, attention_head_dim=128,
-                num_attention_heads=heads, joint_attention_dim=context, mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32),
-                rope_theta=2000, guidance_embeds=guidance_embeds)
-
-
-def _sd35_dual_blocks(cfg: dict) -> None:
-    # SD3.5-Medium: dual attention in blocks 0-12 of 24, never in the last (context_pre_only) block
-    cfg["dual_attention_layers"] = tuple(i for i in range(13) if i < cfg["num_layers"] - 1)
+# ------------------------------------------------------------------------------------------------- Qwen-VL policies
 
 
 def _qwen25_full_attention_blocks(cfg: dict) -> None:
@@ -147,32 +164,23 @@ def _qwen25_full_attention_blocks(cfg: dict) -> None:
     v["fullatt_block_indexes"] = [i for i in (7, 15, 23, 31) if i < v["depth"]]
 
 
-register_architecture(Architecture(
-    name="sd35_medium", kind="sd3", class_name="SD3Transformer2DModel",
-    config=dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
-                num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
-                pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
-                dual_attention_layers=tuple(range(13)), qk_norm="rms_norm"),
-    depth={"num_layers": 24}, fit=_sd35_dual_blocks,
-    source="stabilityai/stable-diffusion-3.5-medium transformer/config.json (2.24B parameters + a 0.23B "
-           "position table)",
-    lora_targets=tuple(ATTENTION_LORA_TARGETS), recipe="configs/diffusion/flow_grpo_sd35_pickscore.yaml",
-    # 512 px -> 16 x 64 x 64 latents (1024 tokens of 2x2 patches); 77 CLIP + 128 T5 tokens; micro-batch 9 doubled by
-    # classifier-free guidance (guidance 4.5) in the training forward
-    step=dict(rows=18, height=512, width=512, text_tokens=205, lora_rank=32),
-))
+def _qwen_vl_row(model: nn.Module, row: dict, dtype: torch.dtype) -> dict:
+    """One rollout row through the policy: the image's patches and placeholder tokens, prompt and response tokens;
+    `response_tokens` says how many of the last tokens are scored."""
+    g = torch.Generator().manual_seed(0)
+    cfg = model.config
+    gh, gw = row["image_patches"]
+    merged = gh * gw // 4
+    vocab = cfg.text_config.vocab_size
+    ids = ([cfg.vision_start_token_id] + [cfg.image_token_id] * merged + [cfg.vision_end_token_id]
+           + torch.randint(0, 150000 % vocab, (row["prompt_tokens"] + row["response_tokens"],), generator=g).tolist())
+    ids = torch.tensor([ids])
+    patch = cfg.vision_config.in_channels * cfg.vision_config.temporal_patch_size * cfg.vision_config.patch_size ** 2
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+            "mm_token_type_ids": (ids == cfg.image_token_id).long(),
+            "pixel_values": torch.randn(gh * gw, patch, generator=g).to(dtype),
+            "image_grid_thw": torch.tensor([[1, gh, gw]]), "response_tokens": row["response_tokens"]}
 
-register_architecture(Architecture(
-    name="flux1_dev", kind="flux", class_name="FluxTransformer2DModel",
-    config=dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
-                num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
-                axes_dims_rope=(16, 56, 56)),
-    depth={"num_layers": 19, "num_single_layers": 38},
-    source="black-forest-labs/FLUX.1-dev transformer/config.json (11.9B parameters)",
-    lora_targets=tuple(ATTENTION_LORA_TARGETS), recipe="configs/diffusion/flow_grpo_flux_pickscore.yaml",
-    # 512 px -> 1024 packed latent tokens of 64 channels; 512 T5 tokens; micro-batch 3 (guidance embedding: no CFG)
-    step=dict(rows=3, height=512, width=512, text_tokens=512, lora_rank=32),
-))
 
 register_architecture(Architecture(
     name="qwen25_vl_3b", kind="qwen_vl", class_name="Qwen2_5_VLForConditionalGeneration",
@@ -196,94 +204,16 @@ register_architecture(Architecture(
     # micro-batch 4 rows; an image at min_pixels 512^2 -> 532 x 532 (38 x 38 patches, 361 tokens after merging);
     # ~120 prompt tokens; responses up to max_new_tokens 2048 (the worst case is what has to fit)
     step=dict(rows=4, image_patches=(38, 38), prompt_tokens=120, response_tokens=2048, lora_rank=64),
-))
-
-register_architecture(Architecture(
-    name="wan21_t2v_1_3b", kind="wan", class_name="WanTransformer3DModel",
-    config=_wan_config(heads=12, ffn_dim=8960, layers=30),
-    depth={"num_layers": 30},
-    source="Wan-AI/Wan2.1-T2V-1.3B-Diffusers transformer/config.json (dim 1536, 30 layers, 12 heads, FFN 8960; 1.4B)",
-    lora_targets=tuple(WAN_LORA_TARGETS), recipe="configs/diffusion/flow_grpo_wan21_t2v.yaml",
-    # 5 frames at 256 px -> 16 x 2 x 32 x 32 latents, 2 x 16 x 16 = 512 tokens of (1, 2, 2) patches; 512 UMT5 tokens;
-    # micro-batch 1 doubled by classifier-free guidance (5.0)
-    step=dict(rows=2, num_frames=5, height=256, width=256, text_tokens=512, lora_rank=64),
-))
-
-register_architecture(Architecture(
-    name="qwen_image_20b", kind="qwen_image", class_name="QwenImageTransformer2DModel",
-    config=dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
-                num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56)),
-    depth={"num_layers": 60},
-    source="Qwen/Qwen-Image transformer/config.json (60 double-stream blocks, width 3072, 24 heads; 20.4B parameters)",
-    lora_targets=tuple(QWEN_IMAGE_LORA_TARGETS), recipe="configs/diffusion/flow_grpo_qwen_image_ocr.yaml",
-    # 512 px -> 16 x 64 x 64 latents packed 2 x 2: 1024 tokens of 64 channels; prompts cut to 256 tokens
-    # (max_sequence_length); micro-batch 4 doubled by true CFG (4.0) in the training forward
-    step=dict(rows=8, height=512, width=512, text_tokens=256, lora_rank=64),
-))
-
-register_architecture(Architecture(
-    name="z_image_6b", kind="z_image", class_name="ZImageTransformer2DModel",
-    config=dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=3840, n_layers=30, n_refiner_layers=2,
-                n_heads=30, n_kv_heads=30, norm_eps=1e-5, qk_norm=True, cap_feat_dim=2560, rope_theta=256.0,
-                t_scale=1000.0, axes_dims=[32, 48, 48], axes_lens=[1536, 512, 512]),
-    depth={"n_layers": 30},  # the 2 noise- and 2 context-refiner blocks are counted in the fixed part
-    source="Tongyi-MAI/Z-Image transformer/config.json (dim 3840, 30 blocks + 2 + 2 refiner blocks, 30 heads; 6.15B)",
-    lora_targets=tuple(Z_IMAGE_LORA_TARGETS), recipe="configs/diffusion/flow_grpo_z_image_pickscore.yaml",
-    # 512 px -> 16 x 64 x 64 latents, 1024 tokens of 2 x 2 patches; prompts up to 512 tokens (max_sequence_length);
-    # micro-batch 1 doubled by classifier-free guidance (4.0)
-    step=dict(rows=2, height=512, width=512, text_tokens=512, lora_rank=64),
-))
-
-register_architecture(Architecture(
-    name="flux2_dev", kind="flux2", class_name="Flux2Transformer2DModel",
-    config=_flux2_config(heads=48, double=8, single=48, context=15360, guidance_embeds=True),
-    depth={"num_layers": 8, "num_single_layers": 48},
-    source="black-forest-labs/flux2 src/flux2/model.py Flux2Params (hidden 6144 = 48 heads x 128, 8 double + 48 "
-           "single blocks, context 15360 = 3 x Mistral-Small's 5120, mlp_ratio 3, guidance embedding; 32.2B)",
-    lora_targets=tuple(FLUX2_LORA_TARGETS), recipe="configs/diffusion/flow_grpo_flux2_dev.yaml",
-    # 512 px -> 128 x 32 x 32 patchified latents: 1024 packed tokens; prompts padded to 512 tokens; micro-batch 1
-    # (guidance embedding: no CFG)
-    step=dict(rows=1, height=512, width=512, text_tokens=512, lora_rank=64),
-))
-
-register_architecture(Architecture(
-    name="flux2_klein_9b", kind="flux2", class_name="Flux2Transformer2DModel",
-    config=_flux2_config(heads=32, double=8, single=24, context=12288, guidance_embeds=False),
-    depth={"num_layers": 8, "num_single_layers": 24},
-    source="black-forest-labs/flux2 src/flux2/model.py Klein9BParams (hidden 4096 = 32 heads x 128, 8 double + 24 "
-           "single blocks, context 12288 = 3 x Qwen3-8B's 4096, mlp_ratio 3, no guidance embedding; 9.08B)",
-    lora_targets=tuple(FLUX2_LORA_TARGETS), recipe="configs/diffusion/flow_grpo_flux2_klein_pickscore.yaml",
-    # 384 px -> 128 x 24 x 24 patchified latents: 576 packed tokens; prompts padded to 512 tokens
-    # (max_sequence_length); micro-batch 1, distilled: guidance 1, no CFG
-    step=dict(rows=1, height=384, width=384, text_tokens=512, lora_rank=64),
-))
-
-register_architecture(Architecture(
-    name="wan22_t2v_a14b", kind="wan", class_name="WanTransformer3DModel", experts=2,
-    config=_wan_config(heads=40, ffn_dim=13824, layers=40),
-    depth={"num_layers": 40},
-    source="Wan-Video/Wan2.2 wan/configs/wan_t2v_A14B.py (per expert: dim 5120, 40 heads, 40 layers, FFN 13824, the "
-           "Wan2.1 VAE (4, 8, 8); two experts, boundary 0.875; 2 x 14.29B)",
-    lora_targets=tuple(WAN_LORA_TARGETS), recipe="configs/diffusion/flow_grpo_wan22_t2v_a14b.yaml",
-    # 5 frames at 480 px -> 16 x 2 x 60 x 60 latents, 2 x 30 x 30 = 1800 tokens of (1, 2, 2) patches; 512 UMT5
-    # tokens; micro-batch 1 doubled by classifier-free guidance (4.0 high-noise expert, 3.0 low-noise). One expert
-    # trains: the recipe's SDE steps (1-3 of 10) are at t = 964 / 923 / 875 with flow_shift 3 (higher with 12), all
-    # at or above the boundary 875, so only the high-noise expert's LoRA gets gradients (and AdamW state)
-    step=dict(rows=2, num_frames=5, height=480, width=480, text_tokens=512, lora_rank=64, trained_experts=1),
-))
-
-register_architecture(Architecture(
-    name="wan22_ti2v_5b", kind="wan", class_name="WanTransformer3DModel",
-    config=_wan_config(heads=24, ffn_dim=14336, layers=30, channels=48),
-    depth={"num_layers": 30},
-    source="Wan-Video/Wan2.2 wan/configs/wan_ti2v_5B.py (dim 3072, 24 heads, 30 layers, FFN 14336, the Wan2.2 VAE: "
-           "48 channels, (4, 16, 16); timesteps per token; 5.0B)",
-    lora_targets=tuple(WAN_LORA_TARGETS),
-    # no recipe here ships it (its published RL run uses DanceGRPO's SDE and HPSv3, neither in mmrl): the row is
-    # that run's, verl-omni examples/dancegrpo_trainer/wan22/run_wan22_5b_t2v_hpsv3_auto.sh
-    recipe="verl-omni examples/dancegrpo_trainer/wan22/run_wan22_5b_t2v_hpsv3_auto.sh",
-    # num_frames 8, rounded to 9 by the pipeline, at 704 x 1280 -> 48 x 3 x 44 x 80 latents, 3 x 22 x 40 = 2640
-    # tokens of (1, 2, 2) patches; max_sequence_length 1024 UMT5 tokens; micro-batch 4 per GPU doubled by true CFG
-    # (5.0); LoRA rows at Flow-Factory's rank 64
-    step=dict(rows=8, num_frames=9, height=704, width=1280, text_tokens=1024, lora_rank=64),
+    inputs=_qwen_vl_row,
+    # measured with the real image and prompt but 256 response tokens (737 in all): decoder layers scale to
+    # 361 + 120 + 2048 = 2529 tokens, the rest (dominated by the response logits) to 2048 / 256
+    measured_row=dict(image_patches=(38, 38), prompt_tokens=120, response_tokens=256),
+    row_scale={"text_config.num_hidden_layers": 2529 / 737, "fixed": 2048 / 256},
+    small_widths={"text_config.hidden_size": 64, "text_config.intermediate_size": 128,
+                  "text_config.num_attention_heads": 4, "text_config.num_key_value_heads": 2,
+                  "text_config.rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
+                                                  "mrope_section": [2, 3, 3]},
+                  "vision_config.hidden_size": 32, "vision_config.intermediate_size": 64, "vision_config.num_heads": 2,
+                  "vision_config.out_hidden_size": 64},
+    small_row=dict(image_patches=(8, 8), prompt_tokens=8, response_tokens=8),
 ))

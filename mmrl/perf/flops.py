@@ -17,8 +17,11 @@ kernel skips about half of it in a prefill; flop_counter and PaLM's MFU formula 
 not counted (they add ~2r/width of the base layer's work); a backward costs 2x the forward for trainable weights
 (input and weight gradients) and 1x for frozen ones (input gradients only), 2x for attention.
 
-Adding a family: a function decorated with ``@register_flops("ClassName")`` that takes the module and returns a
-:class:`FlopsEstimator` (its stream rules and a ``shapes(args, kwargs)`` reading the forward's inputs).
+This module holds the formula, the registry and the estimators of the Qwen-VL policies; each diffusion family declares
+its transformer's estimator in its own file (mmrl/diffusion/models/<family>.py): a function decorated with
+``@register_flops("ClassName")`` that takes the module and returns a :class:`FlopsEstimator` (its stream rules and a
+``shapes(args, kwargs)`` reading the forward's inputs with :func:`input_arg`). The registry holds a family's
+estimator once ``mmrl.diffusion.models`` is imported (loading a model imports it).
 """
 
 from __future__ import annotations
@@ -107,155 +110,28 @@ class FlopsEstimator:
         return int(linear + 8 * p.attention)
 
 
-def _arg(args: tuple, kwargs: dict, name: str, pos: int = 0):
+def input_arg(args: tuple, kwargs: dict, name: str, pos: int = 0):
+    """The forward input `name`, given by keyword or at position `pos` (None when absent)."""
     if name in kwargs:
         return kwargs[name]
     return args[pos] if len(args) > pos else None
 
 
-# ------------------------------------------------------------------------------------------- diffusion transformers
+# ------------------------------------------------------------------------ shared by several diffusion families
 
 
-@register_flops("SD3Transformer2DModel")
-def _sd3(module: nn.Module) -> FlopsEstimator:
-    """SD3 / SD3.5 MMDiT: image tokens (patches), text tokens (context), one row per sample (AdaLN, time/text
-    embeddings). Every joint block attends over image + text tokens; SD3.5's dual-attention blocks add an
-    image-only attention (`attn2`)."""
-    p = module.config.patch_size
-    width = module.config.num_attention_heads * module.config.attention_head_dim
-    blocks = list(module.transformer_blocks)
-    dual = sum(1 for b in blocks if getattr(b, "attn2", None) is not None)
-    rules = [("time_text_embed.", "sample"), ("norm1.linear", "sample"), ("norm1_context.linear", "sample"),
-             ("norm_out.linear", "sample"), ("context_embedder", "text"), ("attn.add_", "text"),
-             ("attn.to_add_out", "text"), ("ff_context.", "text"), ("", "image")]
-
-    def shapes(args, kwargs):
-        x, ctx = _arg(args, kwargs, "hidden_states"), _arg(args, kwargs, "encoder_hidden_states", 1)
-        b, n = x.shape[0], (x.shape[-2] // p) * (x.shape[-1] // p)
-        m = ctx.shape[1]
-        return Pass({"image": b * n, "text": b * m, "sample": b},
-                    b * width * (len(blocks) * (n + m) ** 2 + dual * n * n))
-
-    return FlopsEstimator(module, rules, shapes)
-
-
-def _packed_joint(module: nn.Module, rules: list[tuple[str, str]]) -> FlopsEstimator:
-    """FLUX-style transformers: double-stream blocks (as SD3's joint blocks) then single-stream blocks, all
-    attending over image + text tokens; inputs are packed latents [B, N, C] and text [B, M, D]."""
+def packed_joint_estimator(module: nn.Module, rules: list[tuple[str, str]]) -> FlopsEstimator:
+    """FLUX-style transformers (FLUX.1, FLUX.2): double-stream blocks (as SD3's joint blocks) then single-stream
+    blocks, all attending over image + text tokens; inputs are packed latents [B, N, C] and text [B, M, D]. `rules`
+    (the family's) name the streams `image`, `text`, `sample` (one row per sample) and `joint` (image + text)."""
     width = module.config.num_attention_heads * module.config.attention_head_dim
     n_blocks = len(module.transformer_blocks) + len(module.single_transformer_blocks)
 
     def shapes(args, kwargs):
-        x, ctx = _arg(args, kwargs, "hidden_states"), _arg(args, kwargs, "encoder_hidden_states", 1)
+        x, ctx = input_arg(args, kwargs, "hidden_states"), input_arg(args, kwargs, "encoder_hidden_states", 1)
         b, n, m = x.shape[0], x.shape[1], ctx.shape[1]
         return Pass({"image": b * n, "text": b * m, "sample": b, "joint": b * (n + m)},
                     b * width * n_blocks * (n + m) ** 2)
-
-    return FlopsEstimator(module, rules, shapes)
-
-
-@register_flops("FluxTransformer2DModel")
-def _flux(module: nn.Module) -> FlopsEstimator:
-    """FLUX.1: AdaLN modulations inside each block (one row per sample)."""
-    return _packed_joint(module, [
-        ("time_text_embed.", "sample"), ("norm1.linear", "sample"), ("norm1_context.linear", "sample"),
-        ("norm.linear", "sample"), ("norm_out.linear", "sample"), ("context_embedder", "text"), ("attn.add_", "text"),
-        ("attn.to_add_out", "text"), ("ff_context.", "text"), ("single_transformer_blocks.", "joint"), ("", "image")])
-
-
-@register_flops("Flux2Transformer2DModel")
-def _flux2(module: nn.Module) -> FlopsEstimator:
-    """FLUX.2 (dev / klein): the modulations computed once at the top, the single-stream blocks' q/k/v and MLP input
-    fused into one projection; reference-image tokens of an edit are part of the packed latents."""
-    return _packed_joint(module, [
-        ("time_guidance_embed.", "sample"), ("modulation", "sample"), ("norm_out.linear", "sample"),
-        ("context_embedder", "text"), ("attn.add_", "text"), ("attn.to_add_out", "text"), ("ff_context.", "text"),
-        ("single_transformer_blocks.", "joint"), ("", "image")])
-
-
-@register_flops("WanTransformer3DModel")
-def _wan(module: nn.Module) -> FlopsEstimator:
-    """Wan 2.1 / 2.2: video tokens (3-D patches) through self-attention, cross-attention to the text tokens (and to
-    image tokens for image-to-video), FFN; timestep layers once per timestep value (per token for Wan 2.2 TI2V)."""
-    cfg = module.config
-    width = cfg.num_attention_heads * cfg.attention_head_dim
-    pt, ph, pw = cfg.patch_size
-    n_blocks = len(module.blocks)
-    rules = [("condition_embedder.time", "sample"), ("condition_embedder.text_embedder", "text"),
-             ("condition_embedder.image_embedder", "image_context"), ("attn2.add_", "image_context"),
-             ("attn2.to_k", "text"), ("attn2.to_v", "text"), ("", "video")]
-
-    def shapes(args, kwargs):
-        x = _arg(args, kwargs, "hidden_states")
-        ctx = _arg(args, kwargs, "encoder_hidden_states", 2)
-        t = _arg(args, kwargs, "timestep", 1)
-        img = kwargs.get("encoder_hidden_states_image")
-        b, _, f, h, w = x.shape
-        n, m = (f // pt) * (h // ph) * (w // pw), ctx.shape[1]
-        k = img.shape[1] if img is not None else 0
-        return Pass({"video": b * n, "text": b * m, "image_context": b * k,
-                     "sample": t.numel() if isinstance(t, torch.Tensor) else b},
-                    b * width * n_blocks * (n * n + n * m + n * k))
-
-    return FlopsEstimator(module, rules, shapes)
-
-
-@register_flops("QwenImageTransformer2DModel")
-def _qwen_image(module: nn.Module) -> FlopsEstimator:
-    """Qwen-Image (and its edit models): double-stream blocks only (image and text streams, joint attention over
-    both), packed latents [B, N, C] (an edit's reference-image tokens are part of N). Modulations once per sample;
-    with `zero_cond_t` (Qwen-Image-Edit-2511) the timestep embedding and the image modulations run on 2 rows per
-    sample (the noisy and the clean timestep). The last block's text output is never used, so its text
-    feed-forward and text attention output projection get no backward (autograd skips them)."""
-    width = module.config.num_attention_heads * module.config.attention_head_dim
-    n_blocks = len(module.transformer_blocks)
-    doubled = 2 if getattr(module, "zero_cond_t", False) else 1
-    last = f"transformer_blocks.{n_blocks - 1}."  # its text output is not used: that part gets no backward
-    rules = [("time_text_embed.", "time"), ("img_mod.", "time"), ("txt_mod.", "sample"), ("norm_out.linear", "sample"),
-             (last + "attn.to_add_out", "text_unused"), (last + "txt_mlp.", "text_unused"),
-             ("txt_in", "text"), ("attn.add_", "text"), ("attn.to_add_out", "text"), ("txt_mlp.", "text"),
-             ("", "image")]
-
-    def shapes(args, kwargs):
-        x, ctx = _arg(args, kwargs, "hidden_states"), _arg(args, kwargs, "encoder_hidden_states", 1)
-        b, n, m = x.shape[0], x.shape[1], ctx.shape[1]
-        return Pass({"image": b * n, "text": b * m, "text_unused": b * m, "sample": b, "time": doubled * b},
-                    b * width * n_blocks * (n + m) ** 2)
-
-    return FlopsEstimator(module, rules, shapes, forward_only=("text_unused",))
-
-
-def _pad32(n: int) -> int:  # Z-Image pads every caption and image sequence to a multiple of 32 tokens (SEQ_MULTI_OF)
-    return n + (-n) % 32
-
-
-@register_flops("ZImageTransformer2DModel")
-def _z_image(module: nn.Module) -> FlopsEstimator:
-    """Z-Image (single-stream DiT): per sample an image latent [C, F, H, W] and caption features [M, D] (lists), each
-    padded to a multiple of 32 tokens; noise-refiner blocks on the image tokens and context-refiner blocks on the
-    caption tokens (each padded to the longest in the batch), then the main blocks and the final layer on
-    image + caption tokens; AdaLN modulations and the timestep MLP once per sample. Basic (text-to-image) mode, the
-    one mmrl's Z-Image family calls; a forward in the omni mode (nested lists: SigLIP features, several images) is
-    not counted."""
-    width = module.config.dim
-    n_noise, n_ctx, n_main = len(module.noise_refiner), len(module.context_refiner), len(module.layers)
-    keys = list(module.all_x_embedder.keys())
-    rules = [("t_embedder.", "sample"), ("adaLN_modulation", "sample"), ("cap_embedder.", "cap_embed"),
-             ("noise_refiner.", "noisy"), ("context_refiner.", "cap"), ("siglip_", "siglip"), ("layers.", "unified")]
-    rules += [(f"all_x_embedder.{k}", f"x_embed:{k}") for k in keys]
-    rules += [(f"all_final_layer.{k}.", f"unified:{k}") for k in keys]
-
-    def shapes(args, kwargs):
-        x, caps = _arg(args, kwargs, "x"), _arg(args, kwargs, "cap_feats", 2)
-        if isinstance(x[0], (list, tuple)):
-            return None  # omni mode: not counted (the meter skips a forward whose shapes are None)
-        p, fp = kwargs.get("patch_size", 2), kwargs.get("f_patch_size", 1)
-        n = [_pad32((xi.shape[1] // fp) * (xi.shape[2] // p) * (xi.shape[3] // p)) for xi in x]
-        m = [_pad32(c.shape[0]) for c in caps]
-        b, ln, lm, lu = len(x), max(n), max(m), max(a + c for a, c in zip(n, m))
-        tokens = {"sample": b, f"x_embed:{p}-{fp}": sum(n), "noisy": b * ln, "cap_embed": sum(m), "cap": b * lm,
-                  "unified": b * lu, f"unified:{p}-{fp}": b * lu}
-        return Pass(tokens, b * width * (n_noise * ln * ln + n_ctx * lm * lm + n_main * lu * lu))
 
     return FlopsEstimator(module, rules, shapes)
 
@@ -281,7 +157,7 @@ def _qwen_text(module: nn.Module) -> FlopsEstimator:
 
     def shapes(args, kwargs):
         x = kwargs.get("inputs_embeds")
-        x = x if x is not None else _arg(args, kwargs, "input_ids")
+        x = x if x is not None else input_arg(args, kwargs, "input_ids")
         b, q = x.shape[0], x.shape[1]
         cache = kwargs.get("cache")  # (transformers >= 5.20; `past_key_values` before)
         past = _cache_length(cache if cache is not None else kwargs.get("past_key_values"))
@@ -319,7 +195,7 @@ def _qwen_vision(module: nn.Module) -> FlopsEstimator:
     window = window // merge // cfg.patch_size if window else None
 
     def shapes(args, kwargs):
-        x, grid = _arg(args, kwargs, "hidden_states"), _arg(args, kwargs, "grid_thw", 1)
+        x, grid = input_arg(args, kwargs, "hidden_states"), input_arg(args, kwargs, "grid_thw", 1)
         patches = x.shape[0]
         attn = 0
         for t, h, w in grid.tolist():
@@ -337,7 +213,7 @@ def _linear(module: nn.Module) -> FlopsEstimator:
     """A plain Linear (e.g. the lm_head): every row of the input."""
 
     def shapes(args, kwargs):
-        x = _arg(args, kwargs, "input")
+        x = input_arg(args, kwargs, "input")
         return Pass({"rows": x.numel() // x.shape[-1]})
 
     return FlopsEstimator(module, [("", "rows")], shapes)

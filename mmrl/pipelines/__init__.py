@@ -3,7 +3,8 @@
 - ``images``: load any image input as RGB PIL, Qwen ``smart_resize``, tensor <-> PIL.
 - ``qwen_vl``: ``<image>``/``<video>`` placeholder expansion, per-sample token checks, vectorised
   M-RoPE ``get_rope_index`` for Qwen2-VL / Qwen2.5-VL / Qwen3-VL.
-- ``data`` and ``shapes`` (datasets, synthetic scenes) are imported from their modules directly.
+- ``data``, ``shapes`` and ``shapes_check`` (datasets, synthetic scenes, their offline GenEval-style check) are
+  imported from their modules directly.
 """
 
 from mmrl.pipelines.images import (

@@ -102,19 +102,3 @@ def build_all(root, seed: int = 0, vlm_head_dim: int = 16) -> dict[str, Path]:
     with_head = {"qwen2_vl", "qwen25_vl"}
     return {name: build(root / name, seed=seed, **({"head_dim": vlm_head_dim} if name in with_head else {}))
             for name, build in BUILDERS.items()}
-
-
-# The tiny pipeline of every diffusion model family, by the pipeline class `load_flow_model` registers it under
-# (mmrl.diffusion.models.MODEL_FAMILIES): what the family tests and `benchmarks/families.py` build.
-FAMILY_BUILDERS = {
-    "StableDiffusion3Pipeline": build_tiny_sd3,
-    "FluxPipeline": build_tiny_flux,
-    "FluxKontextPipeline": build_tiny_flux_kontext,
-    "QwenImagePipeline": build_tiny_qwen_image,
-    "QwenImageEditPipeline": build_tiny_qwen_image_edit,
-    "QwenImageEditPlusPipeline": build_tiny_qwen_image_edit_plus,
-    "WanPipeline": build_tiny_wan,
-    "ZImagePipeline": build_tiny_z_image,
-    "Flux2Pipeline": build_tiny_flux2,
-    "Flux2KleinPipeline": build_tiny_flux2_klein,
-}

@@ -1,5 +1,6 @@
-"""Random models of the real architectures (mmrl.perf.architectures) saved as complete pipelines / model directories,
-so the recipes load them through the same `from_pretrained(local_path)` path as a downloaded checkpoint.
+"""Random models of the real architectures (mmrl.perf.architectures; the diffusion families register theirs when
+mmrl.diffusion.models is imported) saved as complete pipelines / model directories, so the recipes load them through
+the same `from_pretrained(local_path)` path as a downloaded checkpoint.
 
     build_random_model("sd35_medium", "/tmp/sd35")                 # the 2.24B transformer at real size, random bf16
     build_random_model("sd35_medium", "/tmp/s", small=True)        # the same code path at tiny widths (CPU tests)
@@ -13,8 +14,6 @@ logits) with the tiny tokenizer's special-token ids.
 
 from __future__ import annotations
 
-import json
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -22,45 +21,6 @@ import torch
 from mmrl.tiny.components import _prepare_dir, _tiny_clip_text, _tiny_t5_encoder
 from mmrl.tiny.vlm_models import _qwen_processor, _qwen_token_ids, _save_vlm
 from mmrl.tiny.vocab import _load_tokenizer
-
-# `small`: the widths that make each architecture tiny (dotted keys into its config); depth 2 blocks of each kind
-SMALL_WIDTHS = {
-    "sd3": {"attention_head_dim": 16, "num_attention_heads": 2, "joint_attention_dim": 32, "caption_projection_dim": 32,
-            "pooled_projection_dim": 32, "pos_embed_max_size": 32, "sample_size": 16},
-    "flux": {"attention_head_dim": 16, "num_attention_heads": 2, "joint_attention_dim": 32, "pooled_projection_dim": 32,
-             "axes_dims_rope": (4, 6, 6)},
-    "flux2": {"attention_head_dim": 16, "num_attention_heads": 2, "joint_attention_dim": 32, "axes_dims_rope": (4, 4, 4, 4)},
-    "wan": {"num_attention_heads": 2, "attention_head_dim": 16, "text_dim": 32, "ffn_dim": 64, "rope_max_seq_len": 64},
-    "qwen_image": {"attention_head_dim": 16, "num_attention_heads": 2, "joint_attention_dim": 32,
-                   "axes_dims_rope": (4, 6, 6)},
-    "z_image": {"dim": 32, "n_heads": 2, "n_kv_heads": 2, "cap_feat_dim": 32, "axes_dims": [4, 6, 6],
-                "axes_lens": [512, 64, 64]},
-    "qwen_vl": {"text_config.hidden_size": 64, "text_config.intermediate_size": 128,
-                "text_config.num_attention_heads": 4, "text_config.num_key_value_heads": 2,
-                "text_config.rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
-                "vision_config.hidden_size": 32, "vision_config.intermediate_size": 64, "vision_config.num_heads": 2,
-                "vision_config.out_hidden_size": 64},
-}
-
-
-def _set(cfg: dict, dotted: str, value) -> None:
-    *parents, leaf = dotted.split(".")
-    for p in parents:
-        cfg = cfg[p]
-    cfg[leaf] = value
-
-
-def sized_architecture(name: str, small: bool = False):
-    """The registered architecture, or with `small` its tiny-width version (same class, same code path)."""
-    from mmrl.perf.architectures import get_architecture
-
-    arch = get_architecture(name)
-    if not small:
-        return arch
-    cfg = json.loads(json.dumps(arch.config, default=list))
-    for key, value in SMALL_WIDTHS[arch.kind].items():
-        _set(cfg, key, value)
-    return replace(arch, config=cfg, depth={k: 2 for k in arch.depth})
 
 
 def _vae(latent_channels: int, small: bool, scaling: float, shift: float):
@@ -79,7 +39,9 @@ def _vae(latent_channels: int, small: bool, scaling: float, shift: float):
 def build_random_model(name: str, path, *, small: bool = False, depth: dict | None = None,
                        dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Path:
     """Write a random `name` (mmrl.perf.architectures) model directory at `path` (see the module docstring)."""
-    arch = sized_architecture(name, small)
+    from mmrl.perf.architectures import get_architecture
+
+    arch = get_architecture(name, small)
     path = _prepare_dir(path)
     if arch.kind == "qwen_vl":
         return _save_qwen_vl(arch, path, depth, dtype, seed)

@@ -31,68 +31,65 @@ def check_metric_names():
 
 
 @pytest.fixture(scope="session")
-def tiny_sd3_path(tmp_path_factory):
-    from mmrl.tiny import build_tiny_sd3
+def tiny_case(tmp_path_factory):
+    """`tiny_case("wan22_a14b")` -> the path of that tiny case's checkpoint (`mmrl.diffusion.models.tiny_cases()`:
+    declared by each family's file), built once per session."""
+    from mmrl.diffusion.models import tiny_cases
 
-    return build_tiny_sd3(tmp_path_factory.mktemp("tiny_sd3") / "pipe")
+    cases, built = tiny_cases(), {}
 
-
-@pytest.fixture(scope="session")
-def tiny_flux_path(tmp_path_factory):
-    from mmrl.tiny import build_tiny_flux
-
-    return build_tiny_flux(tmp_path_factory.mktemp("tiny_flux") / "pipe")
-
-
-@pytest.fixture(scope="session")
-def tiny_family(tmp_path_factory):
-    """`tiny_family("QwenImagePipeline")` -> the path of that family's tiny pipeline (`mmrl.tiny.FAMILY_BUILDERS`),
-    built once per session."""
-    from mmrl.tiny import FAMILY_BUILDERS
-
-    built = {}
-
-    def get(class_name):
-        if class_name not in built:
-            built[class_name] = FAMILY_BUILDERS[class_name](tmp_path_factory.mktemp(class_name) / "pipe")
-        return built[class_name]
+    def get(name):
+        if name not in built:
+            built[name] = cases[name].build_at(tmp_path_factory.mktemp(name) / "pipe")
+        return built[name]
 
     return get
 
 
 @pytest.fixture(scope="session")
-def tiny_wan_path(tmp_path_factory):
-    from mmrl.tiny.family_models import build_tiny_wan
+def tiny_family(tiny_case):
+    """`tiny_family("QwenImagePipeline")` -> the path of that family's (first) tiny case."""
+    from mmrl.diffusion.models import tiny_cases
 
-    return build_tiny_wan(tmp_path_factory.mktemp("tiny_wan") / "pipe")
-
-
-@pytest.fixture(scope="session")
-def tiny_wan22_path(tmp_path_factory):
-    from mmrl.tiny.family_models import build_tiny_wan
-
-    return build_tiny_wan(tmp_path_factory.mktemp("tiny_wan22") / "pipe", variant="2.2_a14b")
+    first = {}
+    for case in tiny_cases().values():
+        first.setdefault(case.pipeline, case.name)
+    return lambda class_name: tiny_case(first[class_name])
 
 
 @pytest.fixture(scope="session")
-def tiny_z_image_path(tmp_path_factory):
-    from mmrl.tiny.family_models import build_tiny_z_image
-
-    return build_tiny_z_image(tmp_path_factory.mktemp("tiny_z_image") / "pipe")
+def tiny_sd3_path(tiny_case):
+    return tiny_case("sd3")
 
 
 @pytest.fixture(scope="session")
-def tiny_flux2_path(tmp_path_factory):
-    from mmrl.tiny.family_models import build_tiny_flux2
-
-    return build_tiny_flux2(tmp_path_factory.mktemp("tiny_flux2") / "pipe")
+def tiny_flux_path(tiny_case):
+    return tiny_case("flux")
 
 
 @pytest.fixture(scope="session")
-def tiny_flux2_klein_path(tmp_path_factory):
-    from mmrl.tiny.family_models import build_tiny_flux2_klein
+def tiny_wan_path(tiny_case):
+    return tiny_case("wan21")
 
-    return build_tiny_flux2_klein(tmp_path_factory.mktemp("tiny_flux2_klein") / "pipe")
+
+@pytest.fixture(scope="session")
+def tiny_wan22_path(tiny_case):
+    return tiny_case("wan22_a14b")
+
+
+@pytest.fixture(scope="session")
+def tiny_z_image_path(tiny_case):
+    return tiny_case("z_image")
+
+
+@pytest.fixture(scope="session")
+def tiny_flux2_path(tiny_case):
+    return tiny_case("flux2")
+
+
+@pytest.fixture(scope="session")
+def tiny_flux2_klein_path(tiny_case):
+    return tiny_case("flux2_klein")
 
 
 @pytest.fixture(scope="session")

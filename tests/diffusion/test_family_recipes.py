@@ -3,8 +3,9 @@ then a run interrupted after step 1 and resumed gives the same metrics and weigh
 LoRA and with full fine-tuning; 2-rank DDP (torchrun) for Qwen-Image. Video families train on [B, C, F, h, w]
 latents with video rewards, edit families on shapes edit rows with edit rewards, through the same code.
 
-FAMILIES below is the one list of families the recipes are tested on: a family registered in
-`mmrl.diffusion.models` and missing here fails `test_every_registered_family_is_tested`."""
+The families are the registered ones: each family's file declares its tiny case(s) (`FlowModel.tiny_cases`: the
+builder and the smallest rollout its latent grid takes), read here through `mmrl.diffusion.models.tiny_cases()`, so
+a new family is tested by every recipe without a change here."""
 
 import importlib
 from pathlib import Path
@@ -15,7 +16,8 @@ import yaml
 from safetensors.torch import load_file
 
 from mmrl.config import load_config
-from mmrl.diffusion.models import available_families
+from mmrl import tiny
+from mmrl.diffusion.models import MODEL_FAMILIES, available_families, tiny_cases
 from mmrl.testing import RESUMED_RUN, assert_same_path, child_env, metrics_rows, run_torchrun, without_time
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,32 +28,15 @@ VIDEO_REWARD = {"motion_amount": 1.0,
                 "frames": {"reward": "video_frames", "image_reward": "jpeg_compressibility", "weight": 0.1}}
 EDIT_REWARD = {"edit_region_color": 1.0, "edit_preservation": 0.5}  # read the source image and mask of each row
 
-# family -> (pipeline class, tiny checkpoint fixture (a path, or `tiny_family` called with the class), rollout
-# settings, reward). Sizes are the smallest each latent grid takes; edit families (EDIT_REWARD) train on edit rows.
-FAMILIES = {
-    "sd3": ("StableDiffusion3Pipeline", "tiny_sd3_path", {"height": 64, "width": 64, "guidance_scale": 1.0},
-            IMAGE_REWARD),
-    "flux": ("FluxPipeline", "tiny_flux_path", {"height": 64, "width": 64, "guidance_scale": 3.5}, IMAGE_REWARD),
-    "wan21": ("WanPipeline", "tiny_wan_path", {"height": 32, "width": 32, "num_frames": 5, "guidance_scale": 3.0},
-              VIDEO_REWARD),
-    "wan22_a14b": ("WanPipeline", "tiny_wan22_path",
-                   {"height": 32, "width": 32, "num_frames": 5, "guidance_scale": 3.0}, VIDEO_REWARD),
-    "z_image": ("ZImagePipeline", "tiny_z_image_path", {"height": 32, "width": 32, "guidance_scale": 2.0},
-                IMAGE_REWARD),
-    "flux2": ("Flux2Pipeline", "tiny_flux2_path", {"height": 32, "width": 32, "guidance_scale": 3.5}, IMAGE_REWARD),
-    "flux2_klein": ("Flux2KleinPipeline", "tiny_flux2_klein_path", {"height": 32, "width": 32, "guidance_scale": 3.0},
-                    IMAGE_REWARD),
-    # true CFG with the norm rescale
-    "qwen_image": ("QwenImagePipeline", "tiny_family", {"height": 32, "width": 32, "guidance_scale": 4.0},
-                   IMAGE_REWARD),
-    "qwen_image_edit": ("QwenImageEditPipeline", "tiny_family", {"height": 32, "width": 32, "guidance_scale": 4.0},
-                        EDIT_REWARD),
-    "qwen_image_edit_plus": ("QwenImageEditPlusPipeline", "tiny_family",
-                             {"height": 32, "width": 32, "guidance_scale": 4.0}, EDIT_REWARD),
-    # guidance embedding
-    "flux_kontext": ("FluxKontextPipeline", "tiny_family", {"height": 32, "width": 32, "guidance_scale": 2.5},
-                     EDIT_REWARD),
-}
+CASES = tiny_cases()
+
+
+def reward_of(case) -> dict:
+    """Edit families train on shapes edit rows with the edit rewards, video families on videos, the others on
+    images."""
+    cls = MODEL_FAMILIES[case.pipeline]
+    return EDIT_REWARD if cls.needs_source_image else VIDEO_REWARD if cls.is_video else IMAGE_REWARD
+
 
 RECIPES = {
     "flow_grpo": {"update": {"micro_batch_size": 4, "mini_batch_size": 2}, "algo": {"kl": {"coef": 0.01}, "ema": True},
@@ -69,14 +54,8 @@ def edit_file(tmp_path_factory):
     return make_shapes_edit_file(tmp_path_factory.mktemp("edits"), n=8, seed=1)
 
 
-def _path(family, request):
-    cls, fixture, _, _ = FAMILIES[family]
-    value = request.getfixturevalue(fixture)
-    return value(cls) if fixture == "tiny_family" else value
-
-
 def _config_dict(recipe, family, path, out, lora: bool, max_steps: int, edit_file=None) -> dict:
-    _, _, rollout, reward = FAMILIES[family]
+    rollout, reward = CASES[family].rollout, reward_of(CASES[family])
     d = {
         "algorithm": recipe, "output_dir": str(out), "seed": 11, "device": "cpu",
         "model": {"path": str(path), "max_sequence_length": 16, "lora": {"rank": 4 if lora else 0, "alpha": 8}},
@@ -106,16 +85,34 @@ def assert_resume_is_exact(full: Path, split: Path) -> list[dict]:
     return a
 
 
+def families_without_a_tiny_case() -> list[str]:
+    """Registered pipeline classes whose FlowModel declares no tiny case of its own (a parent's is the parent's)."""
+    return [name for name in available_families() if not vars(MODEL_FAMILIES[name]).get("tiny_cases")]
+
+
 def test_every_registered_family_is_tested():
-    assert sorted({cls for cls, *_ in FAMILIES.values()}) == available_families()
+    """Each registered family declares its own tiny case(s), built by a builder `mmrl tiny` knows: every recipe
+    below then runs on it."""
+    assert families_without_a_tiny_case() == []
+    assert sorted({case.pipeline for case in CASES.values()}) == available_families()
+    assert all(case.build in tiny.BUILDERS.values() for case in CASES.values())
+
+
+def test_a_family_without_its_own_tiny_case_is_named(monkeypatch):
+    class Untested(MODEL_FAMILIES["FluxPipeline"]):  # FLUX.1's case is FLUX.1's
+        family = "untested"
+
+    monkeypatch.setitem(MODEL_FAMILIES, "UntestedPipeline", Untested)
+    assert families_without_a_tiny_case() == ["UntestedPipeline"]
+    assert "UntestedPipeline" not in {case.pipeline for case in tiny_cases().values()}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
 @pytest.mark.parametrize("recipe", list(RECIPES))
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_recipe_trains_and_resumes_exactly(family, recipe, lora, tmp_path, request, edit_file):
-    path = _path(family, request)
+@pytest.mark.parametrize("family", list(CASES))
+def test_recipe_trains_and_resumes_exactly(family, recipe, lora, tmp_path, tiny_case, edit_file):
+    path = tiny_case(family)
     train = importlib.import_module(f"mmrl.diffusion.{recipe}").train
     torch.manual_seed(0)
     full, split = tmp_path / "full", tmp_path / "split"
@@ -126,11 +123,11 @@ def test_recipe_trains_and_resumes_exactly(family, recipe, lora, tmp_path, reque
     assert all(r["policy/grad_norm"] > 0 for r in a)  # it trained (a LoRA's first step: B = 0, A moves)
     if recipe == "flow_grpo":
         assert max(r["diag/logprob_drift"] for r in a) < 1e-4
-    video = FAMILIES[family][2].get("num_frames", 1) > 1
+    video = CASES[family].rollout.get("num_frames", 1) > 1
     assert (full / "samples" / f"step_000001.{'mp4' if video else 'png'}").is_file()
     ckpt = full / "checkpoints" / "step_2" / "adapters" / "default"
     assert (ckpt / ("adapter_model.safetensors" if lora else "model.safetensors")).is_file()
-    if FAMILIES[family][3] is EDIT_REWARD:  # the edit rewards read each row's source image and mask
+    if reward_of(CASES[family]) is EDIT_REWARD:  # the edit rewards read each row's source image and mask
         assert all(0 <= r["reward/edit_region_color"] <= 1 and 0 <= r["reward/edit_preservation"] <= 1 for r in a)
 
 

@@ -86,6 +86,28 @@ def test_a_new_family_file_registers_itself(tmp_path, monkeypatch):
         sys.modules.pop("mmrl.diffusion.models.sana_example", None)
 
 
+def test_family_files_import_only_public_names():
+    """A family file needs nothing private from another module (what a new family may use is public: FlowModel's
+    methods, register_family, PromptEmbeds, mmrl.perf's registries)."""
+    import ast
+    from pathlib import Path
+
+    import mmrl.diffusion.models as models
+
+    private = []
+    for path in sorted(Path(models.__path__[0]).glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mmrl"):
+                private += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    assert private == []
+
+
+def test_a_text_family_refuses_source_images_in_one_line(tiny_sd3):
+    with pytest.raises(ValueError, match=r"^StableDiffusion3Pipeline generates from text only: it takes no source "
+                                         r"images \(edit pipelines: \['FluxKontextPipeline', 'QwenImageEditPipeline'"):
+        tiny_sd3.encode_prompts(["a red circle"], images=torch.zeros(1, 3, 64, 64))
+
+
 def test_prompt_embeds_select_repeats_rows():
     e = PromptEmbeds(prompt_embeds=torch.arange(6.0).view(2, 3, 1), pooled_prompt_embeds=torch.tensor([[1.0], [2.0]]))
     r = e.select([0, 0, 1])

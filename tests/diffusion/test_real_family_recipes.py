@@ -159,7 +159,7 @@ def test_qwen_image_edit_published_settings(tiny_family, tmp_path):
     _loads_on_a_tiny_directory(cfg, tiny_family("QwenImageEditPlusPipeline"), items)
 
 
-# recipe file -> (tiny pipeline: a FAMILY_BUILDERS class or a builder with its options, rollout size, model overrides,
+# recipe file -> (tiny pipeline: a registered pipeline class (its first tiny case) or a builder with its options, rollout size, model overrides,
 # prompts: shapes text prompts, OCR prompts or shapes edit rows)
 STEP_CASES = {
     "flow_grpo_wan21_t2v.yaml": (("build_tiny_wan", {"scheduler": "unipc"}), {"num_steps": 4},

@@ -144,7 +144,7 @@ def test_parse_winner():
 def test_shapes_geneval_reward():
     import random
 
-    from mmrl.eval.shapes_check import parse_shapes_prompt, scene_for_prompt
+    from mmrl.pipelines.shapes_check import parse_shapes_prompt, scene_for_prompt
 
     rng = random.Random(0)
     scenes = [scene_for_prompt(parse_shapes_prompt(p), rng) for p in P]

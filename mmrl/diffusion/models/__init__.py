@@ -17,7 +17,7 @@ Families (one file each, registered by the pipeline class in model_index.json): 
 (QwenImageEditPipeline, QwenImageEditPlusPipeline), `flux_kontext.py` (FluxKontextPipeline). Edit families
 (`needs_source_image`) take `encode_prompts(prompts, images=...)` and carry the source image's latents in the
 returned PromptEmbeds. Adding one = a new file here with a `@register_family("<PipelineClass>")` FlowModel
-subclass implementing `encode_prompts`, `_forward`, `initial_noise`, `sigmas`, `decode` (see base.py and
+subclass implementing `encode_prompts`, `transformer_velocity`, `initial_noise`, `sigmas`, `decode` (see base.py and
 docs/adding-a-family.md); this package imports every module in it.
 
 What is simplified away: no negative prompts other than "" (the empty prompt, or the empty instruction with the
@@ -29,8 +29,8 @@ import importlib
 import pkgutil
 
 from mmrl.diffusion.models.base import (  # noqa: F401
-    ATTENTION_LORA_TARGETS, MODEL_FAMILIES, FlowModel, PromptEmbedCache, PromptEmbeds, available_families,
-    check_num_frames, flow_model_class, load_flow_model, register_family,
+    ATTENTION_LORA_TARGETS, MODEL_FAMILIES, FlowModel, PromptEmbedCache, PromptEmbeds, TinyCase, available_families,
+    check_num_frames, flow_model_class, load_flow_model, register_family, tiny_cases,
 )
 from mmrl.diffusion.models.flux import FluxModel  # noqa: F401
 from mmrl.diffusion.models.sd3 import SD3Model  # noqa: F401

@@ -7,7 +7,7 @@ class that `model_index.json` names (`_class_name`):
     class QwenImageModel(FlowModel):
         family = "qwen_image"
         def encode_prompts(self, prompts): ...
-        def _forward(self, latents, sigma, embeds, guidance_scale): ...
+        def transformer_velocity(self, latents, sigma, embeds, guidance_scale): ...
         def initial_noise(self, n, height, width, generator=None): ...
         def sigmas(self, num_steps, height, width): ...
         def decode(self, latents, height, width): ...
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -72,6 +73,27 @@ class PromptEmbeds(dict):
         return PromptEmbeds(out)
 
 
+@dataclass(frozen=True)
+class TinyCase:
+    """A tiny random checkpoint of a family (its real classes at tiny sizes, built by an `mmrl.tiny` builder) and the
+    rollout to run on it. The recipe tests (every recipe on every case), the golden metrics (each family's first case)
+    and benchmarks/families.py read the cases of every registered family (`tiny_cases()`)."""
+
+    name: str
+    """Unique over all families (`sd3`, `wan22_a14b`): test ids, benchmark rows."""
+    build: Callable[..., Path]
+    """The mmrl.tiny builder (`build(path, **options) -> path`; `mmrl tiny DIR` builds it too)."""
+    rollout: dict[str, Any]
+    """Rollout keys: the smallest `height` / `width` its latent grid takes, `num_frames` (video), a `guidance_scale`."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """The builder's keyword arguments (e.g. a variant)."""
+    pipeline: str = ""
+    """The pipeline class the family is registered under (filled by `tiny_cases()`)."""
+
+    def build_at(self, path: str | Path) -> Path:
+        return self.build(path, **self.options)
+
+
 class FlowModel:
     """A diffusers flow-matching pipeline seen as encode / velocity / decode. Subclasses set
     `lora_target_modules` and implement the abstract methods below.
@@ -90,6 +112,7 @@ class FlowModel:
     is_video: bool = False  # latents [B, C, F, h, w]; decode gives [B, F, 3, H, W] when num_frames > 1
     num_frames: int = 1  # frames per sample (> 1 only for video families; set_num_frames)
     option_names: tuple[str, ...] = ()  # the keywords `configure` takes (model.family_options)
+    tiny_cases: tuple[TinyCase, ...] = ()  # declared by each registered class itself (not inherited): see TinyCase
 
     def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, max_sequence_length: int):
         self.pipe = pipe
@@ -111,10 +134,23 @@ class FlowModel:
         [0, 1], one source image per prompt, already at the size to condition on; text-to-image models take none."""
         raise NotImplementedError
 
+    def check_text_only(self, images: Tensor | None) -> None:
+        """What a text-to-image / -video family's `encode_prompts` calls first: a source image given anyway is a
+        mistake, not ignored."""
+        if images is not None:
+            edit = sorted(k for k, v in MODEL_FAMILIES.items() if v.needs_source_image)
+            raise ValueError(f"{type(self.pipe).__name__} generates from text only: it takes no source images (edit "
+                             f"pipelines: {edit})")
+
+    def encode_empty_prompt(self) -> PromptEmbeds:
+        """The empty prompt's rows, the unconditional CFG branch (`negative_embeds` encodes it once); an edit family
+        whose text encoder does not see the source image encodes the text alone here."""
+        return self.encode_prompts([""])
+
     def negative_embeds(self, n: int) -> PromptEmbeds:
         """Embeddings of the empty prompt (the unconditional CFG branch), encoded once, repeated n times."""
         if self._negative is None:
-            self._negative = self.encode_prompts([""])
+            self._negative = self.encode_empty_prompt()
         return self._negative.select([0] * n)
 
     # ------------------------------------------------------------------ denoising
@@ -132,10 +168,11 @@ class FlowModel:
             cfg = self.cfg_enabled(guidance_scale)
         if cfg:
             both = self._with_negative(embeds)
-            v = self._forward(torch.cat([latents, latents]), torch.cat([sigma, sigma]), both, guidance_scale)
+            v = self.transformer_velocity(torch.cat([latents, latents]), torch.cat([sigma, sigma]), both,
+                                          guidance_scale)
             v_uncond, v_cond = v.float().chunk(2)
             return self.combine_cfg(v_uncond, v_cond, guidance_scale, sigma=sigma)
-        return self._forward(latents, sigma, embeds, guidance_scale).float()
+        return self.transformer_velocity(latents, sigma, embeds, guidance_scale).float()
 
     def cfg_enabled(self, guidance_scale: float) -> bool:
         """Whether `guidance_scale` turns classifier-free guidance on (diffusers' rule for this family's pipeline)."""
@@ -163,7 +200,10 @@ class FlowModel:
         self._cfg_memo = (embeds, both)
         return both
 
-    def _forward(self, latents: Tensor, sigma: Tensor, embeds: PromptEmbeds, guidance_scale: float) -> Tensor:
+    def transformer_velocity(self, latents: Tensor, sigma: Tensor, embeds: PromptEmbeds,
+                             guidance_scale: float) -> Tensor:
+        """The transformer on exactly this batch (no CFG: `velocity` doubles the batch for it) with the pipeline's
+        keyword arguments and timestep convention; the prediction as the velocity (noise - x0), latents' shape."""
         raise NotImplementedError
 
     def initial_noise(self, n: int, height: int, width: int, generator: torch.Generator | None = None) -> Tensor:
@@ -200,14 +240,14 @@ class FlowModel:
         levels drawn outside a rollout schedule (DPO)."""
         return float(self.scheduler_config.get("shift", 1.0))
 
-    def _new_scheduler(self):
+    def new_scheduler(self):
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         return FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
 
     # --- families whose transformer sees 2x2 latent patches as tokens (FLUX.1, Kontext, Qwen-Image): latents stay
     # [B, C, h, w] outside, so samplers and log-probs see one layout for every family
-    def _pack_tokens(self, *latents: Tensor) -> Tensor:
+    def pack_tokens(self, *latents: Tensor) -> Tensor:
         """[B, C, h, w] latents (the noisy ones, then any condition latents) -> [B, sum of (h/2)(w/2), 4C] tokens in
         the model dtype, concatenated on the sequence dim (the pipelines' `_pack_latents`)."""
         out = []
@@ -217,25 +257,25 @@ class FlowModel:
         return torch.cat(out, dim=1) if len(out) > 1 else out[0]
 
     @staticmethod
-    def _unpack_tokens(out: Tensor, c: int, h: int, w: int) -> Tensor:
-        """The first (h/2)(w/2) tokens of a prediction [B, N, 4C] back to [B, C, h, w] (inverse of `_pack_tokens`; any
+    def unpack_tokens(out: Tensor, c: int, h: int, w: int) -> Tensor:
+        """The first (h/2)(w/2) tokens of a prediction [B, N, 4C] back to [B, C, h, w] (inverse of `pack_tokens`; any
         condition tokens after them are dropped, as the edit pipelines slice)."""
         b = out.shape[0]
         return out[:, : (h // 2) * (w // 2)].reshape(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(
             b, c, h, w)
 
-    def _packed_noise(self, n: int, height: int, width: int, generator: torch.Generator | None) -> Tensor:
-        h, w = self._latent_hw(height, width, 2)
+    def packed_noise(self, n: int, height: int, width: int, generator: torch.Generator | None) -> Tensor:
+        h, w = self.latent_hw(height, width, 2)
         c = self.transformer.config.in_channels // 4
         return torch.randn((n, c, h, w), generator=generator, device=self.device, dtype=torch.float32)
 
-    def _packed_sigmas(self, num_steps: int, height: int, width: int) -> Tensor:
-        """`_shifted_sigmas` with the shift computed from the target's tokens (the pipelines use the noisy latents'
+    def packed_sigmas(self, num_steps: int, height: int, width: int) -> Tensor:
+        """`shifted_sigmas` with the shift computed from the target's tokens (the pipelines use the noisy latents'
         sequence length, condition tokens excluded)."""
-        h, w = self._latent_hw(height, width, 2)
-        return self._shifted_sigmas(num_steps, (h // 2) * (w // 2))
+        h, w = self.latent_hw(height, width, 2)
+        return self.shifted_sigmas(num_steps, (h // 2) * (w // 2))
 
-    def _shifted_sigmas(self, num_steps: int, image_seq_len: int) -> Tensor:
+    def shifted_sigmas(self, num_steps: int, image_seq_len: int) -> Tensor:
         """The FLUX / Qwen-Image pipelines' schedule: sigmas linspace(1, 1/N, N) through the scheduler with the
         resolution-dependent shift mu = calculate_shift(image tokens) (`use_dynamic_shifting` configs)."""
         import numpy as np
@@ -244,11 +284,11 @@ class FlowModel:
         c = self.scheduler_config
         mu = calculate_shift(image_seq_len, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
                              c.get("base_shift", 0.5), c.get("max_shift", 1.15))
-        sched = self._new_scheduler()
+        sched = self.new_scheduler()
         sched.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), device="cpu", mu=mu)
         return sched.sigmas.float()
 
-    def _latent_hw(self, height: int, width: int, multiple: int = 1) -> tuple[int, int]:
+    def latent_hw(self, height: int, width: int, multiple: int = 1) -> tuple[int, int]:
         f = self.vae_scale_factor * multiple
         if height % f or width % f:
             raise ValueError(f"image size {height}x{width} must be a multiple of {f} for this model")
@@ -263,7 +303,7 @@ class FlowModel:
         z = self.vae.encode(x).latent_dist.mean.float()
         return (z - (getattr(cfg, "shift_factor", None) or 0.0)) * cfg.scaling_factor
 
-    def _vae_decode(self, latents: Tensor) -> Tensor:
+    def vae_decode(self, latents: Tensor) -> Tensor:
         cfg = self.vae.config
         z = latents / cfg.scaling_factor + (getattr(cfg, "shift_factor", None) or 0.0)
         image = self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0]
@@ -334,12 +374,16 @@ def available_families() -> list[str]:
     return sorted(MODEL_FAMILIES)
 
 
-def _text_only(model: FlowModel, images: Any) -> None:
-    """Text-to-image / -video families take no source image: one given anyway is a mistake, not ignored."""
-    if images is not None:
-        edit = sorted(k for k, v in MODEL_FAMILIES.items() if v.needs_source_image)
-        raise ValueError(f"{type(model.pipe).__name__} generates from text only: it takes no source images (edit "
-                         f"pipelines: {edit})")
+def tiny_cases() -> dict[str, TinyCase]:
+    """Every registered family's tiny cases (each class's own `tiny_cases`, not a parent's), by case name, the
+    families in `available_families()` order; `case.pipeline` names the family."""
+    out: dict[str, TinyCase] = {}
+    for class_name in available_families():
+        for case in vars(MODEL_FAMILIES[class_name]).get("tiny_cases", ()):
+            if case.name in out:
+                raise ValueError(f"tiny case {case.name!r} of {class_name} is also {out[case.name].pipeline}'s")
+            out[case.name] = replace(case, pipeline=class_name)
+    return out
 
 
 def _image_only_error(class_name: str, num_frames: int) -> ValueError:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from mmrl.diffusion.models.base import PromptEmbeds, register_family
+from mmrl.diffusion.models.base import PromptEmbeds, TinyCase, register_family
 from mmrl.diffusion.models.flux import FluxModel
+from mmrl.tiny import build_tiny_flux_kontext
 
 # source: X-GenGroup/Flow-Factory src/flow_factory/models/flux/flux1_kontext.py (default_target_modules): the
 # joint-attention projections plus both feed-forwards of the double-stream blocks; all exist in diffusers 0.42's
@@ -19,8 +20,9 @@ KONTEXT_LORA_TARGETS = [
 @register_family("FluxKontextPipeline")
 class FluxKontextModel(FluxModel):
     """FLUX.1 Kontext: the source image's VAE latents `image_latents` [N, C, hc, wc] (scaled as the flow model's
-    latents) ride in the prompt conditioning; `_forward` packs them after the noisy latents' tokens with image ids
-    whose first axis is 1 (the pipeline's `image_ids[..., 0] = 1`) and keeps the target's tokens of the prediction.
+    latents) ride in the prompt conditioning; `transformer_velocity` packs them after the noisy latents' tokens with
+    image ids whose first axis is 1 (the pipeline's `image_ids[..., 0] = 1`) and keeps the target's tokens of the
+    prediction.
     The text (CLIP pooled + T5) does not see the image, so the CFG negative is the empty prompt with the same
     source latents; Kontext-dev is guidance-distilled (guidance embedding, no CFG), as FLUX.1-dev.
 
@@ -29,6 +31,8 @@ class FluxKontextModel(FluxModel):
     `condition_image_size`)."""
 
     family = "flux_kontext"
+    tiny_cases = (TinyCase("flux_kontext", build_tiny_flux_kontext,
+                           {"height": 32, "width": 32, "guidance_scale": 2.5}),)
     needs_source_image = True
     lora_target_modules = KONTEXT_LORA_TARGETS
 
@@ -45,22 +49,20 @@ class FluxKontextModel(FluxModel):
     def _text(self, prompts):
         return FluxModel.encode_prompts(self, prompts)
 
-    def negative_embeds(self, n):
-        if self._negative is None:
-            self._negative = self._text([""])
-        return self._negative.select([0] * n)
+    def encode_empty_prompt(self):
+        return self._text([""])
 
     def negative_rows(self, embeds):
         neg = self.negative_embeds(len(embeds))
         neg["image_latents"] = embeds["image_latents"]
         return PromptEmbeds(neg)
 
-    def _forward(self, latents, sigma, embeds, guidance_scale):
+    def transformer_velocity(self, latents, sigma, embeds, guidance_scale):
         b, c, h, w = latents.shape
         cond = embeds["image_latents"]
         image_ids = self.pipe._prepare_latent_image_ids(b, cond.shape[-2] // 2, cond.shape[-1] // 2, self.device,
                                                         self.dtype)
         image_ids[..., 0] = 1
         ids = torch.cat([self.pipe._prepare_latent_image_ids(b, h // 2, w // 2, self.device, self.dtype), image_ids])
-        out = self._transformer(self._pack_tokens(latents, cond), ids, sigma, embeds, guidance_scale)
-        return self._unpack_tokens(out, c, h, w)
+        out = self.run_transformer(self.pack_tokens(latents, cond), ids, sigma, embeds, guidance_scale)
+        return self.unpack_tokens(out, c, h, w)

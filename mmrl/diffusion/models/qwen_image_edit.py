@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from mmrl.diffusion.models.base import PromptEmbeds, register_family
+from mmrl.diffusion.models.base import PromptEmbeds, TinyCase, register_family
 from mmrl.diffusion.models.qwen_image import QwenImageModel
+from mmrl.tiny import build_tiny_qwen_image_edit, build_tiny_qwen_image_edit_plus
 
 
 @register_family("QwenImageEditPipeline")
@@ -26,6 +27,8 @@ class QwenImageEditModel(QwenImageModel):
     prompt embedding. The schedule's shift is computed from the target's tokens only (as the pipeline)."""
 
     family = "qwen_image_edit"
+    tiny_cases = (TinyCase("qwen_image_edit", build_tiny_qwen_image_edit,
+                           {"height": 32, "width": 32, "guidance_scale": 4.0}),)
     needs_source_image = True
     # the same transformer as Qwen-Image; Flow-Factory's and verl-omni's edit adapters use the same targets
     # (source: verl-omni examples/flowgrpo_trainer/qwen_image_edit/run_qwen_image_edit_lora.sh)
@@ -33,8 +36,8 @@ class QwenImageEditModel(QwenImageModel):
     def encode_prompts(self, prompts, images=None):
         pils = self._source_pils(prompts, images)
         prompts = list(prompts)
-        pe, mask = self._encode_text(prompts, pils)
-        neg, neg_mask = self._encode_text([""] * len(prompts), pils)  # CFG negative: same image, empty instruction
+        pe, mask = self.encode_text(prompts, pils)
+        neg, neg_mask = self.encode_text([""] * len(prompts), pils)  # CFG negative: same image, empty instruction
         return PromptEmbeds(prompt_embeds=pe, prompt_embeds_mask=mask, negative_prompt_embeds=neg,
                             negative_prompt_embeds_mask=neg_mask, image_latents=self.encode_images(images))
 
@@ -59,12 +62,12 @@ class QwenImageEditModel(QwenImageModel):
             embeds["negative_prompt_embeds_mask"]
         return neg
 
-    def _forward(self, latents, sigma, embeds, guidance_scale):
+    def transformer_velocity(self, latents, sigma, embeds, guidance_scale):
         b, c, h, w = latents.shape
         cond = embeds["image_latents"]
         img_shapes = [[(1, h // 2, w // 2), (1, cond.shape[-2] // 2, cond.shape[-1] // 2)]] * b
-        out = self._run(self._pack_tokens(latents, cond), img_shapes, sigma, embeds, guidance_scale)
-        return self._unpack_tokens(out, c, h, w)  # the target's tokens come first
+        out = self.run_transformer(self.pack_tokens(latents, cond), img_shapes, sigma, embeds, guidance_scale)
+        return self.unpack_tokens(out, c, h, w)  # the target's tokens come first
 
 
 @register_family("QwenImageEditPlusPipeline")
@@ -77,6 +80,8 @@ class QwenImageEditPlusModel(QwenImageEditModel):
     (2511) give the source tokens timestep 0 inside the transformer."""
 
     family = "qwen_image_edit_plus"
+    tiny_cases = (TinyCase("qwen_image_edit_plus", build_tiny_qwen_image_edit_plus,
+                           {"height": 32, "width": 32, "guidance_scale": 4.0}),)
 
     def encode_prompts(self, prompts, images=None):
         from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (CONDITION_IMAGE_SIZE,
@@ -87,8 +92,8 @@ class QwenImageEditPlusModel(QwenImageEditModel):
         for prompt, pil in zip(prompts, pils):
             w, h = calculate_dimensions(CONDITION_IMAGE_SIZE, pil.width / pil.height)
             vl_image = [self.pipe.image_processor.resize(pil, h, w)]
-            pe, mask = self._encode_text([prompt], vl_image)
-            neg, neg_mask = self._encode_text([""], vl_image)
+            pe, mask = self.encode_text([prompt], vl_image)
+            neg, neg_mask = self.encode_text([""], vl_image)
             rows.append(PromptEmbeds(prompt_embeds=pe, prompt_embeds_mask=mask, negative_prompt_embeds=neg,
                                      negative_prompt_embeds_mask=neg_mask))
         out = PromptEmbeds.cat(rows)

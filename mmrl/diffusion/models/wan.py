@@ -27,9 +27,13 @@ from typing import Any
 
 import torch
 
-from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, _text_only, register_family
+from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, TinyCase, register_family
+from mmrl.perf import Architecture, FlopsEstimator, Pass, input_arg, register_architecture, register_flops
+from mmrl.tiny import build_tiny_wan
 
 Tensor = torch.Tensor
+
+_TINY_ROLLOUT = {"height": 32, "width": 32, "num_frames": 5, "guidance_scale": 3.0}  # Wan 2.1 and 2.2 A14B's tiny cases
 
 # source: Flow-Factory src/flow_factory/models/wan/wan2_t2v.py (default LoRA targets for Wan transformers)
 WAN_LORA_TARGETS = [
@@ -75,6 +79,8 @@ class WanModel(FlowModel):
     """Wan 2.1 / 2.2 text-to-video (`WanPipeline`); see the module docstring."""
 
     family = "wan"
+    tiny_cases = (TinyCase("wan21", build_tiny_wan, _TINY_ROLLOUT),
+                  TinyCase("wan22_a14b", build_tiny_wan, _TINY_ROLLOUT, {"variant": "2.2_a14b"}))
     is_video = True
     default_max_sequence_length = 512  # the pipeline's (Flow-Factory pads to it too)
     lora_target_modules = WAN_LORA_TARGETS
@@ -134,7 +140,7 @@ class WanModel(FlowModel):
 
     # ------------------------------------------------------------------ text
     def encode_prompts(self, prompts, images=None):
-        _text_only(self, images)
+        self.check_text_only(images)
         with torch.no_grad():
             pe, _ = self.pipe.encode_prompt(prompt=list(prompts), do_classifier_free_guidance=False,
                                             max_sequence_length=self.max_sequence_length, device=self.device)
@@ -143,7 +149,7 @@ class WanModel(FlowModel):
     # ------------------------------------------------------------------ denoising
     def _high_noise(self, sigma: torch.Tensor) -> torch.Tensor:
         """Which sigmas the high-noise expert (`transformer`) takes: t = sigma * num_train_timesteps >= boundary, the
-        timestep `_forward` passes and `WanExperts` routes by."""
+        timestep `transformer_velocity` passes and `WanExperts` routes by."""
         return sigma * self.scheduler_config.get("num_train_timesteps", 1000) >= self.boundary
 
     def combine_cfg(self, v_uncond, v_cond, guidance_scale, sigma=None):
@@ -153,7 +159,7 @@ class WanModel(FlowModel):
         w = torch.where(high, torch.tensor(float(guidance_scale)), torch.tensor(self.guidance_scale_2))
         return v_uncond + w.view(-1, *([1] * (v_cond.dim() - 1))).to(v_cond) * (v_cond - v_uncond)
 
-    def _forward(self, latents, sigma, embeds, guidance_scale):
+    def transformer_velocity(self, latents, sigma, embeds, guidance_scale):
         b, _, f, h, w = latents.shape
         t = sigma * self.scheduler_config.get("num_train_timesteps", 1000)
         if self.expand_timesteps:  # Wan 2.2 TI2V: one timestep per latent token (all equal without a first frame)
@@ -163,7 +169,7 @@ class WanModel(FlowModel):
                                 encoder_hidden_states=embeds["prompt_embeds"], return_dict=False)[0]
 
     def initial_noise(self, n, height, width, generator=None):
-        h, w = self._latent_hw(height, width, self.patch_size[1])
+        h, w = self.latent_hw(height, width, self.patch_size[1])
         f = (self.num_frames - 1) // self.temporal_factor + 1
         c = self.pipe.transformer.config.in_channels
         return torch.randn((n, c, f, h, w), generator=generator, device=self.device, dtype=torch.float32)
@@ -179,7 +185,7 @@ class WanModel(FlowModel):
                 raise ValueError("WanPipeline: a UniPCMultistepScheduler without use_flow_sigmas is not a "
                                  "flow-matching schedule")
         else:
-            sched = self._new_scheduler()
+            sched = self.new_scheduler()
         sched.set_timesteps(num_steps, device="cpu")
         return sched.sigmas.float()
 
@@ -211,3 +217,102 @@ class WanModel(FlowModel):
         z = self.vae.encode((x * 2 - 1).permute(0, 2, 1, 3, 4).to(self.vae.dtype)).latent_dist.mean.float()
         mean, inv_std = self._latent_stats(z)
         return (z - mean) * inv_std
+
+
+# ------------------------------------------------------------------ what mmrl.perf reads: FLOPs, real width
+
+
+@register_flops("WanTransformer3DModel")
+def _flops(module: torch.nn.Module) -> FlopsEstimator:
+    """Wan 2.1 / 2.2: video tokens (3-D patches) through self-attention, cross-attention to the text tokens (and to
+    image tokens for image-to-video), FFN; timestep layers once per timestep value (per token for Wan 2.2 TI2V)."""
+    cfg = module.config
+    width = cfg.num_attention_heads * cfg.attention_head_dim
+    pt, ph, pw = cfg.patch_size
+    n_blocks = len(module.blocks)
+    rules = [("condition_embedder.time", "sample"), ("condition_embedder.text_embedder", "text"),
+             ("condition_embedder.image_embedder", "image_context"), ("attn2.add_", "image_context"),
+             ("attn2.to_k", "text"), ("attn2.to_v", "text"), ("", "video")]
+
+    def shapes(args, kwargs):
+        x = input_arg(args, kwargs, "hidden_states")
+        ctx = input_arg(args, kwargs, "encoder_hidden_states", 2)
+        t = input_arg(args, kwargs, "timestep", 1)
+        img = kwargs.get("encoder_hidden_states_image")
+        b, _, f, h, w = x.shape
+        n, m = (f // pt) * (h // ph) * (w // pw), ctx.shape[1]
+        k = img.shape[1] if img is not None else 0
+        return Pass({"video": b * n, "text": b * m, "image_context": b * k,
+                     "sample": t.numel() if isinstance(t, torch.Tensor) else b},
+                    b * width * n_blocks * (n * n + n * m + n * k))
+
+    return FlopsEstimator(module, rules, shapes)
+
+
+def _training_row(model: torch.nn.Module, row: dict, dtype: torch.dtype) -> dict:
+    """One row of the training forward. The Wan VAE: 4x in time ((F - 1) / 4 + 1 latent frames), 8x in space; Wan2.2's
+    48-channel VAE (TI2V-5B): 16x in space, and the pipeline passes one timestep per token."""
+    g = torch.Generator().manual_seed(0)
+    c = model.config
+    f = (row["num_frames"] - 1) // 4 + 1
+    down = 16 if c.in_channels == 48 else 8
+    h, w = row["height"] // down, row["width"] // down
+    pt, ph, pw = c.patch_size
+    t = torch.full((1, (f // pt) * (h // ph) * (w // pw)), 500.0) if c.in_channels == 48 else torch.tensor([500.0])
+    return {"hidden_states": torch.randn(1, c.in_channels, f, h, w, generator=g).to(dtype), "timestep": t,
+            "encoder_hidden_states": torch.randn(1, row["text_tokens"], c.text_dim, generator=g).to(dtype)}
+
+
+def _wan_config(heads: int, ffn_dim: int, layers: int, channels: int = 16) -> dict:
+    """A WanTransformer3DModel config: what every published Wan 2.1 / 2.2 transformer shares (heads of 128, (1, 2, 2)
+    patches, UMT5's 4096-wide text) and the numbers that differ."""
+    return dict(patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=128, in_channels=channels,
+                out_channels=channels, text_dim=4096, freq_dim=256, ffn_dim=ffn_dim, num_layers=layers,
+                cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+
+
+_SMALL_AND_ROW = dict(inputs=_training_row, small_widths={"num_attention_heads": 2, "attention_head_dim": 16,
+                                                          "text_dim": 32, "ffn_dim": 64, "rope_max_seq_len": 64},
+                      small_row=dict(num_frames=5, height=32, width=32, text_tokens=8))
+
+register_architecture(Architecture(
+    name="wan21_t2v_1_3b", kind="wan", class_name="WanTransformer3DModel",
+    config=_wan_config(heads=12, ffn_dim=8960, layers=30),
+    depth={"num_layers": 30},
+    source="Wan-AI/Wan2.1-T2V-1.3B-Diffusers transformer/config.json (dim 1536, 30 layers, 12 heads, FFN 8960; 1.4B)",
+    lora_targets=tuple(WAN_LORA_TARGETS), recipe="configs/diffusion/flow_grpo_wan21_t2v.yaml",
+    # 5 frames at 256 px -> 16 x 2 x 32 x 32 latents, 2 x 16 x 16 = 512 tokens of (1, 2, 2) patches; 512 UMT5 tokens;
+    # micro-batch 1 doubled by classifier-free guidance (5.0)
+    step=dict(rows=2, num_frames=5, height=256, width=256, text_tokens=512, lora_rank=64), **_SMALL_AND_ROW,
+))
+
+register_architecture(Architecture(
+    name="wan22_t2v_a14b", kind="wan", class_name="WanTransformer3DModel", experts=2,
+    config=_wan_config(heads=40, ffn_dim=13824, layers=40),
+    depth={"num_layers": 40},
+    source="Wan-Video/Wan2.2 wan/configs/wan_t2v_A14B.py (per expert: dim 5120, 40 heads, 40 layers, FFN 13824, the "
+           "Wan2.1 VAE (4, 8, 8); two experts, boundary 0.875; 2 x 14.29B)",
+    lora_targets=tuple(WAN_LORA_TARGETS), recipe="configs/diffusion/flow_grpo_wan22_t2v_a14b.yaml",
+    # 5 frames at 480 px -> 16 x 2 x 60 x 60 latents, 2 x 30 x 30 = 1800 tokens of (1, 2, 2) patches; 512 UMT5
+    # tokens; micro-batch 1 doubled by classifier-free guidance (4.0 high-noise expert, 3.0 low-noise). One expert
+    # trains: the recipe's SDE steps (1-3 of 10) are at t = 964 / 923 / 875 with flow_shift 3 (higher with 12), all
+    # at or above the boundary 875, so only the high-noise expert's LoRA gets gradients (and AdamW state)
+    step=dict(rows=2, num_frames=5, height=480, width=480, text_tokens=512, lora_rank=64, trained_experts=1),
+    **_SMALL_AND_ROW,
+))
+
+register_architecture(Architecture(
+    name="wan22_ti2v_5b", kind="wan", class_name="WanTransformer3DModel",
+    config=_wan_config(heads=24, ffn_dim=14336, layers=30, channels=48),
+    depth={"num_layers": 30},
+    source="Wan-Video/Wan2.2 wan/configs/wan_ti2v_5B.py (dim 3072, 24 heads, 30 layers, FFN 14336, the Wan2.2 VAE: "
+           "48 channels, (4, 16, 16); timesteps per token; 5.0B)",
+    lora_targets=tuple(WAN_LORA_TARGETS),
+    # no recipe here ships it (its published RL run uses DanceGRPO's SDE and HPSv3, neither in mmrl): the row is
+    # that run's, verl-omni examples/dancegrpo_trainer/wan22/run_wan22_5b_t2v_hpsv3_auto.sh
+    recipe="verl-omni examples/dancegrpo_trainer/wan22/run_wan22_5b_t2v_hpsv3_auto.sh",
+    # num_frames 8, rounded to 9 by the pipeline, at 704 x 1280 -> 48 x 3 x 44 x 80 latents, 3 x 22 x 40 = 2640
+    # tokens of (1, 2, 2) patches; max_sequence_length 1024 UMT5 tokens; micro-batch 4 per GPU doubled by true CFG
+    # (5.0); LoRA rows at Flow-Factory's rank 64
+    step=dict(rows=8, num_frames=9, height=704, width=1280, text_tokens=1024, lora_rank=64), **_SMALL_AND_ROW,
+))

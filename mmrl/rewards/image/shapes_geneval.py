@@ -1,4 +1,4 @@
-"""`shapes_geneval`: the GenEval-style check of the synthetic shapes world (`mmrl.eval.shapes_check`) as a reward.
+"""`shapes_geneval`: the GenEval-style check of the synthetic shapes world (`mmrl.pipelines.shapes_check`) as a reward.
 
 Per image, the offline detector reads the background and the shapes, and the prompt's checks (object, colour,
 count, position, background; GenEval's task types) are answered True/False. Score:
@@ -8,7 +8,7 @@ count, position, background; GenEval's task types) are answered True/False. Scor
     mode="correct":            1 if every asked check passes (GenEval's per-image score), else 0.
 
 A flat shape on a flat background scores 1; a busy texture loses the background and colour checks. The
-detector is exact on rendered scenes and needs no model (see mmrl/eval/shapes_check.py for its rules). A prompt
+detector is exact on rendered scenes and needs no model (see mmrl/pipelines/shapes_check.py for its rules). A prompt
 outside the shapes grammar raises ValueError naming it. Made as a judge for the tiny world (`log.judges`).
 """
 
@@ -37,7 +37,7 @@ class ShapesGenEval(RewardModel):
         self.mode, self.tol, self.min_area, self.batch_size = mode, float(tol), float(min_area), batch_size
 
     def score_images(self, images, prompts, metadata):
-        from mmrl.eval.shapes_check import check_images
+        from mmrl.pipelines.shapes_check import check_images
 
         results = check_images(list(images.unbind(0)), prompts, tol=self.tol, min_area=self.min_area)
         scores = []
