@@ -158,6 +158,19 @@ def test_joint_sits_above_both_families():
     assert {"vlm", "diffusion"} <= layers
 
 
+def test_no_recipe_imports_another_recipe():
+    """A recipe module (`mmrl.config.RECIPES`) takes the sections it shares from the config modules
+    (`mmrl/training/config.py`, `mmrl/diffusion/config.py`, `mmrl/vlm/config.py`), never from another recipe."""
+    from mmrl.config import RECIPES
+
+    recipes = set(RECIPES.values())
+    edges = import_edges(module_files())
+    graph = _union(edges["module"], edges["function"])
+    assert recipes <= set(graph)
+    bad = sorted(f"{a} -> {b}" for a in recipes for b in graph[a] if b in recipes)
+    assert not bad, f"recipes import other recipes: {bad}"
+
+
 def test_shared_layers_never_import_a_trainer_family():
     for shared in ("mmrl.rewards", "mmrl.pipelines", "mmrl.core", "mmrl.adapters"):
         bad = sorted(b for b in _imports(shared) if _layer(b) in {"vlm", "diffusion", "joint"})
