@@ -234,7 +234,7 @@ def no_model_loads(monkeypatch):
 
     monkeypatch.setattr(diffusion_models, "load_flow_model", loaded)
     monkeypatch.setattr(grpo, "build_policy", loaded)
-    monkeypatch.setattr(multiturn, "_load_model", loaded)
+    monkeypatch.setattr(multiturn, "build_policy", loaded)
     find_spec = importlib.util.find_spec  # vLLM counts as not installed, whatever this machine has
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
 

@@ -189,6 +189,19 @@ def test_joint_sits_above_both_families():
     assert {"vlm", "diffusion"} <= layers
 
 
+def test_no_recipe_imports_another_recipe():
+    """A recipe module (`mmrl.config.RECIPES`) takes the sections it shares from the config modules
+    (`mmrl/training/config.py`, `mmrl/diffusion/config.py`, `mmrl/vlm/config.py`), never from another recipe."""
+    from mmrl.config import RECIPES
+
+    recipes = set(RECIPES.values())
+    edges = import_edges(module_files())
+    graph = _union(edges["module"], edges["function"])
+    assert recipes <= set(graph)
+    bad = sorted(f"{a} -> {b}" for a in recipes for b in graph[a] if b in recipes)
+    assert not bad, f"recipes import other recipes: {bad}"
+
+
 def test_every_layer_is_named_shared_or_recipe():
     layers = {_layer(m) for m in module_files()} - {""}
     assert layers == set(SHARED_LAYERS) | set(RECIPE_LAYERS), "a new mmrl layer: add it to SHARED or RECIPE_LAYERS"

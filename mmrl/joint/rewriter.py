@@ -36,23 +36,21 @@ import json
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from mmrl.config import RunConfig, TrainConfig
 from mmrl.core import get_advantage_estimator, kl_estimate
+from mmrl.diffusion import config as diffusion_config
 from mmrl.distributed import DistConfig
-from mmrl.run.checkpoint import FullOptimizerState, checkpoint_due, restore_checkpoint, save_checkpoint
+from mmrl.run.checkpoint import restore_checkpoint
 from mmrl.run.start import closes_runs, start_run
-from mmrl.runtime import Timer, seed_everything
-from mmrl.training import (KLConfig, OnNonfinite, OptimConfig, TrackersConfig, UpdateGuard, build_optimizer,
-                           check_rewards, finite_stats)
-from mmrl.training.judges import JudgeFields, build_judges, check_judges, stop_for_hacking
-from mmrl.vlm.grpo import LossAgg, ModelConfig, RolloutConfig
+from mmrl.training import KLConfig, OnNonfinite, OptimConfig, UpdateGuard, build_optimizer, check_rewards, finite_stats
+from mmrl.training.judges import build_judges, check_judges
+from mmrl.training.steps import StepLoop
+from mmrl.vlm import config as vlm_config
 from mmrl.vlm.grpo_checks import check_clip_ranges
-from mmrl.vlm.update import VLMUpdateConfig
-from mmrl.vlm.warm_start import WarmStartConfig
 
 __all__ = ["Config", "train"]
 
@@ -101,16 +99,13 @@ class RendererConfig:
 
 
 @dataclass
-class RewardConfig:
+class RewardConfig(diffusion_config.AggregationFields, diffusion_config.RewardConfig):  # + components, aggregation
     components: dict[str, Any] = field(default_factory=lambda: {"pickscore": 1.0})
     """Zoo image rewards: name -> weight, or name -> {weight, reward: registered name, <load kwargs>}."""
-    intent_key: str = ""
-    """Score against metadata[intent_key] (e.g. the intended caption) instead of the user's prompt."""
     on_nonfinite: OnNonfinite = "error"
     """A NaN/inf reward: `error` (stop, naming the component and the rewrite) or `drop_sample` (advantage 0)."""
-    aggregation: Literal["sum_then_normalise", "normalise_then_sum"] = "sum_then_normalise"
-    """Several components: advantages of the weighted sum, or of each component in its groups, weighted, whitened
-    (GDPO; `mmrl.core.multi_reward`)."""
+    intent_key: str = ""
+    """Score against metadata[intent_key] (e.g. the intended caption) instead of the user's prompt."""
 
 
 @dataclass
@@ -126,7 +121,7 @@ class AlgoConfig:
     dual_clip: float = 0.0
     """Dual-clip constant c > 1 for negative advantages (0 = off): bounds the loss of a token whose ratio has grown
     large, which several PPO passes over one batch (`update.epochs`) can produce."""
-    loss_agg: LossAgg = "token-mean"
+    loss_agg: vlm_config.LossAgg = "token-mean"
     """Loss aggregation over tokens."""
     kl: KLConfig = field(default_factory=KLConfig)
     """KL(policy || reference = adapters off) as a loss term: coef (0 = no reference pass), estimator."""
@@ -135,13 +130,7 @@ class AlgoConfig:
 
 
 @dataclass
-class LogConfig(JudgeFields, TrackersConfig):  # + judges, hacking (the reward-hacking alarm on the eval prompts)
-    sample_every: int = 25
-    """Save a grid of rendered rewrites (user -> rewrite | reward) every this many steps (0 = never)."""
-    num_samples: int = 16
-    """Images per grid."""
-    eval_every: int = 25
-    """Evaluate every this many steps, before training and at the end (0 = only before and at the end)."""
+class RewriterLogConfig(vlm_config.LogConfig):  # + sample_every, num_samples, eval_every, judges, hacking, trackers
     eval_max_prompts: int = 32
     """At most this many evaluation prompts."""
 
@@ -150,13 +139,13 @@ class LogConfig(JudgeFields, TrackersConfig):  # + judges, hacking (the reward-h
 class Config(RunConfig):
     algorithm: str = "prompt_rewriter"
     """Recipe name."""
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: vlm_config.ModelConfig = field(default_factory=vlm_config.ModelConfig)
     """The rewriter (a Qwen-VL checkpoint; LoRA or full fine-tuning)."""
     renderer: RendererConfig = field(default_factory=RendererConfig)
     """The frozen text-to-image model."""
     data: DataConfig = field(default_factory=DataConfig)
     """User prompts, template, answer format."""
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rollout: vlm_config.RolloutConfig = field(default_factory=vlm_config.RolloutConfig)
     """Rewrite sampling (engine, prompts_per_step, group_size, temperature, max_new_tokens, ...)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Image rewards of the renders."""
@@ -164,11 +153,12 @@ class Config(RunConfig):
     """Advantages, policy loss, KL."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
     """AdamW and its learning-rate schedule."""
-    update: VLMUpdateConfig = field(default_factory=VLMUpdateConfig)
+    update: vlm_config.VLMUpdateConfig = field(default_factory=vlm_config.VLMUpdateConfig)
     """Epochs, mini-batches (sequences per update, global; 0 = the whole batch), micro-batches, clipping."""
-    warm_start: WarmStartConfig = field(default_factory=lambda: WarmStartConfig(params=["lm_head"]))
+    warm_start: vlm_config.WarmStartConfig = field(
+        default_factory=lambda: vlm_config.WarmStartConfig(params=["lm_head"]))
     """Optional format warm start on `data.format_examples` (random well-formed rewrites, or prompt/response pairs)."""
-    log: LogConfig = field(default_factory=LogConfig)
+    log: RewriterLogConfig = field(default_factory=RewriterLogConfig)
     """Samples and evaluation."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Training loop length, checkpoints, resume."""
@@ -181,38 +171,38 @@ def check_config(cfg: Config) -> None:
     from mmrl.diffusion.models import flow_model_class
     from mmrl.pipelines.data import require_path
 
-    ro, d, al = cfg.rollout, cfg.data, cfg.algo
-    get_advantage_estimator(al.advantage)
-    check_clip_ranges(al.clip_low, al.clip_high, al.dual_clip)
-    kl_estimate(torch.zeros(1), torch.zeros(1), cfg.algo.kl.estimator)
+    rollout, data, algo = cfg.rollout, cfg.data, cfg.algo
+    get_advantage_estimator(algo.advantage)
+    check_clip_ranges(algo.clip_low, algo.clip_high, algo.dual_clip)
+    kl_estimate(torch.zeros(1), torch.zeros(1), algo.kl.estimator)
     if cfg.dist.strategy == "fsdp":
         raise ValueError("dist.strategy=fsdp: prompt_rewriter supports none or ddp")
-    if ro.group_size < 2 or ro.prompts_per_step < 1:
+    if rollout.group_size < 2 or rollout.prompts_per_step < 1:
         raise ValueError(f"rollout.group_size >= 2 and rollout.prompts_per_step >= 1 expected (GRPO compares the "
-                         f"rewrites of one prompt); got {ro.group_size}, {ro.prompts_per_step}")
-    require_path("data.train_prompts", d.train_prompts, "prompt file")
-    if d.eval_prompts:
-        require_path("data.eval_prompts", d.eval_prompts, "prompt file")
+                         f"rewrites of one prompt); got {rollout.group_size}, {rollout.prompts_per_step}")
+    require_path("data.train_prompts", data.train_prompts, "prompt file")
+    if data.eval_prompts:
+        require_path("data.eval_prompts", data.eval_prompts, "prompt file")
     flow_model_class(cfg.renderer.path, "renderer.path")  # the renderer's folder, named by its own key
-    if "{prompt}" not in d.template:
-        raise ValueError(f"data.template: expected a {{prompt}} placeholder, got {d.template!r}")
-    if bool(d.image_key) != ("<image>" in d.template):
-        raise ValueError(f"data.image_key={d.image_key!r} and data.template={d.template!r}: a reference image needs "
-                         f"both (the key and an <image> placeholder) or neither")
-    if d.answer_pattern:
+    if "{prompt}" not in data.template:
+        raise ValueError(f"data.template: expected a {{prompt}} placeholder, got {data.template!r}")
+    if bool(data.image_key) != ("<image>" in data.template):
+        raise ValueError(f"data.image_key={data.image_key!r} and data.template={data.template!r}: a reference image "
+                         f"needs both (the key and an <image> placeholder) or neither")
+    if data.answer_pattern:
         try:
-            if re.compile(d.answer_pattern).groups < 1:
-                raise ValueError(f"data.answer_pattern {d.answer_pattern!r}: needs one group, the rewrite")
+            if re.compile(data.answer_pattern).groups < 1:
+                raise ValueError(f"data.answer_pattern {data.answer_pattern!r}: needs one group, the rewrite")
         except re.error as exc:
-            raise ValueError(f"data.answer_pattern {d.answer_pattern!r} is not a regex ({exc})") from None
-    if cfg.warm_start.steps and not d.format_examples:
+            raise ValueError(f"data.answer_pattern {data.answer_pattern!r} is not a regex ({exc})") from None
+    if cfg.warm_start.steps and not data.format_examples:
         raise ValueError("warm_start.steps > 0 needs data.format_examples (well-formed rewrites to draw from)")
-    if d.format_examples:  # a prompt file, or a .jsonl of prompt/response pairs
-        require_path("data.format_examples", d.format_examples, "prompt file")
-    if cfg.log.judges and not d.eval_prompts:
+    if data.format_examples:  # a prompt file, or a .jsonl of prompt/response pairs
+        require_path("data.format_examples", data.format_examples, "prompt file")
+    if cfg.log.judges and not data.eval_prompts:
         raise ValueError("log.judges are scored at every evaluation: set data.eval_prompts (the held-out prompts)")
     check_judges(cfg.log, "image")  # they score the renderer's images
-    cfg.update.updates_per_epoch(ro.prompts_per_step * ro.group_size)  # mini_batch_size must divide the batch
+    cfg.update.updates_per_epoch(rollout.prompts_per_step * rollout.group_size)  # mini_batch_size must divide it
 
 
 def rewrite_of(text: str, user_prompt: str, pattern: str) -> tuple[str, bool]:
@@ -234,153 +224,139 @@ def train(cfg: Config) -> dict:
     from mmrl.diffusion.models import load_flow_model
     from mmrl.diffusion.scoring import component_scores, load_reward_fn, reward_weights
     from mmrl.pipelines.data import PromptSampler, load_prompts
-    from mmrl.training import summarise
+    from mmrl.training import attach_flops_meter, summarise
+    from mmrl.vlm.batch import RolloutBatch
     from mmrl.vlm.policy import build_policy, rl_parameters
-    from mmrl.vlm.rollout import SamplingParams
-    from mmrl.vlm.rollout_collect import make_rollout_engine
+    from mmrl.vlm.rollout_collect import make_rollout_engine, sampling_params
     from mmrl.vlm.update import PolicyGradientLoss, contiguous_minibatches, policy_update
 
     check_config(cfg)
-    ro, al, up, r = cfg.rollout, cfg.algo, cfg.update, cfg.renderer
-    ctx, run = start_run(cfg, {"rollout.prompts_per_step": ro.prompts_per_step,
-                               "update.mini_batch_size": up.mini_batch_size})
-    timer = Timer(sync_cuda=run.device.type == "cuda")
+    rollout, algo, update, renderer_cfg = cfg.rollout, cfg.algo, cfg.update, cfg.renderer
+    ctx, run = start_run(cfg, {"rollout.prompts_per_step": rollout.prompts_per_step,
+                               "update.mini_batch_size": update.mini_batch_size})
     train_items = load_prompts(cfg.data.train_prompts)
     eval_items = load_prompts(cfg.data.eval_prompts)[: cfg.log.eval_max_prompts] if cfg.data.eval_prompts else []
     reward_fn = load_reward_fn(cfg.reward.components, run.device)
-    renderer = load_flow_model(r.path, run.device, run.dtype, r.max_sequence_length or None,
-                               family_options=r.family_options, key="renderer.path")
+    renderer = load_flow_model(renderer_cfg.path, run.device, run.dtype, renderer_cfg.max_sequence_length or None,
+                               family_options=renderer_cfg.family_options, key="renderer.path")
     renderer.transformer.requires_grad_(False)
     with ctx.main_process_first():  # rank 0 builds the tiny demo policy (model.build_tiny) before the others load it
-        states, processor = build_policy(cfg.model, run.device, run.dtype, keep_ref=al.kl.coef > 0)
+        states, processor = build_policy(cfg.model, run.device, run.dtype, keep_ref=algo.kl.coef > 0)
     model, tok = states.model, processor.tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     eos_id = tok.convert_tokens_to_ids("<|im_end|>")
     engine, syncer = make_rollout_engine(cfg, states, processor)
-    sampling = SamplingParams(n=ro.group_size, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
-                              max_new_tokens=ro.max_new_tokens, stop=ro.stop)
+    sampling = sampling_params(rollout)
     summary: dict[str, Any] = {}
     if run.find_resume() is None and cfg.warm_start.steps > 0:  # before any RL: identical on every rank
         from mmrl.vlm.warm_start import format_warm_start
 
-        with timer("warmup"):
-            summary["warm_start_loss"] = format_warm_start(model, states.named_trainable_parameters(), cfg.warm_start,
-                                                           _warm_start_pairs(cfg, processor, train_items, eos_id),
-                                                           pad_id)
+        summary["warm_start_loss"] = format_warm_start(model, states.named_trainable_parameters(), cfg.warm_start,
+                                                       _warm_start_pairs(cfg, processor, train_items, eos_id), pad_id)
         if not cfg.model.lora.enabled and "ref" in states.states:  # the reference is the warm-started model
             states.copy("default", "ref")
     params = rl_parameters(states, cfg.model.freeze)
     tmodel = ctx.wrap_model(model, cfg.dist.strategy, find_unused_parameters=cfg.dist.find_unused_parameters)
-    updates = cfg.train.max_steps * up.epochs * up.updates_per_epoch(ro.prompts_per_step * ro.group_size)
+    updates = cfg.train.max_steps * update.epochs * update.updates_per_epoch(rollout.prompts_per_step
+                                                                             * rollout.group_size)
     optimizer, lr_sched = build_optimizer(params, cfg.optim, total_steps=updates)
     sampler = PromptSampler(train_items, seed=cfg.seed)
     stateful = {"optimizer": optimizer, "lr_scheduler": lr_sched, "data": sampler}
     judges = build_judges(cfg.log, run.device, stateful, len(eval_items))  # scored on the eval renders
     start, _ = restore_checkpoint(ctx, run, states, stateful)
-    loss_fn = PolicyGradientLoss(al.policy_loss, al.clip_low, al.clip_high, al.dual_clip, al.loss_agg,
-                                 ro.max_new_tokens, al.entropy_coef, al.kl.coef, al.kl.estimator, False)
-    guard = UpdateGuard(up.max_skipped_updates, ctx, run)
+    loss_fn = PolicyGradientLoss(algo.policy_loss, algo.clip_low, algo.clip_high, algo.dual_clip, algo.loss_agg,
+                                 rollout.max_new_tokens, algo.entropy_coef, algo.kl.coef, algo.kl.estimator, False)
+    guard = UpdateGuard(update.max_skipped_updates, ctx, run)
+    estimator = get_advantage_estimator(algo.advantage)
     if start == 0 and ctx.is_main and eval_items:  # before training: the rewriter, the identity and the intents
         first = evaluate(cfg, engine, processor, renderer, reward_fn, eval_items, run, 0, baselines=True,
                          judges=judges)  # (also the judges' baseline)
         summary.update({f"first/{k}": v for k, v in first.items()})
         print(f"[prompt_rewriter] before RL: {first}", flush=True)
-    bar = run.progress(cfg.train.max_steps, start)
-    timer.pop()
-    for step in range(start + 1, cfg.train.max_steps + 1):
-        t_step = Timer()
-        if ctx.enabled:  # rank-local noise as a function of (seed, rank, step): nothing per rank to save
-            seed_everything(ctx.rank_seed(cfg.seed, step))
-        metrics: dict[str, Any] = {}
-        with t_step("step"):
-            # ---- 1. rewrites: this rank's share of the prompts, group_size each (request-major)
-            items = ctx.shard(sampler.next(ro.prompts_per_step))
-            with timer("rollout"):
-                results = engine.generate([_request(cfg, processor, it) for it in items], sampling)
-            users = [items[x.request_index].prompt for x in results]
-            parsed = [rewrite_of(x.text, u, cfg.data.answer_pattern) for x, u in zip(results, users)]
-            rewrites = [p for p, _ in parsed]
-            # ---- 2. render every rewrite (frozen model, no gradient); one noise per user prompt
-            with timer("render"):
-                groups = torch.tensor([x.request_index for x in results])
-                images = render(renderer, rewrites, r, groups if r.same_noise else None)
-            # ---- 3. rewards against the user's prompt (or its intent)
-            with timer("reward"):
-                targets = [_target(items[x.request_index], cfg.reward.intent_key) for x in results]
-                out = reward_fn(images=images, prompts=targets, metadata=[items[x.request_index].metadata
-                                                                          for x in results])
-                scores = out.scores.detach().float().cpu()
-                check_rewards(scores, out.details, cfg.reward.on_nonfinite, reward="reward.components",
-                              components=list(getattr(reward_fn, "components", {})),
-                              labels=[f"{u!r} -> {w!r}" for u, w in zip(users, rewrites)])
-            finite = torch.isfinite(scores)
-            scores_t = torch.where(finite, scores, torch.zeros_like(scores))
-            # ---- 4. advantages over all ranks' rewards (a non-finite reward: advantage 0, no gradient)
-            r_all, g_all = ctx.gather_group_rewards(scores_t, groups, scope="rank")
-            estimator = get_advantage_estimator(al.advantage)
-            if cfg.reward.aggregation == "normalise_then_sum":  # GDPO: each component in its own groups
-                comps = torch.nan_to_num(component_scores(reward_fn, out), nan=0.0, posinf=0.0, neginf=0.0)
-                adv_all = multi_reward_advantages(ctx.all_gather_tensor(comps), reward_weights(reward_fn),
-                                                  lambda x: estimator(x, g_all), cfg.reward.aggregation,
-                                                  mask=ctx.all_gather_tensor(finite.float()).bool())
-            else:
-                adv_all = estimator(r_all, g_all)
-            adv = ctx.local_slice(adv_all) * finite
-            metrics.update(finite_stats(ctx.all_gather_tensor(scores)))
-            for k in getattr(reward_fn, "components", {}):
-                metrics[f"reward/{k}"] = ctx.all_gather_tensor(torch.as_tensor(out.details[k]).float().cpu()).mean()
-            lens = ctx.all_gather_tensor(torch.tensor([len(x.response_ids) for x in results], dtype=torch.float32))
-            metrics.update({"rollout/response_length/mean": lens.mean(),
-                            "rollout/unparsed": 1.0 - sum(ok for _, ok in parsed) / len(parsed),
-                            "rollout/changed": sum(w != u for w, u in zip(rewrites, users)) / len(users)})
-            # ---- 5. the vlm_grpo update on the rewrite tokens
-            from mmrl.vlm.batch import RolloutBatch
+    attach_flops_meter(model)  # perf/tflops_per_step of the policy's forwards and backwards (not the renderer's)
 
-            batch = RolloutBatch.build(model, [x.prompt_ids for x in results], [x.response_ids for x in results],
-                                       [x.mm for x in results], pad_id,
-                                       rollout_logprobs=[x.response_logprobs for x in results])
-            batch.advantages = adv.to(batch.device)
-            if al.kl.coef > 0:
-                with timer("ref"), states.use("ref"):
-                    batch.ref_logprobs = batch.logprobs(model, up.micro_batch_size, ro.temperature)
-            n_updates = up.epochs * up.updates_per_epoch(ro.prompts_per_step * ro.group_size)
-            if n_updates > 1 or ro.engine == "vllm":  # pi_old from the trainer (hf engine's log-probs are exact)
-                with timer("old_logprob"):
-                    batch.old_logprobs = batch.logprobs(model, up.micro_batch_size, ro.temperature)
-            else:
-                batch.old_logprobs = batch.rollout_logprobs
-            mb = up.mini_batch_size // ctx.world_size or len(results)
-            with timer("train"):
-                res = policy_update(tmodel, batch, optimizer, params, loss_fn=loss_fn,
-                                    minibatches=contiguous_minibatches(len(results), len(results), mb),
-                                    micro_batch_size=up.micro_batch_size, epochs=up.epochs,
-                                    max_grad_norm=up.max_grad_norm, temperature=ro.temperature,
-                                    entropy_grad=al.entropy_coef != 0, guard=guard, step=step,
-                                    lr_scheduler=lr_sched, ctx=ctx)
-            metrics["diag/logprob_drift"] = max(ctx.all_gather_object(res.drift)) if ctx.enabled else res.drift
-            metrics.update(res.metrics())
-            metrics.update(guard.pop_metrics())
-            metrics["policy/lr"] = lr_sched.get_last_lr()[0]
-            if syncer is not None:
-                metrics.update(syncer.sync())
-            if ctx.is_main and cfg.log.sample_every and (step % cfg.log.sample_every == 0 or step == 1):
-                save_rewrites(run, step, f"step_{step:06d}", images, users, rewrites, scores, cfg.log.num_samples)
+    def evaluate_after(step: int, metrics: dict) -> None:
+        """Greedy rewrites of the eval prompts every log.eval_every steps and at the end (rank 0)."""
         if ctx.is_main and eval_items and ((cfg.log.eval_every and step % cfg.log.eval_every == 0)
                                            or step == cfg.train.max_steps):
-            with timer("eval"):
+            with steps.timer("eval"):
                 metrics.update(evaluate(cfg, engine, processor, renderer, reward_fn, eval_items, run, step,
                                         judges=judges))
-        metrics.update(timer.pop())
-        metrics["time/step_s"] = t_step.times["step"]
-        if ctx.is_main:
-            run.log(step, metrics)
-        bar.update(1)
-        bar.set_postfix(reward=f"{float(metrics['reward/mean']):.3f}")
-        if checkpoint_due(cfg, step):
-            save_checkpoint(ctx, run, step, states, stateful)
-        if stop_for_hacking(ctx, run, step, judges, states, stateful, False):  # log.hacking.stop
-            break
-    bar.close()
+
+    steps = StepLoop(ctx, run, cfg, start, states=states, stateful=stateful, fsdp=False, judges=judges,
+                     after_step=evaluate_after, postfix=lambda m: {"reward": f"{float(m['reward/mean']):.3f}"})
+    for step in steps:
+        metrics, timer = steps.metrics, steps.timer
+        # ---- 1. rewrites: this rank's share of the prompts, group_size each (request-major)
+        items = ctx.shard(sampler.next(rollout.prompts_per_step))
+        with timer("rollout"):
+            results = engine.generate([_request(cfg, processor, it) for it in items], sampling)
+        users = [items[x.request_index].prompt for x in results]
+        parsed = [rewrite_of(x.text, u, cfg.data.answer_pattern) for x, u in zip(results, users)]
+        rewrites = [p for p, _ in parsed]
+        # ---- 2. render every rewrite (frozen model, no gradient); one noise per user prompt
+        with timer("render"):
+            groups = torch.tensor([x.request_index for x in results])
+            images = render(renderer, rewrites, renderer_cfg, groups if renderer_cfg.same_noise else None)
+        # ---- 3. rewards against the user's prompt (or its intent)
+        with timer("reward"):
+            targets = [_target(items[x.request_index], cfg.reward.intent_key) for x in results]
+            out = reward_fn(images=images, prompts=targets, metadata=[items[x.request_index].metadata
+                                                                      for x in results])
+            scores = out.scores.detach().float().cpu()
+            check_rewards(scores, out.details, cfg.reward.on_nonfinite, reward="reward.components",
+                          components=list(getattr(reward_fn, "components", {})),
+                          labels=[f"{u!r} -> {w!r}" for u, w in zip(users, rewrites)])
+        finite = torch.isfinite(scores)
+        scores_t = torch.where(finite, scores, torch.zeros_like(scores))
+        # ---- 4. advantages over all ranks' rewards (a non-finite reward: advantage 0, no gradient)
+        r_all, g_all = ctx.gather_group_rewards(scores_t, groups, scope="rank")
+        if cfg.reward.aggregation == "normalise_then_sum":  # GDPO: each component in its own groups
+            comps = torch.nan_to_num(component_scores(reward_fn, out), nan=0.0, posinf=0.0, neginf=0.0)
+            adv_all = multi_reward_advantages(ctx.all_gather_tensor(comps), reward_weights(reward_fn),
+                                              lambda x: estimator(x, g_all), cfg.reward.aggregation,
+                                              mask=ctx.all_gather_tensor(finite.float()).bool())
+        else:
+            adv_all = estimator(r_all, g_all)
+        adv = ctx.local_slice(adv_all) * finite
+        metrics.update(finite_stats(ctx.all_gather_tensor(scores)))
+        for k in getattr(reward_fn, "components", {}):
+            metrics[f"reward/{k}"] = ctx.all_gather_tensor(torch.as_tensor(out.details[k]).float().cpu()).mean()
+        lens = ctx.all_gather_tensor(torch.tensor([len(x.response_ids) for x in results], dtype=torch.float32))
+        metrics.update({"rollout/response_length/mean": lens.mean(),
+                        "rollout/unparsed": 1.0 - sum(ok for _, ok in parsed) / len(parsed),
+                        "rollout/changed": sum(w != u for w, u in zip(rewrites, users)) / len(users)})
+        # ---- 5. the vlm_grpo update on the rewrite tokens
+        batch = RolloutBatch.build(model, [x.prompt_ids for x in results], [x.response_ids for x in results],
+                                   [x.mm for x in results], pad_id,
+                                   rollout_logprobs=[x.response_logprobs for x in results])
+        batch.advantages = adv.to(batch.device)
+        if algo.kl.coef > 0:
+            with timer("ref"), states.use("ref"):
+                batch.ref_logprobs = batch.logprobs(model, update.micro_batch_size, rollout.temperature)
+        n_updates = update.epochs * update.updates_per_epoch(rollout.prompts_per_step * rollout.group_size)
+        if n_updates > 1 or rollout.engine == "vllm":  # pi_old from the trainer (hf engine's log-probs are exact)
+            with timer("old_logprob"):
+                batch.old_logprobs = batch.logprobs(model, update.micro_batch_size, rollout.temperature)
+        else:
+            batch.old_logprobs = batch.rollout_logprobs
+        mini_batch = update.mini_batch_size // ctx.world_size or len(results)
+        with timer("train"):
+            res = policy_update(tmodel, batch, optimizer, params, loss_fn=loss_fn,
+                                minibatches=contiguous_minibatches(len(results), len(results), mini_batch),
+                                micro_batch_size=update.micro_batch_size, epochs=update.epochs,
+                                max_grad_norm=update.max_grad_norm, temperature=rollout.temperature,
+                                entropy_grad=algo.entropy_coef != 0, guard=guard, step=step,
+                                lr_scheduler=lr_sched, ctx=ctx)
+        metrics["diag/logprob_drift"] = max(ctx.all_gather_object(res.drift)) if ctx.enabled else res.drift
+        metrics.update(res.metrics())
+        metrics.update(guard.pop_metrics())
+        metrics["policy/lr"] = lr_sched.get_last_lr()[0]
+        if syncer is not None:
+            metrics.update(syncer.sync())
+        if ctx.is_main and cfg.log.sample_every and (step % cfg.log.sample_every == 0 or step == 1):
+            save_rewrites(run, step, f"step_{step:06d}", images, users, rewrites, scores, cfg.log.num_samples)
+    steps.close()
     ctx.close()
     if not ctx.is_main:
         return {}
@@ -403,27 +379,27 @@ def _request(cfg: Config, processor: Any, item: Any, n: int | None = None):
     from mmrl.vlm.common import messages_from_text, render_prompt
     from mmrl.vlm.rollout import GenRequest
 
-    d = cfg.data
-    text = render_prompt(processor, messages_from_text(d.template.replace("{prompt}", item.prompt),
-                                                       d.system_prompt or None))
-    images = [item.metadata[d.image_key]] if d.image_key else []
+    data = cfg.data
+    text = render_prompt(processor, messages_from_text(data.template.replace("{prompt}", item.prompt),
+                                                       data.system_prompt or None))
+    images = [item.metadata[data.image_key]] if data.image_key else []
     return GenRequest(prompt_text=text, images=images, n=n, metadata=item.metadata)
 
 
 @torch.no_grad()
-def render(model: Any, prompts: list[str], r: RendererConfig, groups: torch.Tensor | None = None,
+def render(model: Any, prompts: list[str], renderer: RendererConfig, groups: torch.Tensor | None = None,
            generator: torch.Generator | None = None) -> torch.Tensor:
     """Images [B, 3, H, W] of `prompts` from the frozen renderer (deterministic ODE); rows with equal `groups` start
     from the same initial noise (None: each its own)."""
     from mmrl.diffusion.sampling import sample_groups
 
     n = int(groups.max()) + 1 if groups is not None else len(prompts)
-    noise = model.initial_noise(n, r.height, r.width, generator)
+    noise = model.initial_noise(n, renderer.height, renderer.width, generator)
     if groups is not None:
         noise = noise[groups.to(noise.device)]
-    traj = sample_groups(model, model.encode_prompts(prompts), 1, num_steps=r.num_steps, height=r.height,
-                         width=r.width, guidance_scale=r.guidance_scale, noise_level=0.0,
-                         batch_size=r.micro_batch_size or None, initial_noise=noise)
+    traj = sample_groups(model, model.encode_prompts(prompts), 1, num_steps=renderer.num_steps,
+                         height=renderer.height, width=renderer.width, guidance_scale=renderer.guidance_scale,
+                         noise_level=0.0, batch_size=renderer.micro_batch_size or None, initial_noise=noise)
     return traj.images
 
 

@@ -1,6 +1,7 @@
 """Multi-turn episodes: the trajectory record (`Episode`, `Turn`), chat rendering of observations (`ChatFormat`),
 the environment rollout loop (`rollout_episodes`), and what the recipe does with a list of episodes (task specs,
-metrics, gathering across processes, sample files), with its config sections `env` and `rollout`.
+metrics, gathering across processes, sample files); its config sections `env` and `rollout` are in
+``mmrl.vlm.config``.
 
 Trajectory layout (token-in, token-out: the policy's own sampled ids are never re-tokenised)::
 
@@ -35,64 +36,6 @@ from mmrl.vlm.envs import EnvManager, Observation, StepResult
 from mmrl.vlm.rollout import GenRequest, SamplingParams
 
 # ============================================================================================ trajectories
-
-
-@dataclass
-class EnvConfig:
-    tasks: dict[str, dict] = field(default_factory=lambda: {"grid_puzzle": {}})
-    """Environment name -> constructor keyword arguments; groups cycle through the tasks in this order."""
-    modules: list[str] = field(default_factory=list)
-    """Python modules to import first (they register custom environments with `register_env`)."""
-    backend: Literal["thread", "process"] = "thread"
-    """EnvManager backend: `thread` or `process`."""
-    max_workers: int = 4
-    """Threads / worker processes stepping environments concurrently."""
-    eval_episodes: int = 32
-    """Episodes per task in each greedy evaluation (fixed seeds, disjoint from training seeds)."""
-
-    def __post_init__(self) -> None:
-        for key, lo in (("max_workers", 1), ("eval_episodes", 0)):
-            if getattr(self, key) < lo:
-                raise ValueError(f"env.{key}: expected >= {lo}, got {getattr(self, key)}")
-
-
-
-@dataclass
-class RolloutConfig:
-    prompts_per_step: int = 8
-    """Tasks (episode groups) per RL step (global over all processes)."""
-    group_size: int = 8
-    """Episodes per task (same seed, so the same start state)."""
-    max_turns: int = 6
-    """Turn limit per episode (the environment's own max_turns also applies)."""
-    max_new_tokens: int = 8
-    """Token limit of one response."""
-    max_seq_len: int = 1024
-    """Token limit of a whole trajectory; observations that do not fit are cut, then the episode ends."""
-    temperature: float = 1.0
-    """Sampling temperature (log-probs for the ratio use the same temperature)."""
-    top_p: float = 1.0
-    """Nucleus sampling mass (1 = off)."""
-    top_k: int = -1
-    """Top-k sampling (<= 0 = off)."""
-    async_mode: bool = False
-    """Episodes advance independently (generation of ready episodes overlaps slow environment steps)."""
-    system_prompt: str = ""
-    """Optional system message for every episode ('' = the chat template's default)."""
-    micro_batch_size: int = 64
-    """Max sequences the HF engine decodes together."""
-    engine: Literal["hf", "vllm"] = "hf"
-    """`hf` (transformers sampling loop) or `vllm` (token-in/token-out prompts; old log-probs are then recomputed)."""
-    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra vllm.LLM(...) arguments (defaults: dtype of the policy, max_model_len = max_seq_len, seed)."""
-
-    def __post_init__(self) -> None:
-        for key, lo in (("prompts_per_step", 1), ("group_size", 1), ("micro_batch_size", 1), ("max_turns", 1),
-                        ("max_new_tokens", 1), ("max_seq_len", self.max_new_tokens + 1), ("temperature", 0)):
-            if getattr(self, key) < lo:
-                raise ValueError(f"rollout.{key}: expected >= {lo}, got {getattr(self, key)}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"rollout.top_p: expected 0 < top_p <= 1, got {self.top_p}")
 
 
 @dataclass
@@ -238,7 +181,8 @@ class RolloutStats:
 
 
 def rollout_episodes(engine: Any, fmt: ChatFormat, manager: EnvManager, specs: Sequence[dict],
-                     sampling: SamplingParams, max_turns: int, max_seq_len: int, async_mode: bool = False,
+                     sampling: SamplingParams, max_turns: int, max_seq_len: int,
+                     scheduling: Literal["lockstep", "independent"] = "lockstep",
                      stats: RolloutStats | None = None) -> list[Episode]:
     """Run one episode per spec ({"task", "seed", "group", "env_kwargs"?, "task_kwargs"?}) to the end.
 
@@ -246,11 +190,11 @@ def rollout_episodes(engine: Any, fmt: ChatFormat, manager: EnvManager, specs: S
     after min(max_turns, env.max_turns) turns ("max_turns"), when the next observation plus
     ``sampling.max_new_tokens`` cannot fit in `max_seq_len` tokens ("truncated"; observation texts are cut
     first, counted in ``obs_truncated``), or when its environment raises ("error").
-    Sync mode: every turn generates for all live episodes, then steps their environments concurrently.
-    ``async_mode``: episodes advance independently: a generation batch holds whichever episodes are
-    ready, and each episode's environment step is submitted as soon as its response exists, so slow
+    ``scheduling="lockstep"``: every turn generates for all live episodes, then steps their environments
+    concurrently. ``"independent"``: episodes advance on their own: a generation batch holds whichever episodes
+    are ready, and each episode's environment step is submitted as soon as its response exists, so slow
     environments never hold up the others. Generation is seeded from ``sampling.seed`` (+ a call counter),
-    so sync-mode rollouts are reproducible.
+    so lockstep rollouts are reproducible.
     """
     stats = stats if stats is not None else RolloutStats()
     t = time.perf_counter()
@@ -284,8 +228,10 @@ def rollout_episodes(engine: Any, fmt: ChatFormat, manager: EnvManager, specs: S
                 ep.turns.append(Turn(start, len(ep.ids), anchor=ep.anchor, finish_reason=out.finish_reason,
                                      text=out.text))
 
+    if scheduling not in ("lockstep", "independent"):
+        raise ValueError(f"rollout.episode_scheduling: expected 'lockstep' or 'independent', got {scheduling!r}")
     live = [ep for ep in episodes if not ep.done]
-    if not async_mode:
+    if scheduling == "lockstep":
         while live:
             generate(live)
             t = time.perf_counter()

@@ -3,82 +3,47 @@
 Per step: roll out `rollout.prompts_per_step` tasks x `rollout.group_size` episodes (``mmrl.vlm.episodes``), drop
 groups with equal returns (DAPO dynamic sampling) and assign credit per turn (``mmrl.vlm.credit``: grpo, turn_grpo,
 gigpo), then update the policy on its own tokens over one padded ``RolloutBatch`` (``mmrl.vlm.update``). Run start,
-optimizer, checkpoints and summary: ``mmrl.training``. Several processes (dist.strategy ddp | fsdp): every rank rolls
-out whole groups of the global batch; turn rewards, anchors and group ids are all-gathered so advantages and DAPO's
-decisions use the whole batch; under FSDP rollouts, evaluation and the reference pass run in ``LockstepForwards``
-(only the decoder layers are sharded; the vision cache is off). Simplified away: no value model, no per-token rewards.
+optimizer, the step loop and its tail (``mmrl.training.steps.StepLoop``), checkpoints and summary: ``mmrl.run`` /
+``mmrl.training``; the policy: ``mmrl.vlm.policy.build_policy``; the config sections: ``mmrl.vlm.config``.
+Several processes (dist.strategy ddp | fsdp): every rank rolls out whole groups of the global batch; turn rewards,
+anchors and group ids are all-gathered so advantages and DAPO's decisions use the whole batch; under FSDP rollouts,
+evaluation and the reference pass run in ``LockstepForwards`` (only the decoder layers are sharded; the vision cache
+is off). Simplified away: no value model, no per-token rewards.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
 from mmrl.config import RunConfig, TrainConfig
 from mmrl.distributed import DistConfig
-from mmrl.run.checkpoint import FullOptimizerState, checkpoint_due, restore_checkpoint, save_checkpoint
+from mmrl.perf.meter import not_counted
+from mmrl.run.checkpoint import FullOptimizerState, restore_checkpoint
 from mmrl.run.start import closes_runs, start_run
-from mmrl.runtime import Timer, seed_everything
-from mmrl.training import (NONFINITE_KEY, SKIPPED_KEY, KLConfig, LoRAConfig, OnNonfinite, OptimConfig,
-                           RunningNormFields, TrackersConfig, UpdateConfig, UpdateGuard, attach_flops_meter,
-                           build_optimizer, finite_stats, peft_lora_config, perf_metrics, summarise)
+from mmrl.training import (NONFINITE_KEY, SKIPPED_KEY, KLConfig, OptimConfig, UpdateGuard, attach_flops_meter,
+                           build_optimizer, finite_stats, summarise)
+from mmrl.training.steps import StepLoop
 from mmrl.vlm.common import VisionCache, vision_has_adapters, vision_tower
+from mmrl.vlm.config import (EnvConfig, MultiTurnLogConfig, MultiTurnModelConfig, MultiTurnRewardConfig,
+                             MultiTurnRolloutConfig, VLMUpdateConfig, WarmStartConfig, at_least)
 from mmrl.vlm.credit import Advantage, collect_groups, episode_returns, token_advantages, turn_advantages
 from mmrl.vlm.envs import EnvManager, make_env
 from mmrl.vlm.episode_train import check_fsdp_rl_params, episode_batch, format_pairs, zero_grads
-from mmrl.vlm.episodes import (ChatFormat, EnvConfig, RolloutConfig, RolloutStats, episode_metrics, rollout_episodes,
-                               samples_text)
+from mmrl.vlm.episodes import ChatFormat, RolloutStats, episode_metrics, rollout_episodes, samples_text
 from mmrl.vlm.grpo_checks import check_clip_ranges
+from mmrl.vlm.policy import build_policy, rl_parameters
 from mmrl.vlm.rollout import SamplingParams
-from mmrl.vlm.update import PackingFields, PairedForwards, PolicyGradientLoss, policy_update
-from mmrl.vlm.warm_start import WarmStartConfig, format_warm_start
-
-
-def _at_least(section: str, obj: Any, **least: int) -> None:
-    for key, lo in least.items():
-        if getattr(obj, key) < lo:
-            raise ValueError(f"{section}.{key}: expected >= {lo}, got {getattr(obj, key)}")
-
-
-@dataclass
-class MultiTurnLoRAConfig(LoRAConfig):  # this recipe's defaults (a subclass: a partial YAML section keeps them)
-    rank: int = 0
-    alpha: int = 32
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+from mmrl.vlm.update import PairedForwards, PolicyGradientLoss, policy_update
+from mmrl.vlm.warm_start import format_warm_start
 
 
 @dataclass
 class MultiTurnOptimConfig(OptimConfig):
     lr: float = 1e-3
-
-
-@dataclass
-class ModelConfig:
-    path: str = "runs/tiny_qwen2_vl"
-    """Local checkpoint directory of a Qwen2/2.5/3-VL model (never a hub id)."""
-    build_tiny: bool = False
-    """If `path` holds no checkpoint, build the tiny random Qwen2-VL there first (CPU demo and tests)."""
-    lora: MultiTurnLoRAConfig = field(default_factory=MultiTurnLoRAConfig)
-    """LoRA adapter of the policy (rank 0 = full fine-tuning; language model attention by default)."""
-    freeze: list[str] = field(default_factory=list)
-    """RL updates skip parameters whose name contains one of these (e.g. lm_head, embed_tokens); the format warm
-    start still trains them. Adam moves every vocabulary row by ~lr per step even on noise, which slowly lifts
-    garbage tokens; freezing the output layer during RL prevents that."""
-
-
-@dataclass
-class MultiTurnUpdateConfig(PackingFields, UpdateConfig):
-    micro_batch_size: int = 16
-    """Episodes per forward/backward."""
-    reuse_vision_features: bool = True
-    """Compute each episode's image features once per step (mmrl.vlm.common.VisionCache) and reuse them in the
-    reference pass and, when the vision tower is frozen, in the training pass (same embeddings); false = every
-    forward runs the vision tower."""
 
 
 @dataclass
@@ -114,51 +79,32 @@ class AlgoConfig:
     """Extra rollout rounds per step to refill dropped groups (then train on what was collected)."""
 
     def __post_init__(self) -> None:
-        _at_least("algo", self, max_resample_rounds=0)
+        at_least("algo", self, max_resample_rounds=0)
         if self.kl.in_reward:
             raise ValueError("algo.kl.in_reward: not supported by vlm_multiturn (the KL is a loss term); use false")
-
-
-@dataclass
-class RewardConfig(RunningNormFields):  # running_norm*: on the turn rewards of the global training episodes
-    on_nonfinite: OnNonfinite = "error"
-    """A NaN/inf turn reward from an environment: `error` (stop, naming the environment, episode and turn) or
-    `drop_sample` (train without that episode: it leaves its group's statistics, a group left with < 2 episodes is
-    not trained on; the count of dropped episodes is logged as reward/nonfinite_samples)."""
-
-
-@dataclass
-class LogConfig(TrackersConfig):
-    eval_every: int = 0
-    """Greedy evaluation every this many steps (0 = only before and after training)."""
-    sample_every: int = 10
-    """Write a few trajectories to samples/step_N.txt at step 1 and every this many steps (0 = step 1 only)."""
-
-    def __post_init__(self) -> None:
-        _at_least("log", self, eval_every=0, sample_every=0)
 
 
 @dataclass
 class Config(RunConfig):
     algorithm: str = "vlm_multiturn"
     """Recipe name."""
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: MultiTurnModelConfig = field(default_factory=MultiTurnModelConfig)
     """Policy model."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """Environments."""
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rollout: MultiTurnRolloutConfig = field(default_factory=MultiTurnRolloutConfig)
     """Multi-turn rollout."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     """Credit assignment and loss."""
-    reward: RewardConfig = field(default_factory=RewardConfig)
+    reward: MultiTurnRewardConfig = field(default_factory=MultiTurnRewardConfig)
     """Checks on the environments' turn rewards and their running normalisation."""
     optim: MultiTurnOptimConfig = field(default_factory=MultiTurnOptimConfig)
     """AdamW and the learning-rate schedule (lr_end_factor: linear decay over train.max_steps)."""
-    update: MultiTurnUpdateConfig = field(default_factory=MultiTurnUpdateConfig)
+    update: VLMUpdateConfig = field(default_factory=VLMUpdateConfig)
     """Policy updates per step (epochs, mini-batches of episodes, micro-batches, clipping)."""
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     """Format-only supervised warm start before RL."""
-    log: LogConfig = field(default_factory=LogConfig)
+    log: MultiTurnLogConfig = field(default_factory=MultiTurnLogConfig)
     """Evaluation and sample cadence."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Training loop (steps, checkpoints, resume)."""
@@ -171,8 +117,9 @@ def check_config(cfg: Config) -> None:
     """Checks across sections (each section checks its own values when loaded); imports `env.modules`."""
     import importlib
 
-    for m in cfg.env.modules:  # custom environments register themselves on import
-        importlib.import_module(m)
+    rollout = cfg.rollout
+    for module in cfg.env.modules:  # custom environments register themselves on import
+        importlib.import_module(module)
     if not cfg.env.tasks:
         raise ValueError("env.tasks: expected at least one environment name, got none")
     check_clip_ranges(cfg.algo.clip_low, cfg.algo.clip_high)
@@ -181,29 +128,17 @@ def check_config(cfg: Config) -> None:
             make_env(name, **(cfg.env.tasks[name] or {}))  # unknown names / bad kwargs fail here, with the valid names
         except TypeError as exc:  # an argument the environment does not take (YAML or env.tasks.<name>.<arg>=...)
             raise ValueError(f"env.tasks.{name}: {exc}") from None
-    if cfg.rollout.group_size < 2 and cfg.algo.advantage != "turn_grpo":
-        raise ValueError(f"rollout.group_size: group advantages need >= 2 episodes per task, "
-                         f"got {cfg.rollout.group_size}")
+    if rollout.group_size < 2 and cfg.algo.advantage != "turn_grpo":
+        raise ValueError(f"rollout.group_size: group advantages need >= 2 episodes per task, got {rollout.group_size}")
     if cfg.model.lora.init_path:
         raise ValueError("model.lora.init_path: not supported by vlm_multiturn (it starts from model.path); use ''")
-    cfg.update.updates_per_epoch(cfg.rollout.prompts_per_step * cfg.rollout.group_size)  # must divide the batch
-    if cfg.rollout.engine == "vllm":
+    cfg.update.updates_per_epoch(rollout.prompts_per_step * rollout.group_size)  # must divide the batch
+    if rollout.engine == "vllm":
         if cfg.dist.strategy == "fsdp":
             raise ValueError("dist.strategy=fsdp: vlm_multiturn supports FSDP with rollout.engine=hf only")
         from mmrl.vlm.vllm_engine import check_vllm_rollout
 
-        check_vllm_rollout(cfg.rollout)
-
-
-def _load_model(cfg: Config, run: Any):
-    from mmrl.vlm.common import load_policy
-
-    path = Path(cfg.model.path)
-    if not (path / "config.json").is_file() and cfg.model.build_tiny:
-        from mmrl.tiny import build_tiny_qwen2_vl
-
-        build_tiny_qwen2_vl(path, seed=cfg.seed)
-    return load_policy(path, device=run.device, dtype=run.dtype)
+        check_vllm_rollout(rollout)
 
 
 def evaluate(cfg: Config, engine: Any, fmt: ChatFormat, manager: EnvManager,
@@ -213,32 +148,29 @@ def evaluate(cfg: Config, engine: Any, fmt: ChatFormat, manager: EnvManager,
     for t, name in enumerate(cfg.env.tasks):
         specs += [{"task": name, "seed": 10**7 + i, "group": t, "env_kwargs": cfg.env.tasks[name]}
                   for i in range(cfg.env.eval_episodes)]
-    sp = SamplingParams(temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens)
     with lockstep():
-        eps = rollout_episodes(engine, fmt, manager, specs, sp, cfg.rollout.max_turns, cfg.rollout.max_seq_len)
-    return episode_metrics(eps, episode_returns(eps, cfg.algo.gamma), prefix="eval/")
+        episodes = rollout_episodes(engine, fmt, manager, specs, greedy, cfg.rollout.max_turns, cfg.rollout.max_seq_len)
+    return episode_metrics(episodes, episode_returns(episodes, cfg.algo.gamma), prefix="eval/")
 
 
 @closes_runs  # the run directory's lock released however train() ends; a failed start leaves nothing
 def train(cfg: Config) -> dict:
-    from mmrl.adapters import PolicyStates
     from mmrl.vlm.rollout import HFRolloutEngine
 
     check_config(cfg)
-    ro, upd, algo = cfg.rollout, cfg.update, cfg.algo
-    ctx, run = start_run(cfg, {"rollout.prompts_per_step": ro.prompts_per_step})
+    rollout, update, algo = cfg.rollout, cfg.update, cfg.algo
+    ctx, run = start_run(cfg, {"rollout.prompts_per_step": rollout.prompts_per_step})
     rank, fsdp = ctx.rank, ctx.enabled and cfg.dist.strategy == "fsdp"
     manager = engine = None
     try:
+        use_ref = algo.kl.coef > 0
         with ctx.main_process_first():  # rank 0 builds the tiny demo model (model.build_tiny) before the others load it
-            model, processor = _load_model(cfg, run)
+            states, processor = build_policy(cfg.model.policy(), run.device, run.dtype, keep_ref=use_ref,
+                                             tiny_seed=cfg.seed)
         tok = getattr(processor, "tokenizer", processor)
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         eos_id = tok.convert_tokens_to_ids("<|im_end|>")
-        use_ref = algo.kl.coef > 0
-        lora = peft_lora_config(cfg.model.lora, lora_dropout=0.0, bias="none",
-                                base_model_name_or_path=str(Path(cfg.model.path).resolve()))
-        states = PolicyStates(model, lora, old=False, **({"keep_ref_copy": use_ref} if lora is None else {}))
         if fsdp:  # shard the decoder layers (the vision tower stays in the root unit: text-only and image forwards
             # then run the same collectives), follow the shards, and build the optimizer from them (below)
             from mmrl.vlm.common import language_block_types
@@ -247,23 +179,21 @@ def train(cfg: Config) -> dict:
             states.refresh()
         model = states.model
         attach_flops_meter(model)  # perf/tflops_per_step, perf/mfu, perf/peak_memory_gib
-        params = states.named_trainable_parameters()
-        rl_params = [p for n, p in params if not any(f in n for f in cfg.model.freeze)]
-        if not rl_params:
-            raise ValueError(f"model.freeze={cfg.model.freeze!r} excludes every trainable parameter")
+        params = states.named_trainable_parameters()  # the format warm start trains these (frozen ones included)
+        rl_params = rl_parameters(states, cfg.model.freeze, freeze_now=False)
         if fsdp:
             check_fsdp_rl_params(model, rl_params)
         opt, sched = build_optimizer(rl_params, cfg.optim, total_steps=cfg.train.max_steps)
-        fmt = ChatFormat(processor, ro.system_prompt or None)
+        fmt = ChatFormat(processor, rollout.system_prompt or None)
         syncer = None
-        if ro.engine == "vllm":  # token-in/token-out on the trajectory ids; weights pushed after every update
+        if rollout.engine == "vllm":  # token-in/token-out on the trajectory ids; weights pushed after every update
             from mmrl.vlm.vllm_engine import make_vllm_rollout
 
-            engine, syncer = make_vllm_rollout(cfg.model.path, states, processor, ro.vllm_kwargs, cfg.seed,
-                                               max_model_len=ro.max_seq_len,
-                                               limit_mm_per_prompt={"image": max(ro.max_turns, 1)})
+            engine, syncer = make_vllm_rollout(cfg.model.path, states, processor, rollout.vllm_kwargs, cfg.seed,
+                                               max_model_len=rollout.max_seq_len,
+                                               limit_mm_per_prompt={"image": max(rollout.max_turns, 1)})
         else:
-            engine = HFRolloutEngine(model, processor, batch_size=ro.micro_batch_size)
+            engine = HFRolloutEngine(model, processor, batch_size=rollout.micro_batch_size)
         manager = EnvManager(cfg.env.max_workers, cfg.env.backend, modules=cfg.env.modules)
         drop_grads = lambda: zero_grads(model, states.trainable_parameters())  # noqa: E731 (frozen ones too)
 
@@ -278,54 +208,69 @@ def train(cfg: Config) -> dict:
                 model.train(False)
                 pairs = format_pairs(cfg.env.tasks, fmt, eos_id, cfg.warm_start.batch_size, cfg.seed)
                 summary_extra["warm_start_loss"] = format_warm_start(
-                    model, params, cfg.warm_start, pairs, pad_id, temperature=ro.temperature or 1.0,
+                    model, params, cfg.warm_start, pairs, pad_id, temperature=rollout.temperature or 1.0,
                     weight_decay=0.01, zero_grad=drop_grads)  # (torch's AdamW default, as before)
         if syncer is not None:  # the engine loaded model.path: send what the warm start or a resumed checkpoint changed
             syncer.sync(full=True)
         if not start_step and (ctx.is_main or fsdp):
-            summary_extra["eval_before"] = ev = evaluate(cfg, engine, fmt, manager, lockstep)
+            summary_extra["eval_before"] = before = evaluate(cfg, engine, fmt, manager, lockstep)
             if ctx.is_main:
-                run.log(0, ev)
+                run.log(0, before)
 
         # only the optimizer's parameters get gradients from here on (DDP registers those that require grad now;
         # a frozen vision tower lets the training pass reuse cached image features)
-        rl_ids = {id(p) for p in rl_params}
-        for p in states.trainable_parameters():
-            p.requires_grad_(id(p) in rl_ids)
+        rl_parameters(states, cfg.model.freeze)
         # FSDP: already sharded. The vision cache calls the tower outside the root forward: off under FSDP
         tmodel = model if fsdp else ctx.wrap_model(model, cfg.dist.strategy,
                                                    find_unused_parameters=cfg.dist.find_unused_parameters)
-        reuse = upd.reuse_vision_features and not fsdp
+        reuse = update.reuse_vision_features and not fsdp
         state_ids = {id(p) for p in states.trainable_parameters()}
         share_ref = reuse and not vision_has_adapters(model) and not any(
             id(p) in state_ids for p in vision_tower(model).parameters())
-        sampling = SamplingParams(temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
-                                  max_new_tokens=ro.max_new_tokens)
-        guard = UpdateGuard(upd.max_skipped_updates, ctx, run)  # a NaN/inf loss or gradient never reaches the weights
-        mini_batches = upd.updates_per_epoch(ro.prompts_per_step * ro.group_size)
-        temperature = ro.temperature or 1.0
+        sampling = SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+                                  max_new_tokens=rollout.max_new_tokens)
+        guard = UpdateGuard(update.max_skipped_updates, ctx, run)  # a NaN/inf loss or gradient is never applied
+        mini_batches = update.updates_per_epoch(rollout.prompts_per_step * rollout.group_size)
+        temperature = rollout.temperature or 1.0
         loss_fn = PolicyGradientLoss(algo.policy_loss, algo.clip_low, algo.clip_high, entropy_coef=algo.entropy_coef,
                                      kl_coef=algo.kl.coef, kl_estimator=algo.kl.estimator)
-        bar = run.progress(cfg.train.max_steps, start_step)
-        for step in range(start_step + 1, cfg.train.max_steps + 1):
-            if ctx.enabled:  # rank-local randomness as a function of (seed, rank, step): nothing per rank to save
-                seed_everything(ctx.rank_seed(cfg.seed, step))
-            timer, stats, t_step = Timer(), RolloutStats(), time.perf_counter()
+
+        def evaluate_after(step: int, metrics: dict) -> None:
+            """Greedy evaluation every log.eval_every steps and at the end (FSDP: every rank runs it, rank 0 logs;
+            the other ranks wait at the step tail's collective). Not training work: not in perf/tflops_per_step."""
+            if not (ctx.is_main or fsdp):
+                return
+            every = cfg.log.eval_every
+            with not_counted(), steps.timer("eval"):
+                if every and step % every == 0 and step != cfg.train.max_steps:
+                    metrics.update(evaluate(cfg, engine, fmt, manager, lockstep))
+                if step == cfg.train.max_steps:
+                    summary_extra["eval_after"] = after = evaluate(cfg, engine, fmt, manager, lockstep)
+                    metrics.update(after)
+
+        steps = StepLoop(ctx, run, cfg, start_step, states=states, stateful=stateful, fsdp=fsdp,
+                         after_step=evaluate_after,
+                         checkpoint_extra=lambda: {"task_cursor": task_cursor, "summary": summary_extra},
+                         postfix=lambda m: {"success": f"{m['reward/success_rate']:.2f}",
+                                            "R": f"{m['reward/mean']:.2f}"})
+        for step in steps:
+            metrics, timer, stats = steps.metrics, steps.timer, RolloutStats()
             lockstep.dummies = 0
             model.eval()
 
-            def rollout(specs: list[dict], round_: int) -> list:
-                sp = dataclasses.replace(sampling, seed=cfg.seed * 7919 + step * 101 + round_ + rank * 1_000_003)
+            def rollout_round(specs: list[dict], round_: int) -> list:
+                seeded = dataclasses.replace(sampling, seed=cfg.seed * 7919 + step * 101 + round_ + rank * 1_000_003)
                 with lockstep():
-                    return rollout_episodes(engine, fmt, manager, specs, sp, ro.max_turns, ro.max_seq_len,
-                                            ro.async_mode, stats)
+                    return rollout_episodes(engine, fmt, manager, specs, seeded, rollout.max_turns,
+                                            rollout.max_seq_len, rollout.episode_scheduling, stats)
 
             # ---- rollout + DAPO dynamic sampling (decided on every rank's episodes)
-            got = collect_groups(ctx, rollout, cfg.env.tasks, task_cursor, ro.prompts_per_step, ro.group_size,
-                                 algo.gamma, algo.dynamic_sampling, algo.max_resample_rounds, cfg.reward.on_nonfinite)
+            got = collect_groups(ctx, rollout_round, cfg.env.tasks, task_cursor, rollout.prompts_per_step,
+                                 rollout.group_size, algo.gamma, algo.dynamic_sampling, algo.max_resample_rounds,
+                                 cfg.reward.on_nonfinite)
             task_cursor = got.task_cursor
             returns = episode_returns(got.all, algo.gamma)
-            metrics = episode_metrics(got.all, returns)  # everything sampled (all ranks), before filtering
+            metrics.update(episode_metrics(got.all, returns))  # everything sampled (all ranks), before filtering
             if cfg.reward.on_nonfinite == "drop_sample":
                 metrics[NONFINITE_KEY] = got.nonfinite  # episodes dropped for a NaN/inf turn reward
                 if got.nonfinite:  # returns of the episodes kept
@@ -344,31 +289,32 @@ def train(cfg: Config) -> dict:
                 # nothing kept here but elsewhere: a placeholder row (weight 0) keeps the collectives paired
                 batch = episode_batch(model, train_eps, pad_id, adv, placeholder_from=got.local if glob_train else None)
                 if batch is not None:
-                    upd.set_packing(batch)  # padding-free forwards (update.packing) or padded
+                    update.set_packing(batch)  # padding-free forwards (update.packing) or padded
                 if syncer is not None and train_eps:  # vLLM's log-probs are raw (T=1): the trainer's forward instead
                     rollout_lp = batch.old_logprobs
-                    batch.old_logprobs = batch.logprobs(model, upd.micro_batch_size, temperature, vision_cache=vcache)
+                    batch.old_logprobs = batch.logprobs(model, update.micro_batch_size, temperature,
+                                                        vision_cache=vcache)
                     rollout_drift = float(((batch.old_logprobs - rollout_lp).abs() * batch.loss_mask).max())
                 if use_ref and (train_eps or fsdp):
                     ref_cache = vcache if share_ref else (VisionCache(model) if reuse else None)
                     with states.use("ref"), lockstep():
                         if train_eps:
-                            batch.ref_logprobs = batch.logprobs(model, upd.micro_batch_size, temperature,
+                            batch.ref_logprobs = batch.logprobs(model, update.micro_batch_size, temperature,
                                                                 vision_cache=ref_cache)
             # ---- policy update: the same number of mini-batches on every rank (an empty one = a placeholder)
             with timer("train"):
                 n_mb = max(1, min(mini_batches, ctx.max_int(len(train_eps)) if ctx.enabled else len(train_eps)))
                 minibatches = [list(range(len(train_eps)))[i::n_mb] for i in range(n_mb)]
                 res = policy_update(tmodel, batch, opt, opt.param_groups[0]["params"], loss_fn=loss_fn,
-                                    minibatches=minibatches, micro_batch_size=upd.micro_batch_size,
-                                    epochs=upd.epochs if glob_train else 0, max_grad_norm=upd.max_grad_norm,
+                                    minibatches=minibatches, micro_batch_size=update.micro_batch_size,
+                                    epochs=update.epochs if glob_train else 0, max_grad_norm=update.max_grad_norm,
                                     temperature=temperature, with_entropy=algo.entropy_coef > 0,
                                     entropy_grad=algo.entropy_coef > 0, guard=guard, step=step, ctx=ctx,
                                     equal_micro_batches=fsdp, vision_cache=vcache, zero_grad=drop_grads)
             metrics.update(res.metrics(ctx))
             drift = res.drift if syncer is None or not train_eps else rollout_drift  # vLLM: rollout vs trainer
             if ctx.enabled:  # mini-batches where a rank had no episode (it ran a zero-weight one), summed over ranks
-                n_empty = (upd.epochs if glob_train else 0) * sum(not mb for mb in minibatches)
+                n_empty = (update.epochs if glob_train else 0) * sum(not mb for mb in minibatches)
                 metrics["dist/placeholder_minibatches"] = sum(ctx.all_gather_object(n_empty))
             if fsdp:  # forwards a rank ran only to pair another rank's rollout / reference forwards, summed over ranks
                 metrics["dist/lockstep_dummy_forwards"] = sum(ctx.all_gather_object(lockstep.dummies))
@@ -383,27 +329,11 @@ def train(cfg: Config) -> dict:
             if syncer is not None:  # the engine samples the next step with the updated weights
                 metrics.update(syncer.sync())
             metrics.update({"time/generation_s": stats.generation_s, "time/environment_s": stats.environment_s,
-                            "time/preprocessing_s": stats.preprocessing_s, **timer.pop()})
-            metrics["time/step_s"] = time.perf_counter() - t_step
-            metrics.update(perf_metrics(ctx, model, metrics["time/step_s"], run.device))  # a collective
+                            "time/preprocessing_s": stats.preprocessing_s})
             metrics["rollout/episode/env_errors_total"] = len(manager.errors)
-            if ctx.is_main or fsdp:  # the other ranks wait at the next collective (FSDP: all evaluate, rank 0 logs)
-                every = cfg.log.eval_every
-                if every and step % every == 0 and step != cfg.train.max_steps:
-                    metrics.update(evaluate(cfg, engine, fmt, manager, lockstep))
-                if step == cfg.train.max_steps:
-                    summary_extra["eval_after"] = ev = evaluate(cfg, engine, fmt, manager, lockstep)
-                    metrics.update(ev)
-            if ctx.is_main:
-                run.log(step, metrics)
-                if step == 1 or (cfg.log.sample_every and step % cfg.log.sample_every == 0):
-                    (run.samples_dir / f"step_{step:06d}.txt").write_text(samples_text(got.local))
-            if checkpoint_due(cfg, step):
-                save_checkpoint(ctx, run, step, states, stateful, fsdp=fsdp,
-                                extra={"task_cursor": task_cursor, "summary": summary_extra})
-            bar.update(1)
-            bar.set_postfix(success=f"{metrics['reward/success_rate']:.2f}", R=f"{metrics['reward/mean']:.2f}")
-        bar.close()
+            if ctx.is_main and (step == 1 or (cfg.log.sample_every and step % cfg.log.sample_every == 0)):
+                (run.samples_dir / f"step_{step:06d}.txt").write_text(samples_text(got.local))
+        steps.close()
     finally:
         if manager is not None:
             manager.close()

@@ -1,75 +1,37 @@
 """Single-turn VLM rollouts for the GRPO recipe: data streams, prompt requests, scoring (+ DAPO overlong penalty),
-group collection with DAPO dynamic sampling, greedy evaluation. Functions take the recipe config (`cfg`: its
-`data`, `rollout`, `reward` sections)."""
+group collection with DAPO dynamic sampling (`rollout_step`: one step's rollout, the same function in the trainer and
+in a rollout process), greedy evaluation. Functions take the recipe config (`cfg`: its `data`, `rollout`, `reward`,
+`algo` sections)."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from mmrl.core import keep_groups, overlong_penalty
-from mmrl.pipelines.data import GEO3K_TEMPLATE, PromptSampler, VQAItem, load_visual_qa
+from mmrl.pipelines.data import PromptSampler, VQAItem, load_visual_qa
 from mmrl.pipelines.shapes_qa import ShapesQA
 from mmrl.training import NONFINITE_KEY, check_rewards, finite_stats, group_keep
 from mmrl.vlm.common import encode_prompt, messages_from_text, render_prompt
 from mmrl.vlm.rollout import GenRequest, SamplingParams, make_engine
 
 
-@dataclass
-class DataConfig:
-    kind: Literal["shapes", "geo3k"] = "shapes"
-    """`shapes` (synthetic scenes, exact answers, infinite, seeded) or `geo3k` (jsonl/parquet via load_visual_qa)."""
-    path: str = ""
-    """geo3k: training file (.jsonl/.json/.parquet, or a datasets save_to_disk directory) with images/problem/answer."""
-    val_path: str = ""
-    """geo3k: optional held-out file for greedy eval accuracy (first `eval_size` rows)."""
-    image_root: str = ""
-    """geo3k: folder relative image paths are resolved against (default: the file's folder)."""
-    template: str = GEO3K_TEMPLATE
-    """Prompt template: geo3k uses {problem}; shapes uses {question}."""
-    system_prompt: str = ""
-    """Optional system message (empty: the chat template's default)."""
-    on_error: Literal["skip", "raise"] = "skip"
-    """geo3k rows with an unreadable image: `skip` (warn with the path) or `raise`."""
-    limit: int = 0
-    """geo3k: use at most this many rows (0 = all)."""
-    qa_kinds: list[str] = field(default_factory=lambda: ["color"])
-    """shapes: question kinds to draw from (color, count, shape, position)."""
-    colors: list[str] = field(default_factory=lambda: ["red", "green", "blue", "yellow", "orange", "purple"])
-    """shapes: shape colours."""
-    backgrounds: list[str] = field(default_factory=lambda: ["white"])
-    """shapes: background colours."""
-    n_shapes: list[int] = field(default_factory=lambda: [1, 1])
-    """shapes: inclusive [min, max] number of shapes per scene."""
-    shape_size: list[float] = field(default_factory=lambda: [0.3, 0.5])
-    """shapes: [min, max] shape size as a fraction of the image side."""
-    image_size: int = 56
-    """shapes: rendered image side in pixels (56 = 4 vision tokens for a Qwen-VL after merging)."""
-    min_pixels: int = 0
-    """Resize every image to at least this many pixels (qwen smart_resize; 0 = the processor's own limits)."""
-    max_pixels: int = 0
-    """Resize every image to at most this many pixels (0 = the processor's own limits)."""
-    eval_size: int = 64
-    """Fixed eval prompts (shapes: a separate seeded stream) scored greedily."""
-
-
-
 def build_data(cfg: Any) -> tuple[Any, list[VQAItem]]:
     """(resumable training stream with .next(n)/.state_dict(), fixed eval items)."""
-    d = cfg.data
-    if d.kind == "shapes":
-        return ShapesQA(d, cfg.seed), ShapesQA(d, cfg.seed + 7919).next(d.eval_size)
-    if d.kind == "geo3k":
-        if not d.path:
+    data = cfg.data
+    if data.kind == "shapes":
+        return ShapesQA(data, cfg.seed), ShapesQA(data, cfg.seed + 7919).next(data.eval_size)
+    if data.kind == "geo3k":
+        if not data.path:
             raise ValueError("data.path: geo3k data needs a .jsonl/.json/.parquet file or a save_to_disk directory")
-        kw = dict(image_root=d.image_root or None, template=d.template, on_error=d.on_error)
-        items = load_visual_qa(d.path, limit=d.limit or None, **kw)
-        evals = load_visual_qa(d.val_path, limit=d.eval_size, **kw) if d.val_path and d.eval_size else []
+        kw = dict(image_root=data.image_root or None, template=data.template, on_error=data.on_error)
+        items = load_visual_qa(data.path, limit=data.limit or None, **kw)
+        evals = load_visual_qa(data.val_path, limit=data.eval_size, **kw) if data.val_path and data.eval_size else []
         return PromptSampler(items, seed=cfg.seed), evals
-    raise ValueError(f"data.kind: expected 'shapes' or 'geo3k', got {d.kind!r}")
+    raise ValueError(f"data.kind: expected 'shapes' or 'geo3k', got {data.kind!r}")
 
 
 def to_request(item: VQAItem, processor: Any, data: Any, n: int | None = None) -> GenRequest:
@@ -158,6 +120,42 @@ def collect_rollouts(next_items: Callable[[int], list], generate: Callable[[list
     empty = torch.zeros(0)
     return Rollouts(kept, kept_items, torch.stack(S) if S else empty, {k: torch.stack(v) for k, v in C.items()},
                     torch.tensor(gids, dtype=torch.long), torch.cat(all_s), torch.cat(all_a), rounds, kinds, nonfinite)
+
+
+def sampling_params(rollout: Any) -> SamplingParams:
+    """The training rollouts' sampling settings of a `rollout:` section."""
+    return SamplingParams(n=rollout.group_size, temperature=rollout.temperature, top_p=rollout.top_p,
+                          top_k=rollout.top_k, max_new_tokens=rollout.max_new_tokens, stop=rollout.stop)
+
+
+def rollout_step(cfg: Any, engine: Any, processor: Any, reward_model: Any, data: Any, shards: Any, timer: Any, *,
+                 count: Callable[[list], int] = len, check_images: bool = False) -> tuple[Rollouts, list]:
+    """One step's rollouts of this rank, in the trainer (rollout.worker=inline) or in its rollout process: its
+    contiguous share (`shards`: a `DistContext`) of `rollout.prompts_per_step` prompts from `data`, `group_size`
+    responses each from `engine`, scored with `reward_model` (`reward.on_nonfinite` checked), with DAPO's rounds
+    (`algo.dynamic_sampling`, `algo.max_gen_batches`; `count` as in `collect_rollouts`); timed as rollout/reward
+    in `timer`. `check_images`: FSDP with a trained vision tower (every prompt must show an image). Returns (the
+    rollouts, [the first generated response]: the placeholder row of a rank that keeps nothing)."""
+    rollout, world = cfg.rollout, shards.world_size
+    sampling = sampling_params(rollout)
+    first: list = []
+
+    def generate(items: list) -> list:
+        if check_images:
+            check_fsdp_images(items)
+        with timer("rollout"):
+            results = engine.generate([to_request(it, processor, cfg.data) for it in items], sampling)
+        first[:] = results[:1]
+        return results
+
+    def score_fn(results: list) -> tuple:
+        with timer("reward"):
+            return score(reward_model, results, cfg, validate=True)
+
+    roll = collect_rollouts(lambda k: shards.shard(data.next(k * world)), generate, score_fn,
+                            rollout.prompts_per_step // world, rollout.group_size, cfg.algo.dynamic_sampling,
+                            cfg.algo.max_gen_batches, count=count)
+    return roll, first
 
 
 def per_kind(acc: torch.Tensor, kinds: list, prefix: str) -> dict[str, float]:
@@ -271,8 +269,6 @@ def shapes_warm_start_pairs(cfg: Any, processor: Any, eos_id: int):
     return next_pairs
 
 
-
-
 def finish(run: Any, summary: dict) -> dict:
     """The run's summary: first/last eval accuracy (printed), the first-5 / last-5 mean training accuracy and,
     with `log.judges`, the reward-hacking line."""
@@ -298,12 +294,12 @@ def make_rollout_engine(cfg: Any, states: Any, processor: Any, fsdp_ctx: Any = N
     """(engine, vLLM weight syncer or None) for the `rollout:` section (`engine`: another than rollout.engine, e.g.
     "hf" for the trainer's evaluation when a rollout process generates). `fsdp_ctx`: under FSDP every rank runs the
     same number of decode forwards (finished ranks run masked ones until all are done)."""
-    ro, name = cfg.rollout, engine or cfg.rollout.engine
+    rollout, name = cfg.rollout, engine or cfg.rollout.engine
     if name == "vllm":
         from mmrl.vlm.vllm_engine import make_vllm_rollout
 
-        return make_vllm_rollout(cfg.model.path, states, processor, ro.vllm_kwargs, cfg.seed)
-    kw = {"batch_size": ro.micro_batch_size}
+        return make_vllm_rollout(cfg.model.path, states, processor, rollout.vllm_kwargs, cfg.seed)
+    kw = {"batch_size": rollout.micro_batch_size}
     if fsdp_ctx is not None:
         kw["step_sync"] = fsdp_ctx.any_rank
     return make_engine(name, states.model, processor, **kw), None

@@ -26,7 +26,7 @@ import torch
 
 from mmrl.core import agg_loss, get_policy_loss, kl_estimate
 from mmrl.core.correction import weighted_advantages
-from mmrl.training import UpdateConfig, UpdateGuard, clip_grads
+from mmrl.training import UpdateGuard, clip_grads
 from mmrl.vlm.batch import RolloutBatch
 
 Tensor = torch.Tensor
@@ -34,45 +34,6 @@ Tensor = torch.Tensor
 # rollout-correction metrics of the bypass mode (rollout_is_max / rollout_is_min)
 _MAX_KEYS = ("_max", "drift")
 _MIN_KEYS = ("_min",)
-
-
-@dataclass
-class PackingFields:
-    """Padding-free packing keys of a VLM recipe's `update:` section (vlm_grpo and vlm_multiturn inherit them; put
-    it first among the bases to list its keys after the base's)."""
-
-    packing: bool = False
-    """Padding-free forwards in the reference, old and training passes: each micro-batch's real tokens packed into
-    rows of `pack_length` tokens with block-diagonal causal masks and per-sequence (M-RoPE) positions
-    (RolloutBatch.pack); logits only at response tokens; equal to the padded forwards up to float order."""
-    pack_length: int = 0
-    """Tokens per packed row with packing (rows are filled first fit decreasing): 0 = the micro-batch's longest
-    sequence (attention with a dense mask, as sdpa/eager on CPU, then costs no more than the padded batch's); a
-    large value puts the whole micro-batch in one row (for a varlen attention kernel: flash-attention 2)."""
-
-    def __post_init__(self) -> None:
-        if self.pack_length < 0:
-            raise ValueError(f"update.pack_length: expected >= 0 (0 = the longest sequence), got {self.pack_length}")
-        post = getattr(super(), "__post_init__", None)  # the next base's checks
-        if post is not None:
-            post()
-
-    def set_packing(self, batch: RolloutBatch) -> RolloutBatch:
-        """`batch` with this section's packing settings (its forwards then run packed or padded)."""
-        batch.packed, batch.pack_length = self.packing, self.pack_length
-        return batch
-
-
-@dataclass
-class VLMUpdateConfig(PackingFields, UpdateConfig):
-    """The `update:` section of the VLM recipes."""
-
-    micro_batch_size: int = 16
-    """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
-    reuse_vision_features: bool = True
-    """Run the vision tower once per prompt image set per step and reuse the features for all responses and the
-    reference / old / training passes (exact). The training pass recomputes them with gradients when the vision
-    tower is trained; a reference pass with LoRA on the vision tower gets its own cache. Off under FSDP."""
 
 
 @dataclass

@@ -3,7 +3,7 @@
 The recipes draw the responses at random from what is well-formed (vlm_grpo: an answer from the question's answer
 vocabulary; vlm_multiturn: ``Env.format_example``), NOT the true answers, so a randomly initialised tiny model
 learns the answer format only and RL has to learn the content. Config keys: ``warm_start.{steps, lr, batch_size,
-params}`` (:class:`WarmStartConfig`).
+params}`` (:class:`mmrl.vlm.config.WarmStartConfig`).
 
 Loss: token-mean negative log-likelihood (temperature `temperature`) of the response tokens of a
 :class:`~mmrl.vlm.batch.RolloutBatch` built from the pairs; AdamW over the parameters whose names match
@@ -12,38 +12,16 @@ Loss: token-mean negative log-likelihood (temperature `temperature`) of the resp
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 
 from mmrl.core import agg_loss
 from mmrl.vlm.batch import RolloutBatch
+from mmrl.vlm.config import WarmStartConfig
 
 # one warm-start batch: (prompt ids per row, response ids per row, mm dict per row)
 Pairs = tuple[Sequence[Sequence[int]], Sequence[Sequence[int]], Sequence[dict]]
-
-
-@dataclass
-class WarmStartConfig:
-    steps: int = 0
-    """Format-only supervised steps before RL (0 = off): prompts -> random well-formed responses (not the true
-    answers), so a random model learns the answer format, not the task."""
-    lr: float = 1e-3
-    """Warm-start learning rate."""
-    batch_size: int = 32
-    """Prompts per warm-start step."""
-    params: list[str] = field(default_factory=list)
-    """Train only parameters whose name contains one of these (empty = all trainable). Fitting random answers with
-    every weight teaches the model to ignore its input; `[lm_head]` teaches just the format."""
-
-    def __post_init__(self) -> None:
-        if self.steps < 0:
-            raise ValueError(f"warm_start.steps: expected >= 0, got {self.steps}")
-        if self.steps and self.batch_size < 1:
-            raise ValueError(f"warm_start.batch_size: expected >= 1, got {self.batch_size}")
-        if self.steps and not self.lr > 0:
-            raise ValueError(f"warm_start.lr: expected > 0, got {self.lr}")
 
 
 def warm_start_params(named: Sequence[tuple[str, torch.Tensor]], patterns: Sequence[str]) -> list[torch.Tensor]:

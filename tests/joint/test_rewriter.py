@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parents[2]
 TRAIN = str(REPO / "assets/prompts/rewriter_train.jsonl")
 EVAL = str(REPO / "assets/prompts/rewriter_eval.jsonl")
 SHAPES_MODEL = REPO / "assets" / "tiny_sd3_shapes"
-METRIC_PREFIXES = ("reward/", "policy/", "kl/", "train/", "rollout/", "eval/", "time/", "diag/", "cost/", "dist/")
+METRIC_PREFIXES = ("reward/", "policy/", "kl/", "train/", "rollout/", "eval/", "time/", "diag/", "cost/", "dist/",
+                   "perf/")
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +148,12 @@ def test_config_errors(tmp_path, tiny):
     assert not (tmp_path / "h" / "metrics.jsonl").exists()
 
 
+def test_an_unknown_reward_component_is_refused_when_the_config_loads(tmp_path, tiny):
+    """The image rewards are the diffusion recipes' `reward.components` section: checked as the config loads."""
+    with pytest.raises(ValueError, match=r"^reward.components.nope: unknown reward 'nope'; available: \["):
+        _cfg(tmp_path / "run", tiny, reward={"components": {"nope": 1.0}})
+
+
 @pytest.mark.parametrize("path, message", [("", "renderer.path is empty: expected a local diffusers pipeline"),
                                            ("{tmp}/none", "renderer.path '{tmp}/none' does not exist: expected")])
 def test_a_missing_renderer_is_named_by_its_own_key_before_the_start(tmp_path, path, message):
@@ -195,6 +202,7 @@ def test_short_run(tmp_path, tiny):
                 "policy/loss", "kl/ref", "time/render_s"):
         assert key in keys, key
     assert all(r["diag/logprob_drift"] < 1e-4 for r in rows)  # the engine's log-probs are the trainer's
+    assert all(r["perf/tflops_per_step"] > 0 for r in rows)  # the policy's forwards and backwards, as every recipe
     assert "eval/reward/mean" in rows[-1]  # the last step always evaluates
     assert "reward/shape_colour" in keys and math.isfinite(rows[-1]["eval/judge/shape_judge"])
     assert "eval/judge/shape_judge/delta" in rows[-1]  # compared with its baseline, scored before training
@@ -216,8 +224,9 @@ def test_resume_equals_uninterrupted_run(tmp_path, tiny):
     a, b = metrics_rows(tmp_path / "full"), metrics_rows(tmp_path / "half")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
 
-    def train_keys(r):  # the interrupted run also evaluated at its last step, 2 (evaluation forks the RNG)
-        return {k: v for k, v in without_time(r).items() if not k.startswith("eval/")}
+    def train_keys(r):  # the interrupted run also evaluated at its last step, 2 (evaluation forks the RNG; perf/:
+        # a step's FLOPs count its evaluation)
+        return {k: v for k, v in without_time(r).items() if not k.startswith(("eval/", "perf/"))}
     assert "eval/reward/mean" in b[1] and "eval/reward/mean" not in a[1]
     assert_same_path([train_keys(r) for r in a], [train_keys(r) for r in b], why=RESUMED_RUN)
     assert a[-1]["eval/reward/mean"] == b[-1]["eval/reward/mean"]

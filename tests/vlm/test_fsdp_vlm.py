@@ -20,6 +20,7 @@ import torch
 from mmrl.pipelines.shapes_qa import ShapesQA
 from mmrl.run.consolidate import checkpoint_optimizer_state, checkpoint_weights
 from mmrl.testing import child_env, metrics_rows, run_torchrun
+from mmrl.vlm.config import DataConfig
 from mmrl.vlm.rollout_collect import check_fsdp_images, to_request
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,13 +107,12 @@ def test_idle_decode_steps_leave_results_unchanged(tmp_path):
     """A rank that is done keeps running masked decode forwards while step_sync says another rank generates:
     its results are those of the plain engine."""
     from mmrl.tiny import build_tiny_qwen2_vl
-    from mmrl.vlm import grpo
     from mmrl.vlm.common import load_policy
     from mmrl.vlm.rollout import HFRolloutEngine, SamplingParams
 
     model, proc = load_policy(build_tiny_qwen2_vl(tmp_path / "tiny", seed=0))
-    items = ShapesQA(grpo.DataConfig(), seed=3).next(2)
-    reqs = [to_request(it, proc, grpo.DataConfig(template="{question}")) for it in items]
+    items = ShapesQA(DataConfig(), seed=3).next(2)
+    reqs = [to_request(it, proc, DataConfig(template="{question}")) for it in items]
     sp = SamplingParams(n=3, temperature=1.0, max_new_tokens=8, stop=["e"], seed=0)
     plain = HFRolloutEngine(model, proc).generate(reqs, sp)
     calls = {"idle": 0, "active": 0}
@@ -167,9 +167,7 @@ def test_fsdp_trained_vision_tower_needs_images():
     leave the vision tower without gradients on one rank (unpaired reduce-scatter)."""
     from types import SimpleNamespace
 
-    from mmrl.vlm import grpo
-
-    items = ShapesQA(grpo.DataConfig(), seed=0).next(3)
+    items = ShapesQA(DataConfig(), seed=0).next(3)
     check_fsdp_images(items)  # shapes QA: an image in every prompt
     with pytest.raises(ValueError, match=r"needs an image in every prompt; 1 of 4 prompts have none \(first: index 3\)"):
         check_fsdp_images(items + [SimpleNamespace(images=[], prompt="text only")])

@@ -23,7 +23,8 @@ from mmrl.core import keep_groups, overlong_penalty
 from mmrl.pipelines.shapes_qa import ShapesQA
 from mmrl.testing import RESUMED_RUN, assert_same_path, child_env, metrics_rows, run_torchrun, spawn_ranks, without_time
 from mmrl.vlm import grpo
-from mmrl.vlm.policy import build_policy
+from mmrl.vlm.policy import build_policy, rl_parameters
+from mmrl.vlm.rollout_collect import collect_rollouts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -98,7 +99,7 @@ def _scripted(rounds_rewards):
 def test_dynamic_sampling_fills_batch_and_drops_constant_groups():
     # batch 2 prompts x n 2; round 0: group 0 constant, group 1 varied; round 1: group 0 varied, group 1 constant
     script = [[1, 1, 0, 1], [1, 0, 0, 0], [1, 0, 1, 0]]
-    roll = grpo.collect_rollouts(*_scripted(script), batch_size=2, n=2, dynamic=True, max_rounds=4)
+    roll = collect_rollouts(*_scripted(script), batch_size=2, n=2, dynamic=True, max_rounds=4)
     assert roll.rounds == 2
     assert [r.text for r in roll.results] == ["prompt0_1#0", "prompt0_1#1", "prompt1_0#0", "prompt1_0#1"]
     assert roll.items == ["prompt0_1", "prompt0_1", "prompt1_0", "prompt1_0"]
@@ -106,13 +107,13 @@ def test_dynamic_sampling_fills_batch_and_drops_constant_groups():
     assert roll.group_ids[0] == roll.group_ids[1] != roll.group_ids[2] == roll.group_ids[3]
     assert roll.all_scores.tolist() == [1, 1, 0, 1, 1, 0, 0, 0]  # every generated sample is logged
     # the round limit stops early with a partial batch
-    roll = grpo.collect_rollouts(*_scripted(script), batch_size=2, n=2, dynamic=True, max_rounds=1)
+    roll = collect_rollouts(*_scripted(script), batch_size=2, n=2, dynamic=True, max_rounds=1)
     assert roll.rounds == 1 and len(roll.results) == 2
     # a full round is kept after the first round of a fresh stream: extra kept groups are cut at the batch size
-    roll = grpo.collect_rollouts(*_scripted([[1, 0, 0, 1]]), batch_size=2, n=2, dynamic=True, max_rounds=3)
+    roll = collect_rollouts(*_scripted([[1, 0, 0, 1]]), batch_size=2, n=2, dynamic=True, max_rounds=3)
     assert roll.rounds == 1 and len(roll.results) == 4
     # without dynamic sampling the constant groups stay
-    roll = grpo.collect_rollouts(*_scripted(script), batch_size=2, n=2, dynamic=False, max_rounds=4)
+    roll = collect_rollouts(*_scripted(script), batch_size=2, n=2, dynamic=False, max_rounds=4)
     assert roll.rounds == 1 and roll.scores.tolist() == [1, 1, 0, 1]
 
 
@@ -124,6 +125,14 @@ def test_lora_vision_included_or_excluded(tiny_path, tmp_path):
         assert names and all("lora_" in n for n in names)
         assert any("language_model" in n for n in names)
         assert any("visual" in n for n in names) == train_vision
+
+
+def test_a_freeze_list_that_leaves_nothing_to_train_is_one_clear_error(tiny_path, tmp_path):
+    cfg = _cfg(tiny_path, tmp_path, "model.lora.rank=0")
+    states, _ = build_policy(cfg.model, torch.device("cpu"), torch.float32, keep_ref=False)
+    assert rl_parameters(states, ["lm_head"])  # the other weights train
+    with pytest.raises(ValueError, match=r"^model.freeze=\['model', 'lm_head'\] excludes every trainable parameter$"):
+        rl_parameters(states, ["model", "lm_head"])
 
 
 # ------------------------------------------------------------------ RolloutBatch, update, warm start
@@ -214,7 +223,8 @@ def test_format_warm_start_equals_the_earlier_loop(tiny_path):
     vlm_grpo loop (collate + response_logprobs + Adam) on the same pairs."""
     from mmrl.core import agg_loss
     from mmrl.vlm.common import collate, load_policy, response_logprobs
-    from mmrl.vlm.warm_start import WarmStartConfig, format_warm_start
+    from mmrl.vlm.config import WarmStartConfig
+    from mmrl.vlm.warm_start import format_warm_start
 
     _, proc, P, R, MM = _mixed_rows(tiny_path)
     pad = proc.tokenizer.pad_token_id
@@ -425,11 +435,13 @@ def _update_cfg(tiny_path, case):
 def _fixed_rollouts(tiny_path):
     """8 sampled responses (2 prompts x 4) of the tiny policy with fixed rewards: the batch every rank starts from."""
     from mmrl.vlm.common import load_policy
+    from mmrl.vlm.config import DataConfig
     from mmrl.vlm.rollout import HFRolloutEngine, SamplingParams
+    from mmrl.vlm.rollout_collect import to_request
 
     model, proc = load_policy(tiny_path)
-    items = ShapesQA(grpo.DataConfig(colors=["red", "green", "blue"], image_size=84), seed=5).next(2)
-    reqs = [grpo.to_request(it, proc, grpo.DataConfig()) for it in items]
+    items = ShapesQA(DataConfig(colors=["red", "green", "blue"], image_size=84), seed=5).next(2)
+    reqs = [to_request(it, proc, DataConfig()) for it in items]
     res = HFRolloutEngine(model, proc).generate(reqs, SamplingParams(n=4, temperature=1.0, max_new_tokens=5, seed=0))
     return {"P": [r.prompt_ids for r in res], "R": [r.response_ids for r in res], "MM": [r.mm for r in res],
             "rewards": torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0]),

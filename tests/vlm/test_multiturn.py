@@ -41,12 +41,12 @@ def tiny(tmp_path_factory):
     return path, model, processor
 
 
-def _rollout(tiny, specs, max_turns=2, max_seq_len=512, max_new_tokens=3, async_mode=False, seed=0):
+def _rollout(tiny, specs, max_turns=2, max_seq_len=512, max_new_tokens=3, scheduling="lockstep", seed=0):
     _, model, processor = tiny
     engine, fmt = HFRolloutEngine(model, processor), ChatFormat(processor)
     with EnvManager(2) as mgr:
         eps = rollout_episodes(engine, fmt, mgr, specs, SamplingParams(max_new_tokens=max_new_tokens, seed=seed),
-                               max_turns=max_turns, max_seq_len=max_seq_len, async_mode=async_mode)
+                               max_turns=max_turns, max_seq_len=max_seq_len, scheduling=scheduling)
     return eps, fmt
 
 
@@ -97,11 +97,11 @@ def test_two_episode_two_turn_rollout_layout(tiny):
         assert (lp - torch.tensor(ep.old_logprobs[ep.prompt_len:]))[m].abs().max() < 1e-4
 
 
-def test_rollout_is_reproducible_and_async_mode_completes(tiny):
+def test_rollout_is_reproducible_and_independent_scheduling_completes(tiny):
     a, _ = _rollout(tiny, _far_specs(3), seed=5)
     b, _ = _rollout(tiny, _far_specs(3), seed=5)
     assert [e.ids for e in a] == [e.ids for e in b]
-    c, _ = _rollout(tiny, _far_specs(3), seed=5, async_mode=True)
+    c, _ = _rollout(tiny, _far_specs(3), seed=5, scheduling="independent")
     for ep in c:
         assert ep.end_reason == "max_turns" and len(ep.turns) == 2
         assert sum(ep.loss_mask) == sum(t.end - t.start for t in ep.turns)
@@ -127,10 +127,10 @@ class FlakyEnv(Env):
         return Observation("Again."), float(self.t), self.t >= 2, {}
 
 
-@pytest.mark.parametrize("async_mode", [False, True])
-def test_env_error_ends_only_its_episode(tiny, async_mode):
+@pytest.mark.parametrize("scheduling", ["lockstep", "independent"])
+def test_env_error_ends_only_its_episode(tiny, scheduling):
     specs = [{"task": "_test_mt_flaky", "seed": s, "group": 0} for s in range(3)]
-    eps, _ = _rollout(tiny, specs, async_mode=async_mode)
+    eps, _ = _rollout(tiny, specs, scheduling=scheduling)
     assert [e.end_reason for e in eps] == ["done", "error", "done"]
     assert "RuntimeError: env crashed" in eps[1].error and len(eps[1].turns) == 1 and eps[1].turns[0].reward == 0
     assert [t.reward for t in eps[0].turns] == [1.0, 2.0] and [t.reward for t in eps[2].turns] == [1.0, 2.0]
@@ -384,6 +384,23 @@ def test_logged_metric_names_and_selectable_policy_loss(tiny, tmp_path):
     assert ppo["policy/loss"] != gspo["policy/loss"]
 
 
+def test_evaluations_are_not_counted_as_training_flops(tiny, tmp_path):
+    """A greedy evaluation after step 1 (log.eval_every: 1) leaves every step's perf/tflops_per_step as in a run
+    that evaluates only at the end (it was counted in the next step's row)."""
+    import json
+
+    from mmrl.vlm.multiturn import train
+
+    rows = {}
+    for every in (0, 1):
+        train(_recipe_cfg(tmp_path / str(every), tiny[0], log={"eval_every": every},
+                          train={"max_steps": 2, "save_every": 0}))
+        rows[every] = [json.loads(x) for x in (tmp_path / str(every) / "metrics.jsonl").read_text().splitlines()]
+    assert "eval/success_rate" in rows[1][1] and "eval/success_rate" not in rows[0][1]  # step 1 evaluated
+    assert [r["perf/tflops_per_step"] for r in rows[1][1:]] == [r["perf/tflops_per_step"] for r in rows[0][1:]]
+    assert rows[1][2]["reward/mean"] == rows[0][2]["reward/mean"]
+
+
 def test_unknown_keys_and_choices_are_config_errors():
     from mmrl.config import ConfigError, load_config
 
@@ -397,6 +414,11 @@ def test_unknown_keys_and_choices_are_config_errors():
 
         check_config(load_config({"algorithm": "vlm_multiturn", "rollout": {"prompts_per_step": 2, "group_size": 2},
                                   "update": {"mini_batch_size": 3}}))
+    # "async" is the rollout process only: episodes that advance on their own are `rollout.episode_scheduling`
+    with pytest.raises(ConfigError, match=r"unknown config key 'rollout.async_mode' .*'episode_scheduling'"):
+        load_config({"algorithm": "vlm_multiturn"}, ["rollout.async_mode=true"])
+    cfg = load_config({"algorithm": "vlm_multiturn"}, ["rollout.episode_scheduling=independent"])
+    assert cfg.rollout.episode_scheduling == "independent"
     # a partial section keeps the recipe's defaults (LoRA alpha 32 on the attention projections, lr 1e-3)
     cfg = load_config({"algorithm": "vlm_multiturn", "model": {"lora": {"rank": 4}}, "optim": {"weight_decay": 0.1}})
     assert (cfg.model.lora.alpha, cfg.model.lora.target_modules[0], cfg.optim.lr) == (32, "q_proj", 1e-3)
