@@ -177,6 +177,9 @@ def check_config(cfg: Config) -> None:
     kl_estimate(torch.zeros(1), torch.zeros(1), algo.kl.estimator)
     if cfg.dist.strategy == "fsdp":
         raise ValueError("dist.strategy=fsdp: prompt_rewriter supports none or ddp")
+    if rollout.worker != "inline":  # (the rollout section is vlm_grpo's; the rewriter renders in its own process)
+        raise ValueError(f"rollout.worker={rollout.worker}: prompt_rewriter rolls out in the trainer process only "
+                         f"(rollout.worker=inline)")
     if rollout.group_size < 2 or rollout.prompts_per_step < 1:
         raise ValueError(f"rollout.group_size >= 2 and rollout.prompts_per_step >= 1 expected (GRPO compares the "
                          f"rewrites of one prompt); got {rollout.group_size}, {rollout.prompts_per_step}")

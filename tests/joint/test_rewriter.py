@@ -139,6 +139,8 @@ def test_config_errors(tmp_path, tiny):
         train(_cfg(tmp_path / "d", tiny, ["warm_start.steps=2"]))
     with pytest.raises(ValueError, match="fsdp"):
         train(_cfg(tmp_path / "e", tiny, ["dist.strategy=fsdp"]))
+    with pytest.raises(ValueError, match=r"^rollout.worker=process: prompt_rewriter rolls out in the trainer process"):
+        train(_cfg(tmp_path / "e2", tiny, ["rollout.worker=process"]))
     with pytest.raises(ValueError, match="group_size >= 2"):
         train(_cfg(tmp_path / "f", tiny, ["rollout.group_size=1"]))
     with pytest.raises(ValueError, match="intent_key='goal'"):
