@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train with a recipe config: mmrl train CONFIG.yaml [key=value ...]")
     t.add_argument("config", help="YAML file with a top-level `algorithm:` key")
-    t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=10 train.lr=1e-4")
+    t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=10 optim.lr=1e-4")
     t.set_defaults(func=cmd_train)
 
     c = sub.add_parser("config", help="show or check configs")
