@@ -211,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
             overrides += extra
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    from mmrl.run.start import hide_hf_progress_bars
+
+    # MMRL_NO_PROGRESS=1 (or `reward score --no-progress`): also the bars of the models a command loads
+    hide_hf_progress_bars(force=bool(getattr(args, "no_progress", False)))
     try:
         return int(args.func(args) or 0)
     except USER_ERRORS as exc:

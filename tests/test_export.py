@@ -8,7 +8,9 @@ full fine-tuning); the merged directory loads with `from_pretrained` and gives m
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import re
 import shutil
 from pathlib import Path
@@ -438,6 +440,16 @@ def test_the_sd3_kohya_file_says_diffusers_cannot_load_it(sd3_run, tmp_path, cap
     assert f"Loaded by: {printed['loaded_by']}." in card and "copy `mmrl_sd3_lora_step_2.safetensors` into " \
         "`ComfyUI/models/loras/`" in card and "(the file's `.alpha` keys carry the scale alpha / rank = " in card
     assert "diffusers' StableDiffusion3Pipeline does not read kohya keys" in card
+    from diffusers import StableDiffusion3Pipeline
+    from diffusers.utils import logging as dlog
+
+    pipe, log = StableDiffusion3Pipeline.from_pretrained(printed["base_model"]), io.StringIO()
+    dlog.get_logger("diffusers").addHandler(handler := logging.StreamHandler(log))
+    try:  # what the card says: diffusers' SD3 loader loads nothing of it
+        pipe.load_lora_weights(str(tmp_path / "k" / "mmrl_sd3_lora_step_2.safetensors"))
+    finally:
+        dlog.get_logger("diffusers").removeHandler(handler)
+    assert "No LoRA keys associated to SD3Transformer2DModel" in log.getvalue()
 
 
 @pytest.mark.slow
