@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train with a recipe config: mmrl train CONFIG.yaml [key=value ...]")
     t.add_argument("config", help="YAML file with a top-level `algorithm:` key")
-    t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=10 train.lr=1e-4")
+    t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=10 optim.lr=1e-4")
     t.set_defaults(func=cmd_train)
 
     c = sub.add_parser("config", help="show or check configs")
@@ -234,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
             overrides += extra
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    from mmrl.run.start import hide_hf_progress_bars
+
+    # MMRL_NO_PROGRESS=1 (or `reward score --no-progress`): also the bars of the models a command loads
+    hide_hf_progress_bars(force=bool(getattr(args, "no_progress", False)))
     try:
         return int(args.func(args) or 0)
     except USER_ERRORS as exc:

@@ -207,3 +207,39 @@ def inline_commands(text: str) -> list[str]:
     prose = FENCE.sub("", text)
     out += [s for s in CODE_SPAN.findall(prose) if re.match(starts, s)]
     return out
+
+
+HELP_OVERRIDE = re.compile(r"(?<![\w./-])([a-z_]+(?:\.[a-z_0-9]+)+=[^\s,;)]+)")  # e.g. train.max_steps=10
+HELP_COMMAND = re.compile(r"(`?)\b(mmrl ([a-z][\w-]*)(?: [^\s;:,()`]+)*)")  # an `mmrl ...` command in a help
+
+
+def help_texts(parser: argparse.ArgumentParser | None = None, path: tuple[str, ...] = ("mmrl",)
+               ) -> list[tuple[tuple[str, ...], str]]:
+    """(subcommand path, text) of every description, epilog and help string in `mmrl`'s parser tree (what
+    `mmrl ... --help` prints)."""
+    from mmrl.cli import build_parser
+
+    parser = parser or build_parser()
+    out = [(path, t) for t in (parser.description, parser.epilog) if t]
+    for action in parser._actions:
+        if action.help and action.help != argparse.SUPPRESS:
+            out.append((path, action.help))
+        if isinstance(action, argparse._SubParsersAction):
+            out += [(path + (c.dest,), c.help) for c in action._choices_actions if c.help]
+            for name, sub in action.choices.items():
+                out += help_texts(sub, path + (name,))
+    return out
+
+
+def help_examples() -> list[tuple[str, str]]:
+    """(where, command) of every example in `mmrl --help` texts: a quoted `mmrl ...` command as written, and each
+    `key=value` override as `mmrl <subcommand> <override>` (the subcommand whose help shows it)."""
+    from mmrl.cli import build_parser
+
+    subcommands, out = _subparsers(build_parser()), []
+    for path, text in help_texts():
+        where = " ".join(path) + " --help"
+        # prose such as "the mmrl client" is no command: a command names a subcommand, or is in `backticks`
+        out += [(where, c) for tick, c, sub in HELP_COMMAND.findall(text) if tick or sub in subcommands]
+        out += [(where, " ".join(path + (o,))) for o in HELP_OVERRIDE.findall(text)]
+    return sorted(set(out))

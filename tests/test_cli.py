@@ -334,3 +334,31 @@ def test_dotted_overrides_reach_into_reward_components_and_other_mappings(capsys
     err = capsys.readouterr().err
     assert "reward.components.pickscore.weigths: reward 'pickscore' has no argument 'weigths'; valid: [" in err
     assert "'weights'" in err and "Traceback" not in err
+
+
+def test_mmrl_no_progress_hides_the_loading_bars_of_commands_without_a_run(tmp_path):
+    """MMRL_NO_PROGRESS=1 hid the diffusers / transformers bars only inside start_run: `mmrl reward score` (and eval,
+    export) loaded their models with transformers' "Loading weights" bar. `--no-progress` hides them too."""
+    from PIL import Image
+
+    from mmrl.testing import child_env
+    from mmrl.tiny import build_tiny_clip
+
+    clip = build_tiny_clip(tmp_path / "clip")
+    (tmp_path / "img").mkdir()
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(tmp_path / "img" / "0.png")
+    (tmp_path / "p.txt").write_text("a red circle\n")
+    argv = [sys.executable, "-m", "mmrl.cli", "reward", "score", "clip_score", "--weights", str(clip), "--images",
+            str(tmp_path / "img"), "--prompts", str(tmp_path / "p.txt")]
+
+    def stderr(env_progress, *extra):
+        env = {k: v for k, v in child_env().items() if k != "MMRL_NO_PROGRESS"}
+        env.update(env_progress)
+        done = subprocess.run([*argv, *extra], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return done.stderr
+
+    assert "Loading weights" in stderr({})  # the bar this test looks for (shown without the setting)
+    for err in (stderr({"MMRL_NO_PROGRESS": "1"}), stderr({}, "--no-progress")):
+        lines = err.strip().splitlines()  # nothing but the summary
+        assert len(lines) == 1 and lines[0].startswith("scored 1 samples with clip_score: mean "), err

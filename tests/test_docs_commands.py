@@ -20,6 +20,10 @@ more fails too. Besides running them, every command (also the ones in `code span
 `mmrl eval CONFIG [--checkpoint DIR]`) is checked for cheap, static validity: an `mmrl` subcommand, option or
 `key=value` override that does not exist, a missing script or `--flag`, a Makefile target or a pip extra that does
 not exist fails `test_every_documented_command_names_real_things`.
+
+`mmrl ... --help` is documentation too: `test_every_help_example_names_real_things` prints the help of every
+subcommand and lints every example its texts show (an `mmrl ...` command, and each `key=value` override as
+`mmrl <subcommand> <override>`) with the same static check.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ _spec.loader.exec_module(_lib)
 ROOT, DOC_FILES, DocCommand = _lib.ROOT, _lib.DOC_FILES, _lib.DocCommand
 shell_commands, documented_commands, output_matches = _lib.shell_commands, _lib.documented_commands, _lib.output_matches
 strip_comment, lint_command, inline_commands = _lib.strip_comment, _lib.lint_command, _lib.inline_commands
+help_texts, help_examples = _lib.help_texts, _lib.help_examples
 
 
 class _Run:
@@ -522,4 +527,20 @@ def test_every_documented_command_names_real_things():
         # a `$ ` line shown with its output is an example of an error on purpose: its run checks that output
         commands = [c.command for c in shell_commands(text) if not c.expected] + inline_commands(text)
         problems += [f"{f.relative_to(ROOT)}: `{c}`: {p}" for c in commands for p in lint_command(c)]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_help_example_names_real_things(capsys):
+    """`mmrl train --help` suggested `train.lr=1e-4` (the key is optim.lr) and `mmrl eval --help`
+    `sample.eval_num_steps=20` (rollout.eval_num_steps): every example of every help text is linted."""
+    from mmrl.cli import build_parser
+
+    paths = sorted({path for path, _ in help_texts()})
+    for path in paths:  # every subcommand's --help prints and exits 0
+        with pytest.raises(SystemExit) as done:
+            build_parser().parse_args([*path[1:], "--help"])
+        assert done.value.code == 0 and "usage: " + " ".join(path) in capsys.readouterr().out
+    examples = help_examples()
+    assert ("mmrl train --help", "mmrl train train.max_steps=10") in examples  # the extraction finds them
+    problems = [f"{where}: `{c}`: {p}" for where, c in examples for p in lint_command(c)]
     assert not problems, "\n".join(problems)

@@ -8,7 +8,9 @@ full fine-tuning); the merged directory loads with `from_pretrained` and gives m
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import re
 import shutil
 from pathlib import Path
@@ -368,7 +370,8 @@ def test_overwrite_replaces_only_an_earlier_export(sd3_run, tmp_path, capsys):
         f"mmrl export: --out {out} holds an earlier export; pass --overwrite to replace it, or give a new or empty "
         f"directory")
     assert cli.main(["export", str(sd3_run), "--format", "kohya", "--out", str(out), "--overwrite"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["mmrl_export.json", "mmrl_sd3_lora_step_2.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "mmrl_export.json",
+                                                     "mmrl_sd3_lora_step_2.safetensors"]
     # ... unless it holds the run being exported
     shutil.copytree(sd3_run, out / "run")
     assert _export_error(capsys, str(out / "run"), *lora, "--out", str(out), "--overwrite") == (
@@ -414,10 +417,39 @@ def test_kohya_for_a_family_without_a_key_layout_says_so(sd3_run, tmp_path, monk
     from mmrl.export import diffusion
 
     monkeypatch.delitem(diffusion.KOHYA_READERS, "sd3")
-    with pytest.raises(ValueError, match=r"no kohya key layout is defined for family 'sd3' "
-                                         r"\(StableDiffusion3Pipeline\); defined: \['flux'\]"):
+    with pytest.raises(ValueError, match=re.escape(
+            "mmrl export: --format kohya is not loadable for StableDiffusion3Pipeline (family 'sd3'): mmrl's kohya "
+            "keys (lora_transformer_<module>) are read by ComfyUI for SD3 and FLUX and by diffusers' loader for FLUX "
+            "only; use --format diffusers-lora (pipe.load_lora_weights) or --format diffusers (a merged pipeline)")):
         export(sd3_run, "kohya", tmp_path / "k")
     assert not list(tmp_path.iterdir())  # nothing left behind, not even the temp directory
+
+
+@pytest.mark.slow
+def test_the_sd3_kohya_file_says_diffusers_cannot_load_it(sd3_run, tmp_path, capsys):
+    """diffusers' SD3 loader reads no kohya key (it loaded nothing, warning "No LoRA keys", and drew the base
+    model's images; the export had no model card): the card and the printed `loaded_by` name ComfyUI and send
+    diffusers users to --format diffusers-lora."""
+    assert cli.main(["export", str(sd3_run), "--format", "kohya", "--out", str(tmp_path / "k")]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["loaded_by"] == (
+        "ComfyUI (Load LoRA node; its LoRA key map reads these keys for SD3). Not diffusers: "
+        "StableDiffusion3Pipeline.load_lora_weights reads no kohya keys (it would load nothing): export --format "
+        "diffusers-lora for diffusers")
+    card = (tmp_path / "k" / "README.md").read_text()
+    assert f"Loaded by: {printed['loaded_by']}." in card and "copy `mmrl_sd3_lora_step_2.safetensors` into " \
+        "`ComfyUI/models/loras/`" in card and "(the file's `.alpha` keys carry the scale alpha / rank = " in card
+    assert "diffusers' StableDiffusion3Pipeline does not read kohya keys" in card
+    from diffusers import StableDiffusion3Pipeline
+    from diffusers.utils import logging as dlog
+
+    pipe, log = StableDiffusion3Pipeline.from_pretrained(printed["base_model"]), io.StringIO()
+    dlog.get_logger("diffusers").addHandler(handler := logging.StreamHandler(log))
+    try:  # what the card says: diffusers' SD3 loader loads nothing of it
+        pipe.load_lora_weights(str(tmp_path / "k" / "mmrl_sd3_lora_step_2.safetensors"))
+    finally:
+        dlog.get_logger("diffusers").removeHandler(handler)
+    assert "No LoRA keys associated to SD3Transformer2DModel" in log.getvalue()
 
 
 @pytest.mark.slow

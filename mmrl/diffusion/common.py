@@ -223,7 +223,7 @@ def ode_images(model: Any, states: Any, state: str, reward_fn: Any, items: Seque
 
 def _captions(items: Sequence[Any], scores: torch.Tensor | None) -> list[str]:
     """Reward first (a wrapped caption never hides it), then the whole prompt."""
-    return [(f"r={scores[i]:.3g} | " if scores is not None else "") + items[i].prompt for i in range(len(items))]
+    return [(f"reward {scores[i]:.3g} | " if scores is not None else "") + items[i].prompt for i in range(len(items))]
 
 
 def evaluate_ode(model: Any, states: Any, state: str, reward_fn: Any, items: Sequence[Any], run: Run, step: int, *,

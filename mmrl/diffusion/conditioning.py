@@ -72,8 +72,9 @@ def is_edit_batch(metadata: Sequence[dict]) -> bool:
 
 def sample_panels(images: torch.Tensor, captions: list[str], metadata: Sequence[dict]) -> tuple[torch.Tensor, list]:
     """Grid cells for a batch of results: unchanged for text-to-image rows; for edit rows each result follows its
-    source image (cells: source, edited, source, edited, ... with the instruction under the source and the given
-    caption - reward, instruction - under the result), so an even-width grid shows pairs side by side."""
+    source image (cells: source, edited, source, edited, ... with "source" under the source, "source (edit only in
+    mask)" when the row's mask limits the edit, and the given caption - reward, instruction - under the result), so
+    an even-width grid shows pairs side by side."""
     if not is_edit_batch(metadata):
         return images, captions
     h, w = images.shape[-2:]
@@ -81,6 +82,6 @@ def sample_panels(images: torch.Tensor, captions: list[str], metadata: Sequence[
     cells = torch.stack([sources, images], dim=1).flatten(0, 1)
     caps = []
     for m, c in zip(metadata, captions):
-        masked = " (masked)" if m.get(MASK_KEY) is not None else ""
+        masked = " (edit only in mask)" if m.get(MASK_KEY) is not None else ""  # the mask is not drawn
         caps += [f"source{masked}", c]
     return cells, caps

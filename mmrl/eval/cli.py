@@ -41,7 +41,7 @@ def add_eval_subparser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
                                      "configured reward + a GenEval-style shapes check -> eval_report.json")
     ev.__class__ = _OverridesAnywhereParser  # k=v overrides may also follow the options
     ev.add_argument("config", help="the diffusion recipe config (the one the checkpoint was trained with)")
-    ev.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sample.eval_num_steps=20")
+    ev.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.eval_num_steps=20")
     ev.add_argument("--checkpoint", help="a run directory (its newest checkpoint), checkpoints/step_N/ or its "
                                          "adapters/; omitted: the base model")
     ev.add_argument("--state", default="default", choices=["default", "old"],

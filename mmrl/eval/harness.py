@@ -315,15 +315,21 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
         "config": to_dict(cfg),
     }
     n = min(grid_images, len(x))
-    marks = {True: "ok", False: "x", None: "-"}
-    captions = [f"{marks[checks[k]['checks']['correct'] if checks[k] else None]} r={total[k]:.3g} {all_prompts[k]}"
-                for k in range(n)]
+    captions = grid_captions(total[:n], checks[:n], all_prompts[:n])
     if video:
         save_video_grid(x[:n], captions, out / "eval_grid.mp4")
     else:
         save_image_grid(*sample_panels(x[:n], captions, all_meta[:n]), out / "eval_grid.png")  # edits: source | result
     _write_json(out / "eval_report.json", report)
     return report
+
+
+def grid_captions(rewards: Sequence[float], checks: Sequence[dict | None], prompts: Sequence[str]) -> list[str]:
+    """The eval grid's captions: "reward 0.812 | check ok | prompt" (the shapes check's verdict, "check failed"
+    when wrong; none when the check cannot read the prompt, e.g. an edit instruction)."""
+    marks = {True: "check ok | ", False: "check failed | ", None: ""}
+    return [f"reward {r:.3g} | {marks[c['checks']['correct'] if c else None]}{p}"
+            for r, c, p in zip(rewards, checks, prompts)]
 
 
 def _save_files(u8: torch.Tensor, paths: Sequence[Path]) -> None:

@@ -10,11 +10,14 @@ Formats (`FORMATS`), by the trainer family that wrote the checkpoint:
 | `diffusers-lora` | diffusion, LoRA | `pytorch_lora_weights.safetensors` (+ peft's files) | `pipe.load_lora_weights(DIR)` |
 | `diffusers` | diffusion | a merged, self-contained pipeline | `<Pipeline>.from_pretrained(DIR)` |
 | `kohya` | diffusion, LoRA (SD3, FLUX) | one `.safetensors` file with kohya-style keys | ComfyUI; FLUX also diffusers |
+
+A format no tool loads for the checkpoint's family (kohya beyond SD3 and FLUX) is refused in one line before anything
+is written. `meta["loaded_by"]` (and the model card) names the tools that load the export.
 | `transformers` | VLM | a merged model with processor, tokenizer, generation config | `from_pretrained(DIR)`, `vllm serve DIR` |
 | `peft` | VLM, LoRA | the adapter, its config naming the base model, the processor | `PeftModel.from_pretrained(base, DIR)` |
 
 Every export also writes `mmrl_export.json` (base model, sampling settings, checkpoint path, step, state, sha256 of
-the weights) and a README.md model card with the loading code. `DIR` is written atomically (a temp directory
+the weights) and a README.md model card: what it is (base model, recipe, step, format) and the loading code. `DIR` is written atomically (a temp directory
 renamed at the end) and must be new or empty; `overwrite=True` replaces an earlier export there (a directory holding
 `mmrl_export.json`), never anything else: a run directory, a checkpoint, other files, or a directory that is, holds
 or lies inside the run, checkpoint or base model being exported are refused in one line.
@@ -59,7 +62,7 @@ def _vlm(name: str) -> Callable:
 FORMATS: dict[str, tuple[str, Callable, str]] = {
     "diffusers-lora": ("diffusion", _diffusion("export_diffusers_lora"), "diffusers LoRA directory (load_lora_weights)"),
     "diffusers": ("diffusion", _diffusion("export_diffusers_pipeline"), "merged diffusers pipeline directory"),
-    "kohya": ("diffusion", _diffusion("export_kohya"), "kohya-style LoRA file (ComfyUI)"),
+    "kohya": ("diffusion", _diffusion("export_kohya"), "kohya-style LoRA file: ComfyUI (SD3, FLUX), diffusers (FLUX)"),
     "transformers": ("vlm", _vlm("export_transformers"), "merged transformers model directory (vLLM can serve it)"),
     "peft": ("vlm", _vlm("export_peft"), "peft LoRA adapter directory naming its base model"),
 }
@@ -83,6 +86,12 @@ def export(checkpoint: str | Path, fmt: str, out: str | Path, *, state: str = "d
         valid = sorted(f for f, (fam, _, _) in FORMATS.items() if fam == src.family_kind)
         raise ValueError(f"mmrl export: --format {fmt} is for {family} checkpoints; {src.state_dir} is a "
                          f"{src.family_kind} checkpoint ({src.config.algorithm}): valid formats {valid}")
+    if family == "diffusion":  # a format no tool loads for this checkpoint's family: refused before anything is written
+        from mmrl.export.diffusion import refusal
+
+        problem = refusal(src, fmt)
+        if problem is not None:
+            raise ValueError(problem)
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:

@@ -17,7 +17,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     meta = export(args.checkpoint, args.format, args.out, state=args.state, config=args.config, base=args.base,
                   dtype=args.dtype, overwrite=args.overwrite)
-    print(json.dumps({k: meta[k] for k in ("format", "out", "base_model", "source") if k in meta}, indent=2))
+    print(json.dumps({k: meta[k] for k in ("format", "out", "base_model", "loaded_by", "source") if k in meta}, indent=2))
     return 0
 
 

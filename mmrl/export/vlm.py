@@ -36,9 +36,10 @@ def export_metadata(src: ExportSource, fmt: str) -> dict:
 def _model_card(meta: dict, title: str, usage: str) -> str:
     src = meta["source"]
     return (f"---\nbase_model: {meta['base_model']}\nlibrary_name: transformers\npipeline_tag: image-text-to-text\n"
-            f"tags: [\"mmrl\", \"reinforcement-learning\"]\n---\n\n# {title}\n\nExported by `mmrl export` from "
-            f"{src['checkpoint']} (algorithm {src['algorithm']}, step {src['step']}, policy state {src['state']!r}, "
-            f"{src['mode']}). Base model: {meta['base_model']} ({meta['model_type']}).\n\n{usage}\n"
+            f"tags: [\"mmrl\", \"reinforcement-learning\"]\n---\n\n# {title}\n\nExported by `mmrl export --format "
+            f"{meta['format']}` from {src['checkpoint']} (recipe {src['algorithm']}, step {src['step']}, policy state "
+            f"{src['state']!r}, {src['mode']}). Base model: {meta['base_model']} ({meta['model_type']}).\n\n"
+            f"Loaded by: {meta['loaded_by']}.\n\n{usage}\n"
             f"`mmrl_export.json` records the rollout sampling settings of training and the checkpoint's sha256.\n")
 
 
@@ -82,6 +83,7 @@ def export_transformers(src: ExportSource, out: Path, final: Path | None = None,
         model.generation_config.save_pretrained(str(out))
     meta["dtype"] = str(model.dtype).replace("torch.", "")
     where = str(final or out)
+    meta["loaded_by"] = "transformers' AutoModelForImageTextToText.from_pretrained(DIR); vLLM (vllm serve DIR)"
     usage = ("```python\nfrom transformers import AutoModelForImageTextToText, AutoProcessor\n\n"
              f"model = AutoModelForImageTextToText.from_pretrained({where!r})\n"
              f"processor = AutoProcessor.from_pretrained({where!r})\n```\n\nServe it with vLLM: `vllm serve {where}`.\n")
@@ -105,6 +107,7 @@ def export_peft(src: ExportSource, out: Path, final: Path | None = None, **_: An
     adapter_config["base_model_name_or_path"] = meta["base_model"]
     (out / PEFT_CONFIG_NAME).write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
     AutoProcessor.from_pretrained(str(src.base)).save_pretrained(str(out))
+    meta["loaded_by"] = "peft's PeftModel.from_pretrained(base, DIR) on the base model it names"
     usage = ("```python\nfrom peft import PeftModel\nfrom transformers import AutoModelForImageTextToText, "
              "AutoProcessor\n\n"
              f"base = AutoModelForImageTextToText.from_pretrained({meta['base_model']!r})\n"

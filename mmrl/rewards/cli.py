@@ -413,7 +413,8 @@ def _score_to(f, fmt: str, args: argparse.Namespace, reward, paths, prompts, met
     n = len(paths) if paths is not None else len(completions)
     writer = _RowWriter(f, fmt)
     skipped: list[str] = []
-    total = 0.0
+    said: list[str] = []  # the reward's warnings (e.g. ocr: a prompt without quoted text scores NaN)
+    total, nonfinite = 0.0, 0
     where = f" -> {out_path}" if out_path is not None else ""
     bar = tqdm(total=n, desc=f"reward {args.reward}", unit="sample", file=sys.stderr,
                disable=args.no_progress or os.environ.get("MMRL_NO_PROGRESS") == "1")
@@ -444,10 +445,13 @@ def _score_to(f, fmt: str, args: argparse.Namespace, reward, paths, prompts, met
             rows: list[dict[str, Any]] = []
             detail_keys: list[str] = []
             for sel in groups.values():
-                out = reward(images=None if paths is None else torch.stack([images[i] for i in sel]),
-                             prompts=None if prompts is None else [prompts[i] for i in sel],
-                             metadata=None if metadata is None else [metadata[i] for i in sel],
-                             completions=None if completions is None else [completions[i] for i in sel])
+                with warnings.catch_warnings(record=True) as caught:  # said in one line each, at the end
+                    warnings.simplefilter("always")
+                    out = reward(images=None if paths is None else torch.stack([images[i] for i in sel]),
+                                 prompts=None if prompts is None else [prompts[i] for i in sel],
+                                 metadata=None if metadata is None else [metadata[i] for i in sel],
+                                 completions=None if completions is None else [completions[i] for i in sel])
+                said += [m for m in (str(w.message).splitlines()[0] for w in caught) if m not in said]
                 cols = per_sample_columns(out.details, len(sel))
                 scores = out.scores.detach().float().cpu().tolist()
                 detail_keys += [k for k in cols if k not in detail_keys]
@@ -457,7 +461,8 @@ def _score_to(f, fmt: str, args: argparse.Namespace, reward, paths, prompts, met
                                  "score": scores[r], **{k: v[r] for k, v in cols.items()}})
             rows.sort(key=lambda r: r.pop("_i"))
             writer.write(rows, detail_keys)
-            total += sum(r["score"] for r in rows)
+            total += sum(r["score"] for r in rows if math.isfinite(r["score"]))
+            nonfinite += sum(not math.isfinite(r["score"]) for r in rows)
             if stop is not None:
                 _fail(f"{stop} (--on-error raise; the {writer.count} row(s) before it were written{where})")
             bar.update(chunk_len)
@@ -470,8 +475,13 @@ def _score_to(f, fmt: str, args: argparse.Namespace, reward, paths, prompts, met
     note = f"; skipped {len(skipped)} unreadable image(s)" if skipped else ""
     if writer.count == 0:
         _fail(f"none of the {n} image(s) could be read{note}")
-    print(f"scored {writer.count} samples with {args.reward}: mean {total / writer.count:.6g}{where}{note}",
-          file=sys.stderr)
+    mean = f"mean {total / (writer.count - nonfinite):.6g}" if writer.count > nonfinite else "mean nan"
+    if nonfinite:  # why, in the same line: the reward's first warning (else: it returned NaN without saying why)
+        mean += (f" over the {writer.count - nonfinite} finite scores" if writer.count > nonfinite else "") + \
+            f"; {nonfinite} of {writer.count} scores are NaN ({said.pop(0) if said else 'the reward gave no reason'})"
+    for message in said:  # other warnings of the reward: one line each, not Python's file:line form
+        print(f"mmrl reward: warning: {message}", file=sys.stderr)
+    print(f"scored {writer.count} samples with {args.reward}: {mean}{where}{note}", file=sys.stderr)
     return 0
 
 

@@ -158,8 +158,9 @@ DEFAULT_EDIT_JUDGE_PROMPT = (
 
 @register("vlm_edit_judge")
 class VLMEditJudge(VLMJudge):
-    """VLM judge of an edit: the source image (metadata["source_image"]), the edited image and the instruction go
-    to the judge; 'Final Score: x' (1-5) -> x/5. Options as `vlm_judge`."""
+    """VLM judge of an edit: source + edited image + instruction over a chat API, 'Final Score: x' (1-5) -> x/5.
+
+    The source image comes from metadata["source_image"]. Options as `vlm_judge`."""
 
     name = "vlm_edit_judge"
 

@@ -42,6 +42,7 @@ def start_run(cfg: Any, global_sizes: dict[str, int] | None = None):
                                  f"processes ({ctx.world_size})")
         if not ctx.is_main:
             os.environ["MMRL_NO_PROGRESS"] = "1"
+            hide_hf_progress_bars()
         failure: BaseException | None = None
         if ctx.is_main:  # rank 0 first: it takes the directory's lock, clears and checks it, writes config.yaml
             try:
@@ -64,9 +65,11 @@ def start_run(cfg: Any, global_sizes: dict[str, int] | None = None):
     return ctx, run
 
 
-def hide_hf_progress_bars() -> None:
-    """With MMRL_NO_PROGRESS=1 the loading bars of diffusers, transformers and huggingface_hub are off too."""
-    if os.environ.get("MMRL_NO_PROGRESS") != "1":
+def hide_hf_progress_bars(force: bool = False) -> None:
+    """With MMRL_NO_PROGRESS=1 (or `force`) the loading bars of diffusers, transformers and huggingface_hub are off
+    too. Called by `mmrl.cli.main` before any command (eval, export and reward score load models without a run),
+    and by `start_run` (the Python API)."""
+    if os.environ.get("MMRL_NO_PROGRESS") != "1" and not force:
         return
     import importlib
 

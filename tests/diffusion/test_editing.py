@@ -62,10 +62,18 @@ def test_conditioning_helpers(tiny_family, tiny_sd3):
     assert torch.allclose(emb["image_latents"], kontext.encode_images(load_sources(items, 64, 64)))
     # grids: every result after its source
     results = torch.rand(2, 3, 64, 64)
-    cells, caps = sample_panels(results, ["r=1 a", "r=2 b"], [it.metadata for it in items])
+    cells, caps = sample_panels(results, ["reward 1 | a", "reward 2 | b"], [it.metadata for it in items])
     assert cells.shape == (4, 3, 64, 64) and torch.equal(cells[1], results[0]) and torch.equal(cells[3], results[1])
-    assert torch.equal(cells[0], load_sources(items[:1], 64, 64)[0]) and caps == ["source (masked)", "r=1 a",
-                                                                                 "source (masked)", "r=2 b"]
+    # "source (masked)" did not say what the mask does
+    assert torch.equal(cells[0], load_sources(items[:1], 64, 64)[0]) and caps == [
+        "source (edit only in mask)", "reward 1 | a", "source (edit only in mask)", "reward 2 | b"]
+    # the eval grid's captions said "- r=0.5" / "x r=0.5": now what the number and the mark are
+    from mmrl.eval.harness import grid_captions
+
+    assert grid_captions([0.5, 0.25, 1.0], [None, {"checks": {"correct": False}}, {"checks": {"correct": True}}],
+                         ["make the circle red", "a red circle", "a blue square"]) == [
+        "reward 0.5 | make the circle red", "reward 0.25 | check failed | a red circle",
+        "reward 1 | check ok | a blue square"]
     same, same_caps = sample_panels(results, ["a", "b"], [{}, {}])
     assert same is results and same_caps == ["a", "b"]
 

@@ -55,6 +55,16 @@ def test_list_prints_names_with_descriptions(capsys):
         assert name in lines
     assert "Reward = -JPEG size in kB" in lines["jpeg_compressibility"]
     assert "0.9 * math accuracy" in lines["geo3k"]
+    # what each scores (they showed a parameter's note, or the edit module's one line for all three)
+    assert lines["ocr"].endswith("Text rendering: the image's OCR text (RapidOCR) against the prompt's quoted text, "
+                                 "1 - edit distance / length.")
+    assert lines["edit_preservation"].endswith("Preservation: the edited image's similarity to its source outside "
+                                               "the edit mask (1 = unchanged).")
+    assert lines["clip_direction"].endswith("Edit direction: CLIP cosine of (edited - source) image change with the "
+                                            "(target - source) caption change.")
+    assert lines["edit_region_color"].endswith("Edit following: the share of the mask's pixels in the target colour "
+                                               "(synthetic shapes edits).")
+    assert lines["vlm_edit_judge"].endswith("'Final Score: x' (1-5) -> x/5.")
 
 
 def test_score_directory_with_prompts_matches_local(image_dir, tmp_path, capsys):
@@ -149,6 +159,20 @@ def test_score_prompts_drop_a_byte_order_mark(image_dir, tmp_path, capsys):
                 "--no-progress"]) == 0
     rows = list(csv.DictReader(capsys.readouterr().out.splitlines()))
     assert [r["prompt"] for r in rows] == ["a grey square", "noisy", "noise"]
+
+
+def test_score_ocr_says_in_one_line_why_scores_are_nan(image_dir, tmp_path, capsys):
+    """Prompts without quoted text: ocr scores NaN. The summary said `mean nan` after a raw Python warning (file,
+    line and source); now it gives the mean of the finite scores and says why the others are NaN, in one line."""
+    pytest.importorskip("rapidocr_onnxruntime")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text('a sign saying "HELLO"\na sign\nanother sign\n')
+    assert run(["reward", "score", "ocr", "--images", str(image_dir), "--prompts", str(prompts), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert err == ("scored 3 samples with ocr: mean 0 over the 1 finite scores; 2 of 3 scores are NaN (ocr: prompt "
+                   "'a sign' has no quoted text and no metadata['text']: scored nan (no_target='nan': no text to "
+                   "compare the image with); put the text to render in quotes, or in training drop such samples with "
+                   "reward.on_nonfinite=drop_sample)\n")
 
 
 def test_score_and_serve_name_the_reward_the_same_way_and_the_old_flag_still_works(image_dir, capsys):

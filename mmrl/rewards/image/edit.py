@@ -78,6 +78,8 @@ def _masked_mean(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @register("edit_preservation")
 class EditPreservation(TorchImageReward):
+    """Preservation: the edited image's similarity to its source outside the edit mask (1 = unchanged)."""
+
     name = "edit_preservation"
 
     def __init__(self, metric: str = "l1", weights: Any = None, processor: Any = None, batch_size: int = 32,
@@ -107,6 +109,8 @@ class EditPreservation(TorchImageReward):
 
 @register("clip_direction")
 class ClipDirection(TorchImageReward):
+    """Edit direction: CLIP cosine of (edited - source) image change with the (target - source) caption change."""
+
     name = "clip_direction"
 
     def __init__(self, weights: Any = None, processor: Any = None, batch_size: int = 32, device: Any = None,
@@ -134,6 +138,8 @@ class ClipDirection(TorchImageReward):
 
 @register("edit_region_color")
 class EditRegionColor(RewardModel):
+    """Edit following: the share of the mask's pixels in the target colour (synthetic shapes edits)."""
+
     name = "edit_region_color"
     needs_prompts = True
 

@@ -81,7 +81,9 @@ NO_TARGET = ("nan", "zero")
 
 @register("ocr")
 class OcrReward(RewardModel):
-    """`no_target`: the score of an image whose prompt has no quoted text and no metadata["text"]: "nan" (default:
+    """Text rendering: the image's OCR text (RapidOCR) against the prompt's quoted text, 1 - edit distance / length.
+
+    `no_target`: the score of an image whose prompt has no quoted text and no metadata["text"]: "nan" (default:
     the reward does not apply; trainers handle it as any non-finite reward, `reward.on_nonfinite`) or "zero"."""
 
     name = "ocr"
@@ -122,6 +124,7 @@ class OcrReward(RewardModel):
         if first is not None and not self._warned:
             self._warned = True
             warnings.warn(f"ocr: prompt {prompts[first]!r} has no quoted text and no metadata['text']: scored "
-                          f"{missing} (no_target={self.no_target!r}); put the text to render in quotes, or in "
-                          f"training drop such samples with reward.on_nonfinite=drop_sample", stacklevel=2)
+                          f"{missing} (no_target={self.no_target!r}: no text to compare the image with); put the "
+                          f"text to render in quotes, or in training drop such samples with "
+                          f"reward.on_nonfinite=drop_sample", stacklevel=2)
         return RewardOutput(scores, {"ocr_text": preds, "target": ["" if t is None else t for t in targets]})
