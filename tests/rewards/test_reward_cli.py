@@ -175,22 +175,17 @@ def test_score_ocr_says_in_one_line_why_scores_are_nan(image_dir, tmp_path, caps
                    "reward.on_nonfinite=drop_sample)\n")
 
 
-def test_score_and_serve_name_the_reward_the_same_way_and_the_old_flag_still_works(image_dir, capsys):
-    """`mmrl reward score NAME` like `mmrl reward serve NAME`; `score --reward NAME` (the earlier spelling) scores
-    the same with one deprecation note; no reward, or two different ones, is a one-line error."""
+def test_score_and_serve_name_the_reward_the_same_way(image_dir, capsys):
+    """`mmrl reward score NAME` like `mmrl reward serve NAME`; no reward is a one-line error, and `--reward` is
+    not an option (one spelling)."""
     assert run(["reward", "score", "jpeg_compressibility", "--images", str(image_dir), "--no-progress"]) == 0
-    new = capsys.readouterr()
-    assert "deprecated" not in new.err
-    assert run(["reward", "score", "--reward", "jpeg_compressibility", "--images", str(image_dir),
-                "--no-progress"]) == 0
-    old = capsys.readouterr()
-    assert old.out == new.out
-    assert "note: `--reward NAME` is deprecated; write `mmrl reward score jpeg_compressibility ...`" in old.err
-    for argv, msg in ((["--images", str(image_dir)], "which reward? mmrl reward score NAME_OR_YAML"),
-                      (["ocr", "--reward", "jpeg_compressibility", "--images", str(image_dir)], "two rewards given")):
-        with pytest.raises(SystemExit) as ei:
-            run(["reward", "score", *argv, "--no-progress"])
-        assert ei.value.code == 2 and msg in capsys.readouterr().err
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as ei:
+        run(["reward", "score", "--images", str(image_dir), "--no-progress"])
+    assert ei.value.code == 2 and "which reward? mmrl reward score NAME_OR_YAML" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as ei:
+        run(["reward", "score", "--reward", "jpeg_compressibility", "--images", str(image_dir)])
+    assert ei.value.code == 2 and "unrecognized arguments: --reward" in capsys.readouterr().err
 
 
 def test_serve_bad_port_exits_2(capsys):
