@@ -228,10 +228,14 @@ def resume(before: Path, out: Path, only: str | None) -> int:
         if dst.exists():
             shutil.rmtree(dst)
         shutil.copytree(src, dst)
+        recorded = src.parent / f"{src.name}.yaml"  # a generated case: the config file the record ran with
+        if isinstance(case["config"], dict) and recorded.is_file():
+            case = {**case, "config": str(recorded)}
         proc = _train(case, dst, STEPS + 1)
         rows = _rows(dst)
         lines = [ln for ln in proc.stderr.strip().splitlines() if ln.startswith("mmrl: error:")]
-        if proc.returncode == 0 and [r["step"] for r in rows] == list(range(1, STEPS + 2)):
+        steps = [r["step"] for r in rows if r["step"] > 0]  # (a step-0 row: an evaluation before training)
+        if proc.returncode == 0 and steps == list(range(1, STEPS + 2)):
             verdict = "resumed"
         elif proc.returncode == 2 and len(lines) == 1:
             verdict = "refused: " + lines[0]
