@@ -168,7 +168,7 @@ def _answers(cfg: Any, engine: Any, processor: Any, items: list, reward_model: A
 
     got = greedy_answers(engine, processor, items, reward_model, cfg, chunk=engine.batch_size, progress=bar.update)
     metrics = accuracy_metrics(got.accuracy, items)
-    comps = {k: v for k, v in got.components.items()}
+    comps = dict(got.components)
     if not set(comps) - {"overlong"}:  # a single reward: its own score is the component
         comps = {cfg.reward.name: got.scores - comps.get("overlong", 0.0), **comps}
     parsed = next((v for k, v in got.details.items() if k.split("/")[-1] == "extracted" and isinstance(v, list)),
