@@ -145,6 +145,8 @@ def demo_result_line(name: str, summary: dict, cfg) -> str:
     acc_first, acc_last = summary.get("eval_accuracy_first"), summary.get("eval_accuracy_last")
     if acc_first is not None and acc_last is not None:
         return f"greedy eval accuracy {acc_first:.3f} -> {acc_last:.3f}; {train}"
+    if acc_last is not None:  # a run resumed from a checkpoint that does not keep the accuracy before RL
+        return f"greedy eval accuracy {acc_last:.3f} (last evaluation); {train}"
     rise = summary.get("reward_rise_in_std")
     if rise is not None:
         verdict = "met" if rise > DEMO_MIN_RISE_STD else "not met"

@@ -350,6 +350,7 @@ COMMANDS: dict[str, object] = {
     ".venv/bin/mmrl train configs/vlm/grpo_tiny_shapes.yaml": Short(
         f".venv/bin/mmrl train configs/vlm/grpo_tiny_shapes.yaml train.max_steps=1 train.save_every=0 {_TINY_VLM}",
         "2 minutes: builds the tiny VLM, then 1 small step"),
+    ".venv/bin/mmrl eval runs/vlm_grpo_tiny_shapes": RUN,
     ".venv/bin/mmrl train configs/vlm/grpo_tiny_shapes.yaml train.max_steps=300 algo.advantage=rloo": Short(
         f".venv/bin/mmrl train configs/vlm/grpo_tiny_shapes.yaml algo.advantage=rloo train.max_steps=2 "
         f"train.save_every=0 {_TINY_VLM}", "resumes the run above for 1 more step with rloo"),

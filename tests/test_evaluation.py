@@ -309,6 +309,17 @@ def test_eval_checkpoint_matches_independent_recomputation(trained_run, tmp_path
     assert not torch.equal(images_old, images)
 
 
+def test_eval_of_a_run_directory_alone_uses_the_config_it_was_trained_with(trained_run, tmp_path):
+    """`mmrl eval RUN`: the newest checkpoint, evaluated with the config.yaml its step directory holds."""
+    cfg_path, run = trained_run
+    out = tmp_path / "alone"
+    assert main(["eval", str(run), "--out", str(out), *EVAL_ARGS, *EVAL_OVERRIDES]) == 0
+    report, images = _check_report_against_files(out, cfg_path)
+    step_dir = run / "checkpoints" / "step_1"
+    assert report["config_file"] == str(step_dir / "config.yaml") and report["policy"]["step"] == 1
+    assert torch.equal(images, _independent_images(cfg_path, 3, 2, step_dir, "default"))
+
+
 def test_eval_base_model_and_prompt_independent_seeds(trained_run, tmp_path):
     cfg_path, run = trained_run
     out = tmp_path / "base"
@@ -384,7 +395,7 @@ def test_eval_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "run" / "checkpoints" / "step_3" / "adapters").mkdir(parents=True)  # no COMPLETE marker
     _one_line_error(capsys, ["eval", cfg, "--checkpoint", str(tmp_path / "run" / "checkpoints" / "step_3")],
                     "incomplete")
-    _one_line_error(capsys, ["eval", str(REPO / "configs" / "vlm" / "grpo_tiny_shapes.yaml")],
+    _one_line_error(capsys, ["eval", str(REPO / "configs" / "joint" / "rewriter_tiny.yaml")],
                     "mmrl eval supports diffusion configs (awm, dgpo, dpo, flow_grpo, nft")
     _one_line_error(capsys, ["eval", cfg, "data.eval_prompts="], "no evaluation prompts")
     _one_line_error(capsys, ["eval", cfg, "--prompts", str(tmp_path / "p.txt")], "prompt file not found")

@@ -43,7 +43,7 @@ from mmrl.config import RECIPES, to_dict
 from mmrl.pipelines.shapes_check import accuracy, check_images
 
 __all__ = ["run_eval", "resolve_checkpoint", "state_dir", "apply_checkpoint", "copy_full_weights", "prompt_seed",
-           "reward_stats", "sha256_file"]
+           "reward_stats", "sha256_file", "prepare_out_dir", "write_json", "default_out_dir"]
 
 _STATES = ("default", "old")
 
@@ -53,10 +53,11 @@ def prompt_seed(seed: int, index: int) -> int:
     return int(seed) * 1_000_003 + int(index)
 
 
-def resolve_checkpoint(path: str | Path, what: str = "--checkpoint") -> tuple[Path, int | None]:
+def resolve_checkpoint(path: str | Path, what: str = "--checkpoint", verify: bool = True) -> tuple[Path, int | None]:
     """(adapters directory, step or None) from a run directory (its newest complete checkpoint), a
     `checkpoints/step_N/` directory, or that directory's `adapters/`. Errors name what is missing (`what`: the
-    option or command the path came from)."""
+    option or command the path came from). `verify`: the files checked against the checkpoint's manifest (False:
+    only where they are, for a caller that verifies them when it loads)."""
     from mmrl.adapters import INDEX_NAME
     from mmrl.run.files import checkpoint_step, list_checkpoints, verify_checkpoint
 
@@ -80,7 +81,8 @@ def resolve_checkpoint(path: str | Path, what: str = "--checkpoint") -> tuple[Pa
     step = None
     if step_dir.name.startswith("step_"):
         step = checkpoint_step(step_dir)  # refuses an incomplete (interrupted) checkpoint
-        verify_checkpoint(step_dir)  # and one whose files changed since they were written
+        if verify:
+            verify_checkpoint(step_dir)  # and one whose files changed since they were written
     return adapters, step
 
 
@@ -172,7 +174,8 @@ def _json_num(v: float) -> float | None:
     return float(v) if torch.isfinite(torch.tensor(float(v))) else None
 
 
-def _write_json(path: Path, obj: dict) -> None:
+def write_json(path: Path, obj: dict) -> None:
+    """`obj` as indented JSON in `path`, atomically (a temp file beside it, renamed)."""
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(obj, indent=2) + "\n")
     os.replace(tmp, path)
@@ -184,6 +187,22 @@ def default_out_dir(cfg: Any, adapters: Path | None, label: str) -> Path:
     if adapters is not None and adapters.parent.parent.name == "checkpoints":
         return adapters.parent.parent.parent / "eval" / label
     return Path(cfg.output_dir) / "eval" / label
+
+
+def prepare_out_dir(out: Path, stale: str) -> None:
+    """`out` and `out/images` created and probed, before any model loads: a read-only disk (a run on a read-only
+    mount, the default `--out`) is one line. Images of an earlier eval (`stale`, a glob) are removed, so a rerun in the
+    same directory leaves none behind."""
+    from mmrl.run.files import probe_writable
+
+    try:
+        for directory in (out, out / "images"):
+            probe_writable(directory)
+        for old in (out / "images").glob(stale):
+            old.unlink()
+    except OSError as exc:
+        raise ValueError(f"mmrl eval: cannot write into {out} ({exc.strerror or exc}); pass --out DIR, a directory "
+                         f"on a writable disk") from None
 
 
 def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "default", prompts: str | None = None,
@@ -198,14 +217,13 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
     from mmrl.diffusion.sampling import sample_groups
     from mmrl.diffusion.scoring import load_reward_fn
     from mmrl.pipelines.data import load_prompts
-    from mmrl.run.files import probe_writable
     from mmrl.run.plots import save_image_grid, save_video_grid
     from mmrl.runtime import resolve_device, resolve_dtype
 
     if not RECIPES.get(cfg.algorithm, "").startswith("mmrl.diffusion."):
         diffusion = sorted(k for k, v in RECIPES.items() if v.startswith("mmrl.diffusion."))
-        raise ValueError(f"mmrl eval supports diffusion configs ({', '.join(diffusion)}); the config's algorithm is "
-                         f"{cfg.algorithm!r}")
+        raise ValueError(f"mmrl eval supports diffusion configs ({', '.join(diffusion)}) and VLM ones (vlm_grpo, "
+                         f"vlm_multiturn); the config's algorithm is {cfg.algorithm!r}")
     if state not in _STATES:
         raise ValueError(f"--state: expected one of {list(_STATES)}, got {state!r}")
     if samples_per_prompt < 1 or batch_size < 1 or max_prompts < 0:
@@ -225,14 +243,7 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
     label = ("base" if adapters is None else f"step_{step}" if step is not None else "checkpoint") + \
         ("" if state == "default" else f"_{state}")
     out = Path(out) if out is not None else default_out_dir(cfg, adapters, label)
-    try:  # before the model loads: a read-only disk (a run on a read-only mount, default --out) is one line
-        for directory in (out, out / "images"):
-            probe_writable(directory)
-        for old in (out / "images").glob("p*_s*.*"):  # a rerun in the same directory leaves no stale image behind
-            old.unlink()
-    except OSError as exc:
-        raise ValueError(f"mmrl eval: cannot write into {out} ({exc.strerror or exc}); pass --out DIR, a directory "
-                         f"on a writable disk") from None
+    prepare_out_dir(out, "p*_s*.*")
 
     t0 = time.perf_counter()
     if cfg.num_threads:
@@ -320,7 +331,7 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
         save_video_grid(x[:n], captions, out / "eval_grid.mp4")
     else:
         save_image_grid(*sample_panels(x[:n], captions, all_meta[:n]), out / "eval_grid.png")  # edits: source | result
-    _write_json(out / "eval_report.json", report)
+    write_json(out / "eval_report.json", report)
     return report
 
 

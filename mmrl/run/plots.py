@@ -25,10 +25,11 @@ def to_pil_images(images: Any) -> list:
 
 
 def make_image_grid(images: Any, captions: list[str] | None = None, cols: int | None = None, min_cell: int = 128,
-                    max_caption_lines: int = 6):
+                    max_caption_lines: int = 6, title: str | None = None):
     """A grid of images (float NCHW [0,1] or PIL) as one PIL image, each with its caption under it, word-wrapped to
     the cell width (whole words; a word longer than a line is split), at most `max_caption_lines` lines (the last
-    one ends in "..." when cut). Put what must stay visible (the reward) at the start of a caption."""
+    one ends in "..." when cut). Put what must stay visible (the reward) at the start of a caption. `title`: a
+    line (wrapped to the grid's width) above the grid, for what holds for every cell."""
     from PIL import Image, ImageDraw, ImageFont
 
     pils = to_pil_images(images)
@@ -46,14 +47,18 @@ def make_image_grid(images: Any, captions: list[str] | None = None, cols: int | 
     wrapped = [caption_lines(str(c), chars, max_caption_lines) for c in captions] if captions else []
     line_h = 12
     cap_h = (max(len(x) for x in wrapped) * line_h + 4) if wrapped else 0
-    grid = Image.new("RGB", (cols * cw, rows * (ch + cap_h)), "white")
+    head = caption_lines(title, max(4, cols * cw // 6), 4) if title else []
+    top = len(head) * line_h + 4 if head else 0
+    grid = Image.new("RGB", (cols * cw, top + rows * (ch + cap_h)), "white")
     draw = ImageDraw.Draw(grid)
     font = ImageFont.load_default()
+    for j, line in enumerate(head):
+        draw.text((2, 2 + line_h * j), line, fill="black", font=font)
     for i, im in enumerate(pils):
         r, c = divmod(i, cols)
-        grid.paste(im.resize((cw, ch), Image.NEAREST), (c * cw, r * (ch + cap_h)))
+        grid.paste(im.resize((cw, ch), Image.NEAREST), (c * cw, top + r * (ch + cap_h)))
         for j, line in enumerate(wrapped[i] if wrapped else []):
-            draw.text((c * cw + 2, r * (ch + cap_h) + ch + 2 + line_h * j), line, fill="black", font=font)
+            draw.text((c * cw + 2, top + r * (ch + cap_h) + ch + 2 + line_h * j), line, fill="black", font=font)
     return grid
 
 
@@ -69,9 +74,10 @@ def caption_lines(text: str, width: int, max_lines: int) -> list[str]:
 
 
 def save_image_grid(images: Any, captions: list[str] | None, path: str | Path, cols: int | None = None,
-                    min_cell: int = 128) -> Path:
-    """Save a grid of float NCHW [0,1] images with a caption under each (reward first, then the prompt ...)."""
-    grid = make_image_grid(images, captions, cols=cols, min_cell=min_cell)
+                    min_cell: int = 128, title: str | None = None) -> Path:
+    """Save a grid of float NCHW [0,1] images with a caption under each (reward first, then the prompt ...) and an
+    optional `title` above it."""
+    grid = make_image_grid(images, captions, cols=cols, min_cell=min_cell, title=title)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     grid.save(path)
@@ -79,11 +85,11 @@ def save_image_grid(images: Any, captions: list[str] | None, path: str | Path, c
 
 
 def write_samples(directory: Path, trackers: list, step: int, images: torch.Tensor, captions: list[str] | None = None,
-                  name: str | None = None) -> Path:
-    """`Run.save_samples`: images [N, 3, H, W] -> a PNG grid (`directory/<name or step_N.png>`); videos
-    [N, F, 3, H, W] -> an MP4 grid (same name, `.mp4`; `mmrl.pipelines.videos`). Each tracker gets the samples with their
-    captions (reward, prompt): images (TensorBoard draws them as one grid per step), or videos where the tracker
-    takes them."""
+                  name: str | None = None, title: str | None = None) -> Path:
+    """`Run.save_samples`: images [N, 3, H, W] -> a PNG grid (`directory/<name or step_N.png>`, `title` above it);
+    videos [N, F, 3, H, W] -> an MP4 grid (same name, `.mp4`; `mmrl.pipelines.videos`). Each tracker gets the samples
+    with their captions (reward, prompt): images (TensorBoard draws them as one grid per step), or videos where the
+    tracker takes them."""
     kind = "eval" if (name or "").startswith("eval") else "rollout"
     path = Path(directory) / (name or f"step_{step:06d}.png")
     if isinstance(images, torch.Tensor) and images.dim() == 5:
@@ -94,7 +100,7 @@ def write_samples(directory: Path, trackers: list, step: int, images: torch.Tens
         for tracker in trackers:
             tracker.videos(int(step), kind, clips, captions, DEFAULT_FPS)
         return path
-    save_image_grid(images, captions, path)
+    save_image_grid(images, captions, path, title=title)
     if trackers:
         pils = to_pil_images(images)
         for tracker in trackers:

@@ -160,7 +160,9 @@ def train(cfg: Config) -> dict:
     reward_norm = cfg.reward.build_running_norm(stateful)  # identical on every rank: updated with global rewards
     judges = build_judges(cfg.log, run.device, stateful, len(eval_items), "data.eval_size")  # scored with accuracy
     pipe = rollout_process(cfg, ctx, run, BUILDER, stateful)  # rollout.worker=process: None inline
-    start, _ = restore_checkpoint(ctx, run, states, stateful)
+    start, extra = restore_checkpoint(ctx, run, states, stateful)
+    summary.update(extra.get("summary", {}))  # the eval accuracy before RL, of the run's start
+    last_eval = extra.get("last_eval")  # (step, greedy eval accuracy) of the newest evaluation, for the sample grids
     if pipe is not None:  # the rollout process starts from this version's weights and data position
         pipe.start(start, policy_weights(states))
     if syncer is not None:  # the engine loaded model.path: send what the warm start or a resumed checkpoint changed
@@ -181,22 +183,33 @@ def train(cfg: Config) -> dict:
     if start == 0 and (ctx.is_main or fsdp):  # FSDP: every rank runs the eval forwards, rank 0 reports
         first = evaluate(engine, processor, eval_items, reward_model, cfg, judges, 0)  # (the judges' baseline)
         summary.update({k.replace("eval/accuracy", "eval_accuracy_first"): v for k, v in first.items()})
+        last_eval = (0, first["eval/accuracy"]) if first else None
         if ctx.is_main:
             print(f"[vlm_grpo] eval accuracy before RL: {first}", flush=True)
     guard = UpdateGuard(update.max_skipped_updates, ctx, run)  # a NaN/inf loss or gradient never reaches the weights
 
     def evaluate_after(step: int, metrics: dict) -> None:
-        """Greedy evaluation every log.eval_every steps and at the end (FSDP: every rank runs the forwards)."""
+        """Greedy evaluation every log.eval_every steps and at the end (FSDP: every rank runs the forwards), then
+        the sample grid when due (beside the newest eval accuracy)."""
+        nonlocal last_eval
         if (ctx.is_main or fsdp) and ((cfg.log.eval_every and step % cfg.log.eval_every == 0)
                                       or step == cfg.train.max_steps):
             with steps.timer("eval"):
                 metrics.update(evaluate(engine, processor, eval_items, reward_model, cfg, judges, step))
+            if "eval/accuracy" in metrics:
+                last_eval = (step, metrics["eval/accuracy"])
         if step == cfg.train.max_steps:
             summary.update({k.replace("eval/accuracy", "eval_accuracy_last"): v for k, v in metrics.items()
                             if k.startswith("eval/accuracy")})
+        if ctx.is_main and cfg.log.sample_every and (step % cfg.log.sample_every == 0 or step == 1):
+            save_sample_grid(run, step, latest["roll"], cfg.log.num_samples, rollout.temperature, last_eval)
+
+    latest: dict[str, Any] = {}  # this step's rollouts, for the sample grid drawn after the evaluation
 
     steps = StepLoop(ctx, run, cfg, start, states=states, stateful=stateful, fsdp=fsdp, judges=judges,
                      after_step=evaluate_after,
+                     checkpoint_extra=lambda: {"last_eval": last_eval, "summary": {
+                         k: v for k, v in summary.items() if k.startswith("eval_accuracy_first")}},
                      postfix=lambda m: {"reward": f"{float(m['reward/mean']):.3f}",
                                         "acc": f"{float(m['reward/accuracy']):.2f}"})
     for step in steps:
@@ -210,7 +223,7 @@ def train(cfg: Config) -> dict:
             payload, async_metrics = pipe.next(step)
             roll, first_response = payload["roll"], payload["first"]
             add_flops(model, pipe.last_flops)
-        kept = roll.results
+        kept, latest["roll"] = roll.results, roll
         n_kept, all_lens, rollout_stats = rollout_metrics(ctx, roll, cfg)
         metrics.update(rollout_stats)
         metrics.update(async_metrics)
@@ -289,8 +302,6 @@ def train(cfg: Config) -> dict:
                 metrics["dist/lockstep_dummy_forwards"] = sum(ctx.all_gather_object(lockstep.pop_dummies()))
         if pipe is not None:  # version `step`: the rollout process makes later batches with these weights
             metrics.update(pipe.push(step, policy_weights(states, only=params)))
-        if ctx.is_main and cfg.log.sample_every and (step % cfg.log.sample_every == 0 or step == 1):
-            save_sample_grid(run, step, roll, cfg.log.num_samples)
     steps.close()
     if pipe is not None:
         pipe.close()

@@ -13,6 +13,7 @@ is off). Simplified away: no value model, no per-token rewards.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -141,16 +142,23 @@ def check_config(cfg: Config) -> None:
         check_vllm_rollout(rollout)
 
 
-def evaluate(cfg: Config, engine: Any, fmt: ChatFormat, manager: EnvManager,
-             lockstep: PairedForwards) -> dict[str, float]:
-    """Greedy episodes on fixed seeds (10^7 + i, never used for training); under FSDP every rank runs them."""
+def eval_episodes(cfg: Config, engine: Any, fmt: ChatFormat, manager: EnvManager,
+                  lockstep: PairedForwards | None = None) -> list:
+    """Greedy episodes on fixed seeds (10^7 + i, never used for training), `env.eval_episodes` per task; under FSDP
+    every rank runs them (`lockstep`)."""
     specs = []
     for t, name in enumerate(cfg.env.tasks):
         specs += [{"task": name, "seed": 10**7 + i, "group": t, "env_kwargs": cfg.env.tasks[name]}
                   for i in range(cfg.env.eval_episodes)]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens)
-    with lockstep():
-        episodes = rollout_episodes(engine, fmt, manager, specs, greedy, cfg.rollout.max_turns, cfg.rollout.max_seq_len)
+    with lockstep() if lockstep is not None else contextlib.nullcontext():
+        return rollout_episodes(engine, fmt, manager, specs, greedy, cfg.rollout.max_turns, cfg.rollout.max_seq_len)
+
+
+def evaluate(cfg: Config, engine: Any, fmt: ChatFormat, manager: EnvManager,
+             lockstep: PairedForwards) -> dict[str, float]:
+    """The eval/* metrics (success rate, returns, episode shapes) of `eval_episodes`."""
+    episodes = eval_episodes(cfg, engine, fmt, manager, lockstep)
     return episode_metrics(episodes, episode_returns(episodes, cfg.algo.gamma), prefix="eval/")
 
 

@@ -44,13 +44,16 @@ def to_request(item: VQAItem, processor: Any, data: Any, n: int | None = None) -
     return GenRequest(prompt_text=text, images=images, n=n, metadata=item.metadata)
 
 
-def score(reward_model: Any, results: list, cfg: Any, validate: bool = False
+def score(reward_model: Any, results: list, cfg: Any, validate: bool = False, details: dict | None = None
           ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """(scores[B] incl. overlong penalty, components {name: [B]}, accuracy[B]).
 
     `validate`: NaN/inf scores raise naming the component and the response (`reward.on_nonfinite: error`), or stay
-    in the scores as the mark of a dropped sample (`drop_sample`; `collect_rollouts` keeps only finite ones)."""
+    in the scores as the mark of a dropped sample (`drop_sample`; `collect_rollouts` keeps only finite ones).
+    `details`: a dict that receives the reward's whole details (e.g. the parsed answers, `extracted`)."""
     out = reward_model(completions=[r.text for r in results], metadata=[r.metadata for r in results])
+    if details is not None:
+        details.update(out.details)
     base = out.scores.float()
     if validate:
         check_rewards(base, out.details, cfg.reward.on_nonfinite, reward=getattr(reward_model, "name", cfg.reward.name),
@@ -167,6 +170,44 @@ def per_kind(acc: torch.Tensor, kinds: list, prefix: str) -> dict[str, float]:
     return {k: sum(v) / len(v) for k, v in out.items()} if len(out) > 1 else {}
 
 
+@dataclass
+class GreedyAnswers:
+    """Greedy responses to eval items, scored as `score` scores them."""
+
+    results: list
+    scores: torch.Tensor  # [B] with the overlong penalty
+    components: dict  # {name: [B]}
+    accuracy: torch.Tensor  # [B] 0/1
+    details: dict  # the reward's whole details (e.g. `extracted`: the parsed answers)
+
+
+@torch.no_grad()
+def greedy_answers(engine: Any, processor: Any, items: list[VQAItem], reward_model: Any, cfg: Any, chunk: int = 0,
+                   progress: Callable[[int], Any] | None = None) -> GreedyAnswers:
+    """Greedy responses (temperature 0, rollout.max_new_tokens, rollout.stop) to `items`, scored. `chunk` > 0:
+    generated `chunk` prompts at a time, `progress(k)` called after each (the HF engine decodes `batch_size` prompts
+    together: chunks of that size are the very same batches); 0: one call."""
+    reqs = [to_request(it, processor, cfg.data, n=1) for it in items]
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens, stop=cfg.rollout.stop)
+    size, res = chunk or max(len(reqs), 1), []
+    for lo in range(0, len(reqs), size):
+        part = engine.generate(reqs[lo:lo + size], greedy)
+        for r in part:
+            r.request_index += lo
+        res += part
+        if progress is not None:
+            progress(len(part))
+    details: dict = {}
+    scores, comps, acc = score(reward_model, res, cfg, details=details)
+    return GreedyAnswers(res, scores, comps, acc, details)
+
+
+def accuracy_metrics(acc: torch.Tensor, items: list[VQAItem]) -> dict[str, float]:
+    """{"eval/accuracy": mean, "eval/accuracy/<kind>": ...}: what a run logs of its greedy evaluation."""
+    kinds = [it.metadata.get("kind") for it in items]
+    return {"eval/accuracy": float(acc.mean()), **per_kind(acc, kinds, "eval/accuracy")}
+
+
 @torch.no_grad()
 def evaluate(engine: Any, processor: Any, items: list[VQAItem], reward_model: Any, cfg: Any, judges: Any = None,
              step: int = 0) -> dict[str, float]:
@@ -174,15 +215,11 @@ def evaluate(engine: Any, processor: Any, items: list[VQAItem], reward_model: An
     `JudgePanel` (`log.judges`) every judge scores the same responses and the reward-hacking rule runs (`judge/*`)."""
     if not items:
         return {}
-    reqs = [to_request(it, processor, cfg.data, n=1) for it in items]
-    res = engine.generate(reqs, SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens,
-                                                stop=cfg.rollout.stop))
-    scores, _, acc = score(reward_model, res, cfg)
-    kinds = [it.metadata.get("kind") for it in items]
-    out = {"eval/accuracy": float(acc.mean()), **per_kind(acc, kinds, "eval/accuracy")}
+    got = greedy_answers(engine, processor, items, reward_model, cfg)
+    out = accuracy_metrics(got.accuracy, items)
     if judges is not None:
-        out.update(judges.observe(step, scores, completions=[r.text for r in res],
-                                  metadata=[r.metadata for r in res]))
+        out.update(judges.observe(step, got.scores, completions=[r.text for r in got.results],
+                                  metadata=[r.metadata for r in got.results]))
     return out
 
 
@@ -244,15 +281,21 @@ def rollout_metrics(ctx: Any, roll: Rollouts, cfg: Any) -> tuple[int, torch.Tens
     return n_kept, all_lens, metrics
 
 
-def save_sample_grid(run: Any, step: int, roll: Rollouts, n: int) -> None:
-    """samples/step_<step>.png: the first `n` kept responses (prompt order) with their image, question and reward."""
+def save_sample_grid(run: Any, step: int, roll: Rollouts, n: int, temperature: float,
+                     last_eval: tuple[int, float] | None) -> None:
+    """samples/step_<step>.png: the first `n` kept responses (prompt order) with their image, question and reward,
+    under a title saying they are training samples drawn at `temperature`, beside the greedy eval accuracy
+    `last_eval` = (step, accuracy) of the newest evaluation: a sampled answer is no greedy one."""
     kept, items = roll.results, roll.items
     if not kept or not all(it.images for it in items):
         return
     idx = sorted(range(len(kept)), key=lambda i: kept[i].sample_index)[:n]  # prompts first
     caps = [f"{items[i].prompt.replace('<image>', '')[:40]} -> {kept[i].text[:24]!r} r={float(roll.scores[i]):.2f}"
             for i in idx]
-    run.save_samples(step, [items[i].images[0] for i in idx], caps)
+    greedy = (f"greedy eval accuracy {last_eval[1]:.3f} (step {last_eval[0]})" if last_eval is not None
+              else "no greedy evaluation yet")
+    title = f"training samples of step {step}, sampled at temperature {temperature:g} (not greedy answers); {greedy}"
+    run.save_samples(step, [items[i].images[0] for i in idx], caps, title=title)
 
 
 def shapes_warm_start_pairs(cfg: Any, processor: Any, eos_id: int):
@@ -271,12 +314,17 @@ def shapes_warm_start_pairs(cfg: Any, processor: Any, eos_id: int):
 
 def finish(run: Any, summary: dict) -> dict:
     """The run's summary: first/last eval accuracy (printed), the first-5 / last-5 mean training accuracy and,
-    with `log.judges`, the reward-hacking line."""
+    with `log.judges`, the reward-hacking line. A run that evaluated nothing now (resumed at its last step) reports
+    its newest logged evaluation as the last eval accuracy."""
     from mmrl.training.judges import judge_summary
     from mmrl.training.summary import reward_axis
 
     rows = run.read_metrics()
     summary.update(judge_summary(rows, "vlm_grpo"))
+    evals = [r for r in rows if r.get("eval/accuracy") is not None]
+    if evals and "eval_accuracy_last" not in summary:
+        summary.update({k.replace("eval/accuracy", "eval_accuracy_last"): v for k, v in evals[-1].items()
+                        if k.startswith("eval/accuracy")})
     acc = [r["reward/accuracy"] for r in rows if r.get("reward/accuracy") is not None]
     if acc:
         k = min(5, len(acc))
