@@ -45,17 +45,18 @@ SIMPLE: dict[str, tuple[str, ...]] = {
 }
 TRAINER_ARGS = ("num_train_epochs", "reward_weights", "logging_steps")
 
-# GRPOConfig's own fields at the commit above (TrainingArguments' come from transformers when it is installed)
+# GRPOConfig's own fields at the commit above, and max_prompt_length of earlier TRL versions (TrainingArguments'
+# fields come from transformers when it is installed)
 TRL_GRPO_FIELDS = frozenset(
-    "model_init_kwargs trust_remote_code router_aux_loss_coef disable_dropout cast_lm_head_to_fp32 remove_unused_columns "
-    "num_generations num_generations_eval max_completion_length ds3_gather_for_generation shuffle_dataset "
-    "pad_to_multiple_of generation_batch_size steps_per_generation temperature top_p top_k min_p generation_kwargs "
-    "chat_template_kwargs repetition_penalty cache_implementation use_vllm vllm_mode vllm_model_impl "
-    "vllm_enable_sleep_mode vllm_structured_outputs_regex vllm_server_base_url vllm_server_host vllm_server_port "
-    "vllm_server_timeout vllm_group_port vllm_gpu_memory_utilization vllm_max_model_length vllm_tensor_parallel_size "
-    "beta num_iterations epsilon delta epsilon_high sapo_temperature_neg sapo_temperature_pos vespo_k_pos "
-    "vespo_lambda_pos vespo_k_neg vespo_lambda_neg importance_sampling_level reward_weights "
-    "multi_objective_aggregation scale_rewards loss_type mask_truncated_completions sync_ref_model "
+    "model_init_kwargs trust_remote_code router_aux_loss_coef disable_dropout cast_lm_head_to_fp32 "
+    "remove_unused_columns num_generations num_generations_eval max_completion_length ds3_gather_for_generation "
+    "shuffle_dataset pad_to_multiple_of generation_batch_size steps_per_generation temperature top_p top_k min_p "
+    "generation_kwargs chat_template_kwargs repetition_penalty cache_implementation use_vllm vllm_mode "
+    "vllm_model_impl vllm_enable_sleep_mode vllm_structured_outputs_regex vllm_server_base_url vllm_server_host "
+    "vllm_server_port vllm_server_timeout vllm_group_port vllm_gpu_memory_utilization vllm_max_model_length "
+    "vllm_tensor_parallel_size beta num_iterations epsilon delta epsilon_high sapo_temperature_neg "
+    "sapo_temperature_pos vespo_k_pos vespo_lambda_pos vespo_k_neg vespo_lambda_neg importance_sampling_level "
+    "reward_weights multi_objective_aggregation scale_rewards loss_type mask_truncated_completions sync_ref_model "
     "ref_model_mixup_alpha ref_model_sync_steps top_entropy_quantile entropy_coef use_adaptive_entropy "
     "entropy_coef_min entropy_coef_max entropy_coef_delta entropy_target max_tool_calling_iterations "
     "vllm_importance_sampling_correction vllm_importance_sampling_mode vllm_importance_sampling_clip_max "
@@ -162,7 +163,8 @@ def _epsilon(cfg: Any, v: dict) -> dict:
             raise ValueError(f"epsilon_high={high!r}: {_recipe(cfg)} clips the ratio symmetrically (algo.clip_range); "
                              f"give epsilon alone")
         return {"algo.clip_range": low if low is not None else high}
-    raise ValueError(no_counterpart(cfg, "epsilon" if low is not None else "epsilon_high", "its loss has no ratio clip"))
+    name = "epsilon" if low is not None else "epsilon_high"
+    raise ValueError(no_counterpart(cfg, name, "its loss has no ratio clip"))
 
 
 def _batch(cfg: Any, v: dict) -> dict:
@@ -179,7 +181,8 @@ def _batch(cfg: Any, v: dict) -> dict:
         shown = "per_device_train_batch_size x gradient_accumulation_steps" + (" x WORLD_SIZE" if world > 1 else "")
         raise ValueError(f"{shown} = {per_step} completions per step must be a multiple of num_generations = {group} "
                          f"(rollout.group_size): a step's completions are whole groups")
-    return {"update.micro_batch_size": micro, "rollout.prompts_per_step": per_step // group, "update.mini_batch_size": 0}
+    return {"update.micro_batch_size": micro, "rollout.prompts_per_step": per_step // group,
+            "update.mini_batch_size": 0}
 
 
 def _dtype(cfg: Any, v: dict) -> dict:

@@ -266,8 +266,8 @@ def test_vlm_rows_take_trl_column_names(tmp_path):
                     + json.dumps({"prompt": "Q2", "answer": "b"}) + "\n")
     assert [it.prompt for it in load_visual_qa(rows, template="{prompt}!")] == ["<image>Q1!", "Q2!"]
     for bad, message in [
-            ([{"question": "Q", "answer": "a"}], "train_dataset: row 0: no 'prompt' column (the question text; 'problem' "
-                                                 "is read as an alias), got columns ['answer', 'question']"),
+            ([{"question": "Q", "answer": "a"}], "train_dataset: row 0: no 'prompt' column (the question text; "
+                                                 "'problem' is read as an alias), got columns ['answer', 'question']"),
             ([{"prompt": "Q", "image": "a.png", "images": ["b.png"], "answer": "a"}],
              "train_dataset: row 0: both 'images' and 'image' columns; give the images in one of them"),
             ([{"prompt": [{"role": "user", "content": "Q"}], "answer": "a"}],
@@ -333,7 +333,8 @@ def test_evaluate_and_save_model(tmp_path, tiny_vlm):
     assert trained["eval/reward/mean"] != base["eval/reward/mean"]  # the trained weights, not the base model
     assert (tmp_path / "run" / "eval" / "step_2" / "eval_report.json").is_file()
     assert evaluated[-1] == sorted(trained)
-    assert set(t.evaluate(["a red square on a white background"], metric_key_prefix="test")) == {k.replace("eval/", "test/") for k in trained}
+    other = t.evaluate(["a red square on a white background"], metric_key_prefix="test")
+    assert set(other) == {k.replace("eval/", "test/") for k in trained}
     meta = t.save_model()
     assert meta["format"] == "diffusers" and Path(meta["out"]) == (tmp_path / "run-diffusers").resolve()
     assert (tmp_path / "run-diffusers" / "model_index.json").is_file()

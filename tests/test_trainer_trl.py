@@ -110,6 +110,11 @@ def test_the_recipe_and_its_defaults_come_from_the_model(tmp_path):
     v = mmrl.Trainer(model=vlm, train_dataset=[{"prompt": "What color?", "answer": "red"}])
     assert v.args.algorithm == "vlm_grpo" and v.args.model.path == str(vlm)
     assert v.derived == {"data.template": "'{prompt}': train_dataset's prompts are used as written (TRL's way)"}
+    bare = mmrl.Trainer(model=vlm, reward_funcs=lambda completions, **k: [float("red" in c) for c in completions],
+                        train_dataset=[{"prompt": "What color?"}], output_dir=tmp_path / "run")
+    bare.args.train.max_steps = 1  # vlm_grpo's defaults otherwise: 8 prompts x 8 responses, a LoRA of rank 64
+    bare.train()
+    assert [r["step"] for r in metrics_rows(tmp_path / "run")] == [1]
     with pytest.raises(ConfigError, match=re.escape(f"args is a VLMGRPOConfig (vlm_grpo, vlm models) but model "
                                                     f"{TINY_SD3} is a diffusers pipeline: use mmrl.FlowGRPOConfig")):
         mmrl.Trainer(model=TINY_SD3, args=mmrl.GRPOConfig())
@@ -180,6 +185,11 @@ def test_transformers_callbacks_get_the_events_that_exist_here(tmp_path):
                       ("step_end", 3), ("evaluate", 3, True), ("save", 3, "step_3"),  # stopped: step 3 saved
                       ("train_end", 3, 1)]
     assert [r["step"] for r in metrics_rows(tmp_path / "run")] == [1, 2, 3]
+    events.clear()
+    t.train()  # resumes at step 3
+    assert events == [("train_begin", 3, 5, 1e-3), ("step_end", 4), ("log", 4, True), ("save", 4, "step_4"),
+                      ("step_end", 5), ("log", 5, True), ("evaluate", 5, True), ("save", 5, "step_5"),
+                      ("train_end", 5, 3)]
 
 
 def test_transformers_callbacks_with_events_mmrl_has_not_are_refused():
@@ -229,7 +239,6 @@ def test_the_port_changes_only_imports_and_the_config_class():
     assert {k.arg for k in call.keywords} <= known
 
 
-@pytest.mark.slow
 def test_the_ported_script_runs_as_written(tmp_path, monkeypatch):
     from mmrl.tiny import build_tiny_qwen2_vl
 

@@ -124,8 +124,8 @@ class Trainer:
             first = data[0]
             columns = data.column_names if inputs.is_hf_dataset(data) else list(first) if isinstance(first, Mapping) \
                 else []
-            inputs.check_vqa_columns(columns, first, f"{where}: row 0" if columns else f"{where}: row 0 ({first!r:.40})",
-                                     self._needs_answer())
+            shown = f"{where}: row 0" if columns else f"{where}: row 0 ({first!r:.40})"
+            inputs.check_vqa_columns(columns, first, shown, self._needs_answer())
 
     def _write_inputs(self, cfg: Any) -> None:
         """Datasets and a model object -> files under output_dir/inputs/, named by `cfg`'s keys."""
@@ -154,7 +154,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ running
     def train(self) -> dict:
-        """Run the recipe (resuming from `output_dir`'s newest checkpoint, as `mmrl train` does); returns its summary."""
+        """Run the recipe (resuming from `output_dir`'s newest checkpoint, as `mmrl train` does); returns its
+        summary."""
         from mmrl.run.trackers import callbacks_active
 
         cfg = copy.deepcopy(self.args)
@@ -165,8 +166,7 @@ class Trainer:
             with inputs.rewards_registered(self.rewards):
                 self._write_inputs(cfg)
                 if self.hf_callbacks is not None:
-                    newest = hf_callbacks_start(cfg)
-                    self.hf_callbacks.train_begin(cfg, newest)
+                    self.hf_callbacks.train_begin(cfg)
                 with callbacks_active(reporting):
                     summary = recipe_module(cfg.algorithm).train(cfg)
         except BaseException:
@@ -227,14 +227,6 @@ class Trainer:
         if checkpoint is None:
             raise ConfigError(f"save_model: {run_dir} has no complete checkpoint yet; call train() first")
         return export(checkpoint, fmt, target, state=state, overwrite=overwrite)
-
-
-def hf_callbacks_start(cfg: Any) -> int:
-    """The step a start resumes from (the newest complete checkpoint with train.resume=auto), for on_train_begin."""
-    from mmrl.trainer.evaluation import newest_checkpoint
-
-    newest = newest_checkpoint(cfg.output_dir) if cfg.train.resume == "auto" else None
-    return int(newest.name.split("_")[1]) if newest is not None else 0
 
 
 def _processor_of(model: Any) -> Any:

@@ -91,7 +91,12 @@ class TransformersCallbacks:
     def init_end(self) -> None:
         self._call("on_init_end")
 
-    def train_begin(self, cfg: Any, start: int) -> None:
+    def train_begin(self, cfg: Any) -> None:
+        from mmrl.run.files import checkpoint_step
+        from mmrl.trainer.evaluation import newest_checkpoint
+
+        newest = newest_checkpoint(cfg.output_dir) if cfg.train.resume == "auto" else None
+        start = checkpoint_step(newest) if newest is not None else 0  # the step the run resumes from
         self.args = cfg
         self.state.max_steps = cfg.train.max_steps
         self.state.save_steps = cfg.train.save_every

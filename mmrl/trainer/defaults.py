@@ -45,8 +45,8 @@ def inspect_model(model: Any, processing_class: Any = None) -> ModelInfo | None:
                               "loaded model object")
         return _inspect_dir(Path(model))
     if _module_of(model) == "peft":
-        raise ConfigError("model: a peft model; pass its base model and the LoRA settings as peft_config=LoraConfig(...) "
-                          "(model.lora)")
+        raise ConfigError("model: a peft model; pass its base model and the LoRA settings as "
+                          "peft_config=LoraConfig(...) (model.lora)")
     if _module_of(model) == "diffusers" and hasattr(model, "components") and hasattr(model, "save_pretrained"):
         if processing_class is not None:
             raise ConfigError("processing_class: a diffusers pipeline carries its own tokenizers; leave it out")
@@ -69,8 +69,9 @@ def _inspect_dir(path: Path) -> ModelInfo:
     if (path / "config.json").is_file():
         config = _json(path / "config.json")
         if "vision_config" not in config:
-            raise ConfigError(f"model '{path}' is a transformers {config.get('model_type', '?')} model without a vision "
-                              f"tower; the VLM recipes train image-text-to-text models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)")
+            raise ConfigError(f"model '{path}' is a transformers {config.get('model_type', '?')} model without a "
+                              f"vision tower; the VLM recipes train image-text-to-text models (Qwen2-VL, Qwen2.5-VL, "
+                              f"Qwen3-VL)")
         return ModelInfo("vlm", str(path), path)
     what = "does not exist" if not path.exists() else "holds neither model_index.json nor config.json"
     hint = "; hub ids are not downloaded: download the snapshot first" if not path.exists() and \
@@ -109,9 +110,9 @@ def recipe_of(args: Any, info: ModelInfo | None) -> Any:
     if info is not None and family != info.kind and not (family == "joint" and info.kind == "vlm"):
         fits = "mmrl.FlowGRPOConfig (or NFTConfig, AWMConfig, DGPOConfig, DPOConfig)" if info.kind == "diffusion" \
             else "mmrl.VLMGRPOConfig (= mmrl.GRPOConfig)"
+        kind = "diffusers pipeline" if info.kind == "diffusion" else "transformers VLM"
         raise ConfigError(f"args is a {config_name(cfg.algorithm)} ({cfg.algorithm}, {family} models) but model "
-                          f"{info.shown} is a {'diffusers pipeline' if info.kind == 'diffusion' else 'transformers VLM'}"
-                          f": use {fits}")
+                          f"{info.shown} is a {kind}: use {fits}")
     return cfg
 
 
