@@ -2,7 +2,9 @@
 
 Every recipe module defines ``@dataclass class Config(RunConfig)`` whose fields carry an attribute
 docstring (a string literal on the line after the field) and a ``train(cfg) -> dict`` function.
-YAML is strict: an unknown key is an error that names the key, its path and the valid keys.
+YAML is strict: an unknown key is an error that names the key, its path and the valid keys. In Python a recipe's
+config is also built directly (`mmrl.FlowGRPOConfig(...)`, `CONFIG_NAMES`), with sections as mappings and TRL's flat
+names (`_RecipeConfigType`, `mmrl.trl_names`).
 """
 
 from __future__ import annotations

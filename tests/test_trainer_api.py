@@ -197,13 +197,17 @@ def test_diffusion_trainer_with_a_python_reward_list_prompts_callbacks_and_resum
         def on_train_end(self, summary):
             ended.append(summary)
 
+    class SavesOnly:  # an object with one of the methods is not called as f(step, metrics)
+        def on_save(self, step, checkpoint):
+            saved.append(("only", step))
+
     args = dict(model=TINY_SD3, reward_funcs=[brightness, "jpeg_compressibility"], reward_weights=[1.0, 0.1],
-                train_dataset=PROMPTS, output_dir=tmp_path / "run", callbacks=[Recorder()])
+                train_dataset=PROMPTS, output_dir=tmp_path / "run", callbacks=[Recorder(), SavesOnly()])
     summary = mmrl.Trainer(args=TINY_FLOW, **args, overrides=FAST_DIFFUSION).train()
     rows = metrics_rows(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2] and summary["steps_logged"] == 2 and ended == [summary]
     assert logged == [(r["step"], r["reward/mean"]) for r in rows]  # the callback saw every metrics row
-    assert saved == [(1, "step_1"), (2, "step_2")]  # and every complete checkpoint
+    assert saved == [(1, "step_1"), ("only", 1), (2, "step_2"), ("only", 2)]  # and every complete checkpoint
     assert calls and all(n == 4 and shape[1:] == (3, 64, 64) for n, shape in calls)
     assert "python:brightness" not in available()  # registered for the run only
     cfg = load_config(tmp_path / "run" / "config.yaml")  # the run directory is an ordinary one

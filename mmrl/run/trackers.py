@@ -150,8 +150,8 @@ class CallbackTracker:
         self.callback = callback
 
     def log(self, step: int, row: dict) -> None:
-        only_media = hasattr(self.callback, "on_samples") or hasattr(self.callback, "on_videos")
-        fn = getattr(self.callback, "on_log", None if only_media else self.callback)
+        an_object = any(hasattr(self.callback, k) for k in CALLBACK_METHODS)  # else a function f(step, metrics)
+        fn = getattr(self.callback, "on_log", None if an_object else self.callback)
         if fn is not None:
             fn(step, dict(row))
 

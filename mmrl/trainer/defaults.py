@@ -1,7 +1,8 @@
 """What `mmrl.Trainer` works out from the model and the data: the recipe (`recipe_of`) and the settings a recipe's
-defaults cannot know (`fit`). A key is fitted only while it holds the recipe's default and that default would
-fail with this model or data; a key you set is kept (and one that cannot work with the model is refused here, in
-one line, before anything loads). Every fitted key is recorded with its reason in `Trainer.derived`."""
+defaults cannot know (`fit`). A key is fitted only while it holds the recipe's default: the image size and the
+mini-batch when that default would fail with this model or batch, the VLM prompt template when there is a
+train_dataset; a key you set is kept (one that cannot work with the model is refused here, in one line, before
+anything loads). Every fitted key is recorded with its reason in `Trainer.derived`."""
 
 from __future__ import annotations
 
