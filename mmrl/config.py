@@ -2,7 +2,9 @@
 
 Every recipe module defines ``@dataclass class Config(RunConfig)`` whose fields carry an attribute
 docstring (a string literal on the line after the field) and a ``train(cfg) -> dict`` function.
-YAML is strict: an unknown key is an error that names the key, its path and the valid keys.
+YAML is strict: an unknown key is an error that names the key, its path and the valid keys. In Python a recipe's
+config is also built directly (`mmrl.FlowGRPOConfig(...)`, `CONFIG_NAMES`), with sections as mappings and TRL's flat
+names (`_RecipeConfigType`, `mmrl.trl_names`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import ast
 import dataclasses
 import importlib
 import inspect
+import json
 import math
 import textwrap
 import types
@@ -32,6 +35,18 @@ RECIPES: dict[str, str] = {
     "vlm_multiturn": "mmrl.vlm.multiturn",
     "prompt_rewriter": "mmrl.joint.rewriter",
 }
+
+# the recipes' configs under their Python API names (`mmrl.FlowGRPOConfig` is mmrl.diffusion.flow_grpo.Config);
+# GRPOConfig, TRL's name, is the VLM GRPO config (TRL's GRPO trains language models)
+CONFIG_NAMES: dict[str, str] = {
+    "FlowGRPOConfig": "flow_grpo", "NFTConfig": "nft", "AWMConfig": "awm", "DGPOConfig": "dgpo", "DPOConfig": "dpo",
+    "VLMGRPOConfig": "vlm_grpo", "GRPOConfig": "vlm_grpo", "MultiTurnConfig": "vlm_multiturn",
+    "PromptRewriterConfig": "prompt_rewriter"}
+
+
+def config_name(algorithm: str) -> str:
+    """The Python API name of a recipe's config (`flow_grpo` -> `FlowGRPOConfig`)."""
+    return next((n for n, a in CONFIG_NAMES.items() if a == algorithm), f"{algorithm} Config")
 
 
 class ConfigError(ValueError):
@@ -62,9 +77,45 @@ class TrainConfig:
     metrics, or resuming from a checkpoint older than the newest): without it such a start is refused."""
 
 
+class _RecipeConfigType(type):
+    """Building a recipe config in Python (`mmrl.FlowGRPOConfig(...)`): a section may be given as a mapping (checked
+    and filled with the section's defaults, as a YAML section is); TRL's flat keyword names (`learning_rate=...`,
+    `num_generations=...`) set the keys they mean (`mmrl.trl_names`); one positional argument is `output_dir`, as
+    in transformers' TrainingArguments. Without any of these it is the dataclass constructor (from_dict, copies)."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            if len(args) > 1 or "output_dir" in kwargs:
+                raise ConfigError(f"{config_name(cls().algorithm)}: one positional argument (output_dir) at most; give the others "
+                                  f"as keywords")
+            kwargs["output_dir"] = args[0]
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        flat = {k: kwargs.pop(k) for k in list(kwargs) if k not in fields}
+        hints = typing.get_type_hints(cls) if any(isinstance(v, dict) for v in kwargs.values()) else {}
+        for name, value in kwargs.items():
+            tp = hints.get(name)
+            if isinstance(value, dict) and dataclasses.is_dataclass(tp):
+                default = fields[name].default_factory
+                kwargs[name] = from_dict(tp, value, path=name,
+                                         defaults=default() if default is not dataclasses.MISSING else None)
+        cfg = super().__call__(**kwargs)
+        if flat:
+            from mmrl import trl_names
+
+            def set_keys(obj: Any, values: dict) -> None:
+                apply_overrides(obj, [f"{k}={json.dumps(v)}" for k, v in values.items()])
+
+            try:
+                cfg.__dict__["trainer_args"] = trl_names.apply(cfg, flat, set_keys)
+            except ValueError as exc:
+                raise ConfigError(f"{config_name(cfg.algorithm)}: {exc}") from None
+        return cfg
+
+
 @dataclass
-class RunConfig:
-    """Keys every recipe has at the top level."""
+class RunConfig(metaclass=_RecipeConfigType):
+    """Keys every recipe has at the top level. Also readable under the TRL names that map to keys
+    (`cfg.learning_rate` is `cfg.optim.lr`; `mmrl.trl_names.read`)."""
 
     algorithm: str = ""
     """Recipe name: a key of `mmrl.config.RECIPES` (`mmrl config dump ALGO` prints its keys)."""
@@ -80,6 +131,13 @@ class RunConfig:
     """torch intra-op CPU threads (0 = torch's default). 1 is fastest for tiny models on a shared 2-core CPU."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Training-loop keys."""
+
+    def __getattr__(self, name: str) -> Any:  # only for names that are not attributes: the TRL names
+        if name.startswith("_"):
+            raise AttributeError(name)
+        from mmrl import trl_names
+
+        return trl_names.read(self, name)
 
 
 # --------------------------------------------------------------------------------------------

@@ -123,7 +123,7 @@ def grid_run(tmp_path_factory):
                 seen[step] = captions
 
     out = tmp_path_factory.mktemp("grids") / "run"
-    mmrl.Trainer(ROOT / "configs/diffusion/flow_grpo_tiny.yaml", model=ROOT / "assets/tiny_sd3_shapes",
+    mmrl.Trainer(args=ROOT / "configs/diffusion/flow_grpo_tiny.yaml", model=ROOT / "assets/tiny_sd3_shapes",
                  output_dir=out, overrides=["train.max_steps=2", "log.sample_every=1", "optim.lr=0.05",
                                             f"data.train_prompts={ROOT}/assets/prompts/shapes_train.txt",
                                             f"data.eval_prompts={ROOT}/assets/prompts/shapes_eval.txt",

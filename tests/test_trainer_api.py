@@ -1,5 +1,7 @@
 """The Python trainer API (`mmrl.Trainer`): reward callables and zoo names, prompts / VQA rows as lists and
-`datasets.Dataset`, `data.path` as a `save_to_disk` directory, callbacks, resume; and the documented example."""
+`datasets.Dataset` (TRL's `prompt` / `image` columns), `data.path` as a `save_to_disk` directory, callbacks, resume,
+model objects, `evaluate()`, `save_model()`; and the documented example. (TRL's config names, the defaults from the
+model, transformers callbacks and the porting page: tests/test_trainer_trl.py.)"""
 
 from __future__ import annotations
 
@@ -21,6 +23,41 @@ TINY_SD3 = ROOT / "assets" / "tiny_sd3_shapes"
 TINY_FLOW = ROOT / "configs/diffusion/flow_grpo_tiny.yaml"
 FAST_DIFFUSION = {"train.max_steps": 2, "train.save_every": 1, "rollout.num_steps": 2, "rollout.prompts_per_step": 2,
                   "rollout.group_size": 2, "log.eval_every": 0, "log.sample_every": 0, "data.eval_prompts": ""}
+PROMPTS = ["a red circle on a blue background", "a green square on a white background"]
+COLOURS = {"red": (220, 30, 30), "green": (30, 170, 50), "blue": (30, 60, 220)}
+
+
+def fast_flow(out, **kw):
+    """A FlowGRPOConfig of a few cheap steps (2 prompts x 2 images, 2 SDE steps, no CFG) in TRL's names."""
+    return mmrl.FlowGRPOConfig(output_dir=str(out), **{
+        "max_steps": 2, "save_steps": 1, "num_generations": 2, "per_device_train_batch_size": 4,
+        "rollout": {"num_steps": 2, "guidance_scale": 1.0, "eval_num_steps": 2, "eval_guidance_scale": 1.0},
+        "log": {"sample_every": 0}, **kw})
+
+
+def fast_vlm(out, **kw):
+    return mmrl.VLMGRPOConfig(output_dir=str(out), **{
+        "max_steps": 1, "save_steps": 1, "num_generations": 2, "per_device_train_batch_size": 4,
+        "max_completion_length": 3, "log": {"sample_every": 0, "eval_every": 0}, **kw})
+
+
+def colour_rows(n=6, text="prompt", image="image"):
+    from PIL import Image
+
+    names = [list(COLOURS)[i % 3] for i in range(n)]
+    return [{text: "What color is the square?", image: Image.new("RGB", (56, 56), COLOURS[c]), "answer": c}
+            for c in names]
+
+
+def names_the_colour(completions, answer, **kwargs):
+    return [float(a in c) for c, a in zip(completions, answer)]
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm(tmp_path_factory):
+    from mmrl.tiny import build_tiny_qwen2_vl
+
+    return build_tiny_qwen2_vl(tmp_path_factory.mktemp("vlm") / "qwen2_vl")
 
 
 # ------------------------------------------------------------------------------------------ reward callables
@@ -92,53 +129,59 @@ def test_data_path_reads_a_save_to_disk_directory(tmp_path):
 
 # ------------------------------------------------------------------------------------------ the trainer
 def test_trainer_builds_the_config_a_yaml_would():
-    t = mmrl.Trainer("flow_grpo", model=TINY_SD3, reward_funcs=[lambda images, **k: images.mean((1, 2, 3)), "ocr"],
-                     reward_weights=[1.0, 0.5], output_dir="runs/x", overrides={"train.max_steps": 3})
-    assert t.config.model.path == str(TINY_SD3) and t.config.output_dir == "runs/x" and t.config.train.max_steps == 3
-    assert t.config.reward.components == {"python:<lambda>": 1.0, "ocr": 0.5}
-    v = mmrl.Trainer("vlm_grpo", reward_funcs=["exact_match", "format"], overrides=["train.max_steps=1"])
-    assert (v.config.reward.name, v.config.reward.kwargs) == ("composite", {"components": {"exact_match": 1.0,
-                                                                                           "format": 1.0}})
-    assert mmrl.Trainer("vlm_grpo", reward_funcs="exact_match").config.reward.name == "exact_match"
+    t = mmrl.Trainer(model=TINY_SD3, reward_funcs=[lambda images, **k: images.mean((1, 2, 3)), "ocr"],
+                     reward_weights=[1.0, 0.5], output_dir="runs/x", args=mmrl.FlowGRPOConfig(max_steps=3))
+    assert t.args.model.path == str(TINY_SD3) and t.args.output_dir == "runs/x" and t.args.train.max_steps == 3
+    assert t.args.reward.components == {"python:<lambda>": 1.0, "ocr": 0.5}
+    v = mmrl.Trainer(args="vlm_grpo", reward_funcs=["exact_match", "format"], overrides=["train.max_steps=1"])
+    assert (v.args.reward.name, v.args.reward.kwargs) == ("composite", {"components": {"exact_match": 1.0,
+                                                                                       "format": 1.0}})
+    assert mmrl.Trainer(args=mmrl.VLMGRPOConfig(), reward_funcs="exact_match").args.reward.name == "exact_match"
+    weighted = mmrl.Trainer(args=mmrl.FlowGRPOConfig(reward_weights=[2.0, 1.0]), reward_funcs=["ocr", "pickscore"])
+    assert weighted.args.reward.components == {"ocr": 2.0, "pickscore": 1.0}  # TRL's reward_weights on the config
+    with pytest.raises(ConfigError, match="reward_weights: given to Trainer and to the config; give it once"):
+        mmrl.Trainer(args=mmrl.FlowGRPOConfig(reward_weights=[1.0]), reward_funcs=["ocr"], reward_weights=[1.0])
     with pytest.raises(ConfigError, match="unknown reward 'nope'; available"):
-        mmrl.Trainer("flow_grpo", reward_funcs=["nope"])
+        mmrl.Trainer(args="flow_grpo", reward_funcs=["nope"])
     with pytest.raises(ConfigError, match="reward_weights: 1 weights for 2 reward functions"):
-        mmrl.Trainer("flow_grpo", reward_funcs=["ocr", "jpeg_compressibility"], reward_weights=[1.0])
+        mmrl.Trainer(args="flow_grpo", reward_funcs=["ocr", "jpeg_compressibility"], reward_weights=[1.0])
     with pytest.raises(ConfigError, match="vlm_multiturn takes its rewards from its environments"):
-        mmrl.Trainer("vlm_multiturn", reward_funcs=["exact_match"])
+        mmrl.Trainer(args=mmrl.MultiTurnConfig(), reward_funcs=["exact_match"])
     with pytest.raises(ConfigError, match="unknown config key 'train.lr'"):
-        mmrl.Trainer("flow_grpo", overrides={"train.lr": 1e-4})
+        mmrl.Trainer(args="flow_grpo", overrides={"train.lr": 1e-4})
     for weights in ([float("nan")], [float("inf")], ["1"]):  # NaN was found only at step 1, as a NaN reward
         with pytest.raises(ConfigError, match=re.escape(f"reward_weights[0]: expected a finite number, got "
                                                         f"{weights[0]!r}")):
-            mmrl.Trainer("flow_grpo", reward_funcs=["ocr"], reward_weights=weights)
+            mmrl.Trainer(args="flow_grpo", reward_funcs=["ocr"], reward_weights=weights)
 
 
 def test_a_failed_start_leaves_no_inputs_behind(tmp_path):
-    """The inputs a Trainer wrote for a start that failed (here: no model folder) go with the rest of that start:
-    a new output_dir entirely, in an existing one only what this start added."""
-    def args(out, prompts):
-        return dict(model=tmp_path / "no_model", reward_funcs=["jpeg_compressibility"], train_dataset=prompts,
-                    output_dir=out, overrides=FAST_DIFFUSION)
+    """The inputs a Trainer wrote for a start that failed go with the rest of that start: a new output_dir
+    entirely, in an existing one only what this start added."""
+    def args(out, prompts, model=TINY_SD3):
+        return dict(model=model, reward_funcs=["jpeg_compressibility"], train_dataset=prompts, output_dir=out,
+                    overrides=FAST_DIFFUSION)
 
-    with pytest.raises(FileNotFoundError, match="model.path '.*no_model' does not exist"):
-        mmrl.Trainer(TINY_FLOW, **args(tmp_path / "new", ["a red circle"])).train()
+    with pytest.raises(FileNotFoundError, match="model.path '.*no_model' does not exist"):  # now at construction
+        mmrl.Trainer(args=TINY_FLOW, **args(tmp_path / "new", ["a red circle"], tmp_path / "no_model")).train()
     assert not (tmp_path / "new").exists()
     mine = tmp_path / "mine"
     (mine / "inputs").mkdir(parents=True)
     (mine / "inputs" / "notes.txt").write_text("mine")
-    with pytest.raises(FileNotFoundError, match="no_model"):
-        mmrl.Trainer(TINY_FLOW, **args(mine, ["a red circle"])).train()
+    t = mmrl.Trainer(args=TINY_FLOW, **args(mine, ["a red circle"]))
+    t.args.data.eval_prompts = str(tmp_path / "missing.txt")  # found by the recipe, after the inputs were written
+    with pytest.raises(FileNotFoundError, match="data.eval_prompts: prompt file not found"):
+        t.train()
     assert sorted(p.relative_to(mine).as_posix() for p in mine.rglob("*")) == ["inputs", "inputs/notes.txt"]
     with pytest.raises(ConfigError, match=re.escape("train/eval prompts: item 1: 'prompt' is int 7, expected a "
                                                     "string (the prompt text)")):
-        mmrl.Trainer(TINY_FLOW, **args(tmp_path / "ints", [{"prompt": "a"}, {"prompt": 7}])).train()
+        mmrl.Trainer(args=TINY_FLOW, **args(tmp_path / "ints", [{"prompt": "a"}, {"prompt": 7}])).train()
     assert not (tmp_path / "ints").exists()
 
 
 @pytest.mark.slow
 def test_diffusion_trainer_with_a_python_reward_list_prompts_callbacks_and_resume(tmp_path):
-    calls, logged, ended = [], [], []
+    calls, logged, ended, saved = [], [], [], []
 
     def brightness(images, prompts, **kwargs):
         calls.append((len(prompts), images.shape))
@@ -148,65 +191,184 @@ def test_diffusion_trainer_with_a_python_reward_list_prompts_callbacks_and_resum
         def on_log(self, step, metrics):
             logged.append((step, metrics["reward/mean"]))
 
+        def on_save(self, step, checkpoint):
+            saved.append((step, Path(checkpoint).name))
+
         def on_train_end(self, summary):
             ended.append(summary)
 
-    prompts = ["a red circle on a blue background", "a green square on a white background"]
+    class SavesOnly:  # an object with one of the methods is not called as f(step, metrics)
+        def on_save(self, step, checkpoint):
+            saved.append(("only", step))
+
     args = dict(model=TINY_SD3, reward_funcs=[brightness, "jpeg_compressibility"], reward_weights=[1.0, 0.1],
-                train_dataset=prompts, output_dir=tmp_path / "run", callbacks=[Recorder()])
-    summary = mmrl.Trainer(ROOT / "configs/diffusion/flow_grpo_tiny.yaml", **args, overrides=FAST_DIFFUSION).train()
+                train_dataset=PROMPTS, output_dir=tmp_path / "run", callbacks=[Recorder(), SavesOnly()])
+    summary = mmrl.Trainer(args=TINY_FLOW, **args, overrides=FAST_DIFFUSION).train()
     rows = metrics_rows(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2] and summary["steps_logged"] == 2 and ended == [summary]
     assert logged == [(r["step"], r["reward/mean"]) for r in rows]  # the callback saw every metrics row
+    assert saved == [(1, "step_1"), ("only", 1), (2, "step_2"), ("only", 2)]  # and every complete checkpoint
     assert calls and all(n == 4 and shape[1:] == (3, 64, 64) for n, shape in calls)
     assert "python:brightness" not in available()  # registered for the run only
     cfg = load_config(tmp_path / "run" / "config.yaml")  # the run directory is an ordinary one
     assert cfg.reward.components == {"python:brightness": 1.0, "jpeg_compressibility": 0.1}
     with pytest.raises(ValueError, match="'python:brightness' was a Python function passed to mmrl.Trainer"):
         create("python:brightness")  # the config loads; scoring without the function says why not
-    assert [json.loads(ln)["prompt"] for ln in Path(cfg.data.train_prompts).read_text().splitlines()] == prompts
+    assert [json.loads(ln)["prompt"] for ln in Path(cfg.data.train_prompts).read_text().splitlines()] == PROMPTS
     assert (tmp_path / "run" / "checkpoints" / "step_2" / "COMPLETE").is_file()
     # train again with more steps: resumes from step 2, like `mmrl train` rerun
     more = {**FAST_DIFFUSION, "train.max_steps": 3}
-    mmrl.Trainer(ROOT / "configs/diffusion/flow_grpo_tiny.yaml", **args, overrides=more).train()
+    mmrl.Trainer(args=TINY_FLOW, **args, overrides=more).train()
     assert [r["step"] for r in metrics_rows(tmp_path / "run")] == [1, 2, 3]
     with pytest.raises(ConfigError, match="the dataset differs from the one this run was started with"):
-        mmrl.Trainer(ROOT / "configs/diffusion/flow_grpo_tiny.yaml", **{**args, "train_dataset": prompts[:1]},
-                     overrides=more).train()
+        mmrl.Trainer(args=TINY_FLOW, **{**args, "train_dataset": PROMPTS[:1]}, overrides=more).train()
 
 
 @pytest.mark.slow
-def test_vlm_trainer_with_a_hf_dataset_and_a_python_reward(tmp_path):
+def test_vlm_trainer_with_a_hf_dataset_and_a_python_reward(tmp_path, tiny_vlm):
     datasets = pytest.importorskip("datasets")
     from PIL import Image
 
-    from mmrl.tiny import build_tiny_qwen2_vl
-
-    colours = {"red": (220, 30, 30), "green": (30, 170, 50), "blue": (30, 60, 220)}
-    rows = {"problem": [], "answer": [], "images": []}
+    rows = {"problem": [], "answer": [], "images": []}  # geometry3k's column names: `problem` is read as `prompt`
     for i in range(6):
-        name = list(colours)[i % 3]
+        name = list(COLOURS)[i % 3]
         rows["problem"].append("What color is the square?")
         rows["answer"].append(name)
-        rows["images"].append([Image.new("RGB", (56, 56), colours[name])])
+        rows["images"].append([Image.new("RGB", (56, 56), COLOURS[name])])
     ds = datasets.Dataset.from_dict(rows)
     scored = []
 
-    def names_the_colour(completions, answer, **kwargs):
+    def counted(completions, answer, **kwargs):
         scored.append(len(completions))
-        return [float(a in c) for c, a in zip(completions, answer)]
+        return names_the_colour(completions, answer)
 
-    t = mmrl.Trainer("vlm_grpo", model=build_tiny_qwen2_vl(tmp_path / "tiny"), reward_funcs=names_the_colour,
-                     train_dataset=ds, eval_dataset=ds.select(range(2)), output_dir=tmp_path / "run",
-                     overrides={"train.max_steps": 1, "train.save_every": 1, "rollout.prompts_per_step": 2,
-                                "rollout.group_size": 2, "rollout.max_new_tokens": 3, "data.template": "{problem}",
-                                "data.eval_size": 2, "warm_start.steps": 0, "log.sample_every": 0,
-                                "log.eval_every": 0})
+    t = mmrl.Trainer(model=tiny_vlm, reward_funcs=counted, train_dataset=ds, eval_dataset=ds.select(range(2)),
+                     args=fast_vlm(tmp_path / "run", data={"eval_size": 2}))
     t.train()
     assert scored and [r["step"] for r in metrics_rows(tmp_path / "run")] == [1]
     cfg = load_config(tmp_path / "run" / "config.yaml")
-    assert cfg.data.kind == "geo3k" and Path(cfg.data.path).is_dir() and cfg.reward.name == "python:names_the_colour"
+    assert cfg.data.kind == "geo3k" and Path(cfg.data.path).is_dir() and cfg.reward.name == "python:counted"
+    assert cfg.data.template == "{prompt}"  # the prompts as written
     assert (tmp_path / "run" / "checkpoints" / "step_1" / "COMPLETE").is_file()
+
+
+def test_vlm_rows_take_trl_column_names(tmp_path):
+    """`prompt` (TRL's name; `problem` an alias) and `image` / `images`, written as the loader reads them; the loader
+    reads the same names from a YAML config's data file."""
+    from mmrl.pipelines.data import load_visual_qa
+
+    t = mmrl.Trainer(args="vlm_grpo", reward_funcs=names_the_colour, train_dataset=colour_rows(3),
+                     output_dir=tmp_path / "run")
+    cfg = t.args
+    t._write_inputs(cfg)
+    items = load_visual_qa(cfg.data.path, template=cfg.data.template)
+    assert [(it.prompt, it.answer, it.images[0].getpixel((3, 3))) for it in items] == [
+        ("<image>What color is the square?", c, COLOURS[c]) for c in COLOURS]
+    rows = tmp_path / "rows.jsonl"
+    image = json.loads(Path(cfg.data.path).read_text().splitlines()[0])["images"][0]  # a saved PNG
+    rows.write_text(json.dumps({"problem": "Q1", "image": image, "answer": "a"}) + "\n"
+                    + json.dumps({"prompt": "Q2", "answer": "b"}) + "\n")
+    assert [it.prompt for it in load_visual_qa(rows, template="{prompt}!")] == ["<image>Q1!", "Q2!"]
+    for bad, message in [
+            ([{"question": "Q", "answer": "a"}], "train_dataset: row 0: no 'prompt' column (the question text; "
+                                                 "'problem' is read as an alias), got columns ['answer', 'question']"),
+            ([{"prompt": "Q", "image": "a.png", "images": ["b.png"], "answer": "a"}],
+             "train_dataset: row 0: both 'images' and 'image' columns; give the images in one of them"),
+            ([{"prompt": [{"role": "user", "content": "Q"}], "answer": "a"}],
+             "train_dataset: row 0: 'prompt' is list [{'role': 'user', 'content': 'Q'}]; expected text (TRL's "
+             "conversational prompts"),
+            ([{"prompt": "Q"}], "train_dataset: row 0: no 'answer' column, which the zoo rewards score against")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            mmrl.Trainer(args="vlm_grpo", reward_funcs="exact_match", train_dataset=bad)
+    no_answer = mmrl.Trainer(args="vlm_grpo", reward_funcs=names_the_colour, train_dataset=[{"prompt": "Q"}],
+                             output_dir=tmp_path / "free")  # a Python reward reads what it names
+    no_answer._write_inputs(no_answer.args)
+    assert json.loads(Path(no_answer.args.data.path).read_text())["answer"] == ""
+
+
+def test_loaded_model_objects_are_saved_under_inputs_and_trained_from_there(tmp_path, tiny_vlm):
+    """A loaded DiffusionPipeline / transformers model (with its processor) used to fail with a YAML parse error."""
+    from diffusers import DiffusionPipeline
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    pipe = DiffusionPipeline.from_pretrained(str(TINY_SD3))
+    t = mmrl.Trainer(model=pipe, reward_funcs="jpeg_compressibility", train_dataset=PROMPTS,
+                     args=fast_flow(tmp_path / "sd3", max_steps=1))
+    assert t.args.algorithm == "flow_grpo" and t.args.rollout.height == 64  # recipe and size from the object
+    t.train()
+    saved = tmp_path / "sd3" / "inputs" / "model"
+    assert load_config(tmp_path / "sd3" / "config.yaml").model.path == str(saved)
+    assert (saved / "model_index.json").is_file() and (saved / "transformer" / "config.json").is_file()
+    pipe.transformer.pos_embed.proj.bias.data += 1  # another model for a run with checkpoints: refused
+    with pytest.raises(ConfigError, match="the model differs from the one this run was started with"):
+        mmrl.Trainer(model=pipe, reward_funcs="jpeg_compressibility", train_dataset=PROMPTS,
+                     args=fast_flow(tmp_path / "sd3", max_steps=2)).train()
+    model = AutoModelForImageTextToText.from_pretrained(str(tiny_vlm))
+    v = mmrl.Trainer(model=model, processing_class=AutoProcessor.from_pretrained(str(tiny_vlm)),
+                     reward_funcs=names_the_colour, train_dataset=colour_rows(2), args=fast_vlm(tmp_path / "vlm"))
+    assert v.args.algorithm == "vlm_grpo"
+    v.train()
+    files = sorted(p.name for p in (tmp_path / "vlm" / "inputs" / "model").iterdir())
+    assert "config.json" in files and "model.safetensors" in files and "tokenizer.json" in files
+    assert mmrl.Trainer(model=model).processing_class is not None  # loaded from the directory it came from
+    with pytest.raises(ConfigError, match="processing_class: the processor is loaded from the model directory"):
+        mmrl.Trainer(model=tiny_vlm, processing_class=AutoProcessor.from_pretrained(str(tiny_vlm)))
+
+
+def test_evaluate_and_save_model(tmp_path, tiny_vlm):
+    evaluated = []
+
+    from transformers import TrainerCallback
+
+    class Seen(TrainerCallback):
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            evaluated.append(sorted(metrics))
+
+    t = mmrl.Trainer(model=TINY_SD3, reward_funcs="jpeg_compressibility", train_dataset=PROMPTS,
+                     eval_dataset=["a blue circle on a white background"], args=fast_flow(tmp_path / "run"),
+                     callbacks=[Seen()])
+    with pytest.raises(ConfigError, match="save_model: .*run has no complete checkpoint yet; call train\\(\\) first"):
+        t.save_model()
+    base = t.evaluate()  # before train(): the base model
+    t.train()
+    trained = t.evaluate()
+    assert set(trained) == set(base) >= {"eval/reward/mean", "eval/reward/std", "eval/reward/jpeg_compressibility",
+                                          "eval/shapes/overall"}
+    assert trained["eval/reward/mean"] != base["eval/reward/mean"]  # the trained weights, not the base model
+    assert (tmp_path / "run" / "eval" / "step_2" / "eval_report.json").is_file()
+    assert evaluated[-1] == sorted(trained)
+    other = t.evaluate(["a red square on a white background"], metric_key_prefix="test")
+    assert set(other) == {k.replace("eval/", "test/") for k in trained}
+    meta = t.save_model()
+    assert meta["format"] == "diffusers" and Path(meta["out"]) == (tmp_path / "run-diffusers").resolve()
+    assert (tmp_path / "run-diffusers" / "model_index.json").is_file()
+    assert t.save_model(tmp_path / "lora", format="diffusers-lora")["format"] == "diffusers-lora"
+    with pytest.raises(ConfigError, match=re.escape(f"save_model({str(tmp_path / 'run')!r}): that is inside the run "
+                                                    f"directory")):
+        t.save_model(tmp_path / "run")
+    v = mmrl.Trainer(model=tiny_vlm, reward_funcs=names_the_colour, train_dataset=colour_rows(2),
+                     eval_dataset=colour_rows(3), args=fast_vlm(tmp_path / "vlm"))
+    v.train()
+    assert set(v.evaluate()) == {"eval/accuracy"}
+    assert v.save_model()["format"] == "transformers" and (tmp_path / "vlm-transformers" / "config.json").is_file()
+    with pytest.raises(ConfigError, match="evaluate\\(\\): no eval_dataset; pass it to Trainer"):
+        mmrl.Trainer(model=tiny_vlm).evaluate()
+
+
+def test_peft_config_and_num_train_epochs():
+    from peft import LoraConfig
+
+    t = mmrl.Trainer(model=TINY_SD3, train_dataset=PROMPTS * 5, args=mmrl.FlowGRPOConfig(num_train_epochs=2.5),
+                     peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["to_q", "to_v"]))
+    lora = t.args.model.lora
+    assert (lora.rank, lora.alpha, lora.target_modules, lora.init) == (8, 16, ["to_q", "to_v"], "true")
+    assert t.args.train.max_steps == 7  # ceil(2.5 epochs x 10 rows / 4 prompts per step)
+    assert t.derived["train.max_steps"] == "7: num_train_epochs x 10 rows / 4 prompts per step"
+    with pytest.raises(ConfigError, match=re.escape("peft_config.lora_dropout=0.1: not supported (model.lora takes "
+                                                    "r, lora_alpha, target_modules, init_lora_weights)")):
+        mmrl.Trainer(model=TINY_SD3, peft_config=LoraConfig(r=8, lora_dropout=0.1))
+    with pytest.raises(ConfigError, match="num_train_epochs needs train_dataset"):
+        mmrl.Trainer(model=TINY_SD3, args=mmrl.FlowGRPOConfig(num_train_epochs=1))
 
 
 # ------------------------------------------------------------------------------------------ the documented example
@@ -221,5 +383,6 @@ def test_the_documented_python_api_example_runs(tmp_path, monkeypatch):
     namespace: dict = {}
     exec(compile(code, "docs/python-api.md", "exec"), namespace)
     summary = namespace["summary"]
-    assert summary["steps_logged"] >= 1 and Path(summary["output_dir"]).is_dir()
-    assert (Path(summary["output_dir"]) / "metrics.jsonl").is_file()
+    assert summary["steps_logged"] == 3 and (Path(summary["output_dir"]) / "metrics.jsonl").is_file()
+    assert namespace["metrics"]["eval/reward/mean"] is not None
+    assert (tmp_path / "runs" / "python_api-diffusers" / "mmrl_export.json").is_file()

@@ -292,10 +292,12 @@ class VQAItem:
 
 
 def load_visual_qa(path: str | Path, image_root: str | Path | None = None, template: str | None = GEO3K_TEMPLATE,
-                   problem_key: str = "problem", answer_key: str = "answer", images_key: str = "images",
+                   problem_key: str | None = None, answer_key: str = "answer", images_key: str | None = None,
                    on_error: str = "skip", limit: int | None = None) -> list[VQAItem]:
-    """Visual QA in the geometry3k layout: `images` (list of paths / {"bytes":..} / base64), `problem`
-    (text with `<image>` placeholders; one is prepended when missing), `answer`.
+    """Visual QA rows: `prompt` (the question text with `<image>` placeholders, one is prepended per image when there
+    are none; `problem`, geometry3k's name, is read when a row has no `prompt`), `images` (a list of paths /
+    {"bytes":..} / base64 / PIL images; `image`, TRL's name, for one image or a list), `answer`. `template` formats
+    the text (`{prompt}` or `{problem}`); `problem_key` / `images_key` name other columns.
 
     `on_error="skip"` drops a row whose image cannot be read and warns with its path; `"raise"` fails.
     """
@@ -309,9 +311,11 @@ def load_visual_qa(path: str | Path, image_root: str | Path | None = None, templ
     for i, row in enumerate(read_records(path)):
         if limit is not None and len(items) >= limit:
             break
-        problem = str(_require(row, problem_key, path, i))
+        text_key = problem_key or ("problem" if "prompt" not in row and "problem" in row else "prompt")
+        problem = str(_require(row, text_key, path, i))
         answer = str(_require(row, answer_key, path, i))
-        raw = row.get(images_key) or []
+        image_key = images_key or ("image" if "images" not in row and "image" in row else "images")
+        raw = row.get(image_key) or []
         if not isinstance(raw, list):
             raw = [raw]
         try:
@@ -334,8 +338,8 @@ def load_visual_qa(path: str | Path, image_root: str | Path | None = None, templ
                 raise DataError(msg)
             warnings.warn(msg + "; skipped", stacklevel=2)
             continue
-        text = template.format(problem=problem) if template else problem
-        meta = {k: v for k, v in row.items() if k not in (images_key,)}
+        text = template.format(problem=problem, prompt=problem) if template else problem
+        meta = {k: v for k, v in row.items() if k != image_key}
         meta["answer"] = answer
         items.append(VQAItem(text, images, answer, meta))
     if not items:

@@ -44,7 +44,7 @@ class ShapesQA:
             bg = "background" in q
             choices = {"color": list(c.backgrounds if bg else c.colors), "shape": list(KINDS),
                        "count": [str(i) for i in range(1, c.n_shapes[1] + 1)]}.get(kind, [answer])
-        prompt = "<image>" + c.template.format(question=question, problem=question)
+        prompt = "<image>" + c.template.format(question=question, problem=question, prompt=question)
         return VQAItem(prompt, [scene.image], answer, {"answer": answer, "kind": kind, "choices": sorted(set(choices))})
 
     def next(self, n: int) -> list[VQAItem]:

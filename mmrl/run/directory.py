@@ -313,6 +313,10 @@ class Run:
         self._write_config()
         self._drop_later_than(step)
         self._prune()
+        for tracker in self.trackers:  # the callbacks' on_save
+            saved = getattr(tracker, "saved", None)
+            if saved is not None:
+                saved(step, final)
 
     def _drop_later_than(self, step: int) -> None:
         """Checkpoints with a higher step than the one just written belong to an abandoned timeline (a run

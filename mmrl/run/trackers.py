@@ -137,17 +137,21 @@ class WandbTracker:
 _CALLBACKS: list = []
 
 
+CALLBACK_METHODS = ("on_log", "on_samples", "on_videos", "on_save")
+
+
 class CallbackTracker:
     """A callback as a tracker: a function `f(step, metrics)`, or an object with any of `on_log(step, metrics)`,
     `on_samples(step, name, images, captions)` (PIL images), `on_videos(step, name, videos, captions, fps)` (uint8
-    [F, H, W, 3] clips)."""
+    [F, H, W, 3] clips), `on_save(step, checkpoint_dir)` (a complete checkpoint); an object whose `stop_requested`
+    is true ends the run after the step (`stop_requested`)."""
 
     def __init__(self, callback: Any):
         self.callback = callback
 
     def log(self, step: int, row: dict) -> None:
-        only_media = hasattr(self.callback, "on_samples") or hasattr(self.callback, "on_videos")
-        fn = getattr(self.callback, "on_log", None if only_media else self.callback)
+        an_object = any(hasattr(self.callback, k) for k in CALLBACK_METHODS)  # else a function f(step, metrics)
+        fn = getattr(self.callback, "on_log", None if an_object else self.callback)
         if fn is not None:
             fn(step, dict(row))
 
@@ -161,17 +165,40 @@ class CallbackTracker:
         if fn is not None:
             fn(step, name, list(videos), list(captions or []), fps)
 
+    def saved(self, step: int, checkpoint: Path) -> None:
+        fn = getattr(self.callback, "on_save", None)
+        if fn is not None:
+            fn(step, checkpoint)
+
+    @property
+    def stop_requested(self) -> bool:
+        return bool(getattr(self.callback, "stop_requested", False))
+
     def close(self) -> None:
         pass
+
+
+def check_callback(cb: Any, where: str = "callback") -> None:
+    """TypeError unless `cb` is a function f(step, metrics) or an object with one of the callback methods."""
+    if not (callable(cb) or any(hasattr(cb, k) for k in CALLBACK_METHODS)):
+        raise TypeError(f"{where} {cb!r:.80}: expected a function f(step, metrics), an object with "
+                        f"{' / '.join(CALLBACK_METHODS)}, or a transformers TrainerCallback")
+
+
+def stop_requested(ctx: Any, run: Any) -> bool:
+    """True when a callback asked the run to end after this step (a transformers callback's
+    `control.should_training_stop`), the same on every rank (the main process decides)."""
+    if not _CALLBACKS:
+        return False
+    asked = any(getattr(t, "stop_requested", False) for t in run.trackers)
+    return bool(ctx.max_int(int(asked))) if ctx.enabled else asked
 
 
 @contextmanager
 def callbacks_active(callbacks: Sequence[Any]) -> Iterator[None]:
     """Every run started inside the block reports to `callbacks` too (see CallbackTracker)."""
     for cb in callbacks:
-        if not (callable(cb) or any(hasattr(cb, k) for k in ("on_log", "on_samples", "on_videos"))):
-            raise TypeError(f"callback {cb!r}: expected a function f(step, metrics) or an object with on_log / "
-                            f"on_samples / on_videos")
+        check_callback(cb)
     before = list(_CALLBACKS)
     _CALLBACKS[:] = before + list(callbacks)
     try:

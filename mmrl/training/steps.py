@@ -12,7 +12,8 @@ Around each step, on every rank: with several processes the global RNG is seeded
 `after_step(step, metrics)` (a recipe family's samples and evaluation, outside the step's time), and the tail: the
 timings (`time/*`, `time/step_s`), `perf/*` (a collective), one metrics.jsonl row (rank 0), the progress bar, the
 checkpoint when due (`train.save_every` or the last step; collective, rank 0 writes, `checkpoint_extra()` saved
-with it), and the reward-hacking stop (`log.hacking.stop`).
+with it), and the stops: a callback's request (`mmrl.run.trackers.stop_requested`) and the reward-hacking alarm
+(`log.hacking.stop`), each writing the step's checkpoint first.
 """
 
 from __future__ import annotations
@@ -60,8 +61,10 @@ class StepLoop:
                 break
 
     def end_step(self, step: int, metrics: dict) -> bool:
-        """The tail of a step on every rank (module docstring); True when the hacking alarm stops the run."""
-        from mmrl.run.checkpoint import checkpoint_due, save_checkpoint
+        """The tail of a step on every rank (module docstring); True when a callback (`control.should_training_stop`)
+        or the hacking alarm stops the run."""
+        from mmrl.run.checkpoint import checkpoint_due
+        from mmrl.run.trackers import stop_requested
         from mmrl.training.judges import stop_for_hacking
 
         ctx, run = self.ctx, self.run
@@ -73,9 +76,21 @@ class StepLoop:
         self.bar.update(1)
         self.bar.set_postfix(**self.postfix(metrics))
         if checkpoint_due(self.cfg, step):
-            extra = self.checkpoint_extra() if self.checkpoint_extra is not None else None
-            save_checkpoint(ctx, run, step, self.states, self.stateful, fsdp=self.fsdp, extra=extra)
+            self.save(step)
+        if stop_requested(ctx, run):  # a callback's control.should_training_stop
+            if not checkpoint_due(self.cfg, step):
+                self.save(step)
+            if ctx.is_main:
+                print(f"[{self.cfg.algorithm}] stopping at step {step}: a callback asked to "
+                      f"(control.should_training_stop); the checkpoint of this step is written", flush=True)
+            return True
         return stop_for_hacking(ctx, run, step, self.judges, self.states, self.stateful, self.fsdp)
+
+    def save(self, step: int) -> None:
+        from mmrl.run.checkpoint import save_checkpoint
+
+        extra = self.checkpoint_extra() if self.checkpoint_extra is not None else None
+        save_checkpoint(self.ctx, self.run, step, self.states, self.stateful, fsdp=self.fsdp, extra=extra)
 
     def close(self) -> None:
         self.bar.close()

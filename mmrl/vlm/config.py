@@ -125,13 +125,15 @@ class DataConfig:
     kind: Literal["shapes", "geo3k"] = "shapes"
     """`shapes` (synthetic scenes, exact answers, infinite, seeded) or `geo3k` (jsonl/parquet via load_visual_qa)."""
     path: str = ""
-    """geo3k: training file (.jsonl/.json/.parquet, or a datasets save_to_disk directory) with images/problem/answer."""
+    """geo3k: training file (.jsonl/.json/.parquet, or a datasets save_to_disk directory) with rows `prompt` (the
+    question text; `problem` is read as its alias), `images` (or `image`) and `answer`."""
     val_path: str = ""
     """geo3k: optional held-out file for greedy eval accuracy (first `eval_size` rows)."""
     image_root: str = ""
     """geo3k: folder relative image paths are resolved against (default: the file's folder)."""
     template: str = GEO3K_TEMPLATE
-    """Prompt template: geo3k uses {problem}; shapes uses {question}."""
+    """Prompt template: geo3k rows fill {prompt} (= {problem}) with their text, shapes fills {question};
+    `{prompt}` alone uses the text as written (what mmrl.Trainer sets for its train_dataset)."""
     system_prompt: str = ""
     """Optional system message (empty: the chat template's default)."""
     on_error: Literal["skip", "raise"] = "skip"

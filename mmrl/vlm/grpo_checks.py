@@ -78,10 +78,10 @@ def check_config(cfg: Any) -> None:
     if cfg.warm_start.steps and data.kind != "shapes":
         raise ValueError("warm_start.steps > 0 needs data.kind=shapes (answer vocabularies are known there only)")
     try:
-        data.template.format(problem="", question="")
+        data.template.format(prompt="", problem="", question="")
     except (KeyError, IndexError) as exc:
-        raise ValueError(f"data.template: unknown placeholder {exc} in {data.template!r} (known: {{problem}}, "
-                         f"{{question}})") from None
+        raise ValueError(f"data.template: unknown placeholder {exc} in {data.template!r} (known: {{prompt}}, "
+                         f"{{problem}}, {{question}})") from None
     except ValueError as exc:  # e.g. an unmatched brace
         raise ValueError(f"data.template: {data.template!r} is not a format string ({exc})") from None
     if data.kind == "shapes":
