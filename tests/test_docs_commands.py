@@ -88,9 +88,10 @@ COMMANDS: dict[str, object] = {
                         "the full demo takes minutes; `make -n demo` is checked to run `mmrl demo`, and each demo's "
                         "result has its own slow test"),
     "make test": Short("make -n test", "the whole suite is what CI runs; here a dry run checks the target exists"),
-    "make demo TORCH=cpu": ByTest("tests/test_newcomer.py::test_make_with_torch_cpu_installs_the_cpu_build_first",
-                                  "a fresh .venv downloads torch: the test checks the commands make would run"),
-    "make clean": Short("make -n clean", "would remove the scratch dir's .venv link: a dry run checks the target"),
+    "make install TORCH=cpu": ByTest("tests/test_newcomer.py::test_make_with_torch_cpu_installs_the_cpu_build_first",
+                                     "a fresh .venv downloads torch: the test checks the commands make would run"),
+    "make install": ByTest("tests/test_newcomer.py::test_make_install_writes_its_stamp_only_after_pip_and_the_check_pass",
+                           "a fresh .venv installs several GB: the test runs the target with stand-in pip and python"),
     # docs/architecture.md
     "python benchmarks/golden_metrics.py list": RUN,
     # docs/config-keys.md
