@@ -1,6 +1,6 @@
 """Every diffusion export format on every model family, loaded by the tool it names (docs/export.md's table).
 
-For each tiny family pipeline (`mmrl.tiny.FAMILY_BUILDERS`, plus Wan 2.2 A14B's two experts) a LoRA checkpoint is
+For each tiny family pipeline (`mmrl.diffusion.models.tiny_cases()`, Wan 2.2 A14B's two experts included) a LoRA checkpoint is
 written the way training writes it (`build_policy_states`, `PolicyStates.save`) with a non-zero update. mmrl's own
 policy is that checkpoint applied by `mmrl eval`'s path (`apply_checkpoint`), sampled through the family's diffusers
 pipeline. Each export is then loaded by its consumer with the code of its own model card (`README.md`, executed):
@@ -32,10 +32,18 @@ FAMILIES = ["StableDiffusion3Pipeline", "FluxPipeline", "FluxKontextPipeline", "
 KOHYA = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}  # the families --format kohya is written for
 
 
-def test_every_registered_family_is_covered():
-    from mmrl.tiny import FAMILY_BUILDERS
+def _tiny_case(cls: str, variant: str | None):
+    """The family's own tiny case (`mmrl.diffusion.models.tiny_cases`) of that builder variant."""
+    from mmrl.diffusion.models import tiny_cases
 
-    assert {f.split(":")[0] for f in FAMILIES} == set(FAMILY_BUILDERS)
+    (case,) = [c for c in tiny_cases().values() if c.pipeline == cls and c.options.get("variant") == variant]
+    return case
+
+
+def test_every_registered_family_is_covered():
+    from mmrl.diffusion.models import tiny_cases
+
+    assert {f.split(":")[0] for f in FAMILIES} == {case.pipeline for case in tiny_cases().values()}
 
 
 def _size(cls: str) -> int:
@@ -47,9 +55,7 @@ def lora_checkpoint(root: Path, cls: str, variant: str | None, rank: int = 4) ->
     whose lora_B is drawn at random, or (rank 0) full fine-tuning with noise added to the attention queries."""
     from mmrl.config import load_config
     from mmrl.diffusion.common import build_policy_states, load_recipe_model
-    from mmrl.tiny import FAMILY_BUILDERS
-
-    base = FAMILY_BUILDERS[cls](root / "base", **({"variant": variant} if variant else {}))
+    base = _tiny_case(cls, variant).build_at(root / "base")
     d = {"algorithm": "flow_grpo", "output_dir": str(root / "run"), "device": "cpu",
          "model": {"path": str(base), "lora": {"rank": rank, "alpha": 8}},
          "data": {"train_prompts": str(ROOT / "assets/prompts/shapes_train.txt")},

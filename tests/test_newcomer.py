@@ -141,7 +141,7 @@ def test_sample_grids_show_fixed_prompts_from_step_0_with_the_reward(grid_run):
                     if ln.strip() and not ln.startswith("#")][:4]
     for step, captions in seen.items():  # the same prompts in every grid, each captioned with its reward
         assert [c.split(" | ", 1)[1] for c in captions] == eval_prompts, step
-        assert all(re.match(r"^r=[-0-9.e]+ \| ", c) for c in captions)
+        assert all(re.match(r"^reward [-0-9.e]+ \| ", c) for c in captions)
     rewards = {step: [c.split(" | ")[0] for c in caps] for step, caps in seen.items()}
     assert rewards[0] != rewards[2]  # the policy moved (lr 0.05): same prompts and noise, other images
 

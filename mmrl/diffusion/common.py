@@ -283,7 +283,7 @@ def sample_grid(model: Any, states: Any, state: str, reward_fn: Any, items: Sequ
                 cfg: Any) -> None:
     """samples/step_<N>.png: one image per grid prompt (`grid_prompts`), ODE with the eval settings
     (`rollout.eval_num_steps`, `rollout.eval_guidance_scale`) and the same initial noise in every grid, so the grids
-    of a run show one policy changing; captions "r=<reward> | <prompt>", word-wrapped (edit rows: each result after
+    of a run show one policy changing; captions "reward <reward> | <prompt>", word-wrapped (edit rows: each result after
     its source image)."""
     if not items:
         return
