@@ -430,4 +430,4 @@ def test_eval_of_a_run_on_a_read_only_mount_is_one_line(trained_run, tmp_path, c
                         f"mmrl: error: mmrl eval: cannot write into {mnt / 'run' / 'eval' / 'step_1'} (Read-only file "
                         f"system); pass --out DIR, a directory on a writable disk")
     finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

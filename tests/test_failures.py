@@ -161,7 +161,7 @@ def test_a_read_only_tracker_folder_is_one_line(tracker, tmp_path, monkeypatch, 
         assert f"log.trackers: {tracker} cannot write into {mnt} (Read-only file system)" in line, line
         assert sorted(p.name for p in out.iterdir()) == [tracker]  # the mount point the test made; nothing else
     finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 # ---------------------------------------------------------------------------------------- pickled weights

@@ -296,4 +296,4 @@ def test_disk_full_on_a_real_full_file_system(tmp_path):
                 run.save_state(d, big=torch.zeros(200_000))
         assert list_checkpoints(run.ckpt_dir) == [] and not list(run.ckpt_dir.glob(".tmp-*"))
     finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -187,7 +187,7 @@ def test_vlm_eval_of_a_run_on_a_read_only_mount_is_one_line(run, tmp_path, capsy
                         f"mmrl: error: mmrl eval: cannot write into {mnt / 'run' / 'eval' / 'step_2'} (Read-only file "
                         f"system); pass --out DIR, a directory on a writable disk")
     finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_sample_grids_say_they_are_training_samples_beside_the_greedy_accuracy(run):
