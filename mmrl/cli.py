@@ -227,6 +227,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _close_progress_bars() -> None:
+    """Close the bars a failure left open: their last line ends with a newline, so the error starts a line of its
+    own (a run that fails inside step 1 would otherwise print 'dpo:   0%|...|mmrl: error: ...')."""
+    tqdm = sys.modules.get("tqdm.std")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        bar.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -246,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("MMRL_DEBUG") == "1":
             raise
         notes = "".join(f"; {n}" for n in getattr(exc, "__notes__", ()))
+        _close_progress_bars()
         print(f"mmrl: error: {exc}{notes}  (MMRL_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
