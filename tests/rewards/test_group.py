@@ -135,6 +135,27 @@ def test_vlm_pairwise_judge_win_rates():
         httpd.server_close()
 
 
+def test_vlm_pairwise_think_reads_only_the_answer_and_reports_per_pair():
+    """A Think judge's reply cut off inside <think> ends on a line naming Image 1: `think=True` reads only the
+    <answer> (a tie, with the reason); a stated tie carries no parse error; the replies come back per pair."""
+    httpd, state, url = _fake_pairwise_server({"cut": "<think>\nImage 1: 9+8=17", "tie": "Both are equally good."})
+    try:
+        imgs = _grey([0.2, 0.8])
+        plain = rewards.load("pairwise_winrate", judge="vlm_pairwise", base_url=url, model="judge")
+        assert plain(imgs, ["cut", "cut"]).scores.tolist() == [1.0, 0.0]  # the last line of the reasoning
+        think = rewards.load("pairwise_winrate", judge="vlm_pairwise", base_url=url, model="judge", think=True)
+        out = think(imgs, ["cut", "cut"])
+        assert out.scores.tolist() == [0.5, 0.5]
+        assert out.details["pair_parse_error"] == ["no <answer>...</answer> in the reply"]
+        assert out.details["pair_response"] == ["Reasoning...\n<think>\nImage 1: 9+8=17"]
+        assert out.details["pair_index"].tolist() == [[0, 1]]
+        assert plain(imgs, ["tie", "tie"]).details["pair_parse_error"] == [""]
+        assert not state["errors"]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 def test_parse_winner():
     assert parse_winner("Image 1 looks sharper.\nImage 2 is better") == 2
     assert parse_winner("<think>Image 2 has artifacts</think><answer>Image 1</answer>") == 1
