@@ -38,13 +38,15 @@ from typing import Any, Sequence
 import torch
 
 from mmrl.rewards.base import RewardModel, RewardOutput, load, register
+from mmrl.rewards.registry import lookup
 from mmrl.rewards.remote import RemoteRewardError, request_json
 from mmrl.rewards.vlm_judge import VLMJudge, _reply_text, judge_content, openai_content
 
 Tensor = torch.Tensor
 
 __all__ = ["GroupRewardModel", "GroupRank", "PairwiseWinRate", "BradleyTerryJudge", "VLMPairwiseJudge",
-           "resolve_group_ids", "win_rates", "is_group_reward", "parse_winner", "PAIRWISE_JUDGES"]
+           "resolve_group_ids", "win_rates", "is_group_reward", "parse_winner", "pairwise_verdict", "PAIRWISE_JUDGES",
+           "LAZY_JUDGES"]
 
 
 def is_group_reward(reward: Any) -> bool:
@@ -252,15 +254,18 @@ class VLMPairwiseJudge(VLMJudge):
                                                        "parse_error": [r[2] for r in results]}
 
 
-def _unified_reward_judge(**kwargs: Any) -> Any:
-    """UnifiedReward run locally (transformers; imported on first use): `weights=`, `think=`, ..."""
-    from mmrl.rewards.unified_reward import UnifiedRewardPairwiseJudge
+PAIRWISE_JUDGES: dict[str, Any] = {"bradley_terry": BradleyTerryJudge, "vlm_pairwise": VLMPairwiseJudge}
+# judges a reward module of the same name adds to PAIRWISE_JUDGES when it is imported (on first use, through the
+# reward registry: this module never imports it): "unified_reward" (the local UnifiedReward judge)
+LAZY_JUDGES = ("unified_reward",)
 
-    return UnifiedRewardPairwiseJudge(**kwargs)
 
-
-PAIRWISE_JUDGES = {"bradley_terry": BradleyTerryJudge, "vlm_pairwise": VLMPairwiseJudge,
-                   "unified_reward": _unified_reward_judge}
+def _judge_class(judge: str) -> Any:
+    if judge not in PAIRWISE_JUDGES and judge in LAZY_JUDGES:
+        lookup(judge)
+    if judge not in PAIRWISE_JUDGES:
+        raise ValueError(f"pairwise_winrate: unknown judge {judge!r}; valid: {sorted({*PAIRWISE_JUDGES, *LAZY_JUDGES})}")
+    return PAIRWISE_JUDGES[judge]
 
 
 @register("pairwise_winrate")
@@ -274,11 +279,10 @@ class PairwiseWinRate(GroupRewardModel):
 
     def __init__(self, judge: str = "bradley_terry", both_orders: bool = False, device: Any = None,
                  **judge_kwargs: Any):
-        if judge not in PAIRWISE_JUDGES:
-            raise ValueError(f"pairwise_winrate: unknown judge {judge!r}; valid: {sorted(PAIRWISE_JUDGES)}")
+        judge_class = _judge_class(judge)
         if judge in ("bradley_terry", "unified_reward") and device is not None:
             judge_kwargs["device"] = device
-        self.judge = PAIRWISE_JUDGES[judge](**judge_kwargs)
+        self.judge = judge_class(**judge_kwargs)
         self.both_orders = bool(both_orders)
         self.needs_prompts = bool(getattr(self.judge, "needs_prompts", False))
         self.name = f"pairwise_winrate({judge})"

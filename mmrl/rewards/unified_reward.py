@@ -41,7 +41,7 @@ from typing import Any, Sequence
 import torch
 
 from mmrl.rewards.base import RewardModel, RewardOutput, register, to_pil_list
-from mmrl.rewards.group import PairwiseWinRate, pairwise_verdict
+from mmrl.rewards.group import PAIRWISE_JUDGES, PairwiseWinRate, pairwise_verdict
 from mmrl.rewards.image._common import check_prompts, require_path, resolve
 from mmrl.rewards.vlm_judge import judge_content, pointwise_verdict
 
@@ -227,7 +227,8 @@ class QwenVLJudge:
 
         from mmrl.run.files import refusing_pickled_weights
 
-        self.device, self.dtype = resolve(device, dtype)
+        # dtype None: the checkpoint's own (bfloat16 for the released ones), as the authors' torch_dtype="auto"
+        self.device, self.dtype = resolve(device, dtype)[0], "auto" if dtype is None else resolve(device, dtype)[1]
         self.batch_size = int(batch_size)
         try:
             self.processor = AutoProcessor.from_pretrained(str(path), padding_side="left", local_files_only=True)
@@ -242,6 +243,7 @@ class QwenVLJudge:
                 raise FileNotFoundError(f"{what}: cannot load the weights in '{path}' "
                                         f"({str(exc).splitlines()[0][:200]})") from None
         self.model = model.to(self.device).eval().requires_grad_(False)
+        self.dtype = self.model.dtype
         gen = copy.deepcopy(self.model.generation_config)
         # greedy; the sampling knobs back to transformers' neutral values (they act only when sampling, and a
         # non-neutral one makes generate warn)
@@ -332,12 +334,17 @@ class UnifiedRewardPairwiseJudge:
                 {"response": replies, "parse_error": [v[1] for v in verdicts]})
 
 
+PAIRWISE_JUDGES["unified_reward"] = UnifiedRewardPairwiseJudge  # pairwise_winrate(judge="unified_reward")
+
+
 @register("unified_reward")
 def unified_reward(weights: str | None = None, mode: str = "pointwise", prompt_template: str | None = None,
                    max_score: float = 5.0, both_orders: bool = False, max_new_tokens: int = 512, batch_size: int = 8,
                    device: Any = None, dtype: str | None = None) -> RewardModel:
-    """UnifiedReward run locally: mode "pointwise" (a RewardModel of one image), "pairwise" or "think" (the win
-    rate of each image in its group, `pairwise_winrate` with this judge; `both_orders` judges each pair twice)."""
+    """UnifiedReward, a Qwen2.5-VL judge run locally: pointwise 'Final Score' / 5, or pairwise / Think win rate.
+
+    mode "pointwise": a RewardModel of one image; "pairwise" or "think": the win rate of each image in its group
+    (`pairwise_winrate` with this judge; `both_orders` judges each pair twice)."""
     if mode not in MODES:
         raise ValueError(f"unified_reward: mode must be one of {', '.join(MODES)}; got {mode!r}")
     common = dict(weights=weights, prompt_template=prompt_template, max_new_tokens=max_new_tokens,

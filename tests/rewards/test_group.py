@@ -70,7 +70,8 @@ def test_pairwise_winrate_bradley_terry():
     both = rewards.load("pairwise_winrate", judge="bradley_terry", scorer="_test_brightness", temperature=0.1,
                         both_orders=True)
     assert torch.allclose(both(imgs, prompts).scores, s, atol=1e-6)  # a symmetric judge: both orders agree
-    with pytest.raises(ValueError, match="unknown judge"):
+    with pytest.raises(ValueError, match=r"unknown judge 'oracle'; valid: \['bradley_terry', 'unified_reward', "
+                                         r"'vlm_pairwise'\]"):
         rewards.load("pairwise_winrate", judge="oracle")
 
 
