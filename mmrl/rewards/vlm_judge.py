@@ -8,7 +8,9 @@ e.g. a local vLLM / SGLang server running UnifiedReward-qwen or any instruction-
 
 The default instruction follows UnifiedReward's pointwise image-generation protocol (judge alignment with the
 caption and visual quality, then print ``Final Score:`` on a 1-5 scale) in our own wording; pass
-``prompt_template=`` (with ``{prompt}``) to change it. Replies without a parseable final score get 0 and a
+``prompt_template=`` (with ``{prompt}``) to change it, or a name of ``unified_reward_prompts.PROMPTS`` for the
+authors' exact text (``"pointwise"`` for a served UnifiedReward-qwen; the pairwise judge of ``group.py``:
+``"pairwise"``, ``"think"``, ``"pref_grpo_think"``). Replies without a parseable final score get 0 and a
 message in ``details["parse_error"]`` (empty string when parsed). Requests run concurrently in a thread
 pool (``max_workers``) and reuse ``remote.request_json`` (timeouts, retries with exponential backoff).
 The API key is ``api_key=`` or the environment variable named by ``api_key_env`` (no header if neither).
@@ -27,6 +29,7 @@ import torch
 
 from mmrl.rewards.base import RewardModel, RewardOutput, register
 from mmrl.rewards.remote import RemoteRewardError, encode_image_base64, request_json
+from mmrl.rewards.unified_reward_prompts import PROMPTS
 
 __all__ = ["VLMJudge", "VLMEditJudge", "DEFAULT_JUDGE_PROMPT", "DEFAULT_EDIT_JUDGE_PROMPT", "parse_final_score",
            "judge_content", "openai_content", "pointwise_verdict"]
@@ -107,8 +110,9 @@ class VLMJudge(RewardModel):
                  batch_size: int = 64, device: Any = None):
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"vlm_judge base_url must start with http:// or https://, got {base_url!r}")
+        prompt_template = PROMPTS.get(prompt_template, prompt_template)  # a UnifiedReward prompt by name
         if "{prompt}" not in prompt_template:
-            raise ValueError("vlm_judge prompt_template must contain '{prompt}'")
+            raise ValueError(f"vlm_judge prompt_template must contain '{{prompt}}' or be one of {sorted(PROMPTS)}")
         if on_error not in ("raise", "zero"):
             raise ValueError(f"vlm_judge on_error must be 'raise' or 'zero', got {on_error!r}")
         self.url = base_url.rstrip("/") + "/chat/completions"

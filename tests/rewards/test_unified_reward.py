@@ -154,3 +154,21 @@ def test_wrong_path_or_layout_is_one_line(tmp_path, judge_path):
         rewards.load("unified_reward", weights=judge_path, mode="rank")
     with pytest.raises(ValueError, match=r"prompt_template must be one of .* or a string containing '\{prompt\}'"):
         rewards.load("unified_reward", weights=judge_path, prompt_template="no caption")
+
+
+def test_http_judges_ask_the_same_turn_by_prompt_name(judge_path):
+    """`vlm_judge` / `vlm_pairwise` (a UnifiedReward served over HTTP) take the authors' prompts by name and send the
+    turn the local judge generates from: the images, then the same text."""
+    http = rewards.load("vlm_judge", base_url="http://127.0.0.1:1/v1", model="UnifiedReward-qwen-7b",
+                        prompt_template="pointwise")
+    image = _images(1)[0]
+    body = http.request_body(image, "two yellow stars")
+    local = rewards.load("unified_reward", weights=judge_path, max_new_tokens=1)
+    seen = []
+    local.judge.replies = lambda turns: seen.extend(turns) or ["Final Score: 5"]
+    local(image[None], ["two yellow stars"])
+    (img_part, text_part), (local_img, local_text) = body["messages"][0]["content"], seen[0]
+    assert img_part["type"] == "image_url" and local_img["type"] == "image" and text_part == local_text
+    pair = rewards.load("pairwise_winrate", judge="vlm_pairwise", base_url="http://127.0.0.1:1/v1", model="m",
+                        prompt_template="pref_grpo_think", think=True)
+    assert pair.judge.prompt_template == PROMPTS["pref_grpo_think"] and pair.judge.think
