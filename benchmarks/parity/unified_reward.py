@@ -9,8 +9,9 @@ each of the authors' three Qwen image-generation scripts (pointwise score, pairw
 but for four assignments: model_path, device_map (cuda:0 -> cpu), the image path(s), the caption (and
 max_new_tokens when `--max-new-tokens` is not their 512); their
 `output_text` is their reply. mmrl judges the same inputs in batches (`batch_size` 4, left padding). Prints, per
-mode, how many replies are identical (character for character) and the parsed scores of both, then the authors'
-commit (`git rev-parse` of `--ref`, or its COMMIT file). Takes about a minute on 2 CPU cores.
+mode, how many replies are identical (character for character) and the parsed scores of both, a control (the
+pointwise turns decoded without the checkpoint's repetition_penalty), then the authors' commit (`git rev-parse` of
+`--ref`, or its COMMIT file). Takes about a minute on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -130,9 +131,17 @@ def main(argv=None) -> None:
             if theirs[k] != ours[k]:
                 print(f"  differs at case {k}: theirs {theirs[k][:120]!r}\n                 ours   {ours[k][:120]!r}")
         total, same = total + len(rows), same + eq
+    # control: the same pointwise turns decoded without the checkpoint's repetition_penalty (plain argmax) do not
+    # reproduce the authors' replies, so agreement above is not a property of any greedy decoding
+    plain = load("unified_reward", **common)
+    plain.judge.generation_config.repetition_penalty = 1.0
+    control = list(plain(tensors, CAPTIONS).details["response"])
+    print(f"control, repetition_penalty 1.0: {sum(a == b for a, b in zip(theirs, control))}/{len(control)} "
+          f"pointwise replies identical")
     commit = subprocess.run(["git", "-C", str(ref), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     if not commit and (ref / "COMMIT").is_file():  # an export of the files (git archive / git show) with its commit
         commit = (ref / "COMMIT").read_text().strip()
+    print(f"reply lengths (characters): {min(map(len, theirs))}-{max(map(len, theirs))}")
     print(f"total: {same}/{total} identical replies; authors' code: CodeGoat24/UnifiedReward@{commit or 'unknown'}")
 
 
