@@ -172,3 +172,25 @@ def test_http_judges_ask_the_same_turn_by_prompt_name(judge_path):
     pair = rewards.load("pairwise_winrate", judge="vlm_pairwise", base_url="http://127.0.0.1:1/v1", model="m",
                         prompt_template="pref_grpo_think", think=True)
     assert pair.judge.prompt_template == PROMPTS["pref_grpo_think"] and pair.judge.think
+
+
+def test_reward_score_cli_writes_each_reply(tmp_path, judge_path):
+    """`mmrl reward score unified_reward`: a row per image with the score, the raw reply and the parse error."""
+    import argparse
+
+    from mmrl.rewards.cli import add_reward_subparsers
+
+    (tmp_path / "imgs").mkdir()
+    for i, image in enumerate(to_pil_list(_images(2))):
+        image.save(tmp_path / "imgs" / f"{i}.png")
+    (tmp_path / "prompts.txt").write_text("a red circle\ntwo cats\n")
+    parser = argparse.ArgumentParser(prog="mmrl")
+    add_reward_subparsers(parser.add_subparsers(dest="command", required=True))
+    out = tmp_path / "scores.jsonl"
+    args = parser.parse_args(["reward", "score", "unified_reward", "--weights", str(judge_path), "--kw",
+                              "max_new_tokens=6", "--images", str(tmp_path / "imgs"), "--prompts",
+                              str(tmp_path / "prompts.txt"), "--out", str(out)])
+    assert args.func(args) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == ["a red circle", "two cats"] and [r["score"] for r in rows] == [0.0, 0.0]
+    assert all(r["parse_error"] == "no 'Final Score: x' in the reply" and r["response"] for r in rows)
