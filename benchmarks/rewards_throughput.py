@@ -83,6 +83,21 @@ def render_text_images(n: int, size: int) -> torch.Tensor:
     return torch.stack(out)
 
 
+def unified_reward_rows(root: Path, images: torch.Tensor, prompts: list[str], device: str, repeats: int) -> list[tuple]:
+    """UnifiedReward (mmrl/rewards/unified_reward.py) on its tiny judge, pointwise: one `generate` call of all images
+    (left padding) vs one call per image, each reply 32 new tokens (random weights never stop early)."""
+    from mmrl.tiny import build_tiny_unified_reward
+
+    n = images.shape[0]
+    reward = load("unified_reward", weights=build_tiny_unified_reward(root / "unified_reward"), max_new_tokens=32,
+                  batch_size=n, device=device)
+    t = measure(reward, images, prompts, repeats)
+    print("  measured unified_reward", file=sys.stderr, flush=True)
+    return [("unified_reward", "tiny Qwen2.5-VL judge (transformers generate, 32 tokens)", str(n),
+             t["batched"].rate(n).fmt_median(digits=1), t["one by one"].rate(n).fmt_median(digits=1),
+             speedup(t["one by one"], t["batched"]))]
+
+
 def measure(reward, images: torch.Tensor, prompts: list[str], repeats: int) -> dict:
     """Seconds per pass over all images, batched vs one image per call, interleaved (see the module docstring)."""
     n = images.shape[0]
@@ -142,6 +157,7 @@ def main(argv=None) -> None:
         rows.append((name, backbone, str(n), t["batched"].rate(n).fmt_median(digits=1),
                      t["one by one"].rate(n).fmt_median(digits=1), speedup(t["one by one"], t["batched"])))
         print(f"  measured {name}", file=sys.stderr, flush=True)
+    rows += unified_reward_rows(root, images, prompts, args.device, args.repeats)
 
     cmd = " ".join(["python", "benchmarks/rewards_throughput.py"] + (argv if argv is not None else sys.argv[1:]))
     print(f"\n`{cmd}` - {args.n} images of {args.size}x{args.size} (OCR: {min(args.n, 8)} rendered text images), "

@@ -278,6 +278,10 @@ COMMANDS: dict[str, object] = {
     "data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt": Short(
         "mmrl config check configs/diffusion/flow_grpo_flux2_dev.yaml model.path=/models/FLUX.2-dev "
         "data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt", _NO_GPU),
+    "mmrl train configs/diffusion/flow_grpo_flux_unified_reward_think.yaml model.path=/models/FLUX.1-dev "
+    "data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt": Short(
+        "mmrl config check configs/diffusion/flow_grpo_flux_unified_reward_think.yaml model.path=/models/FLUX.1-dev "
+        "data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt", _NO_GPU),
     "mmrl train configs/diffusion/flow_grpo_flux2_klein_pickscore.yaml model.path=/models/FLUX.2-klein-9B "
     "data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt": Short(
         "mmrl config check configs/diffusion/flow_grpo_flux2_klein_pickscore.yaml model.path=/models/FLUX.2-klein-9B "

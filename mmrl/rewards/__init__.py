@@ -18,6 +18,7 @@ register_lazy("mmrl.rewards.text", "math_accuracy", "multiple_choice", "number_m
 register_lazy("mmrl.rewards.composite", "composite")
 register_lazy("mmrl.rewards.remote", "remote")
 register_lazy("mmrl.rewards.vlm_judge", "vlm_judge", "vlm_edit_judge")
+register_lazy("mmrl.rewards.unified_reward", "unified_reward")
 register_lazy("mmrl.rewards.image.color_match", "prompt_color")
 register_lazy("mmrl.rewards.image.edit", "edit_preservation", "clip_direction", "edit_region_color")
 register_lazy("mmrl.rewards.image.shapes_geneval", "shapes_geneval")

@@ -11,7 +11,8 @@ bounded and ranks instead of measuring):
                       `bradley_terry` (a pointwise reward r, `scorer=`: P = sigmoid((r_i - r_j) / temperature), or
                       1 / 0.5 / 0 with `hard`) or `vlm_pairwise` (a VLM over an OpenAI-compatible chat API sees
                       both images and names the better one, as Pref-GRPO's UnifiedReward-Think judge; an answer
-                      naming neither counts as a tie, 0.5 each)
+                      naming neither counts as a tie, 0.5 each) or `unified_reward` (the same judge run locally
+                      with transformers: mmrl/rewards/unified_reward.py)
 
 Every unordered pair of a group is judged once (first = the lower index), P(j beats i) = 1 - P(i beats j);
 `both_orders=True` judges both orders and averages (a VLM judge's position bias cancels). A group of one scores
@@ -37,13 +38,15 @@ from typing import Any, Sequence
 import torch
 
 from mmrl.rewards.base import RewardModel, RewardOutput, load, register
-from mmrl.rewards.remote import RemoteRewardError, encode_image_base64, request_json
-from mmrl.rewards.vlm_judge import VLMJudge, _reply_text
+from mmrl.rewards.registry import lookup
+from mmrl.rewards.remote import RemoteRewardError, request_json
+from mmrl.rewards.vlm_judge import VLMJudge, _reply_text, judge_content, openai_content
 
 Tensor = torch.Tensor
 
 __all__ = ["GroupRewardModel", "GroupRank", "PairwiseWinRate", "BradleyTerryJudge", "VLMPairwiseJudge",
-           "resolve_group_ids", "win_rates", "is_group_reward", "parse_winner", "PAIRWISE_JUDGES"]
+           "resolve_group_ids", "win_rates", "is_group_reward", "parse_winner", "pairwise_verdict", "PAIRWISE_JUDGES",
+           "LAZY_JUDGES"]
 
 
 def is_group_reward(reward: Any) -> bool:
@@ -164,39 +167,68 @@ _IMG1 = re.compile(r"\bimage\s*1\b", re.IGNORECASE)
 _IMG2 = re.compile(r"\bimage\s*2\b", re.IGNORECASE)
 
 
-def parse_winner(text: str) -> int | None:
+_TIE = re.compile(r"\b(equally|equal|tie)\b", re.IGNORECASE)
+
+
+def _verdict(text: str, require_answer: bool = False) -> tuple[str, bool]:
+    """(the verdict, found): the last <answer>...</answer> if the reply has one, else its last non-empty line;
+    `require_answer` (a chain-of-thought reply, whose last line may be inside the reasoning): only the <answer>."""
+    text = text or ""
+    answers = re.findall(r"<answer>(.*?)</answer>", text, re.IGNORECASE | re.DOTALL)
+    if answers or require_answer:
+        return (answers[-1], True) if answers else ("", False)
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return (lines[-1], True) if lines else ("", False)
+
+
+def parse_winner(text: str, require_answer: bool = False) -> int | None:
     """1 or 2 when the verdict names exactly one of "Image 1" / "Image 2", else None (a tie). The verdict is the
-    last <answer>...</answer> if the reply has one, else its last non-empty line.
+    last <answer>...</answer> if the reply has one, else its last non-empty line (`require_answer`: only the
+    <answer>, as for UnifiedReward-Think's replies).
 
     >>> parse_winner("Both fine.\\nImage 2 is better"), parse_winner("<answer>Image 1</answer>"), parse_winner("?")
     (2, 1, None)
     """
-    text = text or ""
-    answers = re.findall(r"<answer>(.*?)</answer>", text, re.IGNORECASE | re.DOTALL)
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    verdict = answers[-1] if answers else (lines[-1] if lines else "")
+    verdict, _ = _verdict(text, require_answer)
     one, two = bool(_IMG1.search(verdict)), bool(_IMG2.search(verdict))
     return 1 if one and not two else 2 if two and not one else None
 
 
+def pairwise_verdict(text: str, require_answer: bool = False) -> tuple[float, str]:
+    """(P(image 1 beats image 2): 1, 0, or 0.5 for a tie, parse error or "") of a pairwise judge's reply. A stated
+    tie ("Both images are equally good.") is 0.5 without an error; a reply naming no single winner is 0.5 with
+    one, as Pref-GRPO counts it. Shared by the HTTP judge and the local one (`mmrl.rewards.unified_reward`).
+
+    >>> pairwise_verdict("<think>Image 1: 9</think>", require_answer=True)
+    (0.5, 'no <answer>...</answer> in the reply')
+    """
+    winner = parse_winner(text, require_answer)
+    if winner is not None:
+        return (1.0 if winner == 1 else 0.0), ""
+    verdict, found = _verdict(text, require_answer)
+    if not found and require_answer:
+        return 0.5, "no <answer>...</answer> in the reply"
+    return 0.5, "" if _TIE.search(verdict) else "no single winner named"
+
+
 class VLMPairwiseJudge(VLMJudge):
     """A VLM over an OpenAI-compatible chat API names the better of two images (module docstring); the endpoint,
-    key, retries and thread pool are `vlm_judge`'s (`mmrl.rewards.vlm_judge.VLMJudge`)."""
+    key, retries and thread pool are `vlm_judge`'s (`mmrl.rewards.vlm_judge.VLMJudge`). `think`: a chain-of-thought
+    judge (UnifiedReward-Think served by vLLM, as Pref-GRPO does): the verdict only from <answer>...</answer>."""
 
     name = "vlm_pairwise"
 
-    def __init__(self, base_url: str, model: str, prompt_template: str = DEFAULT_PAIRWISE_PROMPT, **kwargs: Any):
+    def __init__(self, base_url: str, model: str, prompt_template: str = DEFAULT_PAIRWISE_PROMPT, think: bool = False,
+                 **kwargs: Any):
         super().__init__(base_url, model, prompt_template=prompt_template, **kwargs)
+        self.think = bool(think)
 
     def pair_body(self, image_a: Tensor, image_b: Tensor, prompt: str) -> dict:
         """The chat-completions request for one pair (image 1, image 2, then the instruction)."""
         return {
             "model": self.model,
-            "messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": encode_image_base64(image_a, data_url=True)}},
-                {"type": "image_url", "image_url": {"url": encode_image_base64(image_b, data_url=True)}},
-                {"type": "text", "text": self.prompt_template.format(prompt=prompt)},
-            ]}],
+            "messages": [{"role": "user", "content": openai_content(
+                judge_content([image_a, image_b], self.prompt_template.format(prompt=prompt)))}],
             "max_tokens": self.max_tokens, "temperature": self.temperature, **self.extra_body,
         }
 
@@ -208,8 +240,8 @@ class VLMPairwiseJudge(VLMJudge):
             if self.on_error == "raise":
                 raise RemoteRewardError(f"vlm_pairwise: {exc}", self.url, getattr(exc, "status", None)) from None
             return 0.5, "", f"request failed: {exc}"
-        winner = parse_winner(text)
-        return (1.0 if winner == 1 else 0.0 if winner == 2 else 0.5), text, "" if winner else "no single winner named"
+        p, error = pairwise_verdict(text, require_answer=self.think)
+        return p, text, error
 
     def compare(self, images: Tensor, prompts, metadata, first: Tensor, second: Tensor) -> tuple[Tensor, dict]:
         prompts = prompts if prompts is not None else [""] * images.shape[0]
@@ -222,7 +254,18 @@ class VLMPairwiseJudge(VLMJudge):
                                                        "parse_error": [r[2] for r in results]}
 
 
-PAIRWISE_JUDGES = {"bradley_terry": BradleyTerryJudge, "vlm_pairwise": VLMPairwiseJudge}
+PAIRWISE_JUDGES: dict[str, Any] = {"bradley_terry": BradleyTerryJudge, "vlm_pairwise": VLMPairwiseJudge}
+# judges a reward module of the same name adds to PAIRWISE_JUDGES when it is imported (on first use, through the
+# reward registry: this module never imports it): "unified_reward" (the local UnifiedReward judge)
+LAZY_JUDGES = ("unified_reward",)
+
+
+def _judge_class(judge: str) -> Any:
+    if judge not in PAIRWISE_JUDGES and judge in LAZY_JUDGES:
+        lookup(judge)
+    if judge not in PAIRWISE_JUDGES:
+        raise ValueError(f"pairwise_winrate: unknown judge {judge!r}; valid: {sorted({*PAIRWISE_JUDGES, *LAZY_JUDGES})}")
+    return PAIRWISE_JUDGES[judge]
 
 
 @register("pairwise_winrate")
@@ -236,11 +279,10 @@ class PairwiseWinRate(GroupRewardModel):
 
     def __init__(self, judge: str = "bradley_terry", both_orders: bool = False, device: Any = None,
                  **judge_kwargs: Any):
-        if judge not in PAIRWISE_JUDGES:
-            raise ValueError(f"pairwise_winrate: unknown judge {judge!r}; valid: {sorted(PAIRWISE_JUDGES)}")
-        if judge == "bradley_terry" and device is not None:
+        judge_class = _judge_class(judge)
+        if judge in ("bradley_terry", "unified_reward") and device is not None:
             judge_kwargs["device"] = device
-        self.judge = PAIRWISE_JUDGES[judge](**judge_kwargs)
+        self.judge = judge_class(**judge_kwargs)
         self.both_orders = bool(both_orders)
         self.needs_prompts = bool(getattr(self.judge, "needs_prompts", False))
         self.name = f"pairwise_winrate({judge})"
@@ -257,5 +299,9 @@ class PairwiseWinRate(GroupRewardModel):
         prefer[first, second] = p.float()
         prefer[second, first] = 1.0 - p.float()
         scores = win_rates(torch.nan_to_num(prefer, nan=0.0), groups)
+        # a judge's replies are per pair (`pair_index` row k = the images of pair k), not per image
+        per_pair = {f"pair_{k}": v for k, v in details.items() if k in ("response", "parse_error")}
+        if per_pair:
+            per_pair["pair_index"] = torch.stack([first, second], 1)
         return RewardOutput(scores, {"group": groups, "pairs": int(len(first)),
-                                     **{k: v for k, v in details.items() if k == "score"}})
+                                     **{k: v for k, v in details.items() if k == "score"}, **per_pair})

@@ -8,7 +8,9 @@ e.g. a local vLLM / SGLang server running UnifiedReward-qwen or any instruction-
 
 The default instruction follows UnifiedReward's pointwise image-generation protocol (judge alignment with the
 caption and visual quality, then print ``Final Score:`` on a 1-5 scale) in our own wording; pass
-``prompt_template=`` (with ``{prompt}``) to change it. Replies without a parseable final score get 0 and a
+``prompt_template=`` (with ``{prompt}``) to change it, or a name of ``unified_reward_prompts.PROMPTS`` for the
+authors' exact text (``"pointwise"`` for a served UnifiedReward-qwen; the pairwise judge of ``group.py``:
+``"pairwise"``, ``"think"``, ``"pref_grpo_think"``). Replies without a parseable final score get 0 and a
 message in ``details["parse_error"]`` (empty string when parsed). Requests run concurrently in a thread
 pool (``max_workers``) and reuse ``remote.request_json`` (timeouts, retries with exponential backoff).
 The API key is ``api_key=`` or the environment variable named by ``api_key_env`` (no header if neither).
@@ -21,14 +23,16 @@ import math
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from mmrl.rewards.base import RewardModel, RewardOutput, register
 from mmrl.rewards.remote import RemoteRewardError, encode_image_base64, request_json
+from mmrl.rewards.unified_reward_prompts import PROMPTS
 
-__all__ = ["VLMJudge", "VLMEditJudge", "DEFAULT_JUDGE_PROMPT", "DEFAULT_EDIT_JUDGE_PROMPT", "parse_final_score"]
+__all__ = ["VLMJudge", "VLMEditJudge", "DEFAULT_JUDGE_PROMPT", "DEFAULT_EDIT_JUDGE_PROMPT", "parse_final_score",
+           "judge_content", "openai_content", "pointwise_verdict"]
 
 # Own wording of the UnifiedReward pointwise protocol (alignment + quality, "Final Score" on 1-5).
 DEFAULT_JUDGE_PROMPT = (
@@ -53,6 +57,29 @@ def parse_final_score(text: str) -> float | None:
     """
     hits = _SCORE_RE.findall(text or "")
     return float(hits[-1]) if hits else None
+
+
+def pointwise_verdict(text: str, max_score: float) -> tuple[float, float, str]:
+    """(score = x / max_score clamped to [0, 1], raw x, parse error or "") of a judge's reply; a reply without a
+    parseable "Final Score: x" is (0, nan, the reason). Shared by the HTTP judge and the local ones
+    (`mmrl.rewards.unified_reward`)."""
+    raw = parse_final_score(text)
+    if raw is None:
+        return 0.0, math.nan, "no 'Final Score: x' in the reply"
+    return min(1.0, max(0.0, raw / max_score)), raw, ""
+
+
+def judge_content(images: Sequence[Any], text: str) -> list[dict]:
+    """One judge turn: the images in order, then the instruction (UnifiedReward's and Pref-GRPO's order), as
+    `{"type": "image", "image": x}` / `{"type": "text", "text": ...}` items: a local Qwen-VL takes them as they
+    are (qwen_vl_utils' message form), the HTTP judges turn the images into data URLs (`openai_content`)."""
+    return [*({"type": "image", "image": im} for im in images), {"type": "text", "text": text}]
+
+
+def openai_content(content: Sequence[dict]) -> list[dict]:
+    """`judge_content` items in OpenAI chat form: each image a base64 PNG data URL."""
+    return [{"type": "image_url", "image_url": {"url": encode_image_base64(c["image"], data_url=True)}}
+            if c["type"] == "image" else c for c in content]
 
 
 def _reply_text(reply: Any) -> str:
@@ -83,8 +110,9 @@ class VLMJudge(RewardModel):
                  batch_size: int = 64, device: Any = None):
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"vlm_judge base_url must start with http:// or https://, got {base_url!r}")
+        prompt_template = PROMPTS.get(prompt_template, prompt_template)  # a UnifiedReward prompt by name
         if "{prompt}" not in prompt_template:
-            raise ValueError("vlm_judge prompt_template must contain '{prompt}'")
+            raise ValueError(f"vlm_judge prompt_template must contain '{{prompt}}' or be one of {sorted(PROMPTS)}")
         if on_error not in ("raise", "zero"):
             raise ValueError(f"vlm_judge on_error must be 'raise' or 'zero', got {on_error!r}")
         self.url = base_url.rstrip("/") + "/chat/completions"
@@ -106,10 +134,8 @@ class VLMJudge(RewardModel):
         images = [image] if source is None else [source, image]
         return {
             "model": self.model,
-            "messages": [{"role": "user", "content": [
-                *({"type": "image_url", "image_url": {"url": encode_image_base64(im, data_url=True)}} for im in images),
-                {"type": "text", "text": self.prompt_template.format(prompt=prompt)},
-            ]}],
+            "messages": [{"role": "user", "content": openai_content(
+                judge_content(images, self.prompt_template.format(prompt=prompt)))}],
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
             **self.extra_body,
@@ -125,10 +151,8 @@ class VLMJudge(RewardModel):
             if self.on_error == "raise":
                 raise RemoteRewardError(f"vlm_judge: {exc}", self.url, getattr(exc, "status", None)) from None
             return 0.0, math.nan, "", f"request failed: {exc}"
-        raw = parse_final_score(text)
-        if raw is None:
-            return 0.0, math.nan, text, "no 'Final Score: x' in the reply"
-        return min(1.0, max(0.0, raw / self.max_score)), raw, text, ""
+        score, raw, error = pointwise_verdict(text, self.max_score)
+        return score, raw, text, error
 
     def score_images(self, images, prompts, metadata):
         prompts = prompts if prompts is not None else [""] * images.shape[0]

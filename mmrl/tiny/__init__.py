@@ -17,7 +17,8 @@ few hundred to a thousand tokens instead of 49k-152k.
 Modules: ``vocab.py`` (corpus, BPE, tokenizers), ``components.py`` (shared encoders and helpers),
 ``diffusion_models.py`` (SD3, FLUX, FLUX Kontext), ``qwen_image_models.py`` (Qwen-Image, -Edit, -Edit Plus),
 ``family_models.py`` (Wan, Z-Image, FLUX.2 [dev] / [klein]),
-``vlm_models.py`` (Qwen2/2.5/3-VL), ``clip_models.py`` (CLIP, open_clip);
+``vlm_models.py`` (Qwen2/2.5/3-VL), ``clip_models.py`` (CLIP, open_clip), ``unified_reward.py`` (the UnifiedReward
+judge);
 every name is importable from ``mmrl.tiny``.
 """
 
@@ -46,6 +47,7 @@ from mmrl.tiny.qwen_image_models import (  # noqa: F401
     build_tiny_qwen_image_edit,
     build_tiny_qwen_image_edit_plus,
 )
+from mmrl.tiny.unified_reward import build_tiny_unified_reward  # noqa: F401
 from mmrl.tiny.vlm_models import (  # noqa: F401
     QWEN_MAX_PIXELS,
     QWEN_MIN_PIXELS,
@@ -90,6 +92,7 @@ BUILDERS = {
     "qwen3_vl": build_tiny_qwen3_vl,
     "clip": build_tiny_clip,
     "open_clip": build_tiny_open_clip,
+    "unified_reward": build_tiny_unified_reward,
 }
 
 

@@ -70,7 +70,8 @@ def test_pairwise_winrate_bradley_terry():
     both = rewards.load("pairwise_winrate", judge="bradley_terry", scorer="_test_brightness", temperature=0.1,
                         both_orders=True)
     assert torch.allclose(both(imgs, prompts).scores, s, atol=1e-6)  # a symmetric judge: both orders agree
-    with pytest.raises(ValueError, match="unknown judge"):
+    with pytest.raises(ValueError, match=r"unknown judge 'oracle'; valid: \['bradley_terry', 'unified_reward', "
+                                         r"'vlm_pairwise'\]"):
         rewards.load("pairwise_winrate", judge="oracle")
 
 
@@ -130,6 +131,27 @@ def test_vlm_pairwise_judge_win_rates():
         assert state["calls"] == 6 + 1 and not state["errors"]  # 6 pairs in group a, 1 in b, none for a singleton
         r2 = rewards.load("pairwise_winrate", judge="vlm_pairwise", base_url=url, model="judge", both_orders=True)
         assert r2(imgs[:2], ["tie", "tie"]).scores.tolist() == [0.5, 0.5]  # no winner named: a tie each way
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_vlm_pairwise_think_reads_only_the_answer_and_reports_per_pair():
+    """A Think judge's reply cut off inside <think> ends on a line naming Image 1: `think=True` reads only the
+    <answer> (a tie, with the reason); a stated tie carries no parse error; the replies come back per pair."""
+    httpd, state, url = _fake_pairwise_server({"cut": "<think>\nImage 1: 9+8=17", "tie": "Both are equally good."})
+    try:
+        imgs = _grey([0.2, 0.8])
+        plain = rewards.load("pairwise_winrate", judge="vlm_pairwise", base_url=url, model="judge")
+        assert plain(imgs, ["cut", "cut"]).scores.tolist() == [1.0, 0.0]  # the last line of the reasoning
+        think = rewards.load("pairwise_winrate", judge="vlm_pairwise", base_url=url, model="judge", think=True)
+        out = think(imgs, ["cut", "cut"])
+        assert out.scores.tolist() == [0.5, 0.5]
+        assert out.details["pair_parse_error"] == ["no <answer>...</answer> in the reply"]
+        assert out.details["pair_response"] == ["Reasoning...\n<think>\nImage 1: 9+8=17"]
+        assert out.details["pair_index"].tolist() == [[0, 1]]
+        assert plain(imgs, ["tie", "tie"]).details["pair_parse_error"] == [""]
+        assert not state["errors"]
     finally:
         httpd.shutdown()
         httpd.server_close()
