@@ -6,7 +6,8 @@
                       [--batch-size N] [--max-pixels N] [--device auto]
     mmrl reward score geo3k --prompts answers.jsonl                # text rewards: rows with a 'completion'
     mmrl reward serve NAME_OR_YAML [--weights P] [--kw k=v ...] [--host 127.0.0.1] --port P [--max-batch N] \
-                      [--max-pixels N] [--max-request-pixels N] [--read-timeout S] [--token T] [--parent-pid PID] [--quiet]
+                      [--max-pixels N] [--max-request-pixels N] [--read-timeout S] [--token T] \
+                      [--parent-pid PID] [--quiet]
     mmrl reward env create NAME [--packages "pkgA==1 pkgB"] [--reuse-site-packages]  # mmrl/rewards/envs.py
     mmrl reward env list
 

@@ -118,7 +118,8 @@ def _requirements_of(source: Path) -> list[str]:
 
 def serve_requirements(source: Path) -> list[str]:
     """`SERVE_REQUIREMENTS` with the version bounds mmrl's dependency list gives them."""
-    by_name = {re.split(r"[<>=!~\[ ;]", r, 1)[0].strip().lower(): r.split("#")[0].strip() for r in _requirements_of(source)}
+    by_name = {re.split(r"[<>=!~\[ ;]", r, 1)[0].strip().lower(): r.split("#")[0].strip()
+               for r in _requirements_of(source)}
     return [by_name.get(name, name) for name in SERVE_REQUIREMENTS]
 
 
@@ -167,7 +168,8 @@ def create_env(name: str, packages: Sequence[str] = (), python: str | None = Non
         raise RewardEnvError(f"--python {python}: cannot run it ({exc})") from None
     version = probe.stdout.strip()
     if probe.returncode or not re.fullmatch(r"\d+\.\d+\.\d+", version):
-        raise RewardEnvError(f"--python {python}: not a working python ({(probe.stderr or probe.stdout).strip()[-200:]})")
+        said = (probe.stderr or probe.stdout).strip()[-200:]
+        raise RewardEnvError(f"--python {python}: not a working python ({said})")
     if tuple(map(int, version.split(".")))[:2] < (3, 11):
         raise RewardEnvError(f"--python {python} is python {version}; mmrl needs >= 3.11")
     ours = "%d.%d" % sys.version_info[:2]
@@ -260,6 +262,6 @@ def cmd_env_list(args: argparse.Namespace) -> int:
         print(f"no reward envs under {env_root(args.dir)} (create one with `mmrl reward env create NAME`)")
     for path, m in envs:
         reuse = " (reuses the trainer's site-packages)" if m.get("reuse_site_packages") else ""
-        print(f"{m.get('name', path.name)}  python {m.get('python')}  packages: {' '.join(m.get('packages') or []) or '-'}"
-              f"{reuse}  {path}")
+        packages = " ".join(m.get("packages") or []) or "-"
+        print(f"{m.get('name', path.name)}  python {m.get('python')}  packages: {packages}{reuse}  {path}")
     return 0

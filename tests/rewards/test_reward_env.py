@@ -16,7 +16,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 import mmrl.cli as cli
@@ -82,7 +81,8 @@ def _train(tmp_path, envs, serve_name: str) -> int:
                                            "serve": {"name": serve_name}}}
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    return cli.main(["train", str(path), f"output_dir={tmp_path / 'run'}", f"model.path={ROOT / 'assets/tiny_sd3_shapes'}",
+    return cli.main(["train", str(path), f"output_dir={tmp_path / 'run'}",
+                     f"model.path={ROOT / 'assets/tiny_sd3_shapes'}",
                      f"data.train_prompts={ROOT / 'assets/prompts/shapes_train.txt'}",
                      f"data.eval_prompts={ROOT / 'assets/prompts/shapes_eval.txt'}", "train.max_steps=1",
                      "train.save_every=0", "rollout.num_steps=2", "rollout.prompts_per_step=1", "rollout.group_size=2",
@@ -96,8 +96,9 @@ def test_env_create_writes_its_manifest_lists_it_and_refuses_a_second_create(env
     assert any(line.startswith("six @ file:") for line in manifest["freeze"]), manifest["freeze"]
     assert manifest["reuse_site_packages"] and resolve_env("probe", envs) == env
     # the env sees its own six; this venv another one
-    seen = subprocess.run([str(env / "bin" / "python"), "-c", "import six, mmrl; print(six.__version__, mmrl.__file__)"],
-                          capture_output=True, text=True, check=True, env={"PATH": os.environ["PATH"]}).stdout.split()
+    seen = subprocess.run([str(env / "bin" / "python"), "-c", "import six, mmrl; print(six.__version__, "
+                           "mmrl.__file__)"], capture_output=True, text=True, check=True,
+                          env={"PATH": os.environ["PATH"]}).stdout.split()
     assert seen == [SIX_IN_ENV, str(ROOT / "mmrl" / "__init__.py")]
     assert importlib.metadata.version("six") != SIX_IN_ENV
     assert cli.main(["reward", "env", "list", "--dir", str(envs)]) == 0
@@ -119,10 +120,12 @@ def test_env_create_writes_its_manifest_lists_it_and_refuses_a_second_create(env
 @pytest.mark.slow
 def test_a_run_scores_through_the_envs_server_and_stops_it(envs, tmp_path, capsys):
     t0 = time.time()
+    logs = set((envs / "probe" / "logs").glob("serve-*.log"))
     assert _train(tmp_path, envs, "mmrl_env_probe:six_version") == 0
     rows = metrics_rows(tmp_path / "run")
     assert rows[0]["reward/mean"] == 116.0  # six 1.16 in the env (this venv's would give 117)
-    assert _serve_processes() == {} and list((envs / "probe" / "logs").glob("serve-*.log")) == []
+    # the server is gone (and its log with it: it stopped cleanly)
+    assert _serve_processes() == {} and set((envs / "probe" / "logs").glob("serve-*.log")) == logs
     print(f"1-step run through the env's server: {time.time() - t0:.1f} s")
 
 
@@ -132,7 +135,8 @@ def test_a_killed_server_fails_the_run_in_one_line(envs, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert err.startswith(f"mmrl: error: reward server 'mmrl_env_probe:dies' in env {envs / 'probe'} (PID ")
-    assert "died from signal 9 (SIGKILL: e.g. the OOM killer, or kill -9); its last output: serving reward 'dies'" in err
+    assert ("died from signal 9 (SIGKILL: e.g. the OOM killer, or kill -9); its last output: serving reward 'dies'"
+            in err)
     assert _serve_processes() == {}
 
 
@@ -184,3 +188,27 @@ def test_serving_imports_no_trainer_library():
             "'torchvision', 'open_clip', 'accelerate', 'matplotlib', 'pyarrow', 'av', 'safetensors'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(), check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_failed_create_removes_the_env_and_says_why_in_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    with pytest.raises(SystemExit):
+        cli.main(["reward", "env", "create", "bad", "--dir", str(tmp_path), "--reuse-site-packages",
+                  "--packages", "no-such-package-xyz==1.0"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after pip's own output
+    assert err.startswith("mmrl reward: error: installing the packages failed (exit code 1): ") and \
+        "no-such-package-xyz==1.0" in err
+    assert not (tmp_path / "bad").exists()
+
+
+def test_closes_runs_stops_what_is_registered_on_return_too():
+    """`close_on_failure(..., on_return=True)` (the reward servers a run started) closes on a return as well."""
+    from mmrl.run.start import _FAILURE_CLOSERS, close_on_failure, closes_runs
+
+    closed = []
+    close_on_failure(lambda: "snapshot", closed.append, None, on_return=True)
+    try:
+        closes_runs(lambda cfg: {})(None)
+    finally:
+        _FAILURE_CLOSERS.pop()
+    assert closed == ["snapshot"]
