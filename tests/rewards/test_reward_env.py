@@ -130,7 +130,8 @@ def test_a_run_scores_through_the_envs_server_and_stops_it(envs, tmp_path, capsy
 
 
 @pytest.mark.slow
-def test_a_killed_server_fails_the_run_in_one_line(envs, tmp_path, capsys):
+def test_a_killed_server_fails_the_run_in_one_line(envs, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MMRL_NO_PROGRESS", "1")  # stderr then holds the error alone
     assert _train(tmp_path, envs, "mmrl_env_probe:dies") == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
@@ -165,6 +166,7 @@ def test_a_missing_env_and_a_bad_serve_spec_are_one_line(envs, tmp_path):
         load("remote", url="http://127.0.0.1:1", env="probe", serve={"name": "x"})
 
 
+@pytest.mark.slow
 def test_the_server_exits_when_the_process_that_started_it_is_killed(envs):
     """A run killed with SIGKILL (no cleanup runs) leaves no server: `--parent-pid` ends it."""
     code = ("import os, signal; from mmrl.rewards import load; "
