@@ -19,6 +19,22 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 
+
+def how_process_ended(exitcode: int | None) -> str:
+    """'died from signal 9 (SIGKILL: e.g. the OOM killer, or kill -9)' / 'exited with code 3' of an exit code
+    (multiprocessing's and subprocess's: a negative code is the signal that ended the process)."""
+    import signal
+
+    if exitcode is None or exitcode >= 0:
+        return f"exited with code {exitcode}"
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        name = "unknown signal"
+    hint = ": e.g. the OOM killer, or kill -9" if -exitcode == signal.SIGKILL else ""
+    return f"died from signal {-exitcode} ({name}{hint})"
+
+
 def resolve_device(name: str = "auto") -> torch.device:
     """`auto` -> cuda when available, else cpu. Asking for cuda on a machine without it is an error."""
     if name in (None, "", "auto"):

@@ -323,6 +323,11 @@ COMMANDS: dict[str, object] = {
     "--port 8008": ByTest("tests/rewards/test_reward_cli.py::test_python_m_mmrl_cli_reward_serve_with_a_token_from_the_"
                           "environment", "a server, and no PickScore weights here: the test serves from the CLI with "
                           "the token in MMRL_REWARD_TOKEN"),
+    "mmrl reward env create oldsix --packages \"six==1.16.0\" --reuse-site-packages": ByTest(
+        "tests/rewards/test_reward_env.py::test_env_create_writes_its_manifest_lists_it_and_refuses_a_second_create",
+        "offline here (pip --no-index): the test runs this command with --packages naming a six 1.16.0 wheel built "
+        "locally (and --dir in a temp dir)"),
+    "mmrl reward env list": RUN,
     "mmrl tiny tiny_models": RUN,
     "mmrl reward score clip_score --weights tiny_models/clip --images samples/ --prompts prompts.txt": Short(
         "printf 'a red circle\\na blue square\\na green circle\\na red square\\n' > prompts.txt && "

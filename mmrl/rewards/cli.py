@@ -6,9 +6,14 @@
                       [--batch-size N] [--max-pixels N] [--device auto]
     mmrl reward score geo3k --prompts answers.jsonl                # text rewards: rows with a 'completion'
     mmrl reward serve NAME_OR_YAML [--weights P] [--kw k=v ...] [--host 127.0.0.1] --port P [--max-batch N] \
-                      [--max-pixels N] [--max-request-pixels N] [--read-timeout S] [--token T]
+                      [--max-pixels N] [--max-request-pixels N] [--read-timeout S] [--token T] \
+                      [--parent-pid PID] [--quiet]
+    mmrl reward env create NAME [--packages "pkgA==1 pkgB"] [--reuse-site-packages]  # mmrl/rewards/envs.py
+    mmrl reward env list
 
-Both name the reward the same way, first.
+Both name the reward the same way, first: a registered name, a YAML file (a weighted composite) or
+``module:function`` (a plain function, or a RewardModel class or instance, importable where the command runs: e.g. a
+module installed in a reward env).
 
 `--prompts` is a text file (one prompt per line; blank lines skipped) or a ``.jsonl`` file whose rows hold
 ``prompt`` and optionally ``metadata`` (an object; without it, the row's other keys are the metadata) and
@@ -28,6 +33,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -42,14 +49,15 @@ def add_reward_subparsers(subparsers: argparse._SubParsersAction) -> argparse.Ar
     """Add ``reward {list,score,serve}`` to the main CLI's subparsers; each sets ``func=``."""
     reward = subparsers.add_parser("reward", help="list, score with or serve reward models",
                                    description="Reward-model zoo: list, score images, serve over HTTP.")
-    sub = reward.add_subparsers(dest="reward_command", metavar="{list,score,serve}")
+    sub = reward.add_subparsers(dest="reward_command", metavar="{list,score,serve,env}")
     sub.required = True
 
     p = sub.add_parser("list", help="print the available rewards with a one-line description")
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("score", help="score images (and prompts) with a reward, write a CSV")
-    p.add_argument("reward", nargs="?", help="registered name or a YAML file with a {name: weight} mapping")
+    p.add_argument("reward", nargs="?", help="registered name, a YAML file with a {name: weight} mapping, or "
+                                             "module:function")
     _add_load_args(p)
     p.add_argument("--images", nargs="+", metavar="DIR_OR_FILE",
                    help="image files and/or directories (their images, sorted by name); "
@@ -70,7 +78,7 @@ def add_reward_subparsers(subparsers: argparse._SubParsersAction) -> argparse.Ar
     p.set_defaults(func=cmd_score)
 
     p = sub.add_parser("serve", help="serve a reward over HTTP/JSON (POST /score, GET /health)")
-    p.add_argument("reward", help="registered name or a YAML file with a {name: weight} mapping")
+    p.add_argument("reward", help="registered name, a YAML file with a {name: weight} mapping, or module:function")
     _add_load_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, required=True)
@@ -91,7 +99,14 @@ def add_reward_subparsers(subparsers: argparse._SubParsersAction) -> argparse.Ar
                    help="seconds a connection may stay silent (stalled body, idle keep-alive) before the "
                         "server drops it (default 30)")
     p.add_argument("--device", default="auto", help="auto|cpu|cuda[:i] (passed to the reward as device=)")
+    p.add_argument("--parent-pid", type=int, default=None,
+                   help="exit when the process with this PID ends (a run that starts the server passes its own)")
+    p.add_argument("--quiet", action="store_true", help="do not log each request")
     p.set_defaults(func=cmd_serve)
+
+    from mmrl.rewards.envs import add_env_subparsers
+
+    add_env_subparsers(sub, _exit_on_error)
     return reward
 
 
@@ -161,10 +176,14 @@ def load_reward_from_args(spec: str, weights: str | None, kw_items: Sequence[str
             _fail(f"reward YAML {spec!r} is not valid YAML: {exc}")
         if not isinstance(target, dict):
             _fail(f"reward YAML {spec!r} must hold a mapping (name -> weight), got {type(target).__name__}")
+    elif spec not in available() and _MODULE_ATTR.match(spec):
+        target = _import_reward(spec)
     elif spec not in available():
         _fail(f"unknown reward {spec!r}; run `mmrl reward list` (available: {', '.join(available())})")
     else:  # `--kw` names and values checked against the reward's arguments before it is built
         check_reward_arguments(spec, {k: v for k, v in kwargs.items() if k != "weights"}, "--kw", sep=" ")
+    if not isinstance(target, (str, dict)):  # `module:attr` named an object
+        return _from_object(spec, target, kwargs, device)
     if device is not None:
         try:
             return load(target, **{"device": device, **kwargs})
@@ -175,6 +194,62 @@ def load_reward_from_args(spec: str, weights: str | None, kw_items: Sequence[str
         return load(target, **kwargs)
     except TypeError as exc:
         raise CLIError(f"cannot build reward {spec!r} with {sorted(kwargs)}: {exc}") from None
+
+
+_MODULE_ATTR = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def _import_reward(spec: str) -> Any:
+    """The object `module:attr` names (imported where this command runs), or one line saying what is missing."""
+    module, _, attr = spec.partition(":")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:
+        _fail(f"reward {spec!r}: cannot import {module!r} ({type(exc).__name__}: {exc}); install it where "
+              f"`mmrl reward` runs (e.g. into the reward env with pip)")
+    if not hasattr(mod, attr):
+        _fail(f"reward {spec!r}: module {module!r} ({getattr(mod, '__file__', '?')}) has no {attr!r}")
+    obj = getattr(mod, attr)
+    if not callable(obj):
+        _fail(f"reward {spec!r}: expected a function or a RewardModel, got {type(obj).__name__}")
+    return obj
+
+
+def _from_object(spec: str, obj: Any, kwargs: dict, device: str | None) -> Any:
+    """The reward `module:attr` names: a RewardModel class built with the load arguments (and `device` when it
+    takes it), a RewardModel instance, or a plain function (`mmrl.rewards.from_callable`)."""
+    import inspect
+
+    from mmrl.rewards import RewardModel, from_callable
+
+    if isinstance(obj, type) and issubclass(obj, RewardModel):
+        takes = inspect.signature(obj).parameters
+        if device is not None and ("device" in takes or any(p.kind is p.VAR_KEYWORD for p in takes.values())):
+            kwargs = {"device": device, **kwargs}
+        try:
+            return obj(**kwargs)
+        except TypeError as exc:
+            raise CLIError(f"cannot build reward {spec!r} with {sorted(kwargs)}: {exc}") from None
+    if kwargs:
+        _fail(f"reward {spec!r} is a {'RewardModel' if isinstance(obj, RewardModel) else 'function'}, not a class: "
+              f"it takes no --weights / --kw (got {sorted(kwargs)})")
+    return obj if isinstance(obj, RewardModel) else from_callable(obj)
+
+
+def _exit_with_parent(pid: int) -> None:
+    """A thread of `serve --parent-pid`: end this server once the process that started it is gone (a killed run
+    leaves no server behind): it is then handed to another parent."""
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == pid:
+            time.sleep(0.5)
+        print(f"mmrl reward: the process that started this server (PID {pid}) is gone; exiting", file=sys.stderr,
+              flush=True)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 # ----------------------------------------------------------------------------------- commands
@@ -256,11 +331,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_server_options(max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, max_pixels=args.max_pixels,
                          max_request_pixels=args.max_request_pixels, read_timeout=args.read_timeout, token=token,
                          flags=True)  # before the (slow) reward load
+    if args.parent_pid is not None:
+        if os.getppid() != args.parent_pid:
+            _fail(f"--parent-pid {args.parent_pid} is not this server's parent process ({os.getppid()})")
+        _exit_with_parent(args.parent_pid)
     reward = load_reward_from_args(args.reward, args.weights, args.kw, _device(args.device))
     try:
         serve(reward, host=args.host, port=args.port, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
               max_pixels=args.max_pixels, max_request_pixels=args.max_request_pixels,
-              read_timeout=args.read_timeout, token=token)
+              read_timeout=args.read_timeout, token=token, quiet=args.quiet)
     except (OSError, OverflowError) as exc:
         _fail(f"cannot serve on {args.host}:{args.port}: {exc}")
     return 0

@@ -173,17 +173,37 @@ class RemoteReward(RewardModel):
     takes the served reward's kind from that reply ("image" without a health check); an explicit `kind` that
     differs from the served one is a ValueError. `token` (default: $MMRL_REWARD_TOKEN) is sent as
     ``Authorization: Bearer <token>`` to a server started with one. Image batches are split into requests of at
-    most `batch_size` images and at most the server's ``max_request_pixels`` (from /health) pixels."""
+    most `batch_size` images and at most the server's ``max_request_pixels`` (from /health) pixels.
+
+    Instead of `url`: `env` (a reward env: `mmrl reward env create`, a name under `env_dir` / $MMRL_REWARD_ENV_DIR /
+    runs/reward-envs, or a path) and `serve` ({name: REWARD, kw: {...}, weights, device, max_batch,
+    startup_timeout}) start that server here (`mmrl.rewards.env_server`); `close()` or the end of the run stops it."""
 
     name = "remote"
 
-    def __init__(self, url: str, timeout: float = 30.0, retries: int = 3, backoff: float = 0.5,
+    def __init__(self, url: str | None = None, timeout: float = 30.0, retries: int = 3, backoff: float = 0.5,
                  batch_size: int = 64, kind: str | None = None, headers: dict[str, str] | None = None,
-                 device: Any = None, check_health: bool = True, token: str | None = None):
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ValueError(f"remote reward url must start with http:// or https://, got {url!r}")
+                 device: Any = None, check_health: bool = True, token: str | None = None, env: str | None = None,
+                 serve: Any = None, env_dir: str | None = None):
+        self.server = None
         if kind not in ("image", "text", None):
             raise ValueError(f"remote reward kind must be 'image' or 'text', got {kind!r}")
+        if env is not None or serve is not None:
+            if url is not None:
+                raise ValueError("remote reward: give url= (a server you started) or env= with serve= (a server "
+                                 "the run starts in a reward env), not both")
+            if env is None or serve is None:
+                raise ValueError("remote reward: env= and serve= go together: env names the reward env (`mmrl "
+                                 "reward env list`), serve = {name: REWARD, kw: {...}} what it serves")
+            from mmrl.rewards.env_server import EnvServer
+
+            self.server = EnvServer(env, serve, env_dir=env_dir, device=device)
+            url, token = self.server.url, self.server.token
+        if url is None:
+            raise ValueError("remote reward: pass url= (a running `mmrl reward serve`) or env= with serve= (a reward "
+                             "env the run serves it from)")
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ValueError(f"remote reward url must start with http:// or https://, got {url!r}")
         self.url = url.rstrip("/")
         self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
         self.batch_size = int(batch_size)
@@ -194,7 +214,16 @@ class RemoteReward(RewardModel):
         self.max_request_pixels: int | None = None  # the server's, from /health
         self.name = f"remote({self.url})"
         if check_health:
-            self.check_health()
+            try:
+                self.check_health()
+            except BaseException:
+                self.close()
+                raise
+
+    def close(self) -> None:
+        """Stop the server this client started in a reward env (nothing for a `url=` server)."""
+        if self.server is not None:
+            self.server.close()
 
     def health(self) -> dict:
         """The server's ``GET /health`` reply (a JSON object; RemoteRewardError if it is anything else)."""
@@ -261,8 +290,15 @@ class RemoteReward(RewardModel):
             json.dumps(payload)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"reward '{self.name}': prompts/metadata/completions must be JSON-serialisable: {exc}") from None
-        reply = request_json(self.url + "/score", payload, timeout=self.timeout, retries=self.retries,
-                             backoff=self.backoff, headers=self.headers)
+        if self.server is not None and (death := self.server.death()):  # no retries against a dead process
+            raise RemoteRewardError(death, self.url)
+        try:
+            reply = request_json(self.url + "/score", payload, timeout=self.timeout, retries=self.retries,
+                                 backoff=self.backoff, headers=self.headers)
+        except RemoteRewardError as exc:
+            if self.server is not None and (death := self.server.death()):
+                raise RemoteRewardError(f"{death}; the request failed: {exc.reason}", self.url) from None
+            raise
         scores = _validate_scores(reply, s.stop - s.start, self.url + "/score")
         details = reply.get("details")
         if details is not None and not isinstance(details, dict):

@@ -87,21 +87,24 @@ def hide_hf_progress_bars(force: bool = False) -> None:
 
 
 # what closes_runs stops when a recipe's train() raises, besides its runs: (snapshot of what is open, closer)
-_FAILURE_CLOSERS: list[tuple[Callable[[], Any], Callable[[Any], None], Any]] = []
+_FAILURE_CLOSERS: list[tuple[Callable[[], Any], Callable[[Any], None], Any, bool]] = []
 
 
-def close_on_failure(snapshot: Callable[[], Any], close: Callable[[Any], None], nothing_open: Any) -> None:
+def close_on_failure(snapshot: Callable[[], Any], close: Callable[[Any], None], nothing_open: Any,
+                     on_return: bool = False) -> None:
     """Register something a recipe may open that `closes_runs` must stop when train() raises (the rollout processes
     of `mmrl.training.async_rollout`): `snapshot()` is taken when train() starts, `close(snapshot)` stops what was
-    opened after it; `nothing_open` stands for the snapshot when the closer was registered during the call."""
-    _FAILURE_CLOSERS.append((snapshot, close, nothing_open))
+    opened after it; `nothing_open` stands for the snapshot when the closer was registered during the call.
+    `on_return`: stop it when train() returns too (the reward servers a run started serve that run only)."""
+    _FAILURE_CLOSERS.append((snapshot, close, nothing_open, on_return))
 
 
 def closes_runs(train: Callable[[Any], dict]) -> Callable[[Any], dict]:
     """Decorator for a recipe's `train(cfg)`: however it ends, the runs it opened are closed (`mmrl.run.Run.close`):
     the directory lock released (on a return, an exception or Ctrl-C), and a run that failed before it wrote a
     metrics row, checkpoint or sample leaves nothing of its start behind (a bad path, a bad size, a model that
-    does not load). What it registered with `close_on_failure` (rollout processes) is stopped when it raises."""
+    does not load). What it registered with `close_on_failure` (rollout processes) is stopped when it raises (reward servers
+    it started: however it ends)."""
     from mmrl.run.directory import close_runs, open_runs
 
     @functools.wraps(train)
@@ -115,6 +118,9 @@ def closes_runs(train: Callable[[Any], dict]) -> Callable[[Any], dict]:
                 entry[1](opened.get(id(entry), entry[2]))
             close_runs(since, failed=True)
             raise
+        for entry in list(_FAILURE_CLOSERS):
+            if entry[3]:
+                entry[1](opened.get(id(entry), entry[2]))
         close_runs(since)
         return out
 

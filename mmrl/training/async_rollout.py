@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import os
 import queue as queue_mod
-import signal
 import sys
 import time
 import weakref
@@ -64,7 +63,7 @@ import torch
 from mmrl.distributed import rank_seed
 from mmrl.run.files import RunError
 from mmrl.run.start import close_on_failure
-from mmrl.runtime import get_rng_state, set_rng_state
+from mmrl.runtime import get_rng_state, how_process_ended as _how_it_ended, set_rng_state
 from mmrl.training.async_worker import POLL_S, worker_main
 from mmrl.training.payloads import decode, encode, from_plain, pack_tensors
 
@@ -97,18 +96,6 @@ close_on_failure(open_rollouts, close_rollouts, set())  # closes_runs stops them
 class RolloutProcessError(RunError):
     """The rollout process died; the message names it, how it ended and what the trainer waited for (a RunError: the
     CLI prints it as one line with the resume hint)."""
-
-
-def _how_it_ended(exitcode: int | None) -> str:
-    """'died from signal 9 (SIGKILL: e.g. the OOM killer, or kill -9)' / 'exited with code 3' of an exit code."""
-    if exitcode is None or exitcode >= 0:
-        return f"exited with code {exitcode}"
-    try:
-        name = signal.Signals(-exitcode).name
-    except ValueError:
-        name = "unknown signal"
-    hint = ": e.g. the OOM killer, or kill -9" if -exitcode == signal.SIGKILL else ""
-    return f"died from signal {-exitcode} ({name}{hint})"
 
 
 class RolloutProducer(Protocol):
