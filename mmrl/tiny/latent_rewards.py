@@ -1,5 +1,7 @@
 """Tiny latent rewards saved in their authors' checkpoint layouts (`mmrl.rewards.latent_dina`, `latent_lpo`).
 
+`build_tiny_lpo_lrm(path)`: LPO's LRM-1.5 layout on a tiny SD1.5-layout base (its docstring).
+
 `build_tiny_dina_lrm(path)`: `path/base/` a tiny SD3.5-style pipeline (`build_tiny_sd3` with 3 blocks, RMS q/k norm
 and dual attention, 4 latent channels: the tiny SD3 policy's latent space) and the DiNa-LRM layout of
 liuhuohuo/DiNa-LRM-SD35M-12layers: `config.json` (the training config's `model:` / `training:` sections, 2 blocks
@@ -58,4 +60,43 @@ def build_tiny_dina_lrm(path, seed: int = 0) -> Path:
     ckpt = path / "checkpoint"
     backbone.save_pretrained(str(ckpt / "backbone_lora"))
     torch.save(model.reward_head.state_dict(), ckpt / "rm_head.pt")
+    return path
+
+
+@side_effect_free
+def build_tiny_lpo_lrm(path, seed: int = 0) -> Path:
+    """Tiny LPO LRM-1.5 at ``path``: ``path/base/`` a tiny SD1.5-layout pipeline directory (tokenizer, CLIP text
+    encoder, UNet with SD1.5's four down blocks of two resnets (channels 8/16/32/32), DDPM scheduler, VAE) and the
+    authors' `save` layout: ``unet/`` (the base UNet perturbed), ``text_encoder/``, ``state_dict.pt``
+    (visual_projection [16, 120] over the pooled 8 + 16 + 32 + 32 down and 32 mid channels, text_projection [16, 32],
+    logit_scale 2.6592, CLIP's initial value)."""
+    from diffusers import DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+
+    from mmrl.tiny.components import _tiny_clip_text, _tiny_vae
+    from mmrl.tiny.vocab import _load_tokenizer
+
+    path = _prepare_dir(path)
+    tok = _load_tokenizer("clip")
+    seed_weights(seed)
+    unet = UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(8, 16, 32, 32),
+        down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+        up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3, cross_attention_dim=32, attention_head_dim=4,
+        norm_num_groups=4)
+    text = _tiny_clip_text(tok, seed + 2, 32, None, with_projection=False)
+    pipe = StableDiffusionPipeline(vae=_tiny_vae(seed + 1), text_encoder=text, tokenizer=tok, unet=unet,
+                                   scheduler=DDPMScheduler(num_train_timesteps=1000, beta_schedule="scaled_linear",
+                                                           beta_start=0.00085, beta_end=0.012,
+                                                           clip_sample=False, steps_offset=1),
+                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe.save_pretrained(path / "base")
+    seed_weights(seed + 20)
+    with torch.no_grad():
+        for p in list(unet.parameters()) + list(text.parameters()):
+            p.add_(0.05 * torch.randn_like(p))
+    unet.save_pretrained(path / "unet")
+    text.save_pretrained(path / "text_encoder")
+    torch.save({"visual_projection": {"weight": 0.1 * torch.randn(16, 120)},
+                "text_projection": {"weight": 0.1 * torch.randn(16, 32)},
+                "logit_scale": torch.tensor(2.6592)}, path / "state_dict.pt")
     return path

@@ -116,3 +116,70 @@ def test_config_load_refuses_another_latent_space(dina_path, tmp_path):
     (flux / "model_index.json").write_text(json.dumps({**index, "_class_name": "FluxPipeline"}))
     with pytest.raises(ValueError, match=r"makes flux latents with 4 channels; a latent reward scores only"):
         check_latent_rewards(comps, policy_latent_space(flux), flux)
+
+
+def test_reward_cli_refuses_a_latent_reward_in_one_line(dina_path, tmp_path, capsys):
+    """`mmrl reward score|serve` take image files: a latent reward (by name, before loading, or inside a YAML
+    composite, once loaded) is refused with one line saying where it can be used."""
+    import argparse
+
+    from PIL import Image
+
+    from mmrl.rewards.cli import add_reward_subparsers
+
+    Image.new("RGB", (16, 16)).save(tmp_path / "a.png")
+    (tmp_path / "p.txt").write_text("a red circle\n")
+    (tmp_path / "mix.yaml").write_text(json.dumps({"dina_lrm": {"weight": 1.0, "weights": str(dina_path)},
+                                                   "jpeg_compressibility": 1.0}))
+    msg = ("scores a diffusion model's latents, not images: `mmrl reward score|serve` take image files only; call it "
+           "from Python (load(...)(latents=..., prompts=...)) or name it in a recipe's reward.components\n")
+    for argv in (["score", "dina_lrm", "--weights", str(dina_path)], ["serve", "dina_lrm", "--port", "0"],
+                 ["score", str(tmp_path / "mix.yaml")]):
+        parser = argparse.ArgumentParser(prog="mmrl")
+        add_reward_subparsers(parser.add_subparsers(dest="command", required=True))
+        args = parser.parse_args(["reward", *argv, "--images", str(tmp_path / "a.png"), "--prompts",
+                                  str(tmp_path / "p.txt")] if argv[0] == "score" else ["reward", *argv])
+        with pytest.raises(SystemExit) as ei:
+            args.func(args)
+        err = capsys.readouterr().err
+        last = err.splitlines()[-1]  # (a composite is refused once loaded: the loading bars come first)
+        assert ei.value.code == 2 and "Traceback" not in err, err
+        assert last.startswith("mmrl reward: error: reward '") and last.endswith(msg.strip()), last
+
+
+@pytest.fixture(scope="module")
+def lpo_path(tmp_path_factory):
+    from mmrl.tiny.latent_rewards import build_tiny_lpo_lrm
+
+    return build_tiny_lpo_lrm(tmp_path_factory.mktemp("lpo") / "lrm")
+
+
+def test_lpo_lrm_scores_noisy_latents_at_their_timestep(lpo_path):
+    """LPO's LRM-1.5 on its tiny checkpoint: SD1.5 latents, batched = one by one, the timestep (argument or per-sample
+    metadata) changes the score, score = logit_scale.exp() * cosine; another family is refused at config load."""
+    from mmrl.diffusion.scoring import policy_latent_space
+
+    lrm = load("lpo_lrm", weights=str(lpo_path), base=str(lpo_path / "base"), device="cpu")
+    assert lrm.kind == "latent" and lrm.latent_space == LatentSpace("sd15", 4)
+    x = _latents(hw=(8, 8))
+    meta = [{"timestep": t} for t in (0, 250, 999, 500)]
+    out = lrm(latents=x, prompts=PROMPTS, metadata=meta)
+    torch.testing.assert_close(out.scores, torch.tensor(2.6592).exp() * out.details["cosine"])
+    assert out.details["timestep"].tolist() == [0, 250, 999, 500]
+    lrm.batch_size = 1
+    torch.testing.assert_close(lrm(latents=x, prompts=PROMPTS, metadata=meta).scores, out.scores, atol=1e-4, rtol=0)
+    assert not torch.allclose(lrm(latents=x, prompts=PROMPTS).scores, out.scores)  # all at the default t = 0
+    comps = {"lpo_lrm": {"weights": str(lpo_path), "base": str(lpo_path / "base")}}
+    sd3 = _sd3_dir(lpo_path)
+    with pytest.raises(ValueError, match=r"^reward\.components\.lpo_lrm: reward 'lpo_lrm' scores sd15 latents with 4 "
+                                         r"channels, but model\.path '.*' makes sd3 latents with 4 channels; "):
+        check_latent_rewards(comps, policy_latent_space(sd3), sd3)
+
+
+def _sd3_dir(root):
+    """A config-only SD3 pipeline directory (model_index.json + vae/config.json) next to `root`."""
+    d = root.parent / "sd3_configs"
+    (d / "vae").mkdir(parents=True, exist_ok=True)
+    (d / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
+    (d / "vae" / "config.json").write_text(json.dumps({"latent_channels": 4}))
+    return d
