@@ -60,3 +60,37 @@ def test_latent_reward_of_another_family_is_refused_before_loading(tmp_path, tin
         train(_cfg(tmp_path / "run", tiny_flux_path, ["train.max_steps=1"],
                    reward={"components": {"dina_lrm": {"weights": str(dina_path)}}}))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_mmrl_eval_scores_a_latent_reward_from_the_final_latents(tmp_path, tiny_sd3_path, dina_path, decoded_rows):
+    """`mmrl eval` saves decoded images (shown) and scores a latent reward from each sample's final latents: the
+    report's scores are dina_lrm's on the latents sampled with the same seeds."""
+    import json
+
+    import torch
+    import yaml
+
+    from mmrl.cli import main
+    from mmrl.diffusion.models import load_flow_model
+    from mmrl.diffusion.sampling import sample_groups
+    from mmrl.pipelines.data import load_prompts
+    from mmrl.rewards import load
+
+    dina = {"reward": "dina_lrm", "weights": str(dina_path), "weight": 1.0}
+    cfg = {"algorithm": "flow_grpo", "output_dir": str(tmp_path / "run"), "seed": 3, "model": {"path": str(tiny_sd3_path)},
+           "data": {"train_prompts": EVAL_PROMPTS, "eval_prompts": EVAL_PROMPTS},
+           "rollout": {"height": 64, "width": 64, "eval_num_steps": 2, "eval_guidance_scale": 1.0},
+           "reward": {"components": {"dina_lrm": dina}}}
+    path = tmp_path / "eval.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["eval", str(path), "--out", str(tmp_path / "out"), "--max-prompts", "2",
+                 "--samples-per-prompt", "1"]) == 0
+    assert sum(decoded_rows) == 2  # the two saved images
+    report = json.loads((tmp_path / "out" / "eval_report.json").read_text())
+    got = [v for row in report["per_prompt"] for v in row["components"]["dina_lrm"]]
+    model, items = load_flow_model(tiny_sd3_path), load_prompts(EVAL_PROMPTS)[:2]
+    finals = [sample_groups(model, model.encode_prompts([it.prompt]), 1, num_steps=2, height=64, width=64,
+                            noise_level=0.0, generator=torch.Generator().manual_seed(3 * 1000003 + i)).latents[:, -1]
+              for i, it in enumerate(items)]
+    want = load({"dina_lrm": dina})(latents=torch.cat(finals), prompts=[it.prompt for it in items]).scores
+    assert got == pytest.approx(want.tolist(), abs=1e-5)
