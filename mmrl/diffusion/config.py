@@ -231,7 +231,7 @@ def check_common(cfg: Any, online: bool = True) -> None:
         from mmrl.diffusion.scoring import policy_latent_space
         from mmrl.rewards.latent import check_latent_rewards
 
-        check_latent_rewards(reward.components, policy_latent_space(cfg.model.path), cfg.model.path)
+        check_latent_rewards(reward.components, lambda: policy_latent_space(cfg.model.path), cfg.model.path)
     num_frames = getattr(cfg.rollout, "num_frames", 1)
     if num_frames > 1:  # an image family refuses videos here, before the image rewards would be blamed for them
         from mmrl.diffusion.models import check_num_frames

@@ -128,9 +128,10 @@ class DiffusionLoop:
         self.reward_fn = (load_reward_fn(cfg.reward.components, self.run.device, cfg.rollout.num_frames)
                           if online or self.eval_items else None)
         self.model = load_recipe_model(cfg, self.run.device, self.run.dtype)
-        if self.reward_fn is not None:  # a latent reward against the loaded model (also one built after the config)
+        from mmrl.rewards.latent import check_reward_latents, takes_latents
+
+        if takes_latents(self.reward_fn):  # a latent reward against the loaded model (also one built after the config)
             from mmrl.diffusion.scoring import policy_latent_space
-            from mmrl.rewards.latent import check_reward_latents
 
             check_reward_latents(self.reward_fn, policy_latent_space(model=self.model), cfg.model.path)
         self.extra_evaluations: list[Callable[[], dict]] = []  # run beside the held-out evaluation (offline DPO)

@@ -21,7 +21,7 @@ when the config loads (`check_latent_rewards`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -106,17 +106,17 @@ def needs_pixels(reward: Any) -> bool:
     return getattr(reward, "kind", None) != "latent"
 
 
-def check_latent_rewards(components: Mapping[str, Any], policy: LatentSpace | None, model_path: Any,
+def check_latent_rewards(components: Mapping[str, Any], policy: Callable[[], LatentSpace | None], model_path: Any,
                          where: str = "reward.components") -> None:
     """A latent reward of `components` (a `reward.components` mapping) that scores another family's latents, or
-    another channel count, than the policy's (`policy`, of the model at `model_path`; None: unknown yet, nothing
-    checked): one line naming the component, both spaces and the fix. Reads config files only (no weights)."""
+    another channel count, than the policy's (`policy()`, the space of the model at `model_path`, asked only when a
+    component is a latent reward; None: unknown yet, nothing checked): one line naming the component, both spaces and
+    the fix. Reads config files only (no weights)."""
     from mmrl.rewards.registry import lookup
 
     if "components" in components and isinstance(components["components"], Mapping):
         components = components["components"]  # {components: {...}, normalize: ...}
-    if policy is None:
-        return
+    space_of_policy = None
     for key, spec in components.items():
         kwargs = dict(spec) if isinstance(spec, Mapping) else {}
         kwargs.pop("weight", None)
@@ -125,10 +125,11 @@ def check_latent_rewards(components: Mapping[str, Any], policy: LatentSpace | No
         if not (isinstance(cls, type) and issubclass(cls, LatentRewardModel)):
             continue
         space = cls.latent_space_of(**kwargs)
-        if space is None:
+        space_of_policy = space_of_policy or policy()
+        if space is None or space_of_policy is None:
             continue
-        if (space.family, space.channels) != (policy.family, policy.channels):
-            raise ValueError(_mismatch(f"{where}.{key}", name, space, policy, model_path))
+        if (space.family, space.channels) != (space_of_policy.family, space_of_policy.channels):
+            raise ValueError(_mismatch(f"{where}.{key}", name, space, space_of_policy, model_path))
 
 
 def check_reward_latents(reward: Any, policy: LatentSpace | None, model_path: Any,

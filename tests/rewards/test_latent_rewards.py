@@ -99,7 +99,7 @@ def test_config_load_refuses_another_latent_space(dina_path, tmp_path):
 
     comps = {"dina_lrm": {"weight": 1.0, "weights": str(dina_path)}}
     sd3 = dina_path / "base"
-    check_latent_rewards(comps, policy_latent_space(sd3), sd3)  # same space: fine
+    check_latent_rewards(comps, lambda: policy_latent_space(sd3), sd3)  # same space: fine
     wide = tmp_path / "sd3_16ch"
     (wide / "vae").mkdir(parents=True)
     shutil.copy(sd3 / "model_index.json", wide / "model_index.json")
@@ -109,13 +109,13 @@ def test_config_load_refuses_another_latent_space(dina_path, tmp_path):
                                          rf"channels, but model\.path '{wide}' makes sd3 latents with 16 channels; a "
                                          rf"latent reward scores only its own family's latents \(use a pixel reward, "
                                          rf"or a model of family sd3\)$"):
-        check_latent_rewards(comps, policy_latent_space(wide), wide)
+        check_latent_rewards(comps, lambda: policy_latent_space(wide), wide)
     flux = tmp_path / "flux"
     shutil.copytree(sd3, flux, ignore=shutil.ignore_patterns("*.safetensors"))
     index = json.loads((flux / "model_index.json").read_text())
     (flux / "model_index.json").write_text(json.dumps({**index, "_class_name": "FluxPipeline"}))
     with pytest.raises(ValueError, match=r"makes flux latents with 4 channels; a latent reward scores only"):
-        check_latent_rewards(comps, policy_latent_space(flux), flux)
+        check_latent_rewards(comps, lambda: policy_latent_space(flux), flux)
 
 
 def test_reward_cli_refuses_a_latent_reward_in_one_line(dina_path, tmp_path, capsys):
@@ -173,7 +173,7 @@ def test_lpo_lrm_scores_noisy_latents_at_their_timestep(lpo_path):
     sd3 = _sd3_dir(lpo_path)
     with pytest.raises(ValueError, match=r"^reward\.components\.lpo_lrm: reward 'lpo_lrm' scores sd15 latents with 4 "
                                          r"channels, but model\.path '.*' makes sd3 latents with 4 channels; "):
-        check_latent_rewards(comps, policy_latent_space(sd3), sd3)
+        check_latent_rewards(comps, lambda: policy_latent_space(sd3), sd3)
 
 
 def _sd3_dir(root):
