@@ -114,7 +114,6 @@ def rollout_and_score(cfg: Any, model: Any, sampler: Any, shards: Any, reward_fn
     from mmrl.diffusion.conditioning import encode_items
     from mmrl.diffusion.diagnostics import sample_statistics
     from mmrl.diffusion.scoring import component_scores, score_images
-
     from mmrl.rewards.latent import needs_pixels, takes_latents
 
     rollout = cfg.rollout

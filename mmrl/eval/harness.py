@@ -216,8 +216,8 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
     from mmrl.diffusion.conditioning import check_data, encode_items, sample_panels
     from mmrl.diffusion.sampling import sample_groups
     from mmrl.diffusion.scoring import load_reward_fn
-    from mmrl.rewards.latent import takes_latents
     from mmrl.pipelines.data import load_prompts
+    from mmrl.rewards.latent import takes_latents
     from mmrl.run.plots import save_image_grid, save_video_grid
     from mmrl.runtime import resolve_device, resolve_dtype
 
