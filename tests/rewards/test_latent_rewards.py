@@ -183,3 +183,23 @@ def _sd3_dir(root):
     (d / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
     (d / "vae" / "config.json").write_text(json.dumps({"latent_channels": 4}))
     return d
+
+
+def test_dina_lrm_full_model_layout_scores_as_the_lora_layout(dina, dina_path, tmp_path):
+    """The authors' other layout: `checkpoint/full_model.pt` (backbone + head state dict, no LoRA: use_lora false,
+    freeze_backbone false) holding the merged weights scores as the LoRA layout does."""
+    full = tmp_path / "full"
+    (full / "checkpoint").mkdir(parents=True)
+    cfg = json.loads((dina_path / "config.json").read_text())
+    cfg["model"]["use_lora"] = False
+    (full / "config.json").write_text(json.dumps(cfg))
+    torch.save(dina.model.state_dict(), full / "checkpoint" / "full_model.pt")
+    other = load("dina_lrm", weights=str(full), device="cpu")
+    x = _latents()
+    torch.testing.assert_close(other(latents=x, prompts=PROMPTS).scores, dina(latents=x, prompts=PROMPTS).scores)
+    state = dict(dina.model.state_dict())
+    state.pop("reward_head.head.bias")
+    torch.save(state, full / "checkpoint" / "full_model.pt")
+    with pytest.raises(ValueError, match=r"full_model\.pt' does not fit the model: 1 missing keys "
+                                         r"\(e\.g\. \['reward_head\.head\.bias'\]\)"):
+        load("dina_lrm", weights=str(full), device="cpu")
