@@ -1,7 +1,5 @@
 """Tiny latent rewards saved in their authors' checkpoint layouts (`mmrl.rewards.latent_dina`, `latent_lpo`).
 
-`build_tiny_lpo_lrm(path)`: LPO's LRM-1.5 layout on a tiny SD1.5-layout base (its docstring).
-
 `build_tiny_dina_lrm(path)`: `path/base/` a tiny SD3.5-style pipeline (`build_tiny_sd3` with 3 blocks, RMS q/k norm
 and dual attention, 4 latent channels: the tiny SD3 policy's latent space) and the DiNa-LRM layout of
 liuhuohuo/DiNa-LRM-SD35M-12layers: `config.json` (the training config's `model:` / `training:` sections, 2 blocks
@@ -9,6 +7,8 @@ read instead of 12, features after blocks [1, 2] instead of [4, 8, 12], `backbon
 `checkpoint/backbone_lora/` (PEFT adapter of the backbone, saved by PEFT's save_pretrained as the authors' trainer
 does) and `checkpoint/rm_head.pt` (the head's state dict). Every weight is random, including the ones the authors
 initialise at zero (LoRA B, the FiLM modulation, the value gates), so every path of the scoring changes the score.
+
+`build_tiny_lpo_lrm(path)`: LPO's LRM-1.5 layout on a tiny SD1.5-layout base (its docstring).
 """
 
 from __future__ import annotations
