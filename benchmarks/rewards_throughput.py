@@ -110,6 +110,32 @@ def measure(reward, images: torch.Tensor, prompts: list[str], repeats: int) -> d
                        repeats=repeats, warmup=1)
 
 
+def latent_rows(root: Path, n: int, device: str, repeats: int) -> list[tuple]:
+    """Latent rewards (`mmrl.rewards.latent`) on their tiny checkpoints: n latents of their space (DiNa-LRM: SD3 4 x
+    32 x 32 at u = 0.4; LPO LRM-1.5: SD1.5 4 x 32 x 32 at t = 500, CFG 7.5), one call vs one latent per call."""
+    from mmrl.tiny.latent_rewards import build_tiny_dina_lrm, build_tiny_lpo_lrm
+
+    dina, lpo = build_tiny_dina_lrm(root / "dina"), build_tiny_lpo_lrm(root / "lpo")
+    specs = [("dina_lrm", "tiny SD3.5-style, 2 blocks + head", dict(weights=dina), {}),
+             ("lpo_lrm", "tiny SD1.5 UNet (down + mid)", dict(weights=lpo, base=lpo / "base"), {"timestep": 500})]
+    rows = []
+    for name, backbone, kw, meta in specs:
+        reward = load(name, batch_size=n, device=device, **kw)
+        x = torch.randn(n, reward.latent_space.channels, 32, 32, generator=torch.Generator().manual_seed(0))
+        prompts, metadata = [PROMPTS[i % len(PROMPTS)] for i in range(n)], [meta] * n
+
+        def one_by_one():
+            for i in range(n):
+                reward(latents=x[i:i + 1], prompts=prompts[i:i + 1], metadata=metadata[i:i + 1])
+
+        t = interleaved({"batched": lambda: reward(latents=x, prompts=prompts, metadata=metadata),
+                         "one by one": one_by_one}, repeats=repeats, warmup=1)
+        rows.append((name, backbone, f"{n} latents", t["batched"].rate(n).fmt_median(digits=1),
+                     t["one by one"].rate(n).fmt_median(digits=1), speedup(t["one by one"], t["batched"])))
+        print(f"  measured {name}", file=sys.stderr, flush=True)
+    return rows
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=16, help="images per measurement")
@@ -158,6 +184,8 @@ def main(argv=None) -> None:
                      t["one by one"].rate(n).fmt_median(digits=1), speedup(t["one by one"], t["batched"])))
         print(f"  measured {name}", file=sys.stderr, flush=True)
     rows += unified_reward_rows(root, images, prompts, args.device, args.repeats)
+
+    rows += latent_rows(root, args.n, args.device, args.repeats)
 
     cmd = " ".join(["python", "benchmarks/rewards_throughput.py"] + (argv if argv is not None else sys.argv[1:]))
     print(f"\n`{cmd}` - {args.n} images of {args.size}x{args.size} (OCR: {min(args.n, 8)} rendered text images), "

@@ -35,6 +35,8 @@ BENCHMARKS: dict[str, list[str]] = {
     "adapter_states": ["--threads", "1"],
     "rope_index": ["--threads", "1"],
     "rewards_throughput": ["--threads", "1"],
+    # a latent reward (dina_lrm): the rollout's VAE decode skipped vs done, interleaved steps of one run
+    "latent_reward_step": ["--threads", "1", "--rounds", "8"],
     "vlm_step": ["--part", "all", "--threads", "1"],
     "reward_overlap": ["--threads", "1"],
     # the reduced pass (3 seeds x 21 steps x 5 algorithms, ~13 CPU minutes); the full table: docs/performance.md

@@ -238,6 +238,10 @@ COMMANDS: dict[str, object] = {
     "model.path=/models/stable-diffusion-3.5-medium data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt": Short(
         "mmrl config check configs/diffusion/flow_grpo_sd35_pickscore.yaml "
         "model.path=/models/stable-diffusion-3.5-medium data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt", _NO_GPU),
+    "mmrl train configs/diffusion/flow_grpo_sd35_dina_lrm.yaml model.path=/models/stable-diffusion-3.5-medium "
+    "data.train_prompts=data/pickscore_sfw/train.txt data.eval_prompts=data/pickscore_sfw/test.txt": Short(
+        "mmrl config check configs/diffusion/flow_grpo_sd35_dina_lrm.yaml model.path=/models/stable-diffusion-3.5-medium "
+        "data.train_prompts=data/pickscore_sfw/train.txt data.eval_prompts=data/pickscore_sfw/test.txt", _NO_GPU),
     "mmrl train configs/diffusion/flow_grpo_sd35_ocr.yaml "
     "model.path=/models/stable-diffusion-3.5-medium data.train_prompts=data/ocr/train.txt data.eval_prompts=data/ocr/test.txt": Short(
         "mmrl config check configs/diffusion/flow_grpo_sd35_ocr.yaml "

@@ -198,6 +198,7 @@ def ode_images(model: Any, states: Any, state: str, reward_fn: Any, items: Seque
     (how often one evaluates changes no training number)."""
     from mmrl.diffusion.conditioning import encode_items
     from mmrl.diffusion.sampling import sample_groups
+    from mmrl.rewards.latent import takes_latents
 
     gen = torch.Generator(device=model.device).manual_seed(seed + 12345)
     images, finals, scores, details = [], [], [], defaultdict(list)
@@ -212,8 +213,9 @@ def ode_images(model: Any, states: Any, state: str, reward_fn: Any, items: Seque
             finals.append(traj.latents[:, -1])
             if reward_fn is None:
                 continue
+            kw = {"latents": traj.latents[:, -1]} if takes_latents(reward_fn) else {}  # (images decoded: shown)
             out = reward_fn(images=traj.images, prompts=[it.prompt for it in chunk],
-                            metadata=[it.metadata for it in chunk])
+                            metadata=[it.metadata for it in chunk], **kw)
             scores.append(out.scores.detach().float().cpu())
             for name in getattr(reward_fn, "components", {}):
                 details[name].append(torch.as_tensor(out.details[name]).float().cpu())

@@ -227,6 +227,11 @@ def check_common(cfg: Any, online: bool = True) -> None:
         raise ValueError("log.judges are scored at every evaluation: set data.eval_prompts (the held-out prompts) and "
                          f"log.eval_every > 0 (got eval_prompts={cfg.data.eval_prompts!r}, "
                          f"eval_every={log.eval_every})")
+    if getattr(reward, "components", None):  # a latent reward of another family / channels than model.path
+        from mmrl.diffusion.scoring import policy_latent_space
+        from mmrl.rewards.latent import check_latent_rewards
+
+        check_latent_rewards(reward.components, lambda: policy_latent_space(cfg.model.path), cfg.model.path)
     num_frames = getattr(cfg.rollout, "num_frames", 1)
     if num_frames > 1:  # an image family refuses videos here, before the image rewards would be blamed for them
         from mmrl.diffusion.models import check_num_frames

@@ -112,8 +112,9 @@ class DiffusionLoop:
     def __init__(self, cfg: Any, *, online: bool = True):
         from mmrl.diffusion.common import load_recipe_model
         from mmrl.diffusion.conditioning import check_data
-        from mmrl.diffusion.scoring import load_reward_fn
+        from mmrl.diffusion.scoring import load_reward_fn, policy_latent_space
         from mmrl.pipelines.data import load_prompts
+        from mmrl.rewards.latent import check_reward_latents, takes_latents
         from mmrl.run.start import start_run
 
         self.cfg = cfg
@@ -128,6 +129,8 @@ class DiffusionLoop:
         self.reward_fn = (load_reward_fn(cfg.reward.components, self.run.device, cfg.rollout.num_frames)
                           if online or self.eval_items else None)
         self.model = load_recipe_model(cfg, self.run.device, self.run.dtype)
+        if takes_latents(self.reward_fn):  # a latent reward against the loaded model (also one built after the config)
+            check_reward_latents(self.reward_fn, policy_latent_space(model=self.model), cfg.model.path)
         self.extra_evaluations: list[Callable[[], dict]] = []  # run beside the held-out evaluation (offline DPO)
 
     # ---------------------------------------------------------------------------------------------- setup

@@ -6,7 +6,9 @@ prompt; edit rows with their source images), G samples per prompt (`sample_group
 `sde_sampling` for Flow-GRPO's SDE with its window, `ode_sampling` for the deterministic ODE of DiffusionNFT, AWM,
 DGPO and online DPO), their rewards (`score_images`, and each reward component's raw scores for
 `reward.aggregation`; with reward.score_while_sampling the micro-batches are scored while the next is sampled) and
-the samples' statistics (`diag/sample/*`). The recipes call it through `DiffusionLoop.rollout`; the rollout
+the samples' statistics (`diag/sample/*`). A latent reward (`mmrl.rewards.latent`) gets the final latents; when
+every component scores latents the images are not decoded (`traj.images` is None, `diag/sample/*` then holds only
+`latent_rms`). The recipes call it through `DiffusionLoop.rollout`; the rollout
 process's `FlowGRPOProducer` builds its own copy of the pipeline and policy from the run's config and calls the same
 function, so both make the same batch from the same weights and random stream.
 """
@@ -112,8 +114,13 @@ def rollout_and_score(cfg: Any, model: Any, sampler: Any, shards: Any, reward_fn
     from mmrl.diffusion.conditioning import encode_items
     from mmrl.diffusion.diagnostics import sample_statistics
     from mmrl.diffusion.scoring import component_scores, score_images
+    from mmrl.rewards.latent import needs_pixels, takes_latents
 
     rollout = cfg.rollout
+    # a reward scoring latents gets the final latents; when no component needs pixels the VAE decode is skipped.
+    # Such a reward is scored after sampling (the micro-batch callback hands over images only)
+    latent, decode = takes_latents(reward_fn), needs_pixels(reward_fn)
+    scorer = None if latent else scorer
     with timer("rollout"):
         items = shards.shard(sampler.next(rollout.prompts_per_step))
         embeds = encode_items(model, items, rollout.height, rollout.width, encode)  # + source images (edit models)
@@ -121,10 +128,12 @@ def rollout_and_score(cfg: Any, model: Any, sampler: Any, shards: Any, reward_fn
         prompts, metadata = [items[i].prompt for i in rows], [items[i].metadata for i in rows]
         on_images = (lambda lo, hi, im: scorer.submit(im, prompts[lo:hi], metadata[lo:hi])) if scorer else None
         with states.use(state) if state is not None else nullcontext():
-            traj = sample_groups(model, embeds, rollout.group_size, on_images=on_images, **sampling)
+            traj = sample_groups(model, embeds, rollout.group_size, on_images=on_images,
+                                 **(sampling if decode else {**sampling, "decode": False}))
         extra = step_metrics(traj) if step_metrics is not None else {}
     with timer("reward"):
-        out = scorer.output() if scorer else reward_fn(images=traj.images, prompts=prompts, metadata=metadata)
+        kw = {"latents": traj.latents[:, -1]} if latent else {}
+        out = scorer.output() if scorer else reward_fn(images=traj.images, prompts=prompts, metadata=metadata, **kw)
         scores, reward_metrics = score_images(reward_fn, traj.images, prompts, metadata,
                                               on_nonfinite=cfg.reward.on_nonfinite, out=out)
     return FlowRollout(traj, prompts, metadata, scores, reward_metrics, component_scores(reward_fn, out),

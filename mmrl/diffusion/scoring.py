@@ -40,10 +40,39 @@ def load_reward_fn(components: dict[str, Any], device: Any, num_frames: int = 1)
             raise ValueError(f"reward.components.{key} scores images, but rollout.num_frames={num_frames} makes videos;"
                              f" score them per frame: {key}: {{reward: video_frames, image_reward: {key}, "
                              f"aggregate: mean}} (or min, or frame)")
+        if num_frames > 1 and kind == "latent":
+            raise ValueError(f"reward.components.{key} scores an image family's latents, but rollout.num_frames="
+                             f"{num_frames} makes videos; use a video reward")
         if num_frames == 1 and kind == "video":
             raise ValueError(f"reward.components.{key} scores videos, but rollout.num_frames=1 makes images "
                              f"(set rollout.num_frames to 4k+1 > 1 for a video model, or use an image reward)")
     return fn
+
+
+def policy_latent_space(model_path: Any = None, model: Any = None) -> Any:
+    """The `LatentSpace` (mmrl.rewards.latent) of a policy: family and VAE latent channels of the loaded FlowModel
+    `model`, or of the pipeline directory `model_path` read from its model_index.json and vae/config.json without
+    loading weights; None when unknown (a directory not there yet: the model load names the problem)."""
+    import json
+    from pathlib import Path
+
+    from mmrl.rewards.latent import LatentSpace
+
+    if model is not None:
+        family, vae = model.family, dict(model.vae.config)
+    else:
+        from mmrl.diffusion.models import flow_model_class
+
+        path = Path(model_path)
+        try:
+            vae = json.loads((path / "vae" / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+        if not (path / "model_index.json").is_file():
+            return None
+        family = flow_model_class(path).family
+    channels = vae.get("latent_channels", vae.get("z_dim"))
+    return None if channels is None else LatentSpace(family, int(channels))
 
 
 class AsyncRewardScorer:

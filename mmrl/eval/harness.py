@@ -217,6 +217,7 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
     from mmrl.diffusion.sampling import sample_groups
     from mmrl.diffusion.scoring import load_reward_fn
     from mmrl.pipelines.data import load_prompts
+    from mmrl.rewards.latent import takes_latents
     from mmrl.run.plots import save_image_grid, save_video_grid
     from mmrl.runtime import resolve_device, resolve_dtype
 
@@ -265,7 +266,7 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
     model.transformer.eval()
 
     # ---- sampling: one generator per prompt, images rounded to 8 bits and saved
-    images, files, rows = [], [], []
+    images, files, rows, finals = [], [], [], []
     bar = tqdm(total=len(items), desc="mmrl eval", unit="prompt", disable=os.environ.get("MMRL_NO_PROGRESS") == "1")
     for i, item in enumerate(items):
         gen = torch.Generator(device=model.device).manual_seed(prompt_seed(seed, i))
@@ -277,6 +278,7 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
         names = [f"images/p{i:04d}_s{j}.{'mp4' if video else 'png'}" for j in range(samples_per_prompt)]
         _save_files(u8, [out / n for n in names])
         images.append(u8.float() / 255.0)
+        finals.append(traj.latents[:, -1])  # what a latent reward scores
         files.append(names)
         rows += [i] * samples_per_prompt
         bar.update(1)
@@ -290,7 +292,8 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
     total, per_comp = [], {c: [] for c in components}
     for lo in range(0, len(x), batch_size):
         sl = slice(lo, lo + batch_size)
-        res = reward_fn(images=x[sl], prompts=all_prompts[sl], metadata=all_meta[sl])
+        kw = {"latents": torch.cat(finals)[sl]} if takes_latents(reward_fn) else {}
+        res = reward_fn(images=x[sl], prompts=all_prompts[sl], metadata=all_meta[sl], **kw)
         total += res.scores.detach().float().cpu().tolist()
         for c in components:
             per_comp[c] += torch.as_tensor(res.details[c]).detach().float().cpu().reshape(-1).tolist()

@@ -28,3 +28,7 @@ register_lazy("mmrl.rewards.group", "group_rank", "pickscore_rank", "pairwise_wi
 
 # video rewards (videos [B, F, 3, H, W]): any image reward per frame, temporal consistency, motion amount
 register_lazy("mmrl.rewards.video", "video_frames", "temporal_consistency", "motion_amount")
+
+# latent rewards (a diffusion family's final latents + the prompt, no VAE decode: mmrl.rewards.latent)
+register_lazy("mmrl.rewards.latent_dina", "dina_lrm")
+register_lazy("mmrl.rewards.latent_lpo", "lpo_lrm")

@@ -39,7 +39,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from mmrl.rewards.registry import check_reward_arguments
+from mmrl.rewards.registry import check_reward_arguments, lookup
 from mmrl.rewards.remote_server import DEFAULT_MAX_PIXELS, DEFAULT_MAX_REQUEST_PIXELS, TOKEN_ENV
 from mmrl.rewards.score_files import CLIError, collect_images, read_prompts, resolve_out_path, score_to
 from mmrl.rewards.score_files import fail as _fail
@@ -182,16 +182,17 @@ def load_reward_from_args(spec: str, weights: str | None, kw_items: Sequence[str
         _fail(f"unknown reward {spec!r}; run `mmrl reward list` (available: {', '.join(available())})")
     else:  # `--kw` names and values checked against the reward's arguments before it is built
         check_reward_arguments(spec, {k: v for k, v in kwargs.items() if k != "weights"}, "--kw", sep=" ")
+        _refuse_latents(spec, lookup(spec))  # before a (slow) load
     if not isinstance(target, (str, dict)):  # `module:attr` named an object
-        return _from_object(spec, target, kwargs, device)
+        return _refuse_latents(spec, _from_object(spec, target, kwargs, device))
     if device is not None:
         try:
-            return load(target, **{"device": device, **kwargs})
+            return _refuse_latents(spec, load(target, **{"device": device, **kwargs}))
         except TypeError as exc:
             if "device" not in str(exc):
                 raise CLIError(f"cannot build reward {spec!r}: {exc}") from None
     try:
-        return load(target, **kwargs)
+        return _refuse_latents(spec, load(target, **kwargs))
     except TypeError as exc:
         raise CLIError(f"cannot build reward {spec!r} with {sorted(kwargs)}: {exc}") from None
 
@@ -250,6 +251,17 @@ def _exit_with_parent(pid: int) -> None:
         os._exit(0)
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+def _refuse_latents(spec: str, reward: Any) -> Any:
+    """A latent reward (its class or a loaded reward with a latent component): one line, the CLI and the server take
+    image files; anything else is returned."""
+    from mmrl.rewards.latent import LatentRewardModel, takes_latents
+
+    if (isinstance(reward, type) and issubclass(reward, LatentRewardModel)) or (
+            not isinstance(reward, type) and takes_latents(reward)):
+        _fail(f"reward {spec!r} scores a diffusion model's latents, not images: `mmrl reward score|serve` take image "
+              f"files only; call it from Python (load(...)(latents=..., prompts=...)) or name it in a recipe's "
+              f"reward.components")
+    return reward
 
 
 # ----------------------------------------------------------------------------------- commands

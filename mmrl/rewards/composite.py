@@ -13,7 +13,9 @@ the batch, ``(s_k - mean(s_k)) / (std(s_k) + eps)`` (population std), so compone
 contribute comparably. ``details[k]`` is component k's raw score tensor and ``details[f"{k}/{key}"]`` each
 of its own details. Image (or video) and text components can be mixed: image and video components get
 ``images, prompts, metadata`` (videos [B, F, 3, H, W] in ``images``), text components ``completions, prompts,
-metadata``; image and video components cannot (wrap image rewards with ``video_frames``).
+metadata``; image and video components cannot (wrap image rewards with ``video_frames``). Latent components
+(`mmrl.rewards.latent`) get ``latents, prompts, metadata``; they all score one latent space, and a composite of
+latent components only is itself a latent reward (``kind == "latent"``: a recipe then skips the VAE decode).
 """
 
 from __future__ import annotations
@@ -52,7 +54,15 @@ class CompositeReward(RewardModel):
             by = {kind: sorted(k for k, v in self.kinds.items() if v == kind) for kind in ("image", "video")}
             raise ValueError(f"composite reward mixes image components {by['image']} with video components "
                              f"{by['video']}; score videos per frame with video_frames (image_reward=<name>)")
-        self.kind = "text" if kinds == {"text"} else "video" if "video" in kinds else "image"
+        spaces = {str(c.latent_space) for c in self.components.values() if c.kind == "latent"}
+        if len(spaces) > 1 or ("latent" in kinds and "video" in kinds):
+            by = {k: str(getattr(c, "latent_space", c.kind)) for k, c in self.components.items() if c.kind != "text"}
+            raise ValueError(f"composite reward mixes inputs {by}; its latent components must all score one latent "
+                             f"space, of an image family")
+        if spaces:
+            self.latent_space = next(c.latent_space for c in self.components.values() if c.kind == "latent")
+        self.kind = ("text" if kinds == {"text"} else "latent" if kinds == {"latent"}
+                     else "video" if "video" in kinds else "image")
         self.differentiable = all(c.differentiable for c in self.components.values())
         self.needs_prompts = any(getattr(c, "needs_prompts", False) for c in self.components.values())
         self.name = "composite(" + " + ".join(f"{w:g}*{k}" for k, w in self.weights.items()) + ")"
@@ -114,7 +124,8 @@ class CompositeReward(RewardModel):
     # ------------------------------------------------------------------ scoring
 
     def __call__(self, images: Any = None, prompts: Sequence[str] | None = None,
-                 metadata: Sequence[dict] | None = None, completions: Sequence[str] | None = None) -> RewardOutput:
+                 metadata: Sequence[dict] | None = None, completions: Sequence[str] | None = None,
+                 latents: Any = None) -> RewardOutput:
         if images is not None and not isinstance(images, torch.Tensor) and "image" in self.kinds.values():
             images = to_image_list(images)  # decode once, not once per component
             if len({tuple(t.shape) for t in images}) > 1:  # mixed sizes: each size is its own batch
@@ -126,6 +137,8 @@ class CompositeReward(RewardModel):
                 if completions is None:
                     raise ValueError(f"composite component '{key}' scores text: pass completions=[...]")
                 raw[key] = comp(prompts=prompts, metadata=metadata, completions=completions)
+            elif comp.kind == "latent":
+                raw[key] = comp(latents=latents, prompts=prompts, metadata=metadata)
             else:
                 if images is None:
                     raise ValueError(f"composite component '{key}' scores images: pass images=...")

@@ -36,6 +36,7 @@ from mmrl.tiny.clip_models import (  # noqa: F401
 )
 from mmrl.tiny.components import count_parameters  # noqa: F401
 from mmrl.tiny.diffusion_models import build_tiny_flux, build_tiny_flux_kontext, build_tiny_sd3
+from mmrl.tiny.latent_rewards import build_tiny_dina_lrm, build_tiny_lpo_lrm  # noqa: F401
 from mmrl.tiny.family_models import (  # noqa: F401
     build_tiny_flux2,
     build_tiny_flux2_klein,

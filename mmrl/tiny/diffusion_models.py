@@ -11,7 +11,7 @@ from mmrl.tiny.vocab import _load_tokenizer
 
 
 @side_effect_free
-def build_tiny_sd3(path, seed: int = 0, sample_size: int = 16) -> Path:
+def build_tiny_sd3(path, seed: int = 0, sample_size: int = 16, num_layers: int = 2, sd35: bool = False) -> Path:
     """Tiny ``StableDiffusion3Pipeline`` (transformer, VAE, 2 CLIP encoders, T5 encoder) at ``path``.
 
     Sizes (CALIBRATION.md): SD3Transformer2DModel patch 2, 4 in/out channels, 2 layers, 2 heads x 16,
@@ -20,6 +20,8 @@ def build_tiny_sd3(path, seed: int = 0, sample_size: int = 16) -> Path:
     channels) and pooled embeds (16 + 16) are exactly 32 wide; the T5 encoder has d_model 32 = joint_attention_dim
     (it is included because ``from_pretrained`` of a directory without it fails unless the caller
     passes ``text_encoder_3=None, tokenizer_3=None``). 64x64 images <-> 4x16x16 latents.
+    ``num_layers`` / ``sd35`` (SD3.5-Medium's RMS q/k norm and dual attention in every block but the last): the
+    base of the tiny latent rewards (`mmrl.tiny.latent_rewards`), which needs blocks after the ones it reads.
     """
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
@@ -30,9 +32,10 @@ def build_tiny_sd3(path, seed: int = 0, sample_size: int = 16) -> Path:
     tok, t5_tok = _load_tokenizer("clip"), _load_tokenizer("t5")
     seed_weights(seed)
     transformer = SD3Transformer2DModel(
-        sample_size=sample_size, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16,
+        sample_size=sample_size, patch_size=2, in_channels=4, num_layers=num_layers, attention_head_dim=16,
         num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32,
         pooled_projection_dim=32, out_channels=4, pos_embed_max_size=max(32, sample_size // 2),
+        **({"qk_norm": "rms_norm", "dual_attention_layers": tuple(range(num_layers - 1))} if sd35 else {}),
     )
     pipe = StableDiffusion3Pipeline(
         transformer=transformer,
