@@ -71,6 +71,15 @@ def tiny_imagereward(root: Path) -> dict:
     return dict(weights=root / "ImageReward.pt", tokenizer=root / "bert", med_config=text, vision_config=vision)
 
 
+def tiny_hpsv3(root: Path) -> dict:
+    """HPSv3 (issue 30) on its tiny Qwen2-VL checkpoint in the authors' layout (mmrl.tiny.build_tiny_hpsv3); every image
+    is resized to 256*28*28 pixels as the authors do, so the image size does not change its cost."""
+    from mmrl.tiny.hpsv3 import build_tiny_hpsv3
+
+    path = build_tiny_hpsv3(root / "hpsv3")
+    return dict(weights=path / "HPSv3.safetensors", processor=path / "base", dtype="float32")
+
+
 def render_text_images(n: int, size: int) -> torch.Tensor:
     from PIL import Image, ImageDraw, ImageFont
 
@@ -119,6 +128,7 @@ def main(argv=None) -> None:
         ("imagereward", "tiny BLIP (transformers)", tiny_imagereward(root / "ir")),
         ("jpeg_compressibility", "PIL JPEG q95", {}),
         ("ocr", "PP-OCRv4 (rapidocr-onnxruntime, real)", {}),
+        ("hpsv3", "tiny Qwen2-VL + reward head (authors' layout)", tiny_hpsv3(root)),
     ]
     g = torch.Generator().manual_seed(0)
     images = torch.rand(args.n, 3, args.size, args.size, generator=g)

@@ -11,6 +11,7 @@ register_lazy("mmrl.rewards.image.hps", "hpsv2", "hpsv21")
 register_lazy("mmrl.rewards.image.aesthetic", "aesthetic")
 register_lazy("mmrl.rewards.image.ocr", "ocr")
 register_lazy("mmrl.rewards.image.imagereward", "imagereward")
+register_lazy("mmrl.rewards.image.hpsv3", "hpsv3")
 
 # text / composite / remote / VLM-judge rewards (rewards helper: text, composite, remote, vlm_judge)
 register_lazy("mmrl.rewards.text", "math_accuracy", "multiple_choice", "number_match", "exact_match", "format",
