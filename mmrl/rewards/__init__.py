@@ -21,6 +21,7 @@ register_lazy("mmrl.rewards.remote", "remote")
 register_lazy("mmrl.rewards.vlm_judge", "vlm_judge", "vlm_edit_judge")
 register_lazy("mmrl.rewards.image.color_match", "prompt_color")
 register_lazy("mmrl.rewards.image.edit", "edit_preservation", "clip_direction", "edit_region_color")
+register_lazy("mmrl.rewards.image.edit_reward", "edit_reward")
 register_lazy("mmrl.rewards.image.shapes_geneval", "shapes_geneval")
 
 # group-wise / pairwise rewards (a sample scored against the other samples of its group)

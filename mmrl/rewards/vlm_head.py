@@ -90,7 +90,7 @@ def build_head(state: dict[str, torch.Tensor], what: str, path: Path) -> torch.n
         else:
             layers.append(torch.nn.Dropout(0.0))
     head = torch.nn.Sequential(*layers)
-    load_strict(head, state, f"{what} reward head", path)
+    load_strict(head, state, what, path)
     return head.float().eval()
 
 
@@ -107,7 +107,7 @@ class QwenVLRewardBackbone:
         from transformers import AutoConfig, AutoProcessor
         from transformers.initialization import no_init_weights
 
-        self.what, self.device = what, torch.device(device)
+        self.what, self.device, self.checkpoint = what, torch.device(device), checkpoint
         if not (base / "config.json").is_file():
             raise FileNotFoundError(f"{what}: no config.json in the base model directory '{base}'; pass processor= the "
                                     f"base model the checkpoint was trained from (its config + processor files)")
@@ -145,8 +145,16 @@ class QwenVLRewardBackbone:
         load_strict(self.model, backbone_state, f"{what} backbone ({self.family})", checkpoint,
                     f"the base model in '{base}' must be the one the checkpoint was trained from")
         self.model.to(device=self.device, dtype=dtype).eval().requires_grad_(False)
-        self.heads = {p: build_head(s, what, checkpoint).to(self.device).requires_grad_(False)
+        self.heads = {p: build_head(s, f"{what} head '{p}*'", checkpoint).to(self.device).requires_grad_(False)
                       for p, s in head_states.items()}
+
+    def check_outputs(self, n: int, meaning: str) -> None:
+        """ValueError unless every head predicts `n` values (`meaning` says which, for the message)."""
+        for prefix, head in self.heads.items():
+            out = [m for m in head.modules() if isinstance(m, torch.nn.Linear)][-1].out_features
+            if out != n:
+                raise ValueError(f"{self.what}: checkpoint '{self.checkpoint}' head '{prefix}*' predicts {out} values, "
+                                 f"expected {n} ({meaning})")
 
     def chat_texts(self, conversations: Sequence[Sequence[dict]]) -> list[str]:
         """One user turn per row (content items {"type": "image"} / {"type": "text", "text": ...}) rendered with the
@@ -156,13 +164,15 @@ class QwenVLRewardBackbone:
         return [rendered] if isinstance(rendered, str) else list(rendered)
 
     @staticmethod
-    def resize(images: torch.Tensor, min_pixels: int, max_pixels: int) -> list:
-        """Float [B, 3, H, W] images in [0, 1] -> PIL images resized as the authors' fetch_image (qwen-vl-utils):
-        uint8 RGB, smart_resize to multiples of 28 within [min_pixels, max_pixels], PIL bicubic."""
+    def resize(images: torch.Tensor | Sequence[torch.Tensor], min_pixels: int, max_pixels: int) -> list:
+        """Float [3, H, W] images in [0, 1] (a batch tensor or a list of any sizes) -> PIL images resized as the
+        authors' fetch_image (qwen-vl-utils): uint8 RGB, smart_resize to multiples of 28 within [min_pixels,
+        max_pixels], PIL bicubic."""
         from mmrl.pipelines.images import resize_for_qwen
         from mmrl.rewards.base import to_pil_list
 
-        return [resize_for_qwen(p, min_pixels=min_pixels, max_pixels=max_pixels, factor=28) for p in to_pil_list(images)]
+        return [resize_for_qwen(to_pil_list(t[None])[0], min_pixels=min_pixels, max_pixels=max_pixels, factor=28)
+                for t in images]
 
     def encode(self, texts: Sequence[str], images: Sequence[Any] | None = None, **processor_kwargs: Any) -> dict:
         """The processor's batch (right-padded) on the backbone's device."""

@@ -78,15 +78,12 @@ class HPSv3(TorchImageReward):
         self.backbone = QwenVLRewardBackbone(checkpoint, base, what="hpsv3", head_prefixes=["rm_head."],
                                              family="qwen2_vl", device=self.device, dtype=self.dtype,
                                              trust_pickle=trust_pickle)
-        out_dim = _out_features(self.backbone.heads["rm_head."])
-        if out_dim != 2:
-            raise ValueError(f"hpsv3: checkpoint '{checkpoint}' head predicts {out_dim} values, expected 2 "
-                             f"(mu, log sigma: HPSv3_7B.yaml output_dim 2)")
+        self.backbone.check_outputs(2, "mu, log sigma: HPSv3_7B.yaml output_dim 2")
 
     def modules(self):
         return [self.backbone.model, *self.backbone.heads.values()]
 
-    def to(self, device: Any) -> "HPSv3":
+    def to(self, device: Any) -> HPSv3:
         super().to(device)
         self.backbone.device = self.device
         return self
@@ -99,8 +96,3 @@ class HPSv3(TorchImageReward):
         batch = bb.encode(texts, images=bb.resize(x, self.min_pixels, self.max_pixels))
         out = bb.heads["rm_head."](bb.token_hidden(batch)[:, 0]).cpu()
         return RewardOutput(out[:, 0].clone(), {"sigma": torch.exp(out[:, 1])})
-
-
-def _out_features(head: torch.nn.Module) -> int:
-    last = [m for m in head.modules() if isinstance(m, torch.nn.Linear)][-1]
-    return int(last.out_features)
