@@ -91,6 +91,8 @@ BUILDERS = {
     "qwen3_vl": build_tiny_qwen3_vl,
     "clip": build_tiny_clip,
     "open_clip": build_tiny_open_clip,
+    "hpsv3": build_tiny_hpsv3,              # reward checkpoints in their authors' formats (with their base model)
+    "edit_reward": build_tiny_edit_reward,
 }
 
 
