@@ -140,8 +140,8 @@ class QwenVLRewardBackbone:
                              f"the checkpoint was trained from")
         config.text_config.vocab_size = int(embed.shape[0])
         cls = _model_class(self.family)
-        with no_init_weights():  # every weight comes from the checkpoint
-            self.model = cls._from_config(config, attn_implementation="sdpa")
+        with no_init_weights():  # every weight comes from the checkpoint; built in `dtype` (7B: no float32 copy)
+            self.model = cls._from_config(config, attn_implementation="sdpa", dtype=dtype)
         load_strict(self.model, backbone_state, f"{what} backbone ({self.family})", checkpoint,
                     f"the base model in '{base}' must be the one the checkpoint was trained from")
         self.model.to(device=self.device, dtype=dtype).eval().requires_grad_(False)
@@ -191,11 +191,14 @@ class QwenVLRewardBackbone:
             row = int((counts != len(self.token_ids)).nonzero()[0])
             raise ValueError(f"{self.what}: row {row} holds {int(counts[row])} reward tokens, expected "
                              f"{len(self.token_ids)}; a prompt must not contain the reward token text itself")
-        # 1-D positions on all M-RoPE axes, as the authors' forward gets (see the module docstring)
+        # 1-D positions on all M-RoPE axes, as the authors' forward gets (see the module docstring). No attention
+        # mask: padding is on the right, after every reward token, so causal attention already keeps it out of what
+        # is read here (equal to the masked forward; without a mask SDPA runs its causal kernel instead of a
+        # materialised [B, 1, L, L] mask, 2x faster for a batch of 16 HPSv3 inputs)
         positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
         keys = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
-        out = self.model(input_ids=ids, attention_mask=batch.get("attention_mask"), position_ids=positions,
-                         use_cache=False, **{k: batch[k] for k in keys if batch.get(k) is not None})
+        out = self.model(input_ids=ids, position_ids=positions, use_cache=False,
+                         **{k: batch[k] for k in keys if batch.get(k) is not None})
         hidden = out.last_hidden_state[at]
         return hidden.view(ids.shape[0], len(self.token_ids), -1).float()
 
