@@ -71,6 +71,24 @@ def tiny_imagereward(root: Path) -> dict:
     return dict(weights=root / "ImageReward.pt", tokenizer=root / "bert", med_config=text, vision_config=vision)
 
 
+def tiny_hpsv3(root: Path) -> dict:
+    """HPSv3 on its tiny Qwen2-VL checkpoint in the authors' layout (mmrl.tiny.build_tiny_hpsv3); every image
+    is resized to 256*28*28 pixels as the authors do, so the image size does not change its cost."""
+    from mmrl.tiny.hpsv3 import build_tiny_hpsv3
+
+    path = build_tiny_hpsv3(root / "hpsv3")
+    return dict(weights=path / "HPSv3.safetensors", processor=path / "base", dtype="float32")
+
+
+def tiny_edit_reward(root: Path) -> dict:
+    """EditReward on its tiny Qwen2.5-VL checkpoint in the authors' layout (mmrl.tiny.build_tiny_edit_reward):
+    two images (source, edit) per sample, each resized to 256*28*28 pixels, and two instructions (one per head)."""
+    from mmrl.tiny.hpsv3 import build_tiny_edit_reward
+
+    path = build_tiny_edit_reward(root / "edit_reward")
+    return dict(weights=path / "checkpoint", processor=path / "base", dtype="float32")
+
+
 def render_text_images(n: int, size: int) -> torch.Tensor:
     from PIL import Image, ImageDraw, ImageFont
 
@@ -98,15 +116,15 @@ def unified_reward_rows(root: Path, images: torch.Tensor, prompts: list[str], de
              speedup(t["one by one"], t["batched"]))]
 
 
-def measure(reward, images: torch.Tensor, prompts: list[str], repeats: int) -> dict:
+def measure(reward, images: torch.Tensor, prompts: list[str], repeats: int, metadata: list | None = None) -> dict:
     """Seconds per pass over all images, batched vs one image per call, interleaved (see the module docstring)."""
     n = images.shape[0]
 
     def one_by_one():
         for i in range(n):
-            reward(images[i:i + 1], prompts[i:i + 1])
+            reward(images[i:i + 1], prompts[i:i + 1], None if metadata is None else metadata[i:i + 1])
 
-    return interleaved({"batched": lambda: reward(images, prompts), "one by one": one_by_one},
+    return interleaved({"batched": lambda: reward(images, prompts, metadata), "one by one": one_by_one},
                        repeats=repeats, warmup=1)
 
 
@@ -160,6 +178,8 @@ def main(argv=None) -> None:
         ("imagereward", "tiny BLIP (transformers)", tiny_imagereward(root / "ir")),
         ("jpeg_compressibility", "PIL JPEG q95", {}),
         ("ocr", "PP-OCRv4 (rapidocr-onnxruntime, real)", {}),
+        ("hpsv3", "tiny Qwen2-VL + reward head (authors' layout)", tiny_hpsv3(root)),
+        ("edit_reward", "tiny Qwen2.5-VL + 2 reward heads (authors' layout)", tiny_edit_reward(root)),
     ]
     g = torch.Generator().manual_seed(0)
     images = torch.rand(args.n, 3, args.size, args.size, generator=g)
@@ -178,7 +198,9 @@ def main(argv=None) -> None:
         else:
             imgs, prm = images, prompts
         reward.batch_size = imgs.shape[0]
-        t = measure(reward, imgs, prm, args.ocr_repeats if name == "ocr" else args.repeats)
+        # an edit reward reads each edit's source from the metadata: the next image stands in for it
+        meta = [{"source_image": imgs[(i + 1) % len(imgs)]} for i in range(len(imgs))] if name == "edit_reward" else None
+        t = measure(reward, imgs, prm, args.ocr_repeats if name == "ocr" else args.repeats, meta)
         n = imgs.shape[0]
         rows.append((name, backbone, str(n), t["batched"].rate(n).fmt_median(digits=1),
                      t["one by one"].rate(n).fmt_median(digits=1), speedup(t["one by one"], t["batched"])))

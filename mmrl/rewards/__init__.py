@@ -11,6 +11,7 @@ register_lazy("mmrl.rewards.image.hps", "hpsv2", "hpsv21")
 register_lazy("mmrl.rewards.image.aesthetic", "aesthetic")
 register_lazy("mmrl.rewards.image.ocr", "ocr")
 register_lazy("mmrl.rewards.image.imagereward", "imagereward")
+register_lazy("mmrl.rewards.image.hpsv3", "hpsv3")
 
 # text / composite / remote / VLM-judge rewards (rewards helper: text, composite, remote, vlm_judge)
 register_lazy("mmrl.rewards.text", "math_accuracy", "multiple_choice", "number_match", "exact_match", "format",
@@ -21,6 +22,7 @@ register_lazy("mmrl.rewards.vlm_judge", "vlm_judge", "vlm_edit_judge")
 register_lazy("mmrl.rewards.unified_reward", "unified_reward")
 register_lazy("mmrl.rewards.image.color_match", "prompt_color")
 register_lazy("mmrl.rewards.image.edit", "edit_preservation", "clip_direction", "edit_region_color")
+register_lazy("mmrl.rewards.image.edit_reward", "edit_reward")
 register_lazy("mmrl.rewards.image.shapes_geneval", "shapes_geneval")
 
 # group-wise / pairwise rewards (a sample scored against the other samples of its group)

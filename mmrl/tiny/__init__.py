@@ -43,6 +43,7 @@ from mmrl.tiny.family_models import (  # noqa: F401
     build_tiny_wan,
     build_tiny_z_image,
 )
+from mmrl.tiny.hpsv3 import build_tiny_edit_reward, build_tiny_hpsv3  # noqa: F401  (authors'-format reward checkpoints)
 from mmrl.tiny.qwen_image_models import (  # noqa: F401
     build_tiny_qwen_image,
     build_tiny_qwen_image_edit,
@@ -94,6 +95,8 @@ BUILDERS = {
     "clip": build_tiny_clip,
     "open_clip": build_tiny_open_clip,
     "unified_reward": build_tiny_unified_reward,
+    "hpsv3": build_tiny_hpsv3,              # reward checkpoints in their authors' formats (with their base model)
+    "edit_reward": build_tiny_edit_reward,
 }
 
 

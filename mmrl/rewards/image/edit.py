@@ -33,7 +33,15 @@ from mmrl.pipelines.shapes import COLORS
 from mmrl.rewards.base import RewardModel, RewardOutput, register, to_image_list
 from mmrl.rewards.image._common import HFClip, TorchImageReward
 
-__all__ = ["EditPreservation", "ClipDirection", "EditRegionColor", "source_and_mask"]
+__all__ = ["EditPreservation", "ClipDirection", "EditRegionColor", "source_and_mask", "source_images"]
+
+
+def source_images(metadata: Sequence[dict] | None, name: str) -> list:
+    """`metadata[i]["source_image"]` of every sample, as given; ValueError naming the key when one is missing."""
+    if metadata is None or any(not m or m.get("source_image") is None for m in metadata):
+        raise ValueError(f"reward '{name}' compares an edit with its source: pass metadata=[{{'source_image': ...}}] "
+                         f"(a path, bytes, PIL image or [3, H, W] tensor) for every image")
+    return [m["source_image"] for m in metadata]
 
 
 def source_and_mask(metadata: Sequence[dict] | None, like: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,12 +50,8 @@ def source_and_mask(metadata: Sequence[dict] | None, like: torch.Tensor, name: s
     from mmrl.pipelines.images import load_image
 
     b, _, h, w = like.shape
-    if metadata is None or any(not m or m.get("source_image") is None for m in metadata):
-        raise ValueError(f"reward '{name}' compares an edit with its source: pass metadata=[{{'source_image': ...}}] "
-                         f"(a path, bytes, PIL image or [3, H, W] tensor) for every image")
     sources, keep = [], torch.ones(b, 1, h, w, device=like.device)
-    for i, m in enumerate(metadata):
-        src = m["source_image"]
+    for i, (m, src) in enumerate(zip(metadata, source_images(metadata, name))):
         if not isinstance(src, torch.Tensor):
             src = to_image_list([src])[0]
         src = src.float().to(like.device)
