@@ -27,3 +27,6 @@ register_lazy("mmrl.rewards.group", "group_rank", "pickscore_rank", "pairwise_wi
 
 # video rewards (videos [B, F, 3, H, W]): any image reward per frame, temporal consistency, motion amount
 register_lazy("mmrl.rewards.video", "video_frames", "temporal_consistency", "motion_amount")
+
+# VideoAlign's VideoReward (Qwen2-VL reward model: visual quality, motion quality, text alignment)
+register_lazy("mmrl.rewards.video_align", "videoalign", "videoreward")
