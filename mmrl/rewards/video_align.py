@@ -187,8 +187,12 @@ class VideoAlign(VideoRewardModel):
 
         if head not in HEADS:
             raise ValueError(f"videoalign: head must be one of {list(HEADS)}, got {head!r}")
-        if video_fps <= 0 or (fps is not None and fps <= 0):
-            raise ValueError(f"videoalign: video_fps and fps must be > 0, got video_fps={video_fps}, fps={fps}")
+        if video_fps <= 0 or (fps is not None and fps <= 0) or (num_frames is not None and num_frames < 2):
+            raise ValueError(f"videoalign: video_fps and fps must be > 0 and num_frames >= 2, got video_fps={video_fps}, "
+                             f"fps={fps}, num_frames={num_frames}")
+        if fps is not None and num_frames is not None:
+            raise ValueError(f"videoalign: give fps (frames sampled per second) or num_frames (frames per video), "
+                             f"not both; got fps={fps}, num_frames={num_frames}")
         cfg, model_pth = read_checkpoint(weights, step)
         where = Path(weights) / "model_config.json"
         data, mcfg, lora = (_section(cfg, k, where) for k in ("data_config", "model_config", "peft_lora_config"))
@@ -199,9 +203,9 @@ class VideoAlign(VideoRewardModel):
         self.head, self.normalize, self.batch_size = head, bool(normalize), int(batch_size)
         self.video_fps = float(video_fps)
         self.fps = float(fps if fps is not None else data.get("fps") or 2.0)
-        self.num_frames = num_frames if num_frames is not None else data.get("num_frames")
-        if fps is not None:  # the authors: fps and num_frames exclude each other; an explicit fps wins the config
-            self.num_frames = num_frames
+        # as the authors' reward(): fps and num_frames exclude each other; an explicit fps overrides the config's
+        # num_frames, a num_frames (from the call or the config) the fps
+        self.num_frames = num_frames if num_frames is not None else None if fps is not None else data.get("num_frames")
         self.max_pixels = int(max_pixels or data.get("max_frame_pixels") or 240 * 320)
         stats = cfg.get("inference_config")
         self.stats = None if not stats else torch.tensor([[stats[f"{h}_mean"] for h in ("VQ", "MQ", "TA")],

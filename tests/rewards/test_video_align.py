@@ -115,6 +115,8 @@ def test_wrong_paths_and_arguments_fail_in_one_line(ckpt, tmp_path, capsys):
         rewards.load("videoalign", weights=str(ckpt), step=3)
     with pytest.raises(ValueError, match=r"head must be one of \['vq', 'mq', 'ta', 'overall'\], got 'motion'"):
         rewards.load("videoalign", weights=str(ckpt), head="motion")
+    with pytest.raises(ValueError, match="give fps .* or num_frames .*, not both; got fps=4, num_frames=8"):
+        rewards.load("videoalign", weights=str(ckpt), fps=4, num_frames=8)
     from PIL import Image
 
     from mmrl.rewards.cli import main
