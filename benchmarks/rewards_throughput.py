@@ -9,6 +9,7 @@ PP-OCRv4 models shipped by rapidocr-onnxruntime on rendered text; JPEG is PIL en
 ways (one call on all n images; n calls of one image) are timed interleaved in one process (`_timing.interleaved`:
 one warm-up round, then `--repeats` rounds), and the table gives images/s as median (min-max) and the speed-up of
 the medians, marked "within spread" when the two ranges overlap. Prints a markdown table.
+`videoalign` (a video reward) is timed on its tiny checkpoint with min(n, 4) short clips: videos/s, not images/s.
 Not a test; takes about 1-2 minutes on 2 CPU cores.
 """
 
@@ -152,6 +153,20 @@ def latent_rows(root: Path, n: int, device: str, repeats: int) -> list[tuple]:
                      t["one by one"].rate(n).fmt_median(digits=1), speedup(t["one by one"], t["batched"])))
         print(f"  measured {name}", file=sys.stderr, flush=True)
     return rows
+def videoalign_rows(root: Path, args) -> list[tuple]:
+    """VideoAlign's VideoReward on its tiny checkpoint (`mmrl.tiny.build_tiny_videoalign`, the authors' layout):
+    videos/s batched vs one video per call. 9-frame 64 x 64 clips; the reward samples 4 frames and upscales them to
+    its 336 x 336 minimum, so each clip is 288 video tokens plus the ~2.2k-token tiny-vocabulary prompt template."""
+    from mmrl.rewards.video import sample_video
+    from mmrl.tiny import build_tiny_videoalign
+
+    n = min(args.n, 4)
+    videos = torch.stack([sample_video(frames=9, size=64, seed=i, speed=1 + i) for i in range(n)])
+    reward = load("videoalign", weights=build_tiny_videoalign(root / "videoalign"), device=args.device, batch_size=n)
+    t = measure(reward, videos, [PROMPTS[i % len(PROMPTS)] for i in range(n)], args.repeats)
+    return [("videoalign", "tiny Qwen2-VL + LoRA + rm_head (VideoReward layout)", f"{n} videos",
+             t["batched"].rate(n).fmt_median(digits=2), t["one by one"].rate(n).fmt_median(digits=2),
+             speedup(t["one by one"], t["batched"]))]
 
 
 def main(argv=None) -> None:
@@ -208,6 +223,7 @@ def main(argv=None) -> None:
     rows += unified_reward_rows(root, images, prompts, args.device, args.repeats)
 
     rows += latent_rows(root, args.n, args.device, args.repeats)
+    rows += videoalign_rows(root, args)  # videos: its own inputs (see videoalign_rows)
 
     cmd = " ".join(["python", "benchmarks/rewards_throughput.py"] + (argv if argv is not None else sys.argv[1:]))
     print(f"\n`{cmd}` - {args.n} images of {args.size}x{args.size} (OCR: {min(args.n, 8)} rendered text images), "

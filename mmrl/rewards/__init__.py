@@ -34,3 +34,6 @@ register_lazy("mmrl.rewards.video", "video_frames", "temporal_consistency", "mot
 # latent rewards (a diffusion family's final latents + the prompt, no VAE decode: mmrl.rewards.latent)
 register_lazy("mmrl.rewards.latent_dina", "dina_lrm")
 register_lazy("mmrl.rewards.latent_lpo", "lpo_lrm")
+
+# VideoAlign's VideoReward (Qwen2-VL reward model: visual quality, motion quality, text alignment)
+register_lazy("mmrl.rewards.video_align", "videoalign", "videoreward")

@@ -1,5 +1,5 @@
 """The real-model recipes of the newer families (configs/diffusion/flow_grpo_wan21_t2v.yaml,
-flow_grpo_wan22_t2v_a14b.yaml, flow_grpo_z_image_pickscore.yaml, flow_grpo_flux2_dev.yaml,
+flow_grpo_wan21_videoalign.yaml, flow_grpo_wan22_t2v_a14b.yaml, flow_grpo_z_image_pickscore.yaml, flow_grpo_flux2_dev.yaml,
 flow_grpo_flux2_klein_pickscore.yaml,
 flow_grpo_qwen_image_ocr.yaml, flow_grpo_qwen_image_edit_pickscore.yaml): their
 published settings as written, their model / LoRA / guidance settings on a tiny pipeline directory of the same layout,
@@ -32,6 +32,22 @@ def test_wan21_t2v_published_settings():
     comps = cfg.reward.components
     assert (comps["text_alignment"]["image_reward"], comps["text_alignment"]["aggregate"]) == ("clip_score", "frame")
     assert (comps["pick_score"]["image_reward"], comps["pick_score"]["weight"]) == ("pickscore", 0.5)
+
+
+def test_wan21_videoalign_is_the_wan21_recipe_with_dancegrpo_videoalign_reward():
+    """DanceGRPO (XueZeyue/DanceGRPO@15cc71d finetune_hunyuan_grpo.sh --vq_coef 1.0 --mq_coef 0.0,
+    train_grpo_hunyuan.py reward(..., use_norm=True) in bf16): VideoReward's normalised VQ head; every other setting
+    is the Flow-Factory Wan 2.1 file's (flow_grpo_wan21_t2v.yaml)."""
+    wan, va = (yaml.safe_load((CONFIGS / f).read_text()) for f in ("flow_grpo_wan21_t2v.yaml",
+                                                                  "flow_grpo_wan21_videoalign.yaml"))
+    comps = va["reward"]["components"]
+    assert list(comps) == ["videoalign"] and comps["videoalign"]["weight"] == 1.0
+    assert (comps["videoalign"]["reward"], comps["videoalign"]["head"], comps["videoalign"]["dtype"]) == \
+        ("videoalign", "vq", "bfloat16")
+    assert comps["videoalign"].get("normalize", True)  # use_norm=True
+    for d in (wan, va):
+        d.pop("output_dir"), d["reward"].pop("components")
+    assert wan == va
 
 
 def test_z_image_pickscore_published_settings():
@@ -164,6 +180,8 @@ def test_qwen_image_edit_published_settings(tiny_family, tmp_path):
 STEP_CASES = {
     "flow_grpo_wan21_t2v.yaml": (("build_tiny_wan", {"scheduler": "unipc"}), {"num_steps": 4},
                                  {"max_sequence_length": 16}, "shapes"),
+    "flow_grpo_wan21_videoalign.yaml": (("build_tiny_wan", {"scheduler": "unipc"}), {"num_steps": 4},
+                                        {"max_sequence_length": 16}, "shapes"),
     "flow_grpo_z_image_pickscore.yaml": (("build_tiny_z_image", {}), {"num_steps": 4}, {"max_sequence_length": 16},
                                          "shapes"),
     "flow_grpo_wan22_t2v_a14b.yaml": (("build_tiny_wan", {"variant": "2.2_a14b", "scheduler": "unipc"}),
@@ -195,7 +213,7 @@ def test_real_recipe_runs_on_a_tiny_model_of_the_same_layout(name, tiny_family, 
     """The recipe file as written, only paths and sizes changed (tiny CLIP for CLIP / PickScore, the real PP-OCRv4 for
     the OCR reward): one Flow-GRPO step with its CFG, SDE window and LoRA on a tiny directory of the same layout."""
     import mmrl.tiny.family_models as family_models
-    from mmrl.tiny import build_tiny_clip
+    from mmrl.tiny import build_tiny_clip, build_tiny_videoalign
 
     pipe, rollout, model, prompts = STEP_CASES[name]
     if isinstance(pipe, str):
@@ -205,7 +223,10 @@ def test_real_recipe_runs_on_a_tiny_model_of_the_same_layout(name, tiny_family, 
     clip = str(build_tiny_clip(tmp_path / "clip"))
     d = yaml.safe_load((CONFIGS / name).read_text())
     for comp in d["reward"]["components"].values():  # every reward model path -> the tiny CLIP
-        if isinstance(comp, dict):
+        if isinstance(comp, dict) and comp.get("reward") == "videoalign":  # -> a tiny VideoReward (its base inside)
+            comp.pop("base", None)
+            comp.update(weights=str(build_tiny_videoalign(tmp_path / "videoalign")), dtype="float32")
+        elif isinstance(comp, dict):
             comp.update({k: clip for k in ("weights", "processor") if k in comp})
     d.update(output_dir=str(tmp_path / "run"), device="cpu", dtype="float32")
     d["model"].update(path=str(model_path), **model)
