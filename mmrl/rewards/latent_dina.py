@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mmrl.rewards.base import RewardOutput, register
-from mmrl.rewards.image._common import load_state_dict_file, load_strict, resolve, unique_index
+from mmrl.rewards.image._common import load_state_dict_file, load_strict, read_json, resolve, unique_index
 from mmrl.rewards.latent import LatentRewardModel, LatentSpace
 
 WHAT = "dina_lrm"
@@ -185,13 +185,8 @@ class DiNaModel(nn.Module):
 def read_config(weights: Path) -> dict:
     """The `model:` section of `weights/config.json` (+ `training.add_noise` as `add_noise`), checked."""
     path = weights / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{WHAT}: '{path}' not found; weights= must be a DiNa-LRM directory holding "
-                                f"config.json and checkpoint/ (download {DOWNLOAD})")
-    try:
-        cfg = json.loads(path.read_text())
-    except ValueError as exc:
-        raise ValueError(f"{WHAT}: '{path}' is not valid JSON ({exc})") from None
+    cfg = read_json(path, WHAT, f"'{path}' not found; weights= must be a DiNa-LRM directory holding config.json and "
+                                f"checkpoint/ (download {DOWNLOAD})")
     model = cfg.get("model") if isinstance(cfg, dict) else None
     need = ("num_transformer_layers", "visual_head_idx", "text_head_idx", "use_lora", "freeze_backbone")
     if not isinstance(model, dict) or any(k not in model for k in need):

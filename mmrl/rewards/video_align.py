@@ -14,10 +14,10 @@ this module reimplements:
   decoder linear, kept apart from the base weights). The latest step is read unless `step=` is given. The base
   model's config and processor come from `model_config.model_name_or_path` (Qwen/Qwen2-VL-2B-Instruct, not part
   of the download): `base=` gives its local copy. Here LoRA is merged into the linears at load
-  (W + alpha / r * B @ A; equal up to float rounding).
+  (W + alpha / r * B @ A; equal up to float rounding). Loading and the forward are `mmrl.rewards.vlm_head`'s.
 - Special tokens <|VQ_reward|>, <|MQ_reward|>, <|TA_reward|> are added to the base tokenizer; the prompt
   (`detailed_special`) holds one of each; `rm_head` (Linear(hidden, 1, bias=False)) on the final hidden states at
-  those three positions gives VQ, MQ, TA. The decoder runs with plain positions 0..L-1 in all three M-RoPE
+  those three positions gives VQ, MQ, TA (the head in the model's dtype, as theirs). The decoder runs with plain positions 0..L-1 in all three M-RoPE
   sections (the authors' forward calls the decoder without Qwen2-VL's 3-D rope index; the model was trained so).
 - Video: frames sampled at `fps` (2) of the clip's own rate (`video_fps`: mmrl's videos carry none; 16 is the
   rate mmrl and diffusers' Wan examples write clips at), at least 4, an even count, indices
@@ -31,7 +31,6 @@ Weights: https://huggingface.co/KlingTeam/VideoReward (MIT; base Qwen/Qwen2-VL-2
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -39,8 +38,9 @@ from typing import Any
 import torch
 
 from mmrl.rewards.base import RewardOutput, register
-from mmrl.rewards.image._common import load_state_dict_file, load_strict, require_path, resolve
+from mmrl.rewards.image._common import read_json, require_path, resolve
 from mmrl.rewards.video import VideoRewardModel
+from mmrl.rewards.vlm_head import QwenVLRewardBackbone, merge_lora  # noqa: F401 (merge_lora: VideoReward's LoRA)
 
 HEADS = ("vq", "mq", "ta", "overall")
 REWARD_TOKENS = ("<|VQ_reward|>", "<|MQ_reward|>", "<|TA_reward|>")
@@ -106,14 +106,8 @@ def _section(cfg: dict, key: str, path: Path) -> dict:
 def read_checkpoint(weights: Any, step: int | None = None) -> tuple[dict, Path]:
     """(model_config.json as a dict, the checkpoint-<step>/model.pth to load): the latest step unless `step`."""
     root = require_path(weights, "videoalign", DOWNLOAD, kind="dir")
-    cfg_path = root / "model_config.json"
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"videoalign: '{root}' has no model_config.json; expected the VideoReward layout "
-                                f"(model_config.json + checkpoint-<step>/model.pth) of {DOWNLOAD}")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"videoalign: cannot read '{cfg_path}' as JSON ({exc})") from None
+    cfg = read_json(root / "model_config.json", "videoalign", f"'{root}' has no model_config.json; expected the "
+                    f"VideoReward layout (model_config.json + checkpoint-<step>/model.pth) of {DOWNLOAD}")
     steps = sorted((int(p.name.split("-")[-1]), p) for p in root.glob("checkpoint-*")
                    if p.is_dir() and p.name.split("-")[-1].isdigit())
     if not steps:
@@ -128,30 +122,6 @@ def read_checkpoint(weights: Any, step: int | None = None) -> tuple[dict, Path]:
         raise FileNotFoundError(f"videoalign: '{chosen}' has no model.pth (the full state dict the released "
                                 f"checkpoint ships); found {found}")
     return cfg, chosen / "model.pth"
-
-
-def merge_lora(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
-    """PEFT state dict (transformers 4.45 names) -> transformers 5 `Qwen2VLModel` names + "rm_head.weight", LoRA
-    merged: `<m>.base_layer.weight` + scale * `<m>.lora_B.default.weight` @ `<m>.lora_A.default.weight`."""
-    prefix = "base_model.model."
-    if not any(k.startswith(prefix) for k in state):
-        raise ValueError(f"videoalign: model.pth keys do not start with '{prefix}' (e.g. {list(state)[:3]}); "
-                         "expected the PEFT-wrapped VideoReward state dict")
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state.items():
-        key = key[len(prefix):] if key.startswith(prefix) else key
-        if ".lora_" in key or key == "lm_head.weight":  # lm_head: not used by the reward (tied to the embeddings)
-            continue
-        if ".base_layer." in key:
-            module, leaf = key.split(".base_layer.")
-            if leaf == "weight":
-                a, b = state[f"{prefix}{module}.lora_A.default.weight"], state[f"{prefix}{module}.lora_B.default.weight"]
-                value = (value.float() + scale * (b.float() @ a.float())).to(value.dtype)
-            key = f"{module}.{leaf}"
-        if key.startswith("model."):
-            key = "language_model." + key[len("model."):]
-        out[key] = value
-    return out
 
 
 def sample_frames(video_u8: torch.Tensor, video_fps: float, fps: float | None, num_frames: int | None) -> torch.Tensor:
@@ -182,9 +152,6 @@ class VideoAlign(VideoRewardModel):
                  normalize: bool = True, video_fps: float = DEFAULT_VIDEO_FPS, fps: float | None = None,
                  num_frames: int | None = None, max_pixels: int | None = None, batch_size: int = 2,
                  device: Any = None, dtype: Any = "float32"):
-        from transformers import AutoConfig, AutoProcessor, Qwen2VLModel
-        from transformers.initialization import no_init_weights
-
         if head not in HEADS:
             raise ValueError(f"videoalign: head must be one of {list(HEADS)}, got {head!r}")
         if video_fps <= 0 or (fps is not None and fps <= 0) or (num_frames is not None and num_frames < 2):
@@ -216,42 +183,21 @@ class VideoAlign(VideoRewardModel):
                                     f"'{where}') is not a local directory; download {BASE_DOWNLOAD} yourself and "
                                     "pass base=<its local path> (nothing is downloaded automatically)")
         self.device, self.dtype = resolve(device, dtype)
-        self.processor = AutoProcessor.from_pretrained(str(base_dir), padding_side="right")
-        if hasattr(self.processor.video_processor, "cap_pixels_per_frame"):
-            self.processor.video_processor.cap_pixels_per_frame = False  # frames arrive sized (`_frames`), as the
-            # authors' fetch_video returns them to a processor (transformers 4.45) that caps nothing
-        tok = self.processor.tokenizer
-        tok.padding_side = "right"  # raw_heads relies on it (as the authors' processor does)
-        tok.add_special_tokens({"additional_special_tokens": list(REWARD_TOKENS)})
-        self.reward_ids = torch.tensor(tok.convert_tokens_to_ids(list(REWARD_TOKENS)))
-        state = load_state_dict_file(model_pth, "videoalign")
         lora_on = bool(lora.get("lora_enable"))
         scale = 0.0 if not lora_on else lora["lora_alpha"] / (
             math.sqrt(lora["lora_r"]) if lora.get("use_rslora") else lora["lora_r"])
-        state = merge_lora(state, scale)
-        head_w = state.pop("rm_head.weight", None)
-        if head_w is None:
-            raise ValueError(f"videoalign: '{model_pth}' has no rm_head.weight (the reward head)")
-        config = AutoConfig.from_pretrained(str(base_dir))
-        rows = state.get("language_model.embed_tokens.weight", torch.zeros(0)).shape[0]
-        if rows != len(tok):
-            raise ValueError(f"videoalign: '{model_pth}' has {rows} token embeddings but the base tokenizer of "
-                             f"'{base_dir}' with the 3 reward tokens has {len(tok)}; base must be the model the "
-                             f"checkpoint was trained from ({mcfg.get('model_name_or_path')})")
-        config.text_config.vocab_size = rows
-        config._attn_implementation = "sdpa"
-        with no_init_weights():
-            self.model = Qwen2VLModel(config)
-        load_strict(self.model, state, "videoalign", model_pth)
-        self.rm_head = torch.nn.Linear(head_w.shape[1], head_w.shape[0], bias=False)
-        self.rm_head.weight.data.copy_(head_w)
-        self.video_token_id = config.video_token_id
-        for m in (self.model, self.rm_head):
-            m.eval().requires_grad_(False).to(device=self.device, dtype=self.dtype)
+        self.backbone = QwenVLRewardBackbone(model_pth, Path(base_dir), what="videoalign", head_prefixes=["rm_head."],
+                                             reward_tokens=REWARD_TOKENS, family="qwen2_vl", device=self.device,
+                                             dtype=self.dtype, lora_scale=scale, base_arg="base")
+        if hasattr(self.backbone.processor.video_processor, "cap_pixels_per_frame"):
+            self.backbone.processor.video_processor.cap_pixels_per_frame = False  # frames arrive sized (`_frames`),
+            # as the authors' fetch_video returns them to a processor (transformers 4.45) that caps nothing
+        # the authors' rm_head is part of the model, loaded in its dtype (vlm_head builds heads in float32)
+        self.rm_head = self.backbone.heads["rm_head."].to(self.dtype)
 
     def to(self, device: Any) -> "VideoAlign":
-        self.device = resolve(device, self.dtype)[0]
-        self.model.to(self.device)
+        self.device = self.backbone.device = resolve(device, self.dtype)[0]
+        self.backbone.model.to(self.device)
         self.rm_head.to(self.device)
         return self
 
@@ -268,32 +214,16 @@ class VideoAlign(VideoRewardModel):
         return resize(frames, [h, w], interpolation=InterpolationMode.BICUBIC, antialias=True).float()
 
     def inputs(self, videos: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
-        """The processor's batch (right-padded) for videos [B, F, 3, H, W] in [0, 1] and their prompts."""
-        chats = [[{"role": "user", "content": [{"type": "video"}, {
-            "type": "text", "text": DETAILED_SPECIAL_PROMPT.format(text_prompt=p)}]}] for p in prompts]
-        texts = self.processor.apply_chat_template(chats, tokenize=False, add_generation_prompt=True)
-        return self.processor(text=texts, videos=[self._frames(v) for v in videos], padding=True,
-                              return_tensors="pt", videos_kwargs={"do_rescale": True})
+        """The processor's batch (right-padded, on the device) for videos [B, F, 3, H, W] in [0, 1] and their prompts."""
+        texts = self.backbone.chat_texts([[{"type": "video"}, {
+            "type": "text", "text": DETAILED_SPECIAL_PROMPT.format(text_prompt=p)}] for p in prompts])
+        return self.backbone.encode(texts, videos=[self._frames(v) for v in videos], videos_kwargs={"do_rescale": True})
 
     @torch.no_grad()
     def raw_heads(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """[B, 3] raw VQ, MQ, TA: rm_head on the final hidden states at the reward tokens."""
-        ids = batch["input_ids"].to(self.device)
-        lm = self.model.language_model
-        emb = lm.embed_tokens(ids)
-        pixels = batch["pixel_values_videos"].to(self.device, self.dtype)
-        video = self.model.visual(pixels, grid_thw=batch["video_grid_thw"].to(self.device)).pooler_output
-        mask = (ids == self.video_token_id).unsqueeze(-1).expand_as(emb)
-        emb = emb.masked_scatter(mask, video.to(emb.dtype))
-        # no attention mask: padding is on the right and attention causal, so a real token never sees the pads after
-        # it and the mask would change only the pads' own outputs, never read; without it SDPA takes its causal fast
-        # path (4 tiny clips on CPU: 0.6 s instead of 2.0 s). Positions are 0..L-1 either way (module docstring).
-        hidden = lm(inputs_embeds=emb).last_hidden_state
-        at = torch.isin(ids, self.reward_ids.to(self.device))
-        if not bool((at.sum(1) == len(REWARD_TOKENS)).all()):
-            raise ValueError("reward 'videoalign': a prompt contains a reward token (<|VQ_reward|>, <|MQ_reward|>, "
-                             "<|TA_reward|>); remove it from the prompt")
-        logits = self.rm_head(hidden[at]).float().view(ids.shape[0], len(REWARD_TOKENS), -1)
+        hidden = self.backbone.token_hidden(batch)  # [B, 3, H] float32 (exact: upcast from the model's dtype)
+        logits = self.rm_head(hidden.flatten(0, 1).to(self.dtype)).float().view(*hidden.shape[:2], -1)
         return logits.diagonal(dim1=1, dim2=2) if logits.shape[-1] == len(REWARD_TOKENS) else logits[..., 0]
 
     def score_videos(self, videos, prompts, metadata):

@@ -1,5 +1,6 @@
 """A Qwen2-VL / Qwen2.5-VL backbone with reward head(s), read from a reward model's one-file state dict: the layout
-HPSv3 (MizzenAI/HPSv3) and EditReward (TIGER-AI-Lab/EditReward) release, and VideoAlign's derives from.
+HPSv3 (MizzenAI/HPSv3) and EditReward (TIGER-AI-Lab/EditReward) release, and VideoAlign's (KwaiVGI/VideoAlign: the
+same model wrapped by PEFT, LoRA kept apart; `lora_scale=` merges it at load).
 
 Those authors subclass `Qwen2VLForConditionalGeneration` / `Qwen2_5_VLForConditionalGeneration`, add a special
 token (`<|Reward|>`) to the base model's tokenizer (embeddings resized to the tokenizer's new length), put an MLP
@@ -13,11 +14,16 @@ Qwen/Qwen2-VL-7B-Instruct; its weights are not needed) gives the architecture, t
     hidden = bb.token_hidden(batch)              # [B, K, H] float32: last hidden state at each reward token
     out = bb.heads["rm_head."](hidden[:, 0])     # [B, output_dim]
 
+Videos: `encode(texts, videos=frames)` with {"type": "video"} items in the conversations; token_hidden feeds the
+processor's `pixel_values_videos` / `video_grid_thw` to the vision tower the same way. Several reward tokens per row
+(VideoAlign's three): `reward_tokens=` in their tokenizer order, `token_hidden` gives one hidden state per token.
+
 Facts kept from the authors' forward (hpsv3/model/qwen2vl_trainer.py, EditReward/model/qwen2_5_vl_trainer.py):
 the text decoder is called with `inputs_embeds` and no position ids, so it gets plain 1-D positions (0..L-1 on all
 three M-RoPE axes, not the image-aware 3-D positions of generation); padding is on the right; the head runs in
-float32 on the final-norm hidden state. Checkpoints in transformers 4.45 names (`visual.*`, `model.*`) and 4.5x+
-names (`model.visual.*`, `model.language_model.*`) both load; `lm_head.weight` is not needed and is dropped.
+float32 on the final-norm hidden state (VideoAlign's runs in the model's dtype: the caller casts it). Checkpoints in
+transformers 4.45 names (`visual.*`, `model.*`) and 4.5x+ names (`model.visual.*`, `model.language_model.*`) both load;
+`lm_head.weight` is not needed and is dropped.
 """
 
 from __future__ import annotations
@@ -45,6 +51,19 @@ def find_checkpoint(weights: Any, names: Sequence[str], what: str, download: str
                             f"file itself as weights=); download {download}")
 
 
+# checkpoint key prefix -> transformers 5 `Qwen*VLModel` prefix, first match wins: 5.x ForConditionalGeneration names,
+# 4.45 names, and the Qwen*VLModel's own (what merge_lora returns)
+_RENAMES = (("model.visual.", "visual."), ("model.language_model.", "language_model."), ("visual.", "visual."),
+            ("language_model.", "language_model."), ("model.", "language_model."))
+PEFT_PREFIX = "base_model.model."
+
+
+def model_key(key: str) -> str | None:
+    """The transformers 5 `Qwen*VLModel` name of a checkpoint's backbone key; None for other keys (heads, lm_head)."""
+    old, new = next(((o, n) for o, n in _RENAMES if key.startswith(o)), (None, None))
+    return None if old is None else new + key[len(old):]
+
+
 def split_state(state: dict[str, torch.Tensor], head_prefixes: Sequence[str]) -> tuple[dict, dict[str, dict]]:
     """(backbone state in transformers 5 `Qwen*VLModel` names, {prefix: head state keyed below the prefix}); keys of
     neither (lm_head.weight) are dropped."""
@@ -54,15 +73,33 @@ def split_state(state: dict[str, torch.Tensor], head_prefixes: Sequence[str]) ->
         prefix = next((p for p in head_prefixes if key.startswith(p)), None)
         if prefix is not None:
             heads[prefix][key[len(prefix):]] = value
-        elif key.startswith("model.visual."):
-            backbone["visual." + key[len("model.visual."):]] = value
-        elif key.startswith("model.language_model."):
-            backbone["language_model." + key[len("model.language_model."):]] = value
-        elif key.startswith("visual."):
-            backbone[key] = value
-        elif key.startswith("model."):
-            backbone["language_model." + key[len("model."):]] = value
+        elif (name := model_key(key)) is not None:
+            backbone[name] = value
     return backbone, heads
+
+
+def merge_lora(state: dict[str, torch.Tensor], scale: float, where: str = "checkpoint") -> dict[str, torch.Tensor]:
+    """A PEFT-wrapped state dict (`base_model.model.` + the model's names, LoRA kept apart) -> the backbone in
+    transformers 5 `Qwen*VLModel` names (`model_key`) + the other keys (heads) as they are, lm_head dropped, LoRA
+    merged: `<m>.base_layer.weight` + scale * `<m>.lora_B.default.weight` @ `<m>.lora_A.default.weight` (float32
+    product, stored back in the weight's dtype)."""
+    if not any(k.startswith(PEFT_PREFIX) for k in state):
+        raise ValueError(f"{where}: keys do not start with '{PEFT_PREFIX}' (e.g. {list(state)[:3]}); expected a "
+                         "PEFT-wrapped state dict")
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        key = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
+        if ".lora_" in key or key == "lm_head.weight":  # lm_head: not used by a reward (tied to the embeddings)
+            continue
+        if ".base_layer." in key:
+            module, leaf = key.split(".base_layer.")
+            if leaf == "weight":
+                a = state[f"{PEFT_PREFIX}{module}.lora_A.default.weight"]
+                b = state[f"{PEFT_PREFIX}{module}.lora_B.default.weight"]
+                value = (value.float() + scale * (b.float() @ a.float())).to(value.dtype)
+            key = f"{module}.{leaf}"
+        out[model_key(key) or key] = value
+    return out
 
 
 def build_head(state: dict[str, torch.Tensor], what: str, path: Path) -> torch.nn.Module:
@@ -99,18 +136,21 @@ class QwenVLRewardBackbone:
 
     checkpoint: the state-dict file. base: the base model's directory (config.json, tokenizer, preprocessor and
     chat template files). head_prefixes: the head keys' prefixes in the checkpoint (e.g. ["rm_head."]).
-    reward_tokens: the special tokens the authors add to the tokenizer (in their order: it sets the token ids)."""
+    reward_tokens: the special tokens the authors add to the tokenizer (in their order: it sets the token ids).
+    lora_scale: for a PEFT-wrapped checkpoint, the LoRA scale (alpha / r) to merge it with (`merge_lora`); None: the
+    checkpoint is the plain model. base_arg: the caller's argument that gives `base`, named in messages."""
 
     def __init__(self, checkpoint: Path, base: Path, *, what: str, head_prefixes: Sequence[str],
                  reward_tokens: Sequence[str] = ("<|Reward|>",), family: str | None = None,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, trust_pickle: bool = False):
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, trust_pickle: bool = False,
+                 lora_scale: float | None = None, base_arg: str = "processor"):
         from transformers import AutoConfig, AutoProcessor
         from transformers.initialization import no_init_weights
 
         self.what, self.device, self.checkpoint = what, torch.device(device), checkpoint
         if not (base / "config.json").is_file():
-            raise FileNotFoundError(f"{what}: no config.json in the base model directory '{base}'; pass processor= the "
-                                    f"base model the checkpoint was trained from (its config + processor files)")
+            raise FileNotFoundError(f"{what}: no config.json in the base model directory '{base}'; pass {base_arg}= "
+                                    f"the base model the checkpoint was trained from (its config + processor files)")
         config = AutoConfig.from_pretrained(str(base), local_files_only=True)
         if config.model_type not in FAMILIES or (family is not None and config.model_type != family):
             expected = family or " or ".join(FAMILIES)
@@ -129,6 +169,8 @@ class QwenVLRewardBackbone:
         self.token_ids = [tok.convert_tokens_to_ids(t) for t in reward_tokens]
 
         state = load_state_dict_file(checkpoint, what, trust_pickle)
+        if lora_scale is not None:
+            state = merge_lora(state, lora_scale, f"{what}: '{checkpoint}'")
         backbone_state, head_states = split_state(state, head_prefixes)
         embed = backbone_state.get("language_model.embed_tokens.weight")
         if embed is None:
@@ -136,7 +178,7 @@ class QwenVLRewardBackbone:
                              f"or 'model.language_model.embed_tokens.weight'); is it a {self.family} reward model?")
         if embed.shape[0] != len(tok):
             raise ValueError(f"{what}: checkpoint '{checkpoint}' has {embed.shape[0]} token embeddings, the tokenizer in "
-                             f"'{base}' with {list(reward_tokens)} added has {len(tok)}; pass processor= the base model "
+                             f"'{base}' with {list(reward_tokens)} added has {len(tok)}; pass {base_arg}= the base model "
                              f"the checkpoint was trained from")
         config.text_config.vocab_size = int(embed.shape[0])
         cls = _model_class(self.family)

@@ -133,6 +133,46 @@ def test_wrong_paths_and_arguments_fail_in_one_line(ckpt, tmp_path, capsys):
                            "checkpoint-<step>/model.pth) of 'KlingTeam/VideoReward' (formerly KwaiVGI/VideoReward)")
 
 
+def test_checkpoint_not_fitting_fails_in_one_line_naming_base(ckpt, tmp_path):
+    """The shared Qwen-VL loader (mmrl.rewards.vlm_head) names the file and VideoAlign's own argument (base=): a
+    model.pth without the PEFT wrapper, one whose embeddings do not fit the base tokenizer + 3 reward tokens."""
+    copy = tmp_path / "bad"
+    shutil.copytree(ckpt, copy)
+    pth = copy / "checkpoint-8" / "model.pth"
+    state = torch.load(pth, weights_only=True)
+    torch.save({k[len("base_model.model."):]: v for k, v in state.items()}, pth)
+    with pytest.raises(ValueError, match=r"^videoalign: '.*checkpoint-8/model.pth': keys do not start with "
+                                         r"'base_model.model.' \(e.g. .*\); expected a PEFT-wrapped state dict$"):
+        rewards.load("videoalign", weights=str(copy))
+    emb = "base_model.model.model.embed_tokens.weight"
+    n = state[emb].shape[0]
+    torch.save({**state, emb: state[emb][:-1]}, pth)
+    with pytest.raises(ValueError, match=rf"^videoalign: checkpoint '.*model.pth' has {n - 1} token embeddings, the "
+                                         rf"tokenizer in '.*' with \['<\|VQ_reward\|>', '<\|MQ_reward\|>', "
+                                         rf"'<\|TA_reward\|>'\] added has {n}; pass base= the base model"):
+        rewards.load("videoalign", weights=str(copy))
+
+
+def test_model_config_not_json_fails_in_one_line(tmp_path):
+    (tmp_path / "model_config.json").write_text("{data_config: 1")
+    with pytest.raises(ValueError, match=r"^videoalign: '.*model_config.json' is not valid JSON \(Expecting property "
+                                         r"name enclosed in double quotes: line 1 column 2 \(char 1\)\)$"):
+        rewards.load("videoalign", weights=str(tmp_path))
+
+
+def test_prompt_holding_a_reward_token_is_refused(videos, reward):
+    with pytest.raises(ValueError, match=r"^videoalign: row 1 holds 4 reward tokens, expected 3; a prompt must not "
+                                         r"contain the reward token text itself$"):
+        reward(images=videos[:2], prompts=["a cat", "a dog <|TA_reward|>"])
+
+
+def test_bfloat16_runs_the_head_in_the_model_dtype(ckpt, videos, reward):
+    """As the authors' model (rm_head inside it, loaded in one dtype); close to float32."""
+    bf16 = rewards.load("videoalign", weights=str(ckpt), dtype="bfloat16")
+    assert bf16.rm_head.weight.dtype == torch.bfloat16 == next(bf16.backbone.model.parameters()).dtype
+    assert (bf16(images=videos, prompts=PROMPTS).scores - reward(images=videos, prompts=PROMPTS).scores).abs().max() < 0.1
+
+
 def test_images_instead_of_videos_fail_in_one_line(reward):
     with pytest.raises(ValueError, match=r"reward 'videoalign' scores videos \[B, F, 3, H, W\], got images"):
         reward(images=torch.rand(2, 3, 32, 32), prompts=PROMPTS[:2])

@@ -8,6 +8,7 @@ differentiable. Against the reference (PIL / torchvision on uint8 images) it dif
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -38,6 +39,17 @@ def require_path(path: Any, what: str, download: str, kind: str = "any") -> Path
     if kind == "file" and not p.is_file():
         raise FileNotFoundError(f"{what}: expected a weight file at '{p}', got a directory; {hint}")
     return p
+
+
+def read_json(path: Path, what: str, missing: str) -> Any:
+    """The JSON value in the file `path`; FileNotFoundError "{what}: {missing}" when there is no such file, a one-line
+    ValueError naming it when it is not JSON."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{what}: {missing}")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:  # ValueError: JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{what}: '{path}' is not valid JSON ({exc})") from None
 
 
 def load_state_dict_file(path: Path, what: str, trust_pickle: bool = False) -> dict[str, torch.Tensor]:
