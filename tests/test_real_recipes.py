@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
 REAL = [p for p in CONFIGS if "tiny" not in p.stem]
 PAGE = REPO / "docs" / "real-recipes.md"
-FILE_SUFFIXES = {"py", "sh", "txt", "yaml", "yml", "json", "jsonl", "parquet", "md", "safetensors", "jinja"}
+FILE_SUFFIXES = {"py", "sh", "txt", "yaml", "yml", "json", "jsonl", "parquet", "md", "safetensors", "jinja", "pth", "pt"}
 
 
 def header(path: Path) -> str:
