@@ -1,0 +1,205 @@
+"""LTX-2 text-to-video-with-audio (`LTX2Pipeline`, diffusers 0.42) as a FlowModel.
+
+LTX-2's transformer denoises a video and an audio latent together (each attends to the other at every block) and
+the pipeline steps both with the same sigmas, so the state this family exposes is the pair, flattened into one
+tensor [B, D]: the video latents [C, F', h, w] (normalised, as the pipeline's) then the audio latents in the
+pipeline's packed layout [L, C_a * M] (normalised). One flow-matching process on the pair: the samplers' SDE noises
+both parts, the per-step log-probs average over both, and every recipe trains the transformer's video and audio
+outputs together on the reward of the decoded video. `decode` gives the video [B, F, 3, H, W] only: the waveform is
+not decoded, rewarded or saved (the audio stream is trained, as a joint policy, but nothing scores its sound).
+
+What diffusers' `LTX2Pipeline.__call__` does per step, and what this family does the same way:
+- text: Gemma 3's every hidden state, stacked (`encode_prompt`, left padding to `max_sequence_length`), through the
+  pipeline's `connectors` into video and audio text tokens and their mask; the negative prompt "" for CFG;
+- noise: video [B, C, F', h, w] then audio [B, C_a, L, M] from the same generator (`prepare_latents`,
+  `prepare_audio_latents`), L = round(num_frames / frame_rate x sample_rate / hop / 4);
+- timestep 1000 sigma (also as `sigma`), `use_cross_timestep=True`, the transformer's own rotary coordinates
+  (latent frames, height, width, frame rate; audio frames);
+- schedule: sigmas linspace(1, 1/N, N) shifted by mu = calculate_shift(video tokens) with LTX's fallbacks (1024, 4096,
+  0.95, 2.05), last sigma 0;
+- guidance: CFG with the video `guidance_scale` and `audio_guidance_scale` (family option; None = the video's, as
+  diffusers). The pipeline combines in x0 space with a delta, x0_c + (w - 1)(x0_c - x0_u), which is the velocity
+  combination v_u + w (v_c - v_u) at the same sigma;
+- decode: de-normalise (latents_mean / latents_std / scaling_factor), `AutoencoderKLLTX2Video.decode` (timestep 0
+  and no decode noise when the VAE is timestep-conditioned: the pipeline's defaults), [-1, 1] -> [0, 1].
+Not covered: the pipeline's spatio-temporal guidance (STG), modality-isolation guidance and guidance rescale (each an
+extra transformer pass or a non-linear rescale; the recipes run with CFG only, parity holds with `stg_scale=0,
+modality_scale=1, guidance_rescale=0`); image-to-video, the two-stage upsampler, prompt enhancement; encoding videos
+into latents (offline preference data), which would need the audio track too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmrl.diffusion.models.base import FlowModel, PromptEmbeds, TinyCase, register_family
+from mmrl.perf import Architecture, FlopsEstimator, Pass, input_arg, register_architecture, register_flops
+from mmrl.tiny import build_tiny_ltx2
+
+Tensor = torch.Tensor
+
+# the attention and feed-forward projections of both streams and of the audio <-> video cross-attention
+LTX2_LORA_TARGETS = [
+    "attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
+    "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0",
+    "audio_to_video_attn.to_q", "audio_to_video_attn.to_k", "audio_to_video_attn.to_v",
+    "audio_to_video_attn.to_out.0", "video_to_audio_attn.to_q", "video_to_audio_attn.to_k",
+    "video_to_audio_attn.to_v", "video_to_audio_attn.to_out.0",
+    "ff.net.0.proj", "ff.net.2",
+]
+
+
+@register_family("LTX2Pipeline")
+class LTX2Model(FlowModel):
+    family = "ltx2"
+    default_max_sequence_length = 1024  # LTX2Pipeline's max_sequence_length
+    is_video = True
+    option_names = ("audio_guidance_scale", "frame_rate")
+    lora_target_modules = LTX2_LORA_TARGETS  # audio_attn1 / audio_ff also end in these names
+    tiny_cases = (TinyCase("ltx2", build_tiny_ltx2, {"height": 32, "width": 32, "num_frames": 3,
+                                                      "guidance_scale": 3.0}),)
+
+    def __init__(self, pipe: Any, device: torch.device, dtype: torch.dtype, max_sequence_length: int):
+        super().__init__(pipe, device, dtype, max_sequence_length)
+        self.vae_scale_factor = int(pipe.vae_spatial_compression_ratio)
+        self.temporal_factor = int(pipe.vae_temporal_compression_ratio)
+        self.audio_guidance_scale: float | None = None
+        self.frame_rate = 24.0  # LTX2Pipeline's default frame_rate (motion_speed 1)
+        self.num_frames = self.temporal_factor + 1
+        # a flat state does not carry its pixel grid: the size of the last `sigmas` / `initial_noise` call (every
+        # rollout makes both before any velocity; training steps follow their rollout) is the one `velocity` reads
+        self._size: tuple[int, int] | None = None
+
+    def configure(self, audio_guidance_scale: float | None = None, frame_rate: float | None = None,
+                  **options: Any) -> None:
+        """audio_guidance_scale: CFG scale of the audio stream (None = the rollout's guidance_scale);
+        frame_rate: frames per second the video is conditioned on and its audio length follows (24)."""
+        super().configure(**options)
+        self.audio_guidance_scale = None if audio_guidance_scale is None else float(audio_guidance_scale)
+        if frame_rate is not None:
+            if float(frame_rate) <= 0:
+                raise ValueError(f"model.family_options.frame_rate={frame_rate}: must be > 0 (LTX-2 uses 24)")
+            self.frame_rate = float(frame_rate)
+
+    def set_num_frames(self, num_frames: int) -> None:
+        """k m + 1 frames (the VAE's temporal factor k encodes the first frame alone, then k at a time; diffusers
+        rounds other counts down silently, this refuses them)."""
+        k = self.temporal_factor
+        if num_frames < 1 or (num_frames - 1) % k:
+            raise ValueError(f"rollout.num_frames={num_frames}: the LTX-2 VAE takes {k}k+1 frames; use "
+                             f"{max(1, (num_frames - 1) // k * k + 1)} or {((num_frames - 1) // k + 1) * k + 1}")
+        self.num_frames = int(num_frames)
+
+    # ------------------------------------------------------------------ layout of the state
+    def _grid(self, height: int, width: int) -> tuple[int, int, int]:
+        if height % 32 or width % 32:  # LTX2Pipeline.check_inputs
+            raise ValueError(f"image size {height}x{width}: LTX2Pipeline takes multiples of 32")
+        return ((self.num_frames - 1) // self.temporal_factor + 1, height // self.vae_scale_factor,
+                width // self.vae_scale_factor)
+
+    def audio_frames(self) -> int:
+        p = self.pipe
+        per_second = p.audio_sampling_rate / p.audio_hop_length / float(p.audio_vae_temporal_compression_ratio)
+        return round(self.num_frames / self.frame_rate * per_second)
+
+    def _audio_dims(self) -> tuple[int, int]:
+        c = self.pipe.audio_vae.config
+        return int(c.latent_channels), int(c.mel_bins) // int(self.pipe.audio_vae_mel_compression_ratio)
+
+    def split(self, state: Tensor, height: int, width: int) -> tuple[Tensor, Tensor]:
+        """State [B, D] -> video latents [B, C, F', h, w] and packed audio latents [B, L, C_a M] (both normalised)."""
+        f, h, w = self._grid(height, width)
+        c = self.pipe.transformer.config.in_channels
+        n = c * f * h * w
+        ca, m = self._audio_dims()
+        if state.dim() != 2 or state.shape[1] != n + self.audio_frames() * ca * m:
+            raise ValueError(f"LTX2Pipeline: a state of shape {tuple(state.shape)} is not [B, {n} + "
+                             f"{self.audio_frames() * ca * m}] (video {c}x{f}x{h}x{w} at {height}x{width}, "
+                             f"{self.num_frames} frames, then audio)")
+        return state[:, :n].reshape(-1, c, f, h, w), state[:, n:].reshape(-1, self.audio_frames(), ca * m)
+
+    def _current_size(self) -> tuple[int, int]:
+        if self._size is None:
+            raise ValueError("LTX2Pipeline: the video size is set by a rollout (sigmas / initial_noise) before the "
+                             "transformer is called")
+        return self._size
+
+    def join(self, video: Tensor, audio: Tensor) -> Tensor:
+        return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)
+
+    # ------------------------------------------------------------------ text
+    def encode_prompts(self, prompts, images=None):
+        self.check_text_only(images)
+        p = self.pipe
+        with torch.no_grad():
+            pe, mask, _, _ = p.encode_prompt(prompt=list(prompts), do_classifier_free_guidance=False,
+                                             max_sequence_length=self.max_sequence_length, device=self.device)
+            video, audio, mask = p.connectors(pe, mask, padding_side=getattr(p.tokenizer, "padding_side", "left"))
+        return PromptEmbeds(prompt_embeds=video.to(self.dtype), audio_prompt_embeds=audio.to(self.dtype),
+                            prompt_embeds_mask=mask)
+
+    # ------------------------------------------------------------------ denoising
+    def cfg_enabled(self, guidance_scale: float) -> bool:
+        audio = self.audio_guidance_scale if self.audio_guidance_scale is not None else guidance_scale
+        return guidance_scale > 1.0 or audio > 1.0  # LTX2Pipeline.do_classifier_free_guidance
+
+    def combine_cfg(self, v_uncond, v_cond, guidance_scale, sigma=None):
+        out = v_uncond + guidance_scale * (v_cond - v_uncond)
+        if self.audio_guidance_scale is not None:
+            n = self.split(v_cond, *self._current_size())[0][0].numel()
+            out[:, n:] = v_uncond[:, n:] + self.audio_guidance_scale * (v_cond[:, n:] - v_uncond[:, n:])
+        return out
+
+    def transformer_velocity(self, latents, sigma, embeds, guidance_scale):
+        height, width = self._current_size()
+        f, h, w = self._grid(height, width)
+        video, audio = self.split(latents, height, width)
+        t = sigma * self.scheduler_config.get("num_train_timesteps", 1000)
+        v, a = self.transformer(
+            hidden_states=self.pipe._pack_latents(video, 1, 1).to(self.dtype), audio_hidden_states=audio.to(self.dtype),
+            encoder_hidden_states=embeds["prompt_embeds"], audio_encoder_hidden_states=embeds["audio_prompt_embeds"],
+            timestep=t, sigma=t, encoder_attention_mask=embeds["prompt_embeds_mask"],
+            audio_encoder_attention_mask=embeds["prompt_embeds_mask"], num_frames=f, height=h, width=w,
+            fps=self.frame_rate, audio_num_frames=audio.shape[1], use_cross_timestep=True, return_dict=False)
+        v = v.reshape(v.shape[0], f, h, w, -1).permute(0, 4, 1, 2, 3)  # tokens back to [B, C, F', h, w]
+        return self.join(v, a)
+
+    def initial_noise(self, n, height, width, generator=None):
+        f, h, w = self._grid(height, width)
+        self._size = (height, width)
+        c = self.pipe.transformer.config.in_channels
+        video = torch.randn((n, c, f, h, w), generator=generator, device=self.device, dtype=torch.float32)
+        ca, m = self._audio_dims()
+        audio = torch.randn((n, ca, self.audio_frames(), m), generator=generator, device=self.device,
+                            dtype=torch.float32)
+        return self.join(video, audio.transpose(1, 2))  # the pipeline's packing [B, L, C_a M]
+
+    def sigmas(self, num_steps, height, width):
+        from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
+
+        f, h, w = self._grid(height, width)
+        self._size = (height, width)
+        c = self.scheduler_config
+        mu = calculate_shift(f * h * w, c.get("base_image_seq_len", 1024), c.get("max_image_seq_len", 4096),
+                             c.get("base_shift", 0.95), c.get("max_shift", 2.05))
+        sched = self.new_scheduler()
+        sched.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), device="cpu", mu=mu)
+        return sched.sigmas.float()
+
+    # ------------------------------------------------------------------ VAE
+    def decode(self, latents, height, width):
+        """State [B, D] -> videos [B, F, 3, H, W] in [0, 1] (one frame: images [B, 3, H, W]); the audio is dropped."""
+        video, _ = self.split(latents, height, width)
+        vae = self.vae
+        z = self.pipe._denormalize_latents(video, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+        t = torch.zeros(z.shape[0], device=z.device, dtype=vae.dtype) if vae.config.timestep_conditioning else None
+        out = vae.decode(z.to(vae.dtype), t, return_dict=False)[0]  # [B, 3, F, H, W] in [-1, 1]
+        out = (out.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)
+        return out[:, 0] if self.num_frames == 1 else out
+
+    def encode_images(self, images):
+        raise ValueError("LTX2Pipeline: encoding videos into latents is not supported (LTX-2's latents hold the "
+                         "audio track too); train on rollouts")
