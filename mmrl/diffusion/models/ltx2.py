@@ -41,15 +41,12 @@ from mmrl.tiny import build_tiny_ltx2
 
 Tensor = torch.Tensor
 
-# the attention and feed-forward projections of both streams and of the audio <-> video cross-attention
-LTX2_LORA_TARGETS = [
-    "attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
-    "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0",
-    "audio_to_video_attn.to_q", "audio_to_video_attn.to_k", "audio_to_video_attn.to_v",
-    "audio_to_video_attn.to_out.0", "video_to_audio_attn.to_q", "video_to_audio_attn.to_k",
-    "video_to_audio_attn.to_v", "video_to_audio_attn.to_out.0",
-    "ff.net.0.proj", "ff.net.2",
-]
+# source: Flow-Factory examples/grpo/lora/ltx2/t2av.yaml (X-GenGroup/Flow-Factory@b30dc004), `target_modules:
+# "default"`: "28 Linear layers per block (video/audio attn + cross-modal attn + FFN)"; written out here (peft
+# matches a suffix after a dot, so `attn1.to_q` does not reach `audio_attn1.to_q`)
+_ATTENTIONS = ("attn1", "attn2", "audio_attn1", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn")
+LTX2_LORA_TARGETS = [f"{a}.{p}" for a in _ATTENTIONS for p in ("to_q", "to_k", "to_v", "to_out.0")] + [
+    "ff.net.0.proj", "ff.net.2", "audio_ff.net.0.proj", "audio_ff.net.2"]
 
 
 @register_family("LTX2Pipeline")
@@ -58,7 +55,7 @@ class LTX2Model(FlowModel):
     default_max_sequence_length = 1024  # LTX2Pipeline's max_sequence_length
     is_video = True
     option_names = ("audio_guidance_scale", "frame_rate")
-    lora_target_modules = LTX2_LORA_TARGETS  # audio_attn1 / audio_ff also end in these names
+    lora_target_modules = LTX2_LORA_TARGETS
     tiny_cases = (TinyCase("ltx2", build_tiny_ltx2, {"height": 32, "width": 32, "num_frames": 3,
                                                       "guidance_scale": 3.0}),)
 
@@ -203,3 +200,80 @@ class LTX2Model(FlowModel):
     def encode_images(self, images):
         raise ValueError("LTX2Pipeline: encoding videos into latents is not supported (LTX-2's latents hold the "
                          "audio track too); train on rollouts")
+
+
+# ------------------------------------------------------------------ what mmrl.perf reads: FLOPs, real width
+
+
+@register_flops("LTX2VideoTransformer3DModel")
+def _flops(module: torch.nn.Module) -> FlopsEstimator:
+    """LTX-2: per block, video tokens through self-attention, cross-attention to the video text tokens and an FFN;
+    audio tokens the same with their own (narrower) layers; then audio -> video attention (video queries, audio keys)
+    and video -> audio attention, both at the audio width; timestep / modulation layers once per sample."""
+    cfg = module.config
+    width = cfg.num_attention_heads * cfg.attention_head_dim
+    audio_width = cfg.audio_num_attention_heads * cfg.audio_attention_head_dim
+    n_blocks = len(module.transformer_blocks)
+    rules = [("time_embed", "sample"), ("av_cross_attn", "sample"), ("audio_caption_projection", "audio_text"),
+             ("caption_projection", "text"), ("audio_attn2.to_k", "audio_text"), ("audio_attn2.to_v", "audio_text"),
+             ("attn2.to_k", "text"), ("attn2.to_v", "text"),
+             ("audio_to_video_attn.to_k", "audio"), ("audio_to_video_attn.to_v", "audio"),
+             ("audio_to_video_attn", "video"), ("video_to_audio_attn.to_k", "video"),
+             ("video_to_audio_attn.to_v", "video"), ("video_to_audio_attn", "audio"), ("audio_", "audio"),
+             ("", "video")]
+
+    def shapes(args, kwargs):
+        x = input_arg(args, kwargs, "hidden_states")
+        a = input_arg(args, kwargs, "audio_hidden_states", 1)
+        ctx = input_arg(args, kwargs, "encoder_hidden_states", 2)
+        actx = input_arg(args, kwargs, "audio_encoder_hidden_states", 3)
+        b, n, k, m, ma = x.shape[0], x.shape[1], a.shape[1], ctx.shape[1], actx.shape[1]
+        per_block = width * (n * n + n * m) + audio_width * (k * k + k * ma + 2 * n * k)
+        return Pass({"video": b * n, "audio": b * k, "text": b * m, "audio_text": b * ma, "sample": b},
+                    b * n_blocks * per_block)
+
+    return FlopsEstimator(module, rules, shapes)
+
+
+def _training_row(model: torch.nn.Module, row: dict, dtype: torch.dtype) -> dict:
+    """One row of the training forward: the video VAE is 8x in time ((F - 1) / 8 + 1 latent frames) and 32x in space
+    with 1x1 patches; audio: round(F / fps x 16000 / 160 / 4) latent frames of 8 channels x 16 mel bins (packed to
+    128); the connectors' text tokens at the Gemma width for both streams."""
+    g = torch.Generator().manual_seed(0)
+    c = model.config
+    f, h, w = (row["num_frames"] - 1) // 8 + 1, row["height"] // 32, row["width"] // 32
+    audio = round(row["num_frames"] / 24.0 * 25)
+    m = row["text_tokens"]
+    return {"hidden_states": torch.randn(1, f * h * w, c.in_channels, generator=g).to(dtype),
+            "audio_hidden_states": torch.randn(1, audio, c.audio_in_channels, generator=g).to(dtype),
+            "encoder_hidden_states": torch.randn(1, m, c.caption_channels, generator=g).to(dtype),
+            "audio_encoder_hidden_states": torch.randn(1, m, c.caption_channels, generator=g).to(dtype),
+            "timestep": torch.tensor([500.0]), "sigma": torch.tensor([500.0]),
+            "encoder_attention_mask": torch.ones(1, m), "audio_encoder_attention_mask": torch.ones(1, m),
+            "num_frames": f, "height": h, "width": w, "fps": 24.0, "audio_num_frames": audio,
+            "use_cross_timestep": True, "return_dict": False}
+
+
+register_architecture(Architecture(
+    name="ltx2_19b", kind="ltx2", class_name="LTX2VideoTransformer3DModel",
+    # diffusers 0.42.1 LTX2VideoTransformer3DModel.__init__ defaults, which are LTX-2's (the hub config was not
+    # downloadable here): video 32 heads x 128 (4096), audio 32 x 64 (2048), 48 blocks, 128 latent channels each,
+    # text 3840 wide (Gemma-3-12B's hidden size, LTX2TextConnectors' default caption_channels)
+    config=dict(in_channels=128, out_channels=128, patch_size=1, patch_size_t=1, num_attention_heads=32,
+                attention_head_dim=128, cross_attention_dim=4096, audio_in_channels=128, audio_out_channels=128,
+                audio_num_attention_heads=32, audio_attention_head_dim=64, audio_cross_attention_dim=2048,
+                num_layers=48, caption_channels=3840),
+    depth={"num_layers": 48},
+    source="diffusers 0.42.1 LTX2VideoTransformer3DModel defaults = Lightricks/LTX-2 (18.88B counted: 48 blocks, "
+           "video 4096 wide, audio 2048, Gemma-3-12B text 3840)",
+    lora_targets=tuple(LTX2_LORA_TARGETS), recipe="configs/diffusion/flow_grpo_ltx2_t2av.yaml",
+    # Flow-Factory's LTX-2 t2av GRPO run: 512 x 768, 121 frames -> 16 x 16 x 24 = 6144 video tokens, 126 audio
+    # tokens, 1024 Gemma tokens (the pipeline's max_sequence_length), micro-batch 1 without CFG (guidance 1), rank 64
+    step=dict(rows=1, num_frames=121, height=512, width=768, text_tokens=1024, lora_rank=64),
+    inputs=_training_row,
+    small_widths={"num_attention_heads": 2, "attention_head_dim": 16, "cross_attention_dim": 32,
+                  "audio_num_attention_heads": 2, "audio_attention_head_dim": 8, "audio_cross_attention_dim": 16,
+                  "caption_channels": 32, "in_channels": 8, "out_channels": 8, "audio_in_channels": 8,
+                  "audio_out_channels": 8},
+    small_row=dict(num_frames=9, height=64, width=96, text_tokens=8),
+))
