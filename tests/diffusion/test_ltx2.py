@@ -109,3 +109,26 @@ def test_ltx2_lora_targets_and_one_line_errors(ltx2_path):
     with pytest.raises(ValueError, match=r"family_options: \['shift'\] not known to LTX2Pipeline \(valid: "
                                          r"\['audio_guidance_scale', 'frame_rate'\]\)"):
         load_flow_model(ltx2_path, family_options={"shift": 3.0})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_ltx2_dgpo_trains_and_resumes_exactly(ltx2_path, tmp_path, lora, monkeypatch):
+    """DGPO is not among test_family_recipes' recipes: the same 2 steps + exact resume on the LTX-2 tiny case with
+    the golden metrics' DGPO settings (benchmarks/golden_metrics.py; the other four recipes run in
+    test_family_recipes through `tiny_cases`)."""
+    from mmrl.config import load_config
+    from mmrl.diffusion.dgpo import train
+
+    from . import test_family_recipes as fr
+
+    monkeypatch.setitem(fr.RECIPES, "dgpo", {"update": {"micro_batch_size": 4},
+                                             "algo": {"kl": {"coef": 0.1}, "trunc_steps": 1, "num_train_timesteps": 2}})
+    full, split = tmp_path / "full", tmp_path / "split"
+    torch.manual_seed(0)
+    train(load_config(fr._config_dict("dgpo", "ltx2", ltx2_path, full, lora, 2)))
+    train(load_config(fr._config_dict("dgpo", "ltx2", ltx2_path, split, lora, 1)))
+    train(load_config(fr._config_dict("dgpo", "ltx2", ltx2_path, split, lora, 2)))
+    rows = fr.assert_resume_is_exact(full, split)
+    assert all(r["policy/grad_norm"] > 0 for r in rows)
+    assert (full / "samples" / "step_000001.mp4").is_file()
