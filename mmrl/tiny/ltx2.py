@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mmrl.tiny.components import _prepare_dir, seed_weights
+from mmrl.tiny.components import _prepare_dir, seed_weights, side_effect_free
 from mmrl.tiny.vocab import _load_tokenizer
 
 
+@side_effect_free
 def build_tiny_ltx2(path, seed: int = 0) -> Path:
     """Tiny ``LTX2Pipeline`` at ``path``: LTX2VideoTransformer3DModel, AutoencoderKLLTX2Video,
     AutoencoderKLLTX2Audio, LTX2Vocoder, LTX2TextConnectors, Gemma3ForConditionalGeneration, FlowMatchEuler."""
