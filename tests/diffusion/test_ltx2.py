@@ -104,6 +104,14 @@ def test_ltx2_lora_targets_and_one_line_errors(ltx2_path):
         m.set_num_frames(4)
     with pytest.raises(ValueError, match=r"^image size 32x48: LTX2Pipeline takes multiples of 32$"):
         m.initial_noise(1, 32, 48)
+    x = m.initial_noise(1, 32, 64)  # an evaluation size beside the training one: each state finds its own
+    m.sigmas(2, 32, 32)
+    with torch.no_grad():
+        assert m.velocity(x, 0.5, m.encode_prompts(P[:1])).shape == x.shape
+    with pytest.raises(ValueError, match=r"^LTX2Pipeline: sizes 32x64 and 64x32 give states of the same length"):
+        m.sigmas(2, 64, 32)
+    with pytest.raises(ValueError, match=r"^LTX2Pipeline: no rollout size gives a state of length 7"):
+        m.velocity(torch.zeros(1, 7), 0.5, m.encode_prompts(P[:1]))
     with pytest.raises(ValueError, match=r"^LTX2Pipeline: encoding videos into latents is not supported"):
         m.encode_images(torch.zeros(1, 3, 3, 32, 32))
     with pytest.raises(ValueError, match=r"family_options: \['shift'\] not known to LTX2Pipeline \(valid: "

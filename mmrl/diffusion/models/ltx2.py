@@ -66,9 +66,10 @@ class LTX2Model(FlowModel):
         self.audio_guidance_scale: float | None = None
         self.frame_rate = 24.0  # LTX2Pipeline's default frame_rate (motion_speed 1)
         self.num_frames = self.temporal_factor + 1
-        # a flat state does not carry its pixel grid: the size of the last `sigmas` / `initial_noise` call (every
-        # rollout makes both before any velocity; training steps follow their rollout) is the one `velocity` reads
-        self._size: tuple[int, int] | None = None
+        # a flat state does not carry its pixel grid: every rollout size (`sigmas` / `initial_noise`, called before
+        # any velocity) is remembered by the state length it gives, which `velocity` reads back (training and
+        # evaluation sizes may alternate)
+        self._sizes: dict[int, tuple[int, int]] = {}
 
     def configure(self, audio_guidance_scale: float | None = None, frame_rate: float | None = None,
                   **options: Any) -> None:
@@ -118,11 +119,24 @@ class LTX2Model(FlowModel):
                              f"{self.num_frames} frames, then audio)")
         return state[:, :n].reshape(-1, c, f, h, w), state[:, n:].reshape(-1, self.audio_frames(), ca * m)
 
-    def _current_size(self) -> tuple[int, int]:
-        if self._size is None:
-            raise ValueError("LTX2Pipeline: the video size is set by a rollout (sigmas / initial_noise) before the "
-                             "transformer is called")
-        return self._size
+    def _state_length(self, height: int, width: int) -> int:
+        f, h, w = self._grid(height, width)
+        ca, m = self._audio_dims()
+        return self.pipe.transformer.config.in_channels * f * h * w + self.audio_frames() * ca * m
+
+    def _remember(self, height: int, width: int) -> None:
+        n = self._state_length(height, width)
+        known = self._sizes.setdefault(n, (height, width))
+        if known != (height, width):
+            raise ValueError(f"LTX2Pipeline: sizes {known[0]}x{known[1]} and {height}x{width} give states of the same "
+                             f"length ({n}), which the family cannot tell apart; use one of them for training and "
+                             f"evaluation")
+
+    def _size_of(self, state: Tensor) -> tuple[int, int]:
+        if state.shape[-1] not in self._sizes:
+            raise ValueError(f"LTX2Pipeline: no rollout size gives a state of length {state.shape[-1]} (known: "
+                             f"{sorted(self._sizes.values())}); sigmas / initial_noise set the size first")
+        return self._sizes[state.shape[-1]]
 
     def join(self, video: Tensor, audio: Tensor) -> Tensor:
         return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)
@@ -146,12 +160,12 @@ class LTX2Model(FlowModel):
     def combine_cfg(self, v_uncond, v_cond, guidance_scale, sigma=None):
         out = v_uncond + guidance_scale * (v_cond - v_uncond)
         if self.audio_guidance_scale is not None:
-            n = self.split(v_cond, *self._current_size())[0][0].numel()
+            n = self.split(v_cond, *self._size_of(v_cond))[0][0].numel()
             out[:, n:] = v_uncond[:, n:] + self.audio_guidance_scale * (v_cond[:, n:] - v_uncond[:, n:])
         return out
 
     def transformer_velocity(self, latents, sigma, embeds, guidance_scale):
-        height, width = self._current_size()
+        height, width = self._size_of(latents)
         f, h, w = self._grid(height, width)
         video, audio = self.split(latents, height, width)
         t = sigma * self.scheduler_config.get("num_train_timesteps", 1000)
@@ -166,7 +180,7 @@ class LTX2Model(FlowModel):
 
     def initial_noise(self, n, height, width, generator=None):
         f, h, w = self._grid(height, width)
-        self._size = (height, width)
+        self._remember(height, width)
         c = self.pipe.transformer.config.in_channels
         video = torch.randn((n, c, f, h, w), generator=generator, device=self.device, dtype=torch.float32)
         ca, m = self._audio_dims()
@@ -178,7 +192,7 @@ class LTX2Model(FlowModel):
         from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
 
         f, h, w = self._grid(height, width)
-        self._size = (height, width)
+        self._remember(height, width)
         c = self.scheduler_config
         mu = calculate_shift(f * h * w, c.get("base_image_seq_len", 1024), c.get("max_image_seq_len", 4096),
                              c.get("base_shift", 0.95), c.get("max_shift", 2.05))
