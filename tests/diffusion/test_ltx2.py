@@ -117,6 +117,10 @@ def test_ltx2_lora_targets_and_one_line_errors(ltx2_path):
     with pytest.raises(ValueError, match=r"family_options: \['shift'\] not known to LTX2Pipeline \(valid: "
                                          r"\['audio_guidance_scale', 'frame_rate'\]\)"):
         load_flow_model(ltx2_path, family_options={"shift": 3.0})
+    with pytest.raises(ValueError, match=r"^model.family_options.frame_rate=0: must be > 0 \(LTX-2 uses 24\)$"):
+        load_flow_model(ltx2_path, family_options={"frame_rate": 0})
+    m30 = load_flow_model(ltx2_path, num_frames=5, family_options={"frame_rate": 30.0})
+    assert m30.audio_frames() == 4  # round(5 / 30 * 25)
 
 
 @pytest.mark.slow
