@@ -96,7 +96,25 @@ def pipeline_call(model, x0, size, frames, gs, steps, source=None):
         return model.pipe(latents=x0.clone(), num_frames=frames, negative_prompt=[""] * 4, **kw).frames
     if name == "Flux2Pipeline":
         return model.pipe(latents=x0.clone(), **kw).images  # packed tokens out
+    if name == "LTX2Pipeline":
+        return _ltx2_call(model, x0, size, frames, kw)
     return model.pipe(latents=x0.clone(), **kw).images
+
+
+def _ltx2_call(model, x0, size, frames, kw):
+    """LTX2Pipeline from the family's joint state (video latents, then packed audio latents, both normalised), with
+    CFG only (its STG, modality guidance and rescale off: the family has none); the result back in the state layout."""
+    pipe = model.pipe
+    video, audio = model.split(x0, size, size)
+    ca, mel = model._audio_dims()
+    avae, vae = pipe.audio_vae, pipe.vae
+    audio4 = (audio * avae.latents_std + avae.latents_mean).unflatten(2, (ca, mel)).transpose(1, 2)
+    out = pipe(latents=pipe._pack_latents(video), audio_latents=audio4, num_frames=frames, negative_prompt=[""] * 4,
+               audio_guidance_scale=model.audio_guidance_scale,  # None: the video's (the pipeline's default is 7)
+               stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0, audio_modality_scale=1.0,
+               guidance_rescale=0.0, audio_guidance_rescale=0.0, **kw)
+    v = pipe._normalize_latents(out.frames, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+    return model.join(v, (out.audio.transpose(1, 2).flatten(2, 3) - avae.latents_mean) / avae.latents_std)
 
 
 def our_latents_like_pipeline(model, latents):

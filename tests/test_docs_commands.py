@@ -282,6 +282,10 @@ COMMANDS: dict[str, object] = {
     "data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt": Short(
         "mmrl config check configs/diffusion/flow_grpo_wan22_t2v_a14b.yaml model.path=/models/Wan2.2-T2V-A14B-Diffusers "
         "data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt", _NO_GPU),
+    "mmrl train configs/diffusion/flow_grpo_ltx2_t2av.yaml model.path=/models/LTX-2 "
+    "data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt": Short(
+        "mmrl config check configs/diffusion/flow_grpo_ltx2_t2av.yaml model.path=/models/LTX-2 "
+        "data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt", _NO_GPU),
     "mmrl train configs/diffusion/flow_grpo_flux2_dev.yaml model.path=/models/FLUX.2-dev "
     "data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt": Short(
         "mmrl config check configs/diffusion/flow_grpo_flux2_dev.yaml model.path=/models/FLUX.2-dev "
