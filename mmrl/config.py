@@ -34,6 +34,7 @@ RECIPES: dict[str, str] = {
     "vlm_grpo": "mmrl.vlm.grpo",
     "vlm_multiturn": "mmrl.vlm.multiturn",
     "prompt_rewriter": "mmrl.joint.rewriter",
+    "janus_grpo": "mmrl.ar_image.grpo",
 }
 
 # the recipes' configs under their Python API names (`mmrl.FlowGRPOConfig` is mmrl.diffusion.flow_grpo.Config);

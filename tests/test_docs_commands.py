@@ -234,6 +234,10 @@ COMMANDS: dict[str, object] = {
     "mmrl train configs/vlm/multiturn_grid_qwen25vl_3b.yaml": Short(
         "mmrl config check configs/vlm/multiturn_grid_qwen25vl_3b.yaml", _NO_GPU),
     # docs/real-recipes.md: real models and data are not here; each config with the page's overrides is validated
+    "mmrl train configs/ar_image/janus_grpo_janus_pro_7b_hps.yaml model.path=/models/Janus-Pro-7B "
+    "data.train_prompts=data/geneval_and_t2i_data_final.jsonl": Short(
+        "mmrl config check configs/ar_image/janus_grpo_janus_pro_7b_hps.yaml model.path=/models/Janus-Pro-7B "
+        "data.train_prompts=data/geneval_and_t2i_data_final.jsonl", _NO_GPU),
     "mmrl train configs/diffusion/flow_grpo_sd35_pickscore.yaml "
     "model.path=/models/stable-diffusion-3.5-medium data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt": Short(
         "mmrl config check configs/diffusion/flow_grpo_sd35_pickscore.yaml "
