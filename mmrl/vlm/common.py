@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import torch
 
 from mmrl.vlm.batch import RolloutBatch, pad_to, token_logprobs  # noqa: F401  (re-exported)
+from mmrl.vlm.families import ALL_VISION_TOKENS, family_of_processor
 
 __all__ = [
     "IMAGE_PLACEHOLDER",
@@ -46,8 +47,6 @@ __all__ = [
 ]
 
 IMAGE_PLACEHOLDER = "<image>"
-_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
-_CHAT_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 def load_policy(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
@@ -97,10 +96,11 @@ def _tokenizer(processor: Any) -> Any:
 
 
 def vision_token_ids(processor: Any) -> list[int]:
-    """Ids of the vision special tokens the policy must never emit (start/end/pad of images and videos)."""
+    """Ids of the vision special tokens the policy must never emit (start/end/pad of images and videos, of every
+    family in ``mmrl.vlm.families`` that the vocabulary has)."""
     tok = _tokenizer(processor)
     vocab = tok.get_vocab()
-    return sorted({vocab[t] for t in _VISION_TOKENS if t in vocab})
+    return sorted({vocab[t] for t in ALL_VISION_TOKENS if t in vocab})
 
 
 @dataclass
@@ -116,8 +116,9 @@ def encode_prompt(processor: Any, text: str, images: Sequence[Any] = ()) -> Enco
     """Tokenise one templated prompt with its images (``<image>`` placeholders are accepted too)."""
     from mmrl.pipelines.images import load_image
 
-    text = text.replace(IMAGE_PLACEHOLDER, _CHAT_IMAGE)
-    n_ph = text.count("<|image_pad|>")
+    fam = family_of_processor(processor)
+    text = text.replace(IMAGE_PLACEHOLDER, fam.chat_image)
+    n_ph = text.count(fam.image_pad)
     images = [load_image(im) for im in images]
     if n_ph != len(images):
         raise ValueError(f"prompt has {n_ph} image placeholder(s) but {len(images)} image(s) were given: {text[:200]!r}")

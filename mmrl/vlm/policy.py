@@ -12,6 +12,7 @@ import torch
 
 from mmrl.vlm.common import load_policy
 from mmrl.vlm.config import LM_TARGETS
+from mmrl.vlm.families import lm_lora_targets
 
 VISION_LORA_PATTERN = r".*visual\.blocks.*\.(qkv|proj|fc1|fc2|gate_proj|up_proj|down_proj)"
 
@@ -26,7 +27,8 @@ def build_policy(section: Any, device: torch.device, dtype: torch.dtype, keep_re
     if section.build_tiny and not (path / "config.json").is_file():
         from mmrl import tiny
 
-        builders = {"qwen2_vl": tiny.build_tiny_qwen2_vl, "qwen25_vl": tiny.build_tiny_qwen25_vl}
+        builders = {"qwen2_vl": tiny.build_tiny_qwen2_vl, "qwen25_vl": tiny.build_tiny_qwen25_vl,
+                    "glm4v": tiny.build_tiny_glm4v}
         if section.build_tiny not in builders:
             raise ValueError(f"model.build_tiny: expected one of {sorted(builders)}, got {section.build_tiny!r}")
         builders[section.build_tiny](path, seed=tiny_seed)
@@ -43,7 +45,8 @@ def build_policy(section: Any, device: torch.device, dtype: torch.dtype, keep_re
         return PolicyStates(model, None, keep_ref_copy=keep_ref), processor
     from peft import LoraConfig
 
-    pattern = rf".*language_model.*\.({'|'.join(lora.target_modules or LM_TARGETS)})"
+    targets = lm_lora_targets(model.config, list(lora.target_modules or LM_TARGETS))
+    pattern = rf".*language_model.*\.({'|'.join(targets)})"
     if section.train_vision:
         pattern += "|" + VISION_LORA_PATTERN
     init: Any = {"true": True, "false": False}.get(str(lora.init).lower(), lora.init)
