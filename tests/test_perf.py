@@ -6,7 +6,7 @@ per-step meter the recipes log (mmrl.perf.meter).
   fused kernel is invisible to it). Backward (all weights trainable) is at least flop_counter's and within the
   share of the layers whose input needs no gradient.
 * Families: SD3 / SD3.5, FLUX.1, FLUX.2, Wan, Qwen-Image (and Edit-2511's doubled timestep rows), Z-Image (uneven
-  image and caption lengths: the padding to 32 tokens and to the batch's longest), Qwen2-VL, Qwen2.5-VL, Qwen3-VL.
+  image and caption lengths: the padding to 32 tokens and to the batch's longest), Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4.1V.
 * Every registered real-width architecture of a diffusion family, at its tiny widths on the training row it declares
   (the family file's estimator and row builder, read through the registries), equals FlopCounterMode's count.
 * One SD3.5-Medium joint block (and its dual attention), one FLUX.1 single-stream block and one Qwen2.5-VL-3B decoder
@@ -150,7 +150,8 @@ def test_every_registered_diffusion_architecture_counts_its_row_exactly(name):
     assert est.forward_flops(est.shapes((), kw)) == _counted(lambda: model(**kw))
 
 
-@pytest.mark.parametrize("builder", ["build_tiny_qwen2_vl", "build_tiny_qwen25_vl", "build_tiny_qwen3_vl"])
+@pytest.mark.parametrize("builder", ["build_tiny_qwen2_vl", "build_tiny_qwen25_vl", "build_tiny_qwen3_vl",
+                                     "build_tiny_glm4v"])
 def test_qwen_vl_flops_equal_flop_counter(builder, tmp_path):
     """Vision tower (per-frame attention; Qwen2.5-VL: windows), decoder (left padding excluded) and lm_head: the
     meter's sum over one forward equals flop_counter's count, and a decode step against a KV cache too."""

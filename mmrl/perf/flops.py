@@ -146,7 +146,7 @@ def _cache_length(cache: Any) -> int:
     return int(get()) if get is not None else 0
 
 
-@register_flops("Qwen2VLTextModel", "Qwen2_5_VLTextModel", "Qwen3VLTextModel")
+@register_flops("Qwen2VLTextModel", "Qwen2_5_VLTextModel", "Qwen3VLTextModel", "Glm4vTextModel")
 def _qwen_text(module: nn.Module) -> FlopsEstimator:
     """The Qwen-VL decoder (without the lm_head, counted as its own Linear). Rows are counted by their real
     (attention-mask) tokens: padding is not useful work. Attention: each row's new tokens against its cached +
@@ -182,10 +182,11 @@ def _window_lengths(h: int, w: int, merge: int, window: int) -> list[int]:
 
 
 @register_flops("Qwen2VisionTransformerPretrainedModel", "Qwen2_5_VisionTransformerPretrainedModel",
-                "Qwen3VLVisionModel")
+                "Qwen3VLVisionModel", "Glm4vVisionModel")
 def _qwen_vision(module: nn.Module) -> FlopsEstimator:
     """The Qwen-VL vision tower: blocks over patches, attention per frame of each image (Qwen2.5-VL: inside
-    windows of `window_size` pixels, except the `fullatt_block_indexes` blocks), mergers over merged patches."""
+    windows of `window_size` pixels, except the `fullatt_block_indexes` blocks), mergers over merged patches.
+    GLM-4.1V's tower is the same with full attention and a `downsample` patch convolution over merged patches."""
     cfg = module.config
     blocks = list(module.blocks)
     width = blocks[0].attn.qkv.out_features // 3
@@ -205,7 +206,7 @@ def _qwen_vision(module: nn.Module) -> FlopsEstimator:
             attn += sum(per_full if i in full else per_window for i in range(len(blocks)))
         return Pass({"patch": patches, "merged": patches // (merge * merge)}, width * attn)
 
-    return FlopsEstimator(module, [("merger", "merged"), ("", "patch")], shapes)
+    return FlopsEstimator(module, [("merger", "merged"), ("downsample", "merged"), ("", "patch")], shapes)
 
 
 @register_flops("Linear")
