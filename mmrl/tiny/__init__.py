@@ -44,6 +44,7 @@ from mmrl.tiny.family_models import (  # noqa: F401
     build_tiny_z_image,
 )
 from mmrl.tiny.glm4v import build_tiny_glm4v  # noqa: F401
+from mmrl.tiny.internvl import build_tiny_internvl  # noqa: F401
 from mmrl.tiny.hpsv3 import build_tiny_edit_reward, build_tiny_hpsv3  # noqa: F401  (authors'-format reward checkpoints)
 from mmrl.tiny.qwen_image_models import (  # noqa: F401
     build_tiny_qwen_image,

@@ -1,7 +1,8 @@
-"""GLM-4.1V as a VLM policy (`mmrl.vlm.families.GLM4V`): a tiny random `Glm4vForConditionalGeneration` saved with
-save_pretrained + its processor and loaded through `load_policy` (from_pretrained); placeholders, 3-D rope index,
-log-probs, vision-feature reuse, packing and greedy rollouts against transformers' own model; LoRA on the language
-model; a 2-step vlm_grpo run and its exact resume."""
+"""VLM policy families beyond Qwen (`mmrl.vlm.families`): GLM-4.1V (`Glm4vForConditionalGeneration`, 3-D M-RoPE)
+and InternVL (`InternVLForConditionalGeneration`, 1-D positions, tiles). Each: a tiny random checkpoint saved with
+save_pretrained + its processor and loaded through `load_policy` (from_pretrained); placeholders, position ids,
+log-probs, vision-feature reuse (GLM) / pass-through (InternVL), packing and greedy rollouts against transformers' own
+model; LoRA on the language model; a 2-step vlm_grpo run and its exact resume."""
 
 from __future__ import annotations
 
@@ -15,21 +16,28 @@ from mmrl.vlm import grpo
 from mmrl.vlm.batch import RolloutBatch
 from mmrl.vlm.common import (VisionCache, compute_logprobs, encode_prompt, load_policy, messages_from_text,
                              render_prompt)
-from mmrl.vlm.families import GLM4V, family_of_config, family_of_processor
+from mmrl.vlm.families import GLM4V, INTERNVL, family_of_config, family_of_processor
 from mmrl.vlm.policy import build_policy
 from mmrl.vlm.rollout import GenRequest, HFRolloutEngine, SamplingParams
 
 
-@pytest.fixture(scope="module")
-def glm_path(tmp_path_factory):
-    from mmrl.tiny import build_tiny_glm4v
+FAMILIES = {"glm4v": GLM4V, "internvl": INTERNVL}
 
-    return build_tiny_glm4v(tmp_path_factory.mktemp("glm4v") / "glm4v", seed=0)
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def glm_path(request, tmp_path_factory):
+    import mmrl.tiny as tiny
+
+    return getattr(tiny, f"build_tiny_{request.param}")(tmp_path_factory.mktemp(request.param) / "model", seed=0)
 
 
 @pytest.fixture(scope="module")
 def policy(glm_path):
     return load_policy(glm_path)
+
+
+def _family(model):
+    return FAMILIES[model.config.model_type]
 
 
 def _image(h, w, seed):
@@ -45,37 +53,52 @@ def _prompts(processor):
     return [encode_prompt(processor, render_prompt(processor, messages_from_text(t)), ims) for t, ims in items], items
 
 
+def _types(model, ids):
+    """GLM-4.1V's forward takes mm_token_type_ids; InternVL's generate refuses them."""
+    return {"mm_token_type_ids": (ids == model.config.image_token_id).long()} if _family(model) is GLM4V else {}
+
+
 def _plain_logprobs(model, enc, response):
     """transformers' own forward (it computes the rope index itself) on one unpadded row."""
     ids = torch.tensor([enc.input_ids + response])
-    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids),
-              mm_token_type_ids=(ids == model.config.image_token_id).long(), **enc.mm)
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), **_types(model, ids), **enc.mm)
     with torch.no_grad():
         logits = model(**kw).logits[0, len(enc.input_ids) - 1:-1].float()
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
 
 
-def test_glm4v_checkpoint_placeholders_rope_and_logprobs_equal_transformers(policy):
+def test_checkpoint_placeholders_positions_and_logprobs_equal_transformers(policy):
     model, processor = policy
-    assert type(model).__name__ == "Glm4vForConditionalGeneration" and type(processor).__name__ == "Glm4vProcessor"
-    assert family_of_config(model.config) is GLM4V and family_of_processor(processor) is GLM4V
+    fam = _family(model)
+    assert type(model).__name__ == {"glm4v": "Glm4vForConditionalGeneration",
+                                    "internvl": "InternVLForConditionalGeneration"}[fam.name]
+    assert family_of_config(model.config, strict=True) is fam and family_of_processor(processor) is fam
     encs, _ = _prompts(processor)
     image_id = model.config.image_token_id
-    assert encs[0].mm["image_grid_thw"].tolist() == [[1, 4, 6]]
-    assert encs[0].input_ids.count(image_id) == 6  # <|begin_of_image|> + 6 x <|image|> + <|end_of_image|>
-    begin = encs[0].input_ids.index(model.config.image_start_token_id)
-    assert encs[0].input_ids[begin + 7] == model.config.image_end_token_id
-    assert encs[1].input_ids.count(image_id) == sum(int(g.prod()) // 4 for g in encs[1].mm["image_grid_thw"])
+    if fam is GLM4V:  # <|begin_of_image|> + 6 x <|image|> + <|end_of_image|>
+        assert encs[0].mm["image_grid_thw"].tolist() == [[1, 4, 6]]
+        n0, begin_id, end_id = 6, model.config.image_start_token_id, model.config.image_end_token_id
+        assert encs[1].input_ids.count(image_id) == sum(int(g.prod()) // 4 for g in encs[1].mm["image_grid_thw"])
+    else:  # 60x90: 2 tiles + a thumbnail of 56x56, 4 tokens each: <img> + 12 x <IMG_CONTEXT> + </img>
+        assert tuple(encs[0].mm["pixel_values"].shape) == (3, 3, 56, 56) and "image_grid_thw" not in encs[0].mm
+        n0, begin_id, end_id = 12, processor.start_image_token_id, processor.end_image_token_id
+        assert encs[1].input_ids.count(image_id) == 4 * encs[1].mm["pixel_values"].shape[0]
+    assert encs[0].input_ids.count(image_id) == n0
+    begin = encs[0].input_ids.index(begin_id)
+    assert encs[0].input_ids[begin + 1:begin + 1 + n0] == [image_id] * n0 and encs[0].input_ids[begin + 1 + n0] == end_id
 
     responses = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     mm = [e.mm for e in encs]
     pad = processor.tokenizer.pad_token_id
     batch = RolloutBatch.build(model, [e.input_ids for e in encs], responses, mm, pad)
-    grids = torch.cat([m["image_grid_thw"] for m in mm if m])
-    ref_pos, _ = model.model.get_rope_index(batch.input_ids, batch.mm_token_type_ids, image_grid_thw=grids,
-                                            attention_mask=batch.attention_mask)
     keep = batch.attention_mask.bool()
-    assert torch.equal(ref_pos[:, keep], batch.position_ids[:, keep])  # left-padded batch: rope index exact
+    if fam is GLM4V:
+        grids = torch.cat([m["image_grid_thw"] for m in mm if m])
+        ref_pos, _ = model.model.get_rope_index(batch.input_ids, batch.mm_token_type_ids, image_grid_thw=grids,
+                                                attention_mask=batch.attention_mask)
+    else:  # 1-D: what generate derives from a left-padded mask (cumsum - 1), in 3 equal rows
+        ref_pos = (batch.attention_mask.cumsum(-1) - 1).expand(3, -1, -1)
+    assert torch.equal(ref_pos[:, keep], batch.position_ids[:, keep])  # left-padded batch: positions exact
 
     lps, _ = compute_logprobs(model, [e.input_ids for e in encs], responses, mm, pad, micro_batch_size=2)
     plain = [_plain_logprobs(model, e, r) for e, r in zip(encs, responses)]
@@ -85,23 +108,26 @@ def test_glm4v_checkpoint_placeholders_rope_and_logprobs_equal_transformers(poli
     cache = VisionCache(model)
     cached, _ = compute_logprobs(model, [e.input_ids for e in encs], responses, mm, pad, micro_batch_size=2,
                                  vision_cache=cache)
-    assert cache.vision_calls == 1 and all(torch.equal(a, b) for a, b in zip(lps, cached))
+    # GLM: one vision call for all images; InternVL: features cannot be handed in, the cache passes batches through
+    assert cache.vision_calls == (1 if fam.vision_cache else 0)
+    assert all(torch.equal(a, b) for a, b in zip(lps, cached))
     packed = batch.replace(packed=True).logprobs(model, 8)  # padding-free rows: 4 x [rows, width] positions
     dense = batch.logprobs(model, 8)
     assert (packed - dense)[batch.response_mask].abs().max().item() < 2e-6
 
 
-def test_glm4v_greedy_rollout_equals_generate(policy):
+def test_greedy_rollout_equals_generate(policy):
     model, processor = policy
+    fam = _family(model)
     encs, items = _prompts(processor)
     engine = HFRolloutEngine(model, processor)
-    assert {processor.tokenizer.convert_tokens_to_ids(t) for t in GLM4V.vision_tokens} <= set(engine.banned)
+    assert {processor.tokenizer.convert_tokens_to_ids(t) for t in fam.vision_tokens} <= set(engine.banned)
     res = engine.generate([GenRequest(prompt_text=e.text, images=ims) for e, (_, ims) in zip(encs, items)],
                           SamplingParams(temperature=0.0, max_new_tokens=6))
     for r, e in zip(res, encs):
         ids = torch.tensor([e.input_ids])
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **e.mm,
-                             mm_token_type_ids=(ids == model.config.image_token_id).long(), do_sample=False,
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **e.mm, **_types(model, ids),
+                             do_sample=False,
                              max_new_tokens=6, bad_words_ids=[[b] for b in engine.banned])
         ref = out[0, ids.shape[1]:].tolist()
         stop = [i for i, t in enumerate(ref) if t in engine.eos]
@@ -124,18 +150,24 @@ def _cfg(glm_path, out, *overrides):
     return load_config(base, list(overrides))
 
 
-def test_glm4v_lora_on_the_language_model(glm_path, tmp_path):
+def test_lora_on_the_language_model(glm_path, tmp_path):
     cfg = _cfg(glm_path, tmp_path)
     states, _ = build_policy(cfg.model, torch.device("cpu"), torch.float32, keep_ref=True)
     names = [n for n, _ in states.named_trainable_parameters()]
     assert names and all(".language_model." in n for n in names)
-    assert any("gate_up_proj" in n for n in names) and any("q_proj" in n for n in names)  # GLM's fused MLP too
+    mlp = "gate_up_proj" if "glm4v" in str(glm_path) else "gate_proj"  # GLM's fused MLP too
+    assert any(mlp in n for n in names) and any("q_proj" in n for n in names)
     cfg = _cfg(glm_path, tmp_path, "model.train_vision=true")
     states, _ = build_policy(cfg.model, torch.device("cpu"), torch.float32, keep_ref=True)
-    assert any(".visual.blocks." in n for n, _ in states.named_trainable_parameters())
+    vision = ".visual.blocks." if "glm4v" in str(glm_path) else ".vision_tower.encoder.layer."
+    assert any(vision in n and "lora_" in n for n, _ in states.named_trainable_parameters())
+    cfg = _cfg(glm_path, tmp_path, "model.lora.rank=0")  # full fine-tuning: the vision tower stays frozen
+    states, _ = build_policy(cfg.model, torch.device("cpu"), torch.float32, keep_ref=False)
+    names = [n for n, _ in states.named_trainable_parameters()]
+    assert names and not any(vision.split(".")[1] in n for n in names)
 
 
-def test_glm4v_vlm_grpo_two_steps_and_exact_resume(glm_path, tmp_path):
+def test_vlm_grpo_two_steps_and_exact_resume(glm_path, tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     grpo.train(_cfg(glm_path, full))
     grpo.train(_cfg(glm_path, part, "train.max_steps=1"))
@@ -148,4 +180,5 @@ def test_glm4v_vlm_grpo_two_steps_and_exact_resume(glm_path, tmp_path):
     assert [r["step"] for r in b] == [1, 2]
     assert_same_path(a, b, why=RESUMED_RUN)
     assert all(r["policy/grad_norm"] > 0 and r["diag/logprob_drift"] < 1e-5 for r in a)
-    assert all(r["rollout/vision_cache/calls"] > 0 for r in a)  # the LoRA recipe reused the GLM vision features
+    # the LoRA recipe reused GLM's vision features; InternVL's forwards run the tower (no cache)
+    assert all((r["rollout/vision_cache/calls"] > 0) == ("glm4v" in str(glm_path)) for r in a)
