@@ -95,6 +95,8 @@ BUILDERS = {
     "qwen2_vl": build_tiny_qwen2_vl,
     "qwen25_vl": build_tiny_qwen25_vl,
     "qwen3_vl": build_tiny_qwen3_vl,
+    "glm4v": build_tiny_glm4v,
+    "internvl": build_tiny_internvl,
     "clip": build_tiny_clip,
     "open_clip": build_tiny_open_clip,
     "unified_reward": build_tiny_unified_reward,

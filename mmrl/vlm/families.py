@@ -67,7 +67,8 @@ GLM4V = VLMFamily(
 
 # source: transformers 5.24.0 models/internvl (InternVLProcessor expands one <IMG_CONTEXT> into <img> +
 # image_seq_length * tiles x <IMG_CONTEXT> + </img>; the language model is a plain Qwen2/Qwen3 decoder with 1-D
-# positions; the vision tower is `vision_tower`, InternVLVisionLayer attention q/k/v_proj + projection_layer, mlp fc1/fc2)
+# positions; the vision tower is `vision_tower`, InternVLVisionLayer attention q/k/v_proj + projection_layer,
+# mlp fc1/fc2)
 INTERNVL = VLMFamily(
     name="internvl", model_types=("internvl",), chat_image="<IMG_CONTEXT>", image_pad="<IMG_CONTEXT>",
     vision_tokens=("<img>", "</img>", "<IMG_CONTEXT>"), turn_end="<|im_end|>", rope="1d", videos=False,

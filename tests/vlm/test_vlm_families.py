@@ -85,7 +85,8 @@ def test_checkpoint_placeholders_positions_and_logprobs_equal_transformers(polic
         assert encs[1].input_ids.count(image_id) == 4 * encs[1].mm["pixel_values"].shape[0]
     assert encs[0].input_ids.count(image_id) == n0
     begin = encs[0].input_ids.index(begin_id)
-    assert encs[0].input_ids[begin + 1:begin + 1 + n0] == [image_id] * n0 and encs[0].input_ids[begin + 1 + n0] == end_id
+    ids0 = encs[0].input_ids
+    assert ids0[begin + 1:begin + 1 + n0] == [image_id] * n0 and ids0[begin + 1 + n0] == end_id
 
     responses = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     mm = [e.mm for e in encs]
