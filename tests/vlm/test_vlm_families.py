@@ -183,3 +183,32 @@ def test_vlm_grpo_two_steps_and_exact_resume(glm_path, tmp_path):
     assert all(r["policy/grad_norm"] > 0 and r["diag/logprob_drift"] < 1e-5 for r in a)
     # the LoRA recipe reused GLM's vision features; InternVL's forwards run the tower (no cache)
     assert all((r["rollout/vision_cache/calls"] > 0) == ("glm4v" in str(glm_path)) for r in a)
+
+
+def test_vlm_multiturn_two_steps_and_exact_resume(glm_path, tmp_path):
+    """The same policy interface carries vlm_multiturn: 2-turn grid-puzzle episodes, a run interrupted after step 1
+    resumes to the metrics of the uninterrupted run."""
+    from mmrl.vlm.multiturn import train
+
+    def cfg(out, steps):
+        return load_config({
+            "algorithm": "vlm_multiturn", "output_dir": str(out), "seed": 0, "device": "cpu", "num_threads": 1,
+            "model": {"path": str(glm_path)},
+            "env": {"tasks": {"grid_puzzle": {"width": 5, "max_turns": 2}}, "eval_episodes": 2, "max_workers": 2},
+            "rollout": {"prompts_per_step": 2, "group_size": 2, "max_turns": 2, "max_new_tokens": 3,
+                        "max_seq_len": 256},
+            "algo": {"advantage": "turn_grpo", "dynamic_sampling": False}, "optim": {"lr": 0.01},
+            "warm_start": {"steps": 1, "batch_size": 4}, "update": {"micro_batch_size": 2, "mini_batch_size": 2},
+            "train": {"max_steps": steps, "save_every": 1}})
+
+    train(cfg(tmp_path / "a", 2))
+    train(cfg(tmp_path / "b", 1))
+    train(cfg(tmp_path / "b", 2))
+
+    def strip(rows):
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
+
+    a, b = strip(metrics_rows(tmp_path / "a")), strip(metrics_rows(tmp_path / "b"))
+    assert [r["step"] for r in b] == [0, 1, 2]
+    assert_same_path(a[-1], b[-1], why=RESUMED_RUN)
+    assert a[-1]["rollout/episode/turns_mean"] == 2.0  # two policy turns with an observation between them
