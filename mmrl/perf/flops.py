@@ -209,6 +209,39 @@ def _qwen_vision(module: nn.Module) -> FlopsEstimator:
     return FlopsEstimator(module, [("merger", "merged"), ("downsample", "merged"), ("", "patch")], shapes)
 
 
+# InternVL (3 / 3.5) policies: their decoder is a plain Qwen2 / Qwen3 model (no meter walks into one anywhere else)
+register_flops("Qwen2Model", "Qwen3Model")(_qwen_text)
+
+
+@register_flops("InternVLVisionModel")
+def _internvl_vision(module: nn.Module) -> FlopsEstimator:
+    """InternVL's vision tower: every tile ([tiles, 3, H, W]) is (H/p)(W/p) patches + a CLS token through every
+    layer, attention within the tile; the patch convolution sees the patches only."""
+    cfg = module.config
+    ph, pw = cfg.patch_size if isinstance(cfg.patch_size, (list, tuple)) else (cfg.patch_size,) * 2
+    layers = cfg.num_hidden_layers
+    width = cfg.hidden_size
+
+    def shapes(args, kwargs):
+        x = input_arg(args, kwargs, "pixel_values")
+        tiles, patches = x.shape[0], (x.shape[2] // ph) * (x.shape[3] // pw)
+        return Pass({"patch": tiles * patches, "token": tiles * (patches + 1)},
+                    width * layers * tiles * (patches + 1) ** 2)
+
+    return FlopsEstimator(module, [("patch_embeddings", "patch"), ("", "token")], shapes)
+
+
+@register_flops("InternVLMultiModalProjector")
+def _internvl_projector(module: nn.Module) -> FlopsEstimator:
+    """InternVL's projector: every image token after the pixel shuffle (4 patches -> 1) through its MLP."""
+
+    def shapes(args, kwargs):
+        x = input_arg(args, kwargs, "image_features")
+        return Pass({"merged": x.numel() // x.shape[-1]})
+
+    return FlopsEstimator(module, [("", "merged")], shapes)
+
+
 @register_flops("Linear")
 def _linear(module: nn.Module) -> FlopsEstimator:
     """A plain Linear (e.g. the lm_head): every row of the input."""
