@@ -6,7 +6,7 @@ per-step meter the recipes log (mmrl.perf.meter).
   fused kernel is invisible to it). Backward (all weights trainable) is at least flop_counter's and within the
   share of the layers whose input needs no gradient.
 * Families: SD3 / SD3.5, FLUX.1, FLUX.2, Wan, Qwen-Image (and Edit-2511's doubled timestep rows), Z-Image (uneven
-  image and caption lengths: the padding to 32 tokens and to the batch's longest), Qwen2-VL, Qwen2.5-VL, Qwen3-VL.
+  image and caption lengths: the padding to 32 tokens and to the batch's longest), Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4.1V, InternVL.
 * Every registered real-width architecture of a diffusion family, at its tiny widths on the training row it declares
   (the family file's estimator and row builder, read through the registries), equals FlopCounterMode's count.
 * One SD3.5-Medium joint block (and its dual attention), one FLUX.1 single-stream block and one Qwen2.5-VL-3B decoder
@@ -150,7 +150,8 @@ def test_every_registered_diffusion_architecture_counts_its_row_exactly(name):
     assert est.forward_flops(est.shapes((), kw)) == _counted(lambda: model(**kw))
 
 
-@pytest.mark.parametrize("builder", ["build_tiny_qwen2_vl", "build_tiny_qwen25_vl", "build_tiny_qwen3_vl"])
+@pytest.mark.parametrize("builder", ["build_tiny_qwen2_vl", "build_tiny_qwen25_vl", "build_tiny_qwen3_vl",
+                                     "build_tiny_glm4v"])
 def test_qwen_vl_flops_equal_flop_counter(builder, tmp_path):
     """Vision tower (per-frame attention; Qwen2.5-VL: windows), decoder (left padding excluded) and lm_head: the
     meter's sum over one forward equals flop_counter's count, and a decode step against a KV cache too."""
@@ -195,6 +196,33 @@ def test_qwen_vl_flops_equal_flop_counter(builder, tmp_path):
     decode = lm.forward_flops(Pass({"text": 2}, width * cfg.num_hidden_layers * real_kv)) \
         + 2 * 2 * head.in_features * head.out_features
     assert meter.pop() == prefill + decode
+
+
+def test_internvl_flops_equal_flop_counter(tmp_path):
+    """InternVL: the vision tower (patch convolution, CLS + patches per tile, attention within a tile), the projector
+    after the pixel shuffle, the Qwen2 decoder and lm_head sum to flop_counter's count, for 1 and 3 tiles. Eager
+    attention: flop_counter does not count the CPU flash kernel SDPA dispatches to without a mask."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    from mmrl.tiny import build_tiny_internvl
+    from mmrl.vlm.common import encode_prompt, load_policy, messages_from_text, render_prompt
+
+    path = build_tiny_internvl(tmp_path / "m")
+    _, proc = load_policy(path)
+    model = AutoModelForImageTextToText.from_pretrained(path, attn_implementation="eager").eval()
+    meter = attach_flops_meter(model)
+    assert {type(e.module).__name__ for e in meter.estimators} == {
+        "InternVLVisionModel", "InternVLMultiModalProjector", "Qwen2Model", "Linear"}
+    for size, tiles in (((90, 60), 3), ((56, 56), 1)):
+        enc = encode_prompt(proc, render_prompt(proc, messages_from_text("<image>what colour is it")),
+                            [Image.new("RGB", size, "red")])
+        assert enc.mm["pixel_values"].shape[0] == tiles
+        ids = torch.tensor([enc.input_ids])
+        meter.pop()
+        with torch.no_grad():
+            counted = _counted(lambda: model(input_ids=ids, attention_mask=torch.ones_like(ids), **enc.mm))
+        assert meter.pop() == counted
 
 
 def test_window_lengths_match_qwen25_get_window_index():

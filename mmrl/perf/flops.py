@@ -146,7 +146,7 @@ def _cache_length(cache: Any) -> int:
     return int(get()) if get is not None else 0
 
 
-@register_flops("Qwen2VLTextModel", "Qwen2_5_VLTextModel", "Qwen3VLTextModel")
+@register_flops("Qwen2VLTextModel", "Qwen2_5_VLTextModel", "Qwen3VLTextModel", "Glm4vTextModel")
 def _qwen_text(module: nn.Module) -> FlopsEstimator:
     """The Qwen-VL decoder (without the lm_head, counted as its own Linear). Rows are counted by their real
     (attention-mask) tokens: padding is not useful work. Attention: each row's new tokens against its cached +
@@ -182,10 +182,11 @@ def _window_lengths(h: int, w: int, merge: int, window: int) -> list[int]:
 
 
 @register_flops("Qwen2VisionTransformerPretrainedModel", "Qwen2_5_VisionTransformerPretrainedModel",
-                "Qwen3VLVisionModel")
+                "Qwen3VLVisionModel", "Glm4vVisionModel")
 def _qwen_vision(module: nn.Module) -> FlopsEstimator:
     """The Qwen-VL vision tower: blocks over patches, attention per frame of each image (Qwen2.5-VL: inside
-    windows of `window_size` pixels, except the `fullatt_block_indexes` blocks), mergers over merged patches."""
+    windows of `window_size` pixels, except the `fullatt_block_indexes` blocks), mergers over merged patches.
+    GLM-4.1V's tower is the same with full attention and a `downsample` patch convolution over merged patches."""
     cfg = module.config
     blocks = list(module.blocks)
     width = blocks[0].attn.qkv.out_features // 3
@@ -205,7 +206,40 @@ def _qwen_vision(module: nn.Module) -> FlopsEstimator:
             attn += sum(per_full if i in full else per_window for i in range(len(blocks)))
         return Pass({"patch": patches, "merged": patches // (merge * merge)}, width * attn)
 
-    return FlopsEstimator(module, [("merger", "merged"), ("", "patch")], shapes)
+    return FlopsEstimator(module, [("merger", "merged"), ("downsample", "merged"), ("", "patch")], shapes)
+
+
+# InternVL (3 / 3.5) policies: their decoder is a plain Qwen2 / Qwen3 model (no meter walks into one anywhere else)
+register_flops("Qwen2Model", "Qwen3Model")(_qwen_text)
+
+
+@register_flops("InternVLVisionModel")
+def _internvl_vision(module: nn.Module) -> FlopsEstimator:
+    """InternVL's vision tower: every tile ([tiles, 3, H, W]) is (H/p)(W/p) patches + a CLS token through every
+    layer, attention within the tile; the patch convolution sees the patches only."""
+    cfg = module.config
+    ph, pw = cfg.patch_size if isinstance(cfg.patch_size, (list, tuple)) else (cfg.patch_size,) * 2
+    layers = cfg.num_hidden_layers
+    width = cfg.hidden_size
+
+    def shapes(args, kwargs):
+        x = input_arg(args, kwargs, "pixel_values")
+        tiles, patches = x.shape[0], (x.shape[2] // ph) * (x.shape[3] // pw)
+        return Pass({"patch": tiles * patches, "token": tiles * (patches + 1)},
+                    width * layers * tiles * (patches + 1) ** 2)
+
+    return FlopsEstimator(module, [("patch_embeddings", "patch"), ("", "token")], shapes)
+
+
+@register_flops("InternVLMultiModalProjector")
+def _internvl_projector(module: nn.Module) -> FlopsEstimator:
+    """InternVL's projector: every image token after the pixel shuffle (4 patches -> 1) through its MLP."""
+
+    def shapes(args, kwargs):
+        x = input_arg(args, kwargs, "image_features")
+        return Pass({"merged": x.numel() // x.shape[-1]})
+
+    return FlopsEstimator(module, [("", "merged")], shapes)
 
 
 @register_flops("Linear")

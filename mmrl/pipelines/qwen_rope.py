@@ -19,7 +19,8 @@ import torch
 
 ROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # Checkpoint families whose get_rope_index is line-for-line one of the above.
-_ROPE_ALIASES = {"qwen3_vl_moe": "qwen3_vl"}
+# glm4v: transformers 5.24 Glm4vModel.get_rope_index places items as Qwen3-VL (videos one item per frame).
+_ROPE_ALIASES = {"qwen3_vl_moe": "qwen3_vl", "glm4v": "qwen3_vl"}
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -65,7 +66,8 @@ def rope_kwargs_from_config(config: Any) -> dict[str, Any]:
         spatial_merge_size=int(vision.spatial_merge_size),
         image_token_id=int(config.image_token_id),
         video_token_id=int(config.video_token_id),
-        vision_start_token_id=int(config.vision_start_token_id),
+        # GLM-4.1V names it image_start_token_id (unused by the placement rule; kept for the signature)
+        vision_start_token_id=int(getattr(config, "vision_start_token_id", None) or config.image_start_token_id),
         tokens_per_second=getattr(vision, "tokens_per_second", None),
     )
 

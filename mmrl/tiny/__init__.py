@@ -44,6 +44,8 @@ from mmrl.tiny.family_models import (  # noqa: F401
     build_tiny_z_image,
 )
 from mmrl.tiny.ltx2 import build_tiny_ltx2  # noqa: F401
+from mmrl.tiny.glm4v import build_tiny_glm4v  # noqa: F401
+from mmrl.tiny.internvl import build_tiny_internvl  # noqa: F401
 from mmrl.tiny.hpsv3 import build_tiny_edit_reward, build_tiny_hpsv3  # noqa: F401  (authors'-format reward checkpoints)
 from mmrl.tiny.qwen_image_models import (  # noqa: F401
     build_tiny_qwen_image,
@@ -96,6 +98,8 @@ BUILDERS = {
     "qwen2_vl": build_tiny_qwen2_vl,
     "qwen25_vl": build_tiny_qwen25_vl,
     "qwen3_vl": build_tiny_qwen3_vl,
+    "glm4v": build_tiny_glm4v,
+    "internvl": build_tiny_internvl,
     "clip": build_tiny_clip,
     "open_clip": build_tiny_open_clip,
     "unified_reward": build_tiny_unified_reward,

@@ -17,6 +17,8 @@ Fields (N rows, L = P + T columns; all tensors on one device):
   input_ids          long[N, L]     pad id at padded positions
   attention_mask     long[N, L]     1 at real tokens
   position_ids       long[3, N, L]  M-RoPE index (``get_rope_index``) computed once for the whole batch
+  one_d              bool           the family has plain 1-D positions (InternVL): the 3 rows are equal and the
+                                    model gets one (``mmrl.vlm.families``)
   mm_token_type_ids  long[N, L]     0 text / 1 image pad / 2 video pad
   prompt_lens        long[N]        real prompt tokens per row;  response_lens long[N]: real response tokens
   prompt_len         int            P (columns of the prompt part)
@@ -50,6 +52,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from mmrl.pipelines.qwen_vl import get_rope_index, mm_token_type_ids, rope_kwargs_from_config
+from mmrl.vlm.families import family_of_config
 
 Tensor = torch.Tensor
 _MM_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
@@ -156,6 +159,7 @@ class RolloutBatch:
     rollout_logprobs: Tensor | None = None
     weights: Tensor | None = None
     packed: bool = False
+    one_d: bool = False
     pack_length: int = 0
     pad_id: int = 0
 
@@ -185,8 +189,12 @@ class RolloutBatch:
         input_ids = torch.cat([prompts, resp], 1).to(device)
         attn = torch.cat([p_mask, r_mask], 1).to(device)
         grids = cat_mm(mm, device)
-        position_ids, _ = get_rope_index(input_ids, attn, grids.get("image_grid_thw"), grids.get("video_grid_thw"),
-                                         **rope_kwargs_from_config(cfg))
+        one_d = family_of_config(cfg).rope == "1d"
+        if one_d:  # plain positions over the real tokens (InternVL), as 3 equal rows: slicing stays the same
+            position_ids = ((attn.cumsum(-1) - 1).clamp(min=0) * attn).unsqueeze(0).expand(3, -1, -1).contiguous()
+        else:
+            position_ids, _ = get_rope_index(input_ids, attn, grids.get("image_grid_thw"),
+                                             grids.get("video_grid_thw"), **rope_kwargs_from_config(cfg))
         resp_mask = r_mask.bool().to(device)
         lmask = resp_mask if loss_mask is None else \
             pad_to(loss_mask, 0, torch.long, length=T).bool().to(device) & resp_mask
@@ -198,7 +206,9 @@ class RolloutBatch:
                 adv = _rows_tensor(advantages, T, device)
         w = torch.ones(len(prompt_ids)) if weights is None else torch.as_tensor(list(weights), dtype=torch.float32)
         return cls(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
-                   mm_token_type_ids=mm_token_type_ids(input_ids, cfg.image_token_id, cfg.video_token_id),
+                   mm_token_type_ids=mm_token_type_ids(input_ids, cfg.image_token_id,
+                                                       getattr(cfg, "video_token_id", -1)),  # InternVL: none
+                   one_d=one_d,
                    prompt_lens=torch.tensor([len(p) for p in prompt_ids]),
                    response_lens=torch.tensor([len(r) for r in response_ids]), prompt_len=prompts.shape[1],
                    response_mask=resp_mask, loss_mask=lmask, mm=list(mm), advantages=adv,
@@ -253,7 +263,7 @@ class RolloutBatch:
                 v = P_sub
             elif f.name == "mm":
                 v = [v[i] for i in rows]
-            elif f.name in ("packed", "pack_length", "pad_id"):
+            elif f.name in ("packed", "one_d", "pack_length", "pad_id"):
                 pass
             elif f.name in _PER_TOKEN or (f.name == "advantages" and v is not None and v.dim() == 2):
                 v = None if v is None else v[di][:, :T_sub]
@@ -278,7 +288,8 @@ class RolloutBatch:
         """kwargs for ``model(**kwargs)`` (pixel values cast to `dtype`, the model's); with a ``VisionCache`` the
         images' cached encoder outputs replace ``pixel_values``."""
         kw: dict[str, Any] = dict(input_ids=self.input_ids, attention_mask=self.attention_mask,
-                                  position_ids=self.position_ids, mm_token_type_ids=self.mm_token_type_ids,
+                                  position_ids=self.position_ids[0] if self.one_d else self.position_ids,
+                                  mm_token_type_ids=self.mm_token_type_ids,
                                   **cat_mm(self.mm, self.device, dtype))
         if vision_cache is not None:
             kw = vision_cache.apply(kw, self.mm)
@@ -356,7 +367,7 @@ class RolloutBatch:
             if o < W:  # filler sequence: positions restart at 0 (a block of its own)
                 pos[:, r, o:] = torch.arange(W - o, device=dev)
         mm = [self.mm[i] for i in order]  # the images in packed order
-        kw: dict[str, Any] = dict(input_ids=ids, position_ids=pos, mm_token_type_ids=types,
+        kw: dict[str, Any] = dict(input_ids=ids, position_ids=pos[0] if self.one_d else pos, mm_token_type_ids=types,
                                   **cat_mm(mm, self.device, dtype))
         if vision_cache is not None:
             kw = vision_cache.apply(kw, mm)

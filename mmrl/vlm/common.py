@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import torch
 
 from mmrl.vlm.batch import RolloutBatch, pad_to, token_logprobs  # noqa: F401  (re-exported)
+from mmrl.vlm.families import ALL_VISION_TOKENS, VISION_ATTRS, family_of_processor
 
 __all__ = [
     "IMAGE_PLACEHOLDER",
@@ -46,8 +47,6 @@ __all__ = [
 ]
 
 IMAGE_PLACEHOLDER = "<image>"
-_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
-_CHAT_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 def load_policy(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
@@ -97,10 +96,11 @@ def _tokenizer(processor: Any) -> Any:
 
 
 def vision_token_ids(processor: Any) -> list[int]:
-    """Ids of the vision special tokens the policy must never emit (start/end/pad of images and videos)."""
+    """Ids of the vision special tokens the policy must never emit (start/end/pad of images and videos, of every
+    family in ``mmrl.vlm.families`` that the vocabulary has)."""
     tok = _tokenizer(processor)
     vocab = tok.get_vocab()
-    return sorted({vocab[t] for t in _VISION_TOKENS if t in vocab})
+    return sorted({vocab[t] for t in ALL_VISION_TOKENS if t in vocab})
 
 
 @dataclass
@@ -116,14 +116,15 @@ def encode_prompt(processor: Any, text: str, images: Sequence[Any] = ()) -> Enco
     """Tokenise one templated prompt with its images (``<image>`` placeholders are accepted too)."""
     from mmrl.pipelines.images import load_image
 
-    text = text.replace(IMAGE_PLACEHOLDER, _CHAT_IMAGE)
-    n_ph = text.count("<|image_pad|>")
+    fam = family_of_processor(processor)
+    text = text.replace(IMAGE_PLACEHOLDER, fam.chat_image)
+    n_ph = text.count(fam.image_pad)
     images = [load_image(im) for im in images]
     if n_ph != len(images):
         raise ValueError(f"prompt has {n_ph} image placeholder(s) but {len(images)} image(s) were given: {text[:200]!r}")
     if images:
         enc = processor(text=[text], images=images, return_tensors="pt")
-        mm = {"pixel_values": enc["pixel_values"], "image_grid_thw": enc["image_grid_thw"]}
+        mm = {k: enc[k] for k in ("pixel_values", "image_grid_thw") if k in enc}  # InternVL: tiles, no grid
     else:
         enc = _tokenizer(processor)([text], return_tensors="pt")
         mm = {}
@@ -192,20 +193,24 @@ def compute_logprobs(model: Any, prompt_ids: Sequence[Sequence[int]], response_i
 def vision_tower(model: Any) -> torch.nn.Module:
     """The vision encoder (``.visual``) of a Qwen2/2.5/3-VL policy, through peft / DDP wrappers."""
     for m in model.modules():
-        visual = getattr(m, "visual", None)
-        if isinstance(visual, torch.nn.Module) and hasattr(m, "get_image_features"):
-            return visual
+        for attr in VISION_ATTRS:  # `visual` (Qwen-VL, GLM-4.1V), `vision_tower` (InternVL)
+            visual = getattr(m, attr, None)
+            if isinstance(visual, torch.nn.Module) and hasattr(m, "get_image_features"):
+                return visual
     raise ValueError(f"vision_tower: no module with a `.visual` encoder and get_image_features in "
                      f"{type(model).__name__} (expected a Qwen2-VL / Qwen2.5-VL / Qwen3-VL model)")
 
 
-def _vlm_base(model: Any) -> torch.nn.Module:
-    """The innermost module whose forward merges vision features (``Qwen2VLModel`` & co.)."""
+def _vlm_base(model: Any, required: bool = True) -> torch.nn.Module | None:
+    """The innermost module whose forward merges vision features (``Qwen2VLModel`` & co.); None when not
+    `required` and the model has none (InternVL: its features cannot be handed in)."""
     found = None
     for m in model.modules():
         if isinstance(getattr(m, "visual", None), torch.nn.Module) and hasattr(m, "get_image_features") \
                 and hasattr(m, "get_placeholder_mask"):
             found = m
+    if found is None and not required:
+        return None
     if found is None:
         raise ValueError(f"VisionCache: {type(model).__name__} is not a Qwen2/2.5/3-VL model (no get_image_features)")
     return found
@@ -265,8 +270,9 @@ class VisionCache:
     """
 
     def __init__(self, model: Any):
-        self.base = _vlm_base(model)
-        self.visual = self.base.visual
+        # a family without a `.visual` merge (InternVL) gets an inert cache: apply() passes batches through
+        self.base = _vlm_base(model, required=False)
+        self.visual = self.base.visual if self.base is not None else torch.nn.Module()
         self.entries: dict[int, tuple[torch.Tensor, list[torch.Tensor], list[list[torch.Tensor]] | None]] = {}
         self.out_cls: Any = None
         self.hits = self.misses = self.vision_calls = 0
@@ -281,6 +287,8 @@ class VisionCache:
 
     def usable(self) -> bool:
         """False in a grad-enabled forward when the vision tower is trained (features must carry gradients)."""
+        if self.base is None:
+            return False
         return not (torch.is_grad_enabled() and any(p.requires_grad for p in self.visual.parameters()))
 
     @torch.no_grad()

@@ -106,9 +106,11 @@ class VLMLoRAConfig(LoRAConfig):
 @dataclass
 class ModelConfig:
     path: str = ""
-    """Local checkpoint directory (transformers format: Qwen2-VL, Qwen2.5-VL, Qwen3-VL). Never a hub id."""
+    """Local checkpoint directory (transformers format: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4.1V, InternVL; the
+    families of `mmrl.vlm.families`). Never a hub id."""
     build_tiny: str = ""
-    """Demo only: if `path` has no checkpoint, build this tiny random model there first (qwen2_vl | qwen25_vl)."""
+    """Demo only: if `path` has no checkpoint, build this tiny random model there first (qwen2_vl | qwen25_vl |
+    glm4v | internvl)."""
     lora: VLMLoRAConfig = field(default_factory=VLMLoRAConfig)
     """LoRA on the language model (ref = adapters off; + the vision blocks with train_vision); rank 0 = full."""
     train_vision: bool = False

@@ -42,6 +42,7 @@ from mmrl.vlm.batch import RolloutBatch
 from mmrl.vlm.common import VisionCache, language_block_types, vision_has_adapters, vision_tower, vision_tower_trainable
 from mmrl.vlm.config import (DataConfig, LogConfig, LossAgg, ModelConfig, RewardConfig, RolloutConfig, VLMUpdateConfig,
                              WarmStartConfig)
+from mmrl.vlm.families import family_of_processor
 from mmrl.vlm.grpo_checks import check_config, recompute_old_logprobs
 from mmrl.vlm.policy import build_policy, rl_parameters
 from mmrl.vlm.rollout_collect import (build_data, evaluate, finish, make_rollout_engine, reward_components,
@@ -130,7 +131,7 @@ def train(cfg: Config) -> dict:
         states, processor = build_policy(cfg.model, run.device, run.dtype, keep_ref=algo.kl.coef > 0)
     model, tok = states.model, processor.tokenizer
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    eos_id = tok.convert_tokens_to_ids("<|im_end|>")
+    eos_id = tok.convert_tokens_to_ids(family_of_processor(processor).turn_end)
     # with a rollout process (rollout.worker=process) this engine only evaluates
     engine, syncer = make_rollout_engine(cfg, states, processor, ctx if fsdp else None,
                                          engine="hf" if rollout.worker == "process" else None)

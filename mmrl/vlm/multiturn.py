@@ -35,6 +35,7 @@ from mmrl.vlm.credit import Advantage, collect_groups, episode_returns, token_ad
 from mmrl.vlm.envs import EnvManager, make_env
 from mmrl.vlm.episode_train import check_fsdp_rl_params, episode_batch, format_pairs, zero_grads
 from mmrl.vlm.episodes import ChatFormat, RolloutStats, episode_metrics, rollout_episodes, samples_text
+from mmrl.vlm.families import family_of_processor
 from mmrl.vlm.grpo_checks import check_clip_ranges
 from mmrl.vlm.policy import build_policy, rl_parameters
 from mmrl.vlm.rollout import SamplingParams
@@ -178,7 +179,7 @@ def train(cfg: Config) -> dict:
                                              tiny_seed=cfg.seed)
         tok = getattr(processor, "tokenizer", processor)
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        eos_id = tok.convert_tokens_to_ids("<|im_end|>")
+        eos_id = tok.convert_tokens_to_ids(family_of_processor(processor).turn_end)
         if fsdp:  # shard the decoder layers (the vision tower stays in the root unit: text-only and image forwards
             # then run the same collectives), follow the shards, and build the optimizer from them (below)
             from mmrl.vlm.common import language_block_types

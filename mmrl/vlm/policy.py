@@ -12,8 +12,9 @@ import torch
 
 from mmrl.vlm.common import load_policy
 from mmrl.vlm.config import LM_TARGETS
+from mmrl.vlm.families import QWEN_VL, family_of_config, lm_lora_targets
 
-VISION_LORA_PATTERN = r".*visual\.blocks.*\.(qkv|proj|fc1|fc2|gate_proj|up_proj|down_proj)"
+VISION_LORA_PATTERN = QWEN_VL.vision_lora  # the Qwen-VL vision blocks (each family names its own)
 
 
 def build_policy(section: Any, device: torch.device, dtype: torch.dtype, keep_ref: bool, *, tiny_seed: int = 0):
@@ -26,7 +27,8 @@ def build_policy(section: Any, device: torch.device, dtype: torch.dtype, keep_re
     if section.build_tiny and not (path / "config.json").is_file():
         from mmrl import tiny
 
-        builders = {"qwen2_vl": tiny.build_tiny_qwen2_vl, "qwen25_vl": tiny.build_tiny_qwen25_vl}
+        builders = {"qwen2_vl": tiny.build_tiny_qwen2_vl, "qwen25_vl": tiny.build_tiny_qwen25_vl,
+                    "glm4v": tiny.build_tiny_glm4v, "internvl": tiny.build_tiny_internvl}
         if section.build_tiny not in builders:
             raise ValueError(f"model.build_tiny: expected one of {sorted(builders)}, got {section.build_tiny!r}")
         builders[section.build_tiny](path, seed=tiny_seed)
@@ -37,15 +39,17 @@ def build_policy(section: Any, device: torch.device, dtype: torch.dtype, keep_re
     lora = section.lora
     if not lora.enabled:  # full fine-tuning
         if not section.train_vision:
+            vision = f".{family_of_config(model.config).vision_attr}."
             for name, param in model.named_parameters():
-                if ".visual." in f".{name}":
+                if vision in f".{name}":
                     param.requires_grad_(False)
         return PolicyStates(model, None, keep_ref_copy=keep_ref), processor
     from peft import LoraConfig
 
-    pattern = rf".*language_model.*\.({'|'.join(lora.target_modules or LM_TARGETS)})"
+    targets = lm_lora_targets(model.config, list(lora.target_modules or LM_TARGETS))
+    pattern = rf".*language_model.*\.({'|'.join(targets)})"
     if section.train_vision:
-        pattern += "|" + VISION_LORA_PATTERN
+        pattern += "|" + family_of_config(model.config).vision_lora
     init: Any = {"true": True, "false": False}.get(str(lora.init).lower(), lora.init)
     peft_config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=pattern, lora_dropout=0.0,
                              init_lora_weights=init, base_model_name_or_path=str(path.resolve()))

@@ -27,6 +27,7 @@ from typing import Any, Iterable, Protocol, Sequence
 import torch
 
 from mmrl.vlm.common import EncodedPrompt, collate, encode_prompt, render_prompt, vision_token_ids
+from mmrl.vlm.families import family_of_config
 
 __all__ = ["SamplingParams", "GenRequest", "RolloutResult", "RolloutEngine", "HFRolloutEngine", "make_engine",
            "apply_top_k_top_p", "ENGINES"]
@@ -144,6 +145,7 @@ class HFRolloutEngine:
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.batch_size = int(batch_size)
         self.banned = vision_token_ids(processor) if ban_vision_tokens else []
+        self.one_d = family_of_config(getattr(model, "config", None)).rope == "1d"
         if eos_token_ids is None:
             eos = model.generation_config.eos_token_id
             eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
@@ -196,7 +198,8 @@ class HFRolloutEngine:
         cache.batch_select_indices(rows)
         logits = out.logits[:, -1][rows]
         attn = batch["attention_mask"][rows]
-        next_pos = batch["position_ids"].amax(dim=(0, 2))[rows] + 1  # text continues after the max position
+        pos = batch["position_ids"]
+        next_pos = pos.reshape(-1, *pos.shape[-2:]).amax(dim=(0, 2))[rows] + 1  # text continues after the max position
         N = rows.numel()
         tokens = torch.full((N, sp.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
         lp_model = torch.zeros(N, sp.max_new_tokens, device=device)
@@ -248,7 +251,7 @@ class HFRolloutEngine:
             if self.step_sync is not None:
                 self.step_sync(True)
             attn = torch.cat([attn, torch.ones(N, 1, dtype=attn.dtype, device=device)], 1)
-            pos = (next_pos + t).view(1, N, 1).expand(3, N, 1)
+            pos = self._decode_positions(next_pos + t, N)
             out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=pos, use_cache=True,
                         **{cache_kw: cache})
             cache = returned_cache(out, cache_kw)
@@ -270,13 +273,17 @@ class HFRolloutEngine:
                 k += 1
         return results
 
+    def _decode_positions(self, pos: torch.Tensor, N: int) -> torch.Tensor:
+        """The next token's positions: [3, N, 1] (M-RoPE, text rows equal) or [N, 1] (1-D families: InternVL)."""
+        return pos.view(N, 1) if self.one_d else pos.view(1, N, 1).expand(3, N, 1)
+
     def _idle_steps(self, model, cache, attn, next_pos, t: int, max_new_tokens: int, N: int, device) -> None:
         """This rank is done at decode step t: run masked forwards (pad tokens, nothing sampled or recorded) as
         long as another rank is still generating, so every rank runs the same forwards (FSDP)."""
         pad = torch.full((N, 1), self.pad_id, dtype=torch.long, device=device)
         while t < max_new_tokens - 1 and self.step_sync(False):
             attn = torch.cat([attn, torch.ones(N, 1, dtype=attn.dtype, device=device)], 1)
-            pos = (next_pos + t).view(1, N, 1).expand(3, N, 1)
+            pos = self._decode_positions(next_pos + t, N)
             kw = cache_argument(model)
             cache = returned_cache(model(input_ids=pad, attention_mask=attn, position_ids=pos, use_cache=True,
                                          **{kw: cache}), kw)
