@@ -16,7 +16,7 @@ few hundred to a thousand tokens instead of 49k-152k.
 
 Modules: ``vocab.py`` (corpus, BPE, tokenizers), ``components.py`` (shared encoders and helpers),
 ``diffusion_models.py`` (SD3, FLUX, FLUX Kontext), ``qwen_image_models.py`` (Qwen-Image, -Edit, -Edit Plus),
-``family_models.py`` (Wan, Z-Image, FLUX.2 [dev] / [klein]),
+``family_models.py`` (Wan, Z-Image, FLUX.2 [dev] / [klein]), ``hunyuan_video15.py`` (HunyuanVideo 1.5),
 ``vlm_models.py`` (Qwen2/2.5/3-VL), ``clip_models.py`` (CLIP, open_clip), ``unified_reward.py`` (the UnifiedReward
 judge);
 every name is importable from ``mmrl.tiny``.
@@ -43,6 +43,7 @@ from mmrl.tiny.family_models import (  # noqa: F401
     build_tiny_wan,
     build_tiny_z_image,
 )
+from mmrl.tiny.hunyuan_video15 import build_tiny_hunyuan_video15  # noqa: F401
 from mmrl.tiny.hpsv3 import build_tiny_edit_reward, build_tiny_hpsv3  # noqa: F401  (authors'-format reward checkpoints)
 from mmrl.tiny.qwen_image_models import (  # noqa: F401
     build_tiny_qwen_image,
@@ -90,6 +91,7 @@ BUILDERS = {
     "z_image": build_tiny_z_image,
     "flux2": build_tiny_flux2,
     "flux2_klein": build_tiny_flux2_klein,
+    "hunyuan_video15": build_tiny_hunyuan_video15,
     "qwen2_vl": build_tiny_qwen2_vl,
     "qwen25_vl": build_tiny_qwen25_vl,
     "qwen3_vl": build_tiny_qwen3_vl,
