@@ -195,6 +195,11 @@ register_architecture(Architecture(
     # 33 frames at 480 x 480 (DanceGRPO's HunyuanVideo size; its 53 frames is not 4k+1) -> 32 x 9 x 30 x 30 latents,
     # 8100 tokens of (1, 1, 1) patches; 1000 Qwen + 256 ByT5 + 729 image context tokens; micro-batch 1 doubled by CFG
     step=dict(rows=2, num_frames=33, height=480, width=480, text_tokens=1000, lora_rank=64),
+    # the recipe's 10085-token row does not fit a CPU measurement beside other jobs: measure 5 frames at 256 px (512
+    # video tokens + the same 1985 context tokens) and scale the blocks' part by the tokens they see (10085 / 2497,
+    # linear: flash attention on a GPU keeps no [L, L] matrix); the token refiner sees the same text in both rows
+    measured_row=dict(num_frames=5, height=256, width=256, text_tokens=1000),
+    row_scale={"num_layers": (8100 + 1985) / (512 + 1985)},
     inputs=_training_row,
     small_widths={"num_attention_heads": 2, "attention_head_dim": 16, "text_embed_dim": 16, "text_embed_2_dim": 32,
                   "image_embed_dim": 12, "rope_axes_dim": (4, 6, 6)},
