@@ -98,6 +98,12 @@ def pipeline_call(model, x0, size, frames, gs, steps, source=None):
         return model.pipe(latents=x0.clone(), **kw).images  # packed tokens out
     if name == "LTX2Pipeline":
         return _ltx2_call(model, x0, size, frames, kw)
+    if name == "HunyuanVideo15Pipeline":  # its guider holds the scale; the family set its text budget on the pipe
+        from diffusers.guiders import ClassifierFreeGuidance
+
+        model.pipe.guider = ClassifierFreeGuidance(guidance_scale=kw.pop("guidance_scale"))
+        kw.pop("max_sequence_length")
+        return model.pipe(latents=x0.clone(), num_frames=frames, **kw).frames
     return model.pipe(latents=x0.clone(), **kw).images
 
 

@@ -282,6 +282,10 @@ COMMANDS: dict[str, object] = {
     "data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt": Short(
         "mmrl config check configs/diffusion/flow_grpo_wan21_videoalign.yaml model.path=/models/Wan2.1-T2V-1.3B-Diffusers "
         "data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt", _NO_GPU),
+    "mmrl train configs/diffusion/flow_grpo_hunyuan15_t2v.yaml model.path=/models/HunyuanVideo-1.5-480p_t2v "
+    "data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt": Short(
+        "mmrl config check configs/diffusion/flow_grpo_hunyuan15_t2v.yaml model.path=/models/HunyuanVideo-1.5-480p_t2v "
+        "data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt", _NO_GPU),
     "mmrl train configs/diffusion/flow_grpo_wan22_t2v_a14b.yaml model.path=/models/Wan2.2-T2V-A14B-Diffusers "
     "data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt": Short(
         "mmrl config check configs/diffusion/flow_grpo_wan22_t2v_a14b.yaml model.path=/models/Wan2.2-T2V-A14B-Diffusers "

@@ -136,6 +136,7 @@ def test_real_width_plan_is_read_from_each_architecture():
             "wan22_t2v_a14b": (one, dict(num_frames=5, height=480, width=480, text_tokens=512)),
             "wan22_ti2v_5b": (one, dict(num_frames=9, height=704, width=1280, text_tokens=1024)),
             "qwen_image_20b": (one, dict(image, text_tokens=256)),
+            "hunyuan_video15_480p_t2v": (one, dict(num_frames=5, height=256, width=256, text_tokens=1000)),
             "z_image_6b": ([{"n_layers": 2}, {"n_layers": 3}], dict(image, text_tokens=512)),
             "qwen25_vl_3b": ([{"text_config.num_hidden_layers": 1, "vision_config.depth": 1},
                               {"text_config.num_hidden_layers": 2, "vision_config.depth": 1},
@@ -150,6 +151,7 @@ def test_real_width_plan_is_read_from_each_architecture():
         assert arch.inputs is not None and arch.small_widths and rw.measured_row(arch, small=True), name
         assert arch.measure_modes == (("lora",) if name == "flux2_dev" else ("lora", "full")), name
     assert get_architecture("flux1_dev").row_scale == {"*": 1536 / 384}
+    assert get_architecture("hunyuan_video15_480p_t2v").row_scale == {"*": 10085 / 2497}  # 33 frames at 480 px
     assert get_architecture("sd35_medium").measure_config == {"pos_embed_max_size": 64}
 
 
@@ -217,6 +219,8 @@ def test_new_family_architectures_have_their_published_sizes():
     assert round(get_architecture("wan22_t2v_a14b").parameters() / 1e9, 2) == 28.58
     assert round(get_architecture("flux2_dev").parameters() / 1e9, 2) == 32.22
     assert round(get_architecture("wan22_ti2v_5b").parameters() / 1e9, 2) == 5.0  # dim 3072, 30 layers, 48 channels
+    # HunyuanVideo 1.5: 8.3B (54 double-stream blocks of width 2048, 2 refiner blocks)
+    assert round(get_architecture("hunyuan_video15_480p_t2v").parameters() / 1e9, 2) == 8.33
 
 
 @pytest.mark.slow

@@ -16,7 +16,8 @@ few hundred to a thousand tokens instead of 49k-152k.
 
 Modules: ``vocab.py`` (corpus, BPE, tokenizers), ``components.py`` (shared encoders and helpers),
 ``diffusion_models.py`` (SD3, FLUX, FLUX Kontext), ``qwen_image_models.py`` (Qwen-Image, -Edit, -Edit Plus),
-``family_models.py`` (Wan, Z-Image, FLUX.2 [dev] / [klein]), ``ltx2.py`` (LTX-2),
+``family_models.py`` (Wan, Z-Image, FLUX.2 [dev] / [klein]), ``ltx2.py`` (LTX-2), ``hunyuan_video15.py``
+(HunyuanVideo 1.5),
 ``vlm_models.py`` (Qwen2/2.5/3-VL), ``clip_models.py`` (CLIP, open_clip), ``unified_reward.py`` (the UnifiedReward
 judge);
 every name is importable from ``mmrl.tiny``.
@@ -46,6 +47,7 @@ from mmrl.tiny.family_models import (  # noqa: F401
 from mmrl.tiny.ltx2 import build_tiny_ltx2  # noqa: F401
 from mmrl.tiny.glm4v import build_tiny_glm4v  # noqa: F401
 from mmrl.tiny.internvl import build_tiny_internvl  # noqa: F401
+from mmrl.tiny.hunyuan_video15 import build_tiny_hunyuan_video15  # noqa: F401
 from mmrl.tiny.hpsv3 import build_tiny_edit_reward, build_tiny_hpsv3  # noqa: F401  (authors'-format reward checkpoints)
 from mmrl.tiny.qwen_image_models import (  # noqa: F401
     build_tiny_qwen_image,
@@ -95,6 +97,7 @@ BUILDERS = {
     "flux2": build_tiny_flux2,
     "flux2_klein": build_tiny_flux2_klein,
     "ltx2": build_tiny_ltx2,
+    "hunyuan_video15": build_tiny_hunyuan_video15,
     "qwen2_vl": build_tiny_qwen2_vl,
     "qwen25_vl": build_tiny_qwen25_vl,
     "qwen3_vl": build_tiny_qwen3_vl,

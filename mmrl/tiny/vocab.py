@@ -239,10 +239,11 @@ def _qwen_pre_tokens(tok, text: str) -> list[str]:
             for p, _ in pre.pre_tokenize_str(piece)]
 
 
-def make_qwen_image_tokenizer():
+def make_qwen_image_tokenizer(extra_texts: tuple[str, ...] = ()):
     """The Qwen2-style tokenizer of the tiny Qwen-Image pipelines: ``make_qwen_tokenizer``'s corpus plus every
     pre-token of ``QWEN_IMAGE_TEMPLATE_TEXTS`` and the edit words as single tokens, so the templates' system turns
-    tokenize to the 34 / 64 tokens the pipelines drop (as the real tokenizer's do)."""
+    tokenize to the 34 / 64 tokens the pipelines drop (as the real tokenizer's do). ``extra_texts``: other
+    pipelines' templates whose pre-tokens become single tokens too (HunyuanVideo 1.5's 108-token system turn)."""
     from tokenizers import AddedToken
     from transformers import Qwen2Tokenizer
 
@@ -252,7 +253,7 @@ def make_qwen_image_tokenizer():
     forms += ["\n\n", " \n", ".\n", "?\n"]
     words = [tuple(b2u[b] for b in f.encode("utf-8")) for f in forms]
     probe = make_qwen_tokenizer()  # only its pre-tokenizer (the Qwen2 regex) is used
-    words += [tuple(p) for text in QWEN_IMAGE_TEMPLATE_TEXTS for p in _qwen_pre_tokens(probe, text)]
+    words += [tuple(p) for text in [*QWEN_IMAGE_TEMPLATE_TEXTS, *extra_texts] for p in _qwen_pre_tokens(probe, text)]
     merges = train_bpe(words)
     vocab = _vocab_from_merges([b2u[b] for b in range(256)], merges)
     for t in QWEN_SPECIAL_TOKENS + QWEN_NORMAL_ADDED_TOKENS:

@@ -191,6 +191,10 @@ STEP_CASES = {
     "flow_grpo_flux2_klein_pickscore.yaml": (("build_tiny_flux2_klein", {"distilled": True}),
                                              {"height": 64, "width": 64}, {"max_sequence_length": 16}, "shapes"),
     "flow_grpo_qwen_image_ocr.yaml": ("QwenImagePipeline", {}, {}, "ocr"),
+    # 4 of its 16 steps (its 10-step SDE window shrunk with them), 5 frames of the tiny 2x-temporal VAE
+    "flow_grpo_hunyuan15_t2v.yaml": ("HunyuanVideo15Pipeline", {"num_steps": 4, "window_size": 3,
+                                                                "window_range": [0, 4], "num_frames": 5},
+                                     {"max_sequence_length": 16}, "shapes"),
     "flow_grpo_qwen_image_edit_pickscore.yaml": ("QwenImageEditPlusPipeline", {}, {}, "edits"),
 }
 

@@ -13,7 +13,7 @@ and assign the wrapped module back to `model.transformer`.
 
 Families (one file each, registered by the pipeline class in model_index.json): `sd3.py`
 (StableDiffusion3Pipeline), `flux.py` (FluxPipeline), `flux2.py` (Flux2Pipeline, Flux2KleinPipeline), `z_image.py`
-(ZImagePipeline), `wan.py` (WanPipeline), `qwen_image.py` (QwenImagePipeline), `qwen_image_edit.py`
+(ZImagePipeline), `wan.py` (WanPipeline), `hunyuan_video15.py` (HunyuanVideo15Pipeline), `qwen_image.py` (QwenImagePipeline), `qwen_image_edit.py`
 (QwenImageEditPipeline, QwenImageEditPlusPipeline), `flux_kontext.py` (FluxKontextPipeline). Edit families
 (`needs_source_image`) take `encode_prompts(prompts, images=...)` and carry the source image's latents in the
 returned PromptEmbeds. Adding one = a new file here with a `@register_family("<PipelineClass>")` FlowModel
