@@ -246,6 +246,17 @@ COMMANDS: dict[str, object] = {
     "data.train_prompts=data/pickscore_sfw/train.txt data.eval_prompts=data/pickscore_sfw/test.txt": Short(
         "mmrl config check configs/diffusion/flow_grpo_sd35_dina_lrm.yaml model.path=/models/stable-diffusion-3.5-medium "
         "data.train_prompts=data/pickscore_sfw/train.txt data.eval_prompts=data/pickscore_sfw/test.txt", _NO_GPU),
+    "mmrl train configs/diffusion/flow_grpo_sd35_hpsv3.yaml model.path=/models/stable-diffusion-3.5-medium "
+    "data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt": Short(
+        "mmrl config check configs/diffusion/flow_grpo_sd35_hpsv3.yaml model.path=/models/stable-diffusion-3.5-medium "
+        "data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt", _NO_GPU),
+    "mmrl train configs/diffusion/flow_grpo_qwen_image_edit_editreward.yaml model.path=/models/Qwen-Image-Edit-2511": Short(
+        "mmrl config check configs/diffusion/flow_grpo_qwen_image_edit_editreward.yaml "
+        "model.path=/models/Qwen-Image-Edit-2511", _NO_GPU),
+    "mmrl train configs/vlm/grpo_glm41v_9b_geo3k.yaml model.path=/models/GLM-4.1V-9B-Thinking model.lora.rank=64 "
+    "data.path=/data/geometry3k/data/train-00000-of-00001.parquet data.val_path=/data/geometry3k/data/test-00000-of-00001.parquet": Short(
+        "mmrl config check configs/vlm/grpo_glm41v_9b_geo3k.yaml model.path=/models/GLM-4.1V-9B-Thinking model.lora.rank=64 "
+        "data.path=/data/geometry3k/data/train-00000-of-00001.parquet data.val_path=/data/geometry3k/data/test-00000-of-00001.parquet", _NO_GPU),
     "mmrl train configs/diffusion/flow_grpo_sd35_ocr.yaml "
     "model.path=/models/stable-diffusion-3.5-medium data.train_prompts=data/ocr/train.txt data.eval_prompts=data/ocr/test.txt": Short(
         "mmrl config check configs/diffusion/flow_grpo_sd35_ocr.yaml "
