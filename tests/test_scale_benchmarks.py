@@ -137,6 +137,7 @@ def test_real_width_plan_is_read_from_each_architecture():
             "wan22_ti2v_5b": (one, dict(num_frames=9, height=704, width=1280, text_tokens=1024)),
             "qwen_image_20b": (one, dict(image, text_tokens=256)),
             "hunyuan_video15_480p_t2v": (one, dict(num_frames=5, height=256, width=256, text_tokens=1000)),
+            "ltx2_19b": (one, dict(num_frames=121, height=512, width=768, text_tokens=1024)),
             "z_image_6b": ([{"n_layers": 2}, {"n_layers": 3}], dict(image, text_tokens=512)),
             "qwen25_vl_3b": ([{"text_config.num_hidden_layers": 1, "vision_config.depth": 1},
                               {"text_config.num_hidden_layers": 2, "vision_config.depth": 1},
