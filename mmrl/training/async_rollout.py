@@ -82,6 +82,26 @@ def open_rollouts() -> set[int]:
     return {id(p) for p in _OPEN}
 
 
+def _quiet_resource_sharer() -> None:
+    """A rollout process killed while it fetches a shared tensor's file descriptor resets the connection of
+    multiprocessing's resource-sharer thread in this process, which would print a traceback beside the one-line error
+    that reports the death (the trainer notices the dead process on its own): that thread's connection errors are
+    dropped; every other thread's exception goes to the previous hook."""
+    import threading
+
+    previous = threading.excepthook
+    if getattr(previous, "_mmrl_quiet_sharer", False):
+        return
+
+    def hook(args: Any) -> None:
+        if issubclass(args.exc_type, (ConnectionError, EOFError)) and "(_serve)" in getattr(args.thread, "name", ""):
+            return
+        previous(args)
+
+    hook._mmrl_quiet_sharer = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
 def close_rollouts(since: set[int]) -> None:
     """Stop every rollout process opened after `open_rollouts()` returned `since`: a recipe that raised stops its
     rollout process at once (`mmrl.run.closes_runs`), not when its traceback is dropped."""
@@ -300,6 +320,7 @@ class AsyncRollout:
         state_dicts, plus `producer_state`), the weights of version `step`, then the tickets that are due."""
         state = {name: obj.state_dict() for name, obj in self.mirror.items()}
         state.update(producer_state or {})
+        _quiet_resource_sharer()
         self.proc.start()  # (torch.multiprocessing spawn: a script that trains needs `if __name__ == "__main__":`)
         # the trainer only reads `outbox`: with the rollout process holding the only write end, a batch cut by its
         # death (a kill -9 while the batch is half through the pipe) ends in EOF instead of a read that never returns
