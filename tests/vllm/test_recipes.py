@@ -27,7 +27,7 @@ def _grpo_cfg(path, out, *overrides):
                  "shape_size": [0.5, 0.7], "eval_size": 4},
         "rollout": {"engine": "vllm", "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 4,
                     "vllm_kwargs": VLLM_KW},
-        "update": {"micro_batch_size": 4}, "algo": {"kl": {"coef": 0.05}},  # KL: a gradient even if rewards tie
+        "update": {"micro_batch_size": 4}, "algo": {"kl": {"coef": 0.05}, "entropy_coef": 0.01},  # entropy: a gradient even if rewards tie
         "warm_start": {"steps": 2, "batch_size": 4, "lr": 1e-2},
         "log": {"sample_every": 0, "eval_every": 1},
         "train": {"max_steps": 2, "save_every": 1}, "optim": {"lr": 1e-3},
