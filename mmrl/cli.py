@@ -6,6 +6,7 @@
     mmrl eval CONFIG.yaml [--checkpoint DIR] [k=v]   score a diffusion checkpoint: rewards + shapes check
     mmrl export RUN --format F --out DIR             a checkpoint as diffusers / kohya / transformers / peft files
     mmrl reward list | score | serve                 the reward zoo without a trainer
+    mmrl label SOURCE --out FILE                     a local page to label preference pairs by hand
     mmrl tiny DIR [--head-dim N]                     build the tiny real-architecture models into DIR
     mmrl demo [vlm|diffusion|all]                    the CPU demos `make demo` runs
     mmrl --version                                   mmrl's version, the torch stack's and torch's device build
@@ -202,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     from mmrl.export.cli import add_export_subparser
 
     add_export_subparser(sub)  # mmrl export RUN_OR_CHECKPOINT --format F --out DIR
+    from mmrl.label.cli import add_label_subparser
+
+    add_label_subparser(sub)  # mmrl label SOURCE --out preferences.jsonl
 
     try:
         from mmrl.rewards.cli import add_reward_subparsers

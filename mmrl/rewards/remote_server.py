@@ -4,12 +4,9 @@ batching and bounded resources. The protocol, status codes and limits are in the
 
 from __future__ import annotations
 
-import hmac
-import ipaddress
 import json
 import math
 import numbers
-import os
 import queue
 import sys
 import threading
@@ -20,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmrl.http_auth import BearerToken, check_token, is_loopback
+from mmrl.http_auth import token_from_env as _token_from_env
 from mmrl.rewards.base import RewardModel
 from mmrl.rewards.remote_codec import (ImageTooLargeError, base64_image_bytes, decode_image_bytes, image_header_size,
                                        to_jsonable)
@@ -72,19 +71,8 @@ TOKEN_ENV = "MMRL_REWARD_TOKEN"
 
 def token_from_env(token: str | None = None) -> str | None:
     """`token` if given, else $MMRL_REWARD_TOKEN (an empty value counts as unset)."""
-    if token is None:
-        token = os.environ.get(TOKEN_ENV) or None
-    return token
+    return _token_from_env(token, TOKEN_ENV)
 
-
-def is_loopback(host: str) -> bool:
-    """True for addresses only this machine can reach (127.0.0.0/8, ::1, "localhost")."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(str(host).strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def check_server_options(*, max_batch: Any = 64, max_wait_ms: Any = 5.0, max_body_mb: Any = 256.0,
@@ -107,8 +95,7 @@ def check_server_options(*, max_batch: Any = 64, max_wait_ms: Any = 5.0, max_bod
             raise ValueError(f"{name(key)} must be a number > 0, got {v!r}")
     if not number(max_wait_ms) or max_wait_ms < 0:
         raise ValueError(f"{name('max_wait_ms')} must be a number >= 0, got {max_wait_ms!r}")
-    if token is not None and (not isinstance(token, str) or not token.strip() or not token.isprintable()):
-        raise ValueError(f"{name('token')} must be a non-empty printable string (or unset for no token check)")
+    check_token(token, name('token'))
 
 
 class _HTTPServer(ThreadingHTTPServer):
@@ -133,8 +120,7 @@ class RewardServer:
         self.max_body = int(max_body_mb * 1024 * 1024)
         self.max_pixels = int(max_pixels)
         self.max_request_pixels = int(max_request_pixels)
-        # compared as whole header values in constant time (hmac.compare_digest)
-        self._auth = None if token is None else f"Bearer {token}".encode("utf-8")
+        self._auth = BearerToken(token)  # compared as whole header values in constant time
         self.read_timeout = float(read_timeout)
         self.quiet = quiet
         self.model_calls = 0  # number of reward invocations (tests check that batching merged requests)
@@ -158,13 +144,11 @@ class RewardServer:
     @property
     def exposed_without_token(self) -> bool:
         """Bound beyond this machine (e.g. 0.0.0.0) with no token: anyone who can reach the port can use it."""
-        return self._auth is None and not is_loopback(str(self.host))
+        return not self._auth.required and not is_loopback(str(self.host))
 
     def authorized(self, header: str | None) -> bool:
         """Whether an ``Authorization`` header value carries the server's token (always True without one)."""
-        if self._auth is None:
-            return True
-        return hmac.compare_digest((header or "").strip().encode("utf-8"), self._auth)
+        return self._auth.matches(header)
 
     @property
     def url(self) -> str:
