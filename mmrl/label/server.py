@@ -95,7 +95,8 @@ class LabelServer:
         return f"http://{host}:{self.port}/"
 
     def start(self) -> "LabelServer":
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="label-http", daemon=True)
+        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="label-http", daemon=True)
         self._thread.start()
         return self
 
