@@ -354,6 +354,15 @@ COMMANDS: dict[str, object] = {
     "--port 8008": ByTest("tests/rewards/test_reward_cli.py::test_python_m_mmrl_cli_reward_serve_with_a_token_from_the_"
                           "environment", "a server, and no PickScore weights here: the test serves from the CLI with "
                           "the token in MMRL_REWARD_TOKEN"),
+    # docs/labeling.md
+    "mmrl label samples/ --out preferences.jsonl": ByTest(
+        "tests/label/test_label_cli.py::test_python_m_mmrl_cli_label_serves_the_page_and_a_rerun_with_a_token_continues",
+        "a server until Ctrl-C: the test starts the command on a folder of samples, labels through the printed URL, "
+        "stops it with SIGINT and starts it again"),
+    "MMRL_LABEL_TOKEN=change-me mmrl label samples/ --out preferences.jsonl --host 0.0.0.0 --port 8009": ByTest(
+        "tests/label/test_label_cli.py::test_python_m_mmrl_cli_label_serves_the_page_and_a_rerun_with_a_token_continues",
+        "a server on every interface: the test's rerun takes the token from MMRL_LABEL_TOKEN on 127.0.0.1 (the token "
+        "rules do not depend on the address) and test_a_wide_bind_without_a_token... checks the refusal"),
     "mmrl reward env create oldsix --packages \"six==1.16.0\" --reuse-site-packages": ByTest(
         "tests/rewards/test_reward_env.py::test_env_create_writes_its_manifest_lists_it_and_refuses_a_second_create",
         "offline here (pip --no-index): the test runs this command with --packages naming a six 1.16.0 wheel built "

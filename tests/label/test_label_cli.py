@@ -80,3 +80,21 @@ def test_a_wide_bind_without_a_token_and_a_missing_source_are_one_line_errors(sa
     assert capsys.readouterr().err.startswith(f"mmrl: error: label source not found: {tmp_path / 'nowhere'} (give a "
                                               f"folder of samples")
     assert not (tmp_path / "p.jsonl").exists()
+
+
+def test_a_wheel_ships_the_page(tmp_path):
+    """page.html is package data (pyproject's [tool.setuptools.package-data]): without it a wheel or a non-editable
+    install has no page to serve."""
+    import shutil
+    import zipfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    src = tmp_path / "src"  # a copy: the build writes build/ and *.egg-info beside pyproject.toml
+    shutil.copytree(root / "mmrl", src / "mmrl", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, src / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                    "-w", str(tmp_path / "dist"), str(src)], check=True, capture_output=True, timeout=300)
+    (wheel,) = (tmp_path / "dist").glob("mmrl-*.whl")
+    assert "mmrl/label/page.html" in zipfile.ZipFile(wheel).namelist()
