@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+from urllib.parse import quote
 
 from mmrl.http_auth import token_from_env
 
@@ -30,7 +31,8 @@ def cmd_label(args: argparse.Namespace) -> int:
         p = server.progress()
     print(f"mmrl label: {p['total']} items from {args.source} ({p['labelled']} labelled, {p['skipped']} skipped, "
           f"{p['remaining']} to go) -> {server.store.out}", flush=True)
-    print(f"open {server.url}" + (f"?token={token}" if token else "") + "  (Ctrl-C stops; rerun to continue)",
+    print(f"open {server.url}" + (f"?token={quote(token, safe='')}" if token else "") +
+          "  (Ctrl-C stops; rerun to continue)",
           flush=True)
     try:
         server.httpd.serve_forever()

@@ -33,7 +33,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from mmrl.http_auth import BearerToken, check_token, is_loopback
 from mmrl.label.pairs import Item
@@ -43,6 +43,10 @@ TOKEN_ENV = "MMRL_LABEL_TOKEN"
 COOKIE = "mmrl_label_token"
 MAX_BODY = 64 * 1024
 _SESSION = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def _same(a: str, b: str) -> bool:
+    return hmac.compare_digest(a.encode("utf-8"), b.encode("utf-8"))  # str operands must be ASCII: bytes take any
 
 
 class _Refused(Exception):
@@ -73,7 +77,6 @@ class LabelServer:
         check_access(host, token, lease_seconds)
         self.items = {it.pair_id: it for it in items}
         self.order = [it.pair_id for it in items]
-        self.k = len(items[0].files) if items else 2
         self.auth = BearerToken(token)
         self.lease_seconds = float(lease_seconds)
         self.quiet = quiet
@@ -134,9 +137,10 @@ class LabelServer:
 
     def next_item(self, session: str) -> dict:
         now = time.monotonic()
-        for pid, (_, s, expiry) in self.leases.items():  # a reloaded tab gets its item back
-            if s == session and expiry > now and pid not in self.store.decided:
-                return self._lease(pid, session)
+        mine = [p for p, (_, s, expiry) in self.leases.items()
+                if s == session and expiry > now and p not in self.store.decided]
+        if mine:  # a reloaded tab gets its item back
+            return self._lease(mine[0], session)
         held = 0
         for pid in self.order:
             if pid in self.store.decided:
@@ -163,12 +167,12 @@ class LabelServer:
             raise _Refused(400, "lease missing: send the lease GET /api/next gave with this pair")
         done = self.store.decided.get(pid)
         if done is not None:
-            if hmac.compare_digest(done.get("lease", ""), lease) and done["choice"] == choice:
+            if _same(done.get("lease", ""), lease) and done["choice"] == choice:
                 return 200, {"recorded": False, "already_recorded": True, "progress": self.progress()}
             raise _Refused(409, f"pair {pid} is already labelled ({done['choice']}); undo it first (POST /api/undo "
                                 f"from the session that labelled it)")
         held = self.leases.get(pid)
-        if held is None or not hmac.compare_digest(held[0], lease):
+        if held is None or not _same(held[0], lease):
             raise _Refused(409, f"lease is not valid for pair {pid}: the pair was handed to another tab (after this "
                                 f"lease expired) or never to this one; GET /api/next for a pair")
         self.store.record(it, choice, held[1], lease)
@@ -223,7 +227,7 @@ class LabelServer:
                     cookie = SimpleCookie(self.headers.get("Cookie") or "").get(COOKIE)
                 except CookieError:
                     cookie = None
-                return cookie is not None and server.auth.matches(cookie.value, bare=True)
+                return cookie is not None and server.auth.matches(unquote(cookie.value), bare=True)
 
             def do_GET(self):  # noqa: N802
                 url = urlsplit(self.path)
@@ -232,8 +236,8 @@ class LabelServer:
                     if not server.auth.matches(query["token"][0], bare=True):
                         return self._json(401, {"error": "wrong token in the address; use the URL mmrl label printed"})
                     return self._send(303, b"", "text/plain", {  # the token leaves the address bar and history
-                        "Location": "/", "Set-Cookie": f"{COOKIE}={query['token'][0]}; HttpOnly; SameSite=Strict; "
-                                                        f"Path=/"})
+                        "Location": "/", "Set-Cookie": f"{COOKIE}={quote(query['token'][0], safe='')}; HttpOnly; "
+                                                        f"SameSite=Strict; Path=/"})
                 if not self._authorized():
                     return self._json(401, {"error": f"missing or wrong token: open the URL mmrl label printed "
                                                      f"(/?token=...), or send 'Authorization: Bearer <token>'"})

@@ -132,6 +132,7 @@ def test_unknown_forged_and_replayed_labels_are_refused_or_idempotent(serve, tmp
     item = c.next()
     assert c.call("POST", "/api/label", {"pair_id": "0" * 20, "choice": "left", "lease": item["lease"]}) == (
         404, {"error": "unknown pair id '00000000000000000000': label items handed out by GET /api/next"})
+    assert c.label({**item, "lease": "forg\u00e9d"}, "left")[0] == 409  # not ASCII: still compared, no 500
     assert c.label({**item, "lease": "forged"}, "left") == (409, {"error": (
         f"lease is not valid for pair {item['pair_id']}: the pair was handed to another tab (after this lease "
         f"expired) or never to this one; GET /api/next for a pair")})
@@ -171,20 +172,20 @@ def test_media_serves_queued_samples_by_id_only_never_a_path_from_the_request(se
 
 
 def test_a_token_is_required_from_every_request_when_set(serve):
-    server, c = serve(token="s3cret")
+    server, c = serve(token="s3c;r et")  # characters a cookie must carry quoted
     assert c.call("GET", "/api/progress") == (401, {"error": "missing or wrong token: open the URL mmrl label printed "
                                                              "(/?token=...), or send 'Authorization: Bearer <token>'"})
     assert c.call("GET", "/")[0] == 401 and c.call("GET", f"/media/{server.order[0]}/0", raw=True)[0] == 401
     assert c.call("POST", "/api/undo", {"session": "a"})[0] == 401
     assert c.call("GET", "/api/progress", headers={"Authorization": "Bearer wrong"})[0] == 401
     assert c.call("GET", "/?token=wrong")[0] == 401
-    status, _, headers = c.call("GET", "/?token=s3cret", raw=True)  # the printed URL: a cookie, the token leaves it
+    status, _, headers = c.call("GET", "/?token=s3c%3Br%20et", raw=True)  # the printed URL: a cookie, the token leaves
     assert (status, headers["Location"]) == (303, "/")
     cookie = headers["Set-Cookie"].split(";")[0]
-    assert cookie == "mmrl_label_token=s3cret" and "HttpOnly" in headers["Set-Cookie"]
+    assert cookie == "mmrl_label_token=s3c%3Br%20et" and "HttpOnly; SameSite=Strict" in headers["Set-Cookie"]
     assert c.call("GET", "/", headers={"Cookie": cookie}, raw=True)[0] == 200
     assert c.call("GET", "/api/progress", headers={"Cookie": "mmrl_label_token=nope"})[0] == 401
-    scripted = type(c)(server, {"Authorization": "Bearer s3cret"})
+    scripted = type(c)(server, {"Authorization": "Bearer s3c;r et"})
     item = scripted.next()
     assert scripted.label(item, "left")[0] == 200
 
