@@ -42,7 +42,7 @@ from mmrl.label.store import CHOICES, LabelStore
 TOKEN_ENV = "MMRL_LABEL_TOKEN"
 COOKIE = "mmrl_label_token"
 MAX_BODY = 64 * 1024
-_SESSION = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_SESSION = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def _same(a: str, b: str) -> bool:
@@ -181,7 +181,7 @@ class LabelServer:
 
     def undo(self, body: dict) -> dict:
         session = body.get("session")
-        if not isinstance(session, str) or not _SESSION.match(session):
+        if not isinstance(session, str) or not _SESSION.fullmatch(session):
             raise _Refused(400, "session missing or malformed: 1-64 characters of A-Z a-z 0-9 _ -")
         pid = self.store.undo(session)
         if pid is None:
@@ -239,8 +239,8 @@ class LabelServer:
                         "Location": "/", "Set-Cookie": f"{COOKIE}={quote(query['token'][0], safe='')}; HttpOnly; "
                                                         f"SameSite=Strict; Path=/"})
                 if not self._authorized():
-                    return self._json(401, {"error": f"missing or wrong token: open the URL mmrl label printed "
-                                                     f"(/?token=...), or send 'Authorization: Bearer <token>'"})
+                    return self._json(401, {"error": "missing or wrong token: open the URL mmrl label printed "
+                                                     "(/?token=...), or send 'Authorization: Bearer <token>'"})
                 try:
                     if url.path == "/":
                         return self._send(200, server.page, "text/html; charset=utf-8")
@@ -249,7 +249,7 @@ class LabelServer:
                             return self._json(200, server.progress())
                     if url.path == "/api/next":
                         session = (query.get("session") or [""])[0]
-                        if not _SESSION.match(session):
+                        if not _SESSION.fullmatch(session):
                             raise _Refused(400, "session missing or malformed: /api/next?session=ID (1-64 characters "
                                                 "of A-Z a-z 0-9 _ -, one per tab or script)")
                         with server.lock:

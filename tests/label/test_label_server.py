@@ -2,8 +2,6 @@
 
 import json
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -12,8 +10,6 @@ import pytest
 from mmrl.label import LabelServer, build_queue
 from mmrl.label.store import log_path
 from mmrl.pipelines.data import load_preference_pairs
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def events(out):
@@ -155,6 +151,7 @@ def test_unknown_forged_and_replayed_labels_are_refused_or_idempotent(serve, tmp
                                                      f"(POST /api/undo from the session that labelled it)"})
     assert len(rows(tmp_path / "prefs.jsonl")) == 1 and len(events(tmp_path / "prefs.jsonl")) == 1
     assert c.call("GET", "/api/next?session=../x")[0] == 400
+    assert c.call("GET", "/api/next?session=x%0A")[0] == 400  # a newline after a good name
     assert c.call("GET", "/etc/passwd") == (404, {"error": "unknown path '/etc/passwd'"})
 
 
