@@ -143,3 +143,31 @@ def test_bad_preference_files_are_one_line_errors(tmp_path, clip_dir, capsys):
     assert err.startswith("mmrl: error: mmrl reward train: configs/diffusion/flow_grpo_tiny.yaml has algorithm: "
                           "flow_grpo, expected reward_bt")
     assert not (tmp_path / "run").exists()  # every check ran before the run directory was made
+
+
+def test_vlm_head_backbone_trains_a_lora_and_exports_an_hpsv3_checkpoint(tmp_path):
+    """The VLM-with-head backbone: the tiny HPSv3 (Qwen2-VL + MLP head) gets LoRA on its decoder attention and head;
+    the export is an HPSv3.safetensors the zoo's hpsv3 loads, scoring as the adapters did."""
+    import mmrl.rewards
+    from mmrl.tiny.hpsv3 import build_tiny_hpsv3
+
+    tiny = build_tiny_hpsv3(tmp_path / "hps")
+    pairs = make_color_preference_file(tmp_path / "prefs", n_pairs=8, ties=0)
+    cfg = load_config({"algorithm": "reward_bt", "output_dir": str(tmp_path / "run"), "device": "cpu",
+                       "num_threads": 1, "model": {"backbone": "vlm_head", "path": str(tiny / "HPSv3.safetensors"),
+                                                   "processor": str(tiny / "base"), "lora": {"rank": 4},
+                                                   "kwargs": {"min_pixels": 56 * 56, "max_pixels": 56 * 56}},
+                       "data": {"pairs": str(pairs)}, "optim": {"lr": 1e-2},
+                       "update": {"pairs_per_step": 2, "micro_batch_size": 2}, "train": {"max_steps": 2}})
+    train(cfg)
+    rows = metrics_rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["eval/pairs"] == 2
+    assert rows[1]["train/grad_norm"] > 0
+    spec = json.loads((tmp_path / "run" / "reward" / "mmrl_reward.json").read_text())
+    assert (spec["reward"], spec["weights"]) == ("hpsv3", "HPSv3.safetensors")
+    assert spec["kwargs"] == {"processor": str((tiny / "base").resolve()), "dtype": "float32", "min_pixels": 3136,
+                              "max_pixels": 3136}
+    loaded = mmrl.rewards.load("learned_pref", weights=str(tmp_path / "run" / "reward"), device="cpu")
+    _, eval_pairs = split_pairs(cfg)
+    assert_close_across_paths(evaluate(loaded, eval_pairs, 2)["eval/margin"], rows[-1]["eval/margin"],
+                              what="merged vs adapter LoRA")

@@ -66,12 +66,12 @@ def merged_copy(module: nn.Module) -> nn.Module:
 class ClipBackbone(Backbone):
     reward_name = "pickscore"
 
-    def __init__(self, path: str, processor: str, device: Any, batch_size: int):
+    def __init__(self, path: str, processor: str, device: Any, batch_size: int, kwargs: dict):
         from mmrl.rewards.image.pickscore import PickScore
 
-        self.path, self.processor = Path(path), Path(processor or path)
+        self.path, self.processor, self.kwargs = Path(path), Path(processor or path), dict(kwargs)
         self.reward = PickScore(weights=path, processor=processor or None, device=device, dtype="float32",
-                                batch_size=batch_size, differentiable=True)
+                                batch_size=batch_size, differentiable=True, **self.kwargs)
         self.module = self.reward.clip.model
 
     def lora_targets(self) -> list[str]:
@@ -83,18 +83,19 @@ class ClipBackbone(Backbone):
         for name in ("preprocessor_config.json", "processor_config.json"):  # the image geometry HFClip reads
             if (self.processor / name).is_file():
                 shutil.copy(self.processor / name, out / name)
-        return {"reward": self.reward_name, "weights": ".", "kwargs": {}}
+        return {"reward": self.reward_name, "weights": ".", "kwargs": self.kwargs}
 
 
 class VLMHeadBackbone(Backbone):
     reward_name = "hpsv3"
     checkpoint_name = "HPSv3.safetensors"
 
-    def __init__(self, path: str, processor: str, device: Any, dtype: str, batch_size: int):
+    def __init__(self, path: str, processor: str, device: Any, dtype: str, batch_size: int, kwargs: dict):
         from mmrl.rewards.image.hpsv3 import HPSv3
 
-        self.base, self.dtype = Path(processor).resolve(), dtype
-        self.reward = HPSv3(weights=path, processor=processor, device=device, dtype=dtype, batch_size=batch_size)
+        self.base, self.dtype, self.kwargs = Path(processor).resolve(), dtype, dict(kwargs)
+        self.reward = HPSv3(weights=path, processor=processor, device=device, dtype=dtype, batch_size=batch_size,
+                            **self.kwargs)
         self.reward.differentiable = True  # gradients reach the weights made trainable below
         bb = self.reward.backbone
         self.module = nn.ModuleDict({"model": bb.model, "rm_head": bb.heads["rm_head."]})
@@ -111,14 +112,14 @@ class VLMHeadBackbone(Backbone):
         state.update({f"rm_head.{k}": v.float().contiguous() for k, v in merged["rm_head"].state_dict().items()})
         save_file(state, str(out / self.checkpoint_name), metadata={"format": "pt"})
         return {"reward": self.reward_name, "weights": self.checkpoint_name,
-                "kwargs": {"processor": str(self.base), "dtype": self.dtype}}
+                "kwargs": {"processor": str(self.base), "dtype": self.dtype, **self.kwargs}}
 
 
 def build_backbone(model_cfg: Any, device: Any, dtype: str, batch_size: int) -> Backbone:
     """The backbone `model.backbone` names, loaded from `model.path` (and `model.processor`)."""
     if model_cfg.backbone == "clip":
-        return ClipBackbone(model_cfg.path, model_cfg.processor, device, batch_size)
-    return VLMHeadBackbone(model_cfg.path, model_cfg.processor, device, dtype, batch_size)
+        return ClipBackbone(model_cfg.path, model_cfg.processor, device, batch_size, model_cfg.kwargs)
+    return VLMHeadBackbone(model_cfg.path, model_cfg.processor, device, dtype, batch_size, model_cfg.kwargs)
 
 
 def write_export(backbone: Backbone, out: Path, info: dict) -> Path:

@@ -57,6 +57,9 @@ class ModelConfig:
     processor: str = ""
     """clip: the tokenizer + preprocessor directory when `path` has none (PickScore_v1's come from the laion CLIP);
     vlm_head: the base Qwen2-VL directory (config + processor files), required."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Further arguments of the zoo reward (vlm_head: e.g. min_pixels, max_pixels), used in training and recorded
+    in the export, so the trained reward scores with them."""
     lora: RewardLoRAConfig = field(default_factory=RewardLoRAConfig)
     """LoRA (rank > 0; default targets: the attention projections, and the head's Linear layers for vlm_head) or
     full fine-tuning (rank 0)."""
