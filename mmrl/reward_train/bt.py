@@ -60,6 +60,8 @@ class ModelConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Further arguments of the zoo reward (vlm_head: e.g. min_pixels, max_pixels), used in training and recorded
     in the export, so the trained reward scores with them."""
+    build_tiny: bool = False
+    """clip: when `path` holds no config.json, build a tiny random CLIP there first (`mmrl.tiny`; the CPU demo)."""
     lora: RewardLoRAConfig = field(default_factory=RewardLoRAConfig)
     """LoRA (rank > 0; default targets: the attention projections, and the head's Linear layers for vlm_head) or
     full fine-tuning (rank 0)."""
@@ -76,6 +78,9 @@ class DataConfig:
     image_root); empty = hold out `eval_fraction` of the prompts of `pairs`."""
     eval_fraction: float = 0.2
     """Without eval_pairs: the share of the pairs held out, whole prompts at a time (drawn with the run's seed)."""
+    build_demo: bool = False
+    """When `pairs` does not exist, write the synthetic colour preference set there first (the CPU demo:
+    `make_color_preference_file`, "a red car" prefers the red-dominant image of the pair)."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.eval_fraction < 1.0:
@@ -115,8 +120,9 @@ class Config(RunConfig):
     """The reward model: backbone, weights, LoRA or full fine-tuning."""
     data: DataConfig = field(default_factory=DataConfig)
     """Preference pairs and the held-out split."""
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    """AdamW and its learning-rate schedule."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
+    """AdamW and its learning-rate schedule (default lr: PickScore's full fine-tuning of CLIP-H, trainer/optimizers/
+    adamw.py at ca44324; a LoRA wants a larger one, e.g. 1e-4)."""
     update: RewardUpdateConfig = field(default_factory=RewardUpdateConfig)
     """Pairs per step, micro-batches, clipping, the non-finite guard."""
     log: LogConfig = field(default_factory=LogConfig)
@@ -125,6 +131,18 @@ class Config(RunConfig):
     """Training loop length, checkpoints, resume."""
     dist: DistConfig = field(default_factory=DistConfig)
     """Kept for the run layer: reward_bt runs in one process."""
+
+
+def build_demo_inputs(cfg: Config) -> None:
+    """`model.build_tiny` / `data.build_demo`: the tiny CLIP and the synthetic pairs of the CPU demo, made once."""
+    if cfg.model.build_tiny and cfg.model.path and not (Path(cfg.model.path) / "config.json").is_file():
+        if cfg.model.backbone != "clip":
+            raise ValueError("model.build_tiny builds a tiny CLIP: it needs model.backbone=clip")
+        from mmrl.tiny import build_tiny_clip
+
+        build_tiny_clip(cfg.model.path, seed=cfg.seed)
+    if cfg.data.build_demo and cfg.data.pairs and not Path(cfg.data.pairs).exists():
+        make_color_preference_file(Path(cfg.data.pairs).parent, seed=cfg.seed, name=Path(cfg.data.pairs).name)
 
 
 def check_config(cfg: Config) -> None:
@@ -221,6 +239,7 @@ def train(cfg: Config) -> dict:
     from mmrl.training import UpdateGuard, build_optimizer, clip_grads, peft_lora_config
     from mmrl.training.steps import StepLoop
 
+    build_demo_inputs(cfg)
     check_config(cfg)
     train_pairs, eval_pairs = split_pairs(cfg)
     ctx, run = start_run(cfg)
@@ -305,9 +324,10 @@ DEMO_SUBJECTS = ("sunset over the sea", "city street", "bowl of fruit", "mountai
 
 
 def make_color_preference_file(out_dir: str | Path, n_pairs: int = 80, seed: int = 0, size: int = 32,
-                               ties: int = 2) -> Path:
-    """A synthetic preference set with a clear signal, in the labelling page's row layout: `out_dir/pairs.jsonl`
-    ({prompt, image_0, image_1, label_0, pair_id}) + PNGs. The prompt names a colour ("a red car", "a blue car");
+                               ties: int = 2, name: str = "pairs.jsonl") -> Path:
+    """A synthetic preference set with a clear signal, in the labelling page's row layout: `out_dir/<name>`
+    ({prompt, image_0, image_1, label_0, pair_id}) + PNGs in `out_dir/images/` + `out_dir/image_prompts.txt` (the
+    prompt of each image in file-name order, for `mmrl reward score --images DIR --prompts FILE`). The prompt names a colour ("a red car", "a blue car");
     in every pair one image is red-dominant noise and the other blue-dominant noise, in random order, and the one
     of the named colour is preferred (label_0 = 1 when image_0 is). A reward that ignores the prompt gets half
     right. The last `ties` rows are ties (label_0 = 0.5), which training drops."""
@@ -335,8 +355,9 @@ def make_color_preference_file(out_dir: str | Path, n_pairs: int = 80, seed: int
         label = 0.5 if i >= n_pairs else float(first_is_red == (color == "red"))
         rows.append({"prompt": f"a {color} {subject}", "image_0": f"images/{i:04d}_0.png",
                      "image_1": f"images/{i:04d}_1.png", "label_0": label, "pair_id": f"demo-{i:04d}"})
-    path = out / "pairs.jsonl"
+    path = out / name
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (out / "image_prompts.txt").write_text("".join(f"{r['prompt']}\n" * 2 for r in rows))
     return path
 
 
