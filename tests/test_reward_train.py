@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from mmrl import cli
-from mmrl.config import load_config
+from mmrl.config import load_config, to_yaml
 from mmrl.reward_train.accuracy import bradley_terry_loss, pair_accuracy, wilson_interval
 from mmrl.reward_train.bt import evaluate, make_color_preference_file, split_pairs, train
 from mmrl.testing import RESUMED_RUN, assert_close_across_paths, assert_same_path, metrics_rows, without_time
@@ -98,7 +98,9 @@ def test_lora_resumed_run_equals_uninterrupted(tmp_path, clip_dir, pairs_file):
 
     extra = ["model.lora.rank=4", "optim.lr=1e-2", "train.save_every=3", "log.eval_every=3"]
     train(_cfg(tmp_path / "full", clip_dir, pairs_file, "train.max_steps=6", *extra))
-    train(_cfg(tmp_path / "half", clip_dir, pairs_file, "train.max_steps=3", *extra))
+    (tmp_path / "half.yaml").write_text(to_yaml(_cfg(tmp_path / "half", clip_dir, pairs_file, "train.max_steps=3",
+                                                     *extra)))
+    assert cli.main(["train", str(tmp_path / "half.yaml")]) == 0  # `mmrl train` runs the recipe too
     assert cli.main(["reward", "train", str(tmp_path / "half" / "config.yaml"), "train.max_steps=6"]) == 0
     a, b = metrics_rows(tmp_path / "full"), metrics_rows(tmp_path / "half")
     assert [r["step"] for r in b] == [0, 1, 2, 3, 4, 5, 6]
@@ -142,6 +144,8 @@ def test_bad_preference_files_are_one_line_errors(tmp_path, clip_dir, capsys):
     err = _error(capsys, "reward", "train", "configs/diffusion/flow_grpo_tiny.yaml")
     assert err.startswith("mmrl: error: mmrl reward train: configs/diffusion/flow_grpo_tiny.yaml has algorithm: "
                           "flow_grpo, expected reward_bt")
+    err = _error(capsys, "reward", "train", str(cfg), f"data.pairs={pairs}", "dtype=bfloat16")
+    assert err.startswith("mmrl: error: dtype=bfloat16: full fine-tuning (model.lora.rank=0) trains every weight")
     assert not (tmp_path / "run").exists()  # every check ran before the run directory was made
 
 

@@ -155,6 +155,12 @@ def check_config(cfg: Config) -> None:
                          f"to train from (model.backbone={m.backbone})")
     if not Path(m.path).exists():
         require_path("model.path", m.path, "model", kind="dir" if m.backbone == "clip" else "file")
+    if m.lora.init_path:
+        raise ValueError("model.lora.init_path: reward_bt starts a LoRA from the base weights; to go on from a trained "
+                         "reward, give its exported directory's model as model.path")
+    if not m.lora.enabled and cfg.dtype != "float32":
+        raise ValueError(f"dtype={cfg.dtype}: full fine-tuning (model.lora.rank=0) trains every weight, which stays "
+                         f"float32; use dtype=float32, or LoRA (model.lora.rank > 0) over a {cfg.dtype} model")
     if m.backbone == "vlm_head" and not m.processor:
         raise ValueError("model.processor: model.backbone=vlm_head needs the base Qwen2-VL directory (config + "
                          "processor files) the checkpoint was built from")
