@@ -269,6 +269,7 @@ def train(cfg: Config) -> dict:
     summary: dict[str, Any] = {}
     if start == 0:  # the accuracy before training: what the fit is measured against
         first = evaluate(backbone.reward, eval_pairs, micro)
+        run.truncate_metrics(-1)  # a fresh start: no row of an earlier start that wrote no checkpoint (its step 0)
         run.log(0, first)
         summary.update({f"first/{k}": v for k, v in first.items()})
 
@@ -307,7 +308,7 @@ def train(cfg: Config) -> dict:
         metrics.update(guard.pop_metrics())
     steps.close()
     last = [r for r in run.read_metrics() if r.get("eval/pair_accuracy") is not None]
-    if steps.step == cfg.train.max_steps or start == cfg.train.max_steps:  # not stopped early: export
+    if steps.step == cfg.train.max_steps:  # not stopped early (a callback): export
         evals = {k: v for k, v in (last[-1] if last else {}).items() if k.startswith("eval/")}
         out = write_export(backbone, run.dir / "reward",
                            {"backbone": cfg.model.backbone, "trained_by": "reward_bt", "step": cfg.train.max_steps,
