@@ -175,3 +175,13 @@ def test_vlm_head_backbone_trains_a_lora_and_exports_an_hpsv3_checkpoint(tmp_pat
     _, eval_pairs = split_pairs(cfg)
     assert_close_across_paths(evaluate(loaded, eval_pairs, 2)["eval/margin"], rows[-1]["eval/margin"],
                               what="merged vs adapter LoRA")
+
+
+def test_a_start_after_one_that_wrote_no_checkpoint_logs_step_0_once(tmp_path, clip_dir, pairs_file):
+    import shutil
+
+    cfg = _cfg(tmp_path / "run", clip_dir, pairs_file, "train.max_steps=2")
+    train(cfg)
+    shutil.rmtree(tmp_path / "run" / "checkpoints")  # as if it had died before its first checkpoint
+    train(cfg)
+    assert [r["step"] for r in metrics_rows(tmp_path / "run")] == [0, 1, 2]
