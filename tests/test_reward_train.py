@@ -185,3 +185,15 @@ def test_a_start_after_one_that_wrote_no_checkpoint_logs_step_0_once(tmp_path, c
     shutil.rmtree(tmp_path / "run" / "checkpoints")  # as if it had died before its first checkpoint
     train(cfg)
     assert [r["step"] for r in metrics_rows(tmp_path / "run")] == [0, 1, 2]
+
+
+def test_learned_pref_names_a_directory_that_is_not_an_export(tmp_path, capsys):
+    from PIL import Image
+
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        cli.main(["reward", "score", "learned_pref", "--weights", str(tmp_path), "--images", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert err == (f"mmrl reward: error: learned_pref: '{tmp_path}' has no mmrl_reward.json: not a directory written "
+                   f"by `mmrl reward train` (its <output_dir>/reward)")
