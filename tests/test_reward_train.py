@@ -83,6 +83,8 @@ def test_tiny_clip_learns_and_the_exported_reward_scores_as_trained(tmp_path, cl
     again = evaluate(loaded, eval_pairs, 8)
     assert_same_path(again, {k: v for k, v in evals[-1].items() if k.startswith("eval/")},
                      why="full fine-tuning: the trained weights saved and loaded into the same pickscore scoring call")
+    pickscore = mmrl.rewards.load("pickscore", weights=str(reward_dir), batch_size=16, device="cpu")  # a CLIP dir
+    assert_same_path(evaluate(pickscore, eval_pairs, 8), again, why="learned_pref builds this pickscore")
     # `mmrl reward score` with the trained directory
     images = [eval_pairs[0].chosen, eval_pairs[0].rejected]
     (tmp_path / "prompts.txt").write_text(f"{eval_pairs[0].prompt}\n{eval_pairs[0].prompt}\n")
