@@ -10,6 +10,7 @@
                       [--parent-pid PID] [--quiet]
     mmrl reward env create NAME [--packages "pkgA==1 pkgB"] [--reuse-site-packages]  # mmrl/rewards/envs.py
     mmrl reward env list
+    mmrl reward train CONFIG.yaml [key=value ...]   # a reward_bt config: `mmrl train` (mmrl/reward_train/bt.py)
 
 Both name the reward the same way, first: a registered name, a YAML file (a weighted composite) or
 ``module:function`` (a plain function, or a RewardModel class or instance, importable where the command runs: e.g. a
