@@ -20,7 +20,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from mmrl.rewards.learned import SPEC_FILE
