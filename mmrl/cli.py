@@ -6,6 +6,7 @@
     mmrl eval CONFIG.yaml [--checkpoint DIR] [k=v]   score a diffusion checkpoint: rewards + shapes check
     mmrl export RUN --format F --out DIR             a checkpoint as diffusers / kohya / transformers / peft files
     mmrl reward list | score | serve                 the reward zoo without a trainer
+    mmrl reward train CONFIG.yaml [k=v ...]          fit a reward model to preference pairs (reward_bt)
     mmrl label SOURCE --out FILE                     a local page to label preference pairs by hand
     mmrl tiny DIR [--head-dim N]                     build the tiny real-architecture models into DIR
     mmrl demo [vlm|diffusion|all]                    the CPU demos `make demo` runs
@@ -212,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:  # pragma: no cover - the zoo CLI ships with the package
         add_reward_subparsers = None
     if add_reward_subparsers is not None:
-        add_reward_subparsers(sub)
+        add_reward_subparsers(sub, train=cmd_train)  # + `mmrl reward train` (a reward_bt config)
 
     tb = sub.add_parser("tiny", help="build tiny random real-architecture models (SD3, FLUX.1/2, Z-Image, Wan, "
                                       "Qwen-VL, CLIP) into DIR")

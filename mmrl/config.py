@@ -35,6 +35,7 @@ RECIPES: dict[str, str] = {
     "vlm_multiturn": "mmrl.vlm.multiturn",
     "prompt_rewriter": "mmrl.joint.rewriter",
     "janus_grpo": "mmrl.ar_image.grpo",
+    "reward_bt": "mmrl.reward_train.bt",
 }
 
 # the recipes' configs under their Python API names (`mmrl.FlowGRPOConfig` is mmrl.diffusion.flow_grpo.Config);

@@ -120,6 +120,10 @@ COMMANDS: dict[str, object] = {
     "python benchmarks/async_rollout.py --recipes vlm_grpo,flow_grpo --steps 60,30 --repeats 3": ByTest(
         "tests/test_benchmarks.py::test_async_rollout_quick_mode_runs_every_variant",
         "the full pass takes an hour: the quick mode runs every variant"),
+    # docs/reward-training.md
+    "mmrl reward train configs/reward/bt_clip_tiny.yaml": RUN,
+    "mmrl reward score learned_pref --weights runs/reward_bt_tiny/reward --images runs/reward_bt_demo/images "
+    "--prompts runs/reward_bt_demo/image_prompts.txt --out runs/reward_bt_demo/scores.csv": RUN,
     # docs/prompt-rewriter.md
     "mmrl train configs/joint/rewriter_tiny.yaml": Short(
         "mmrl train configs/joint/rewriter_tiny.yaml train.max_steps=1 train.save_every=0 warm_start.steps=2 "

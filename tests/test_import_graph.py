@@ -137,7 +137,7 @@ def test_mmrl_imports_have_no_circle_even_through_function_level_imports():
 
 SHARED_LAYERS = ("core", "adapters", "distributed", "perf", "pipelines", "rewards", "run", "training", "tiny", "config",
                  "install_check", "runtime", "testing", "trl_names", "http_auth")
-RECIPE_LAYERS = ("diffusion", "vlm", "ar_image", "joint", "eval", "export", "trainer", "label", "cli")
+RECIPE_LAYERS = ("diffusion", "vlm", "ar_image", "joint", "reward_train", "eval", "export", "trainer", "label", "cli")
 
 
 def _graph() -> dict[str, set[str]]:

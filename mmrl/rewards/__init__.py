@@ -12,6 +12,8 @@ register_lazy("mmrl.rewards.image.aesthetic", "aesthetic")
 register_lazy("mmrl.rewards.image.ocr", "ocr")
 register_lazy("mmrl.rewards.image.imagereward", "imagereward")
 register_lazy("mmrl.rewards.image.hpsv3", "hpsv3")
+# a reward trained by `mmrl reward train` (reward_bt), from the directory it exported
+register_lazy("mmrl.rewards.learned", "learned_pref")
 
 # text / composite / remote / VLM-judge rewards (rewards helper: text, composite, remote, vlm_judge)
 register_lazy("mmrl.rewards.text", "math_accuracy", "multiple_choice", "number_match", "exact_match", "format",

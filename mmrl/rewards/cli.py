@@ -10,6 +10,7 @@
                       [--parent-pid PID] [--quiet]
     mmrl reward env create NAME [--packages "pkgA==1 pkgB"] [--reuse-site-packages]  # mmrl/rewards/envs.py
     mmrl reward env list
+    mmrl reward train CONFIG.yaml [key=value ...]   # a reward_bt config: `mmrl train` (mmrl/reward_train/bt.py)
 
 Both name the reward the same way, first: a registered name, a YAML file (a weighted composite) or
 ``module:function`` (a plain function, or a RewardModel class or instance, importable where the command runs: e.g. a
@@ -45,11 +46,14 @@ from mmrl.rewards.score_files import CLIError, collect_images, read_prompts, res
 from mmrl.rewards.score_files import fail as _fail
 
 
-def add_reward_subparsers(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``reward {list,score,serve}`` to the main CLI's subparsers; each sets ``func=``."""
-    reward = subparsers.add_parser("reward", help="list, score with or serve reward models",
-                                   description="Reward-model zoo: list, score images, serve over HTTP.")
-    sub = reward.add_subparsers(dest="reward_command", metavar="{list,score,serve,env}")
+def add_reward_subparsers(subparsers: argparse._SubParsersAction, train: Any = None) -> argparse.ArgumentParser:
+    """Add ``reward {list,score,serve,env}`` to the main CLI's subparsers; each sets ``func=``. `train`: the main
+    CLI's `mmrl train` command, which ``reward train`` runs for a `reward_bt` config."""
+    reward = subparsers.add_parser("reward", help="list, score with, serve or train reward models",
+                                   description="Reward-model zoo: list, score images, serve over HTTP, train on "
+                                               "preference pairs.")
+    sub = reward.add_subparsers(dest="reward_command",
+                                metavar="{list,score,serve,env,train}" if train else "{list,score,serve,env}")
     sub.required = True
 
     p = sub.add_parser("list", help="print the available rewards with a one-line description")
@@ -107,7 +111,29 @@ def add_reward_subparsers(subparsers: argparse._SubParsersAction) -> argparse.Ar
     from mmrl.rewards.envs import add_env_subparsers
 
     add_env_subparsers(sub, _exit_on_error)
+
+    if train is not None:
+        p = sub.add_parser("train", help="fit a reward model to preference pairs (Bradley-Terry): mmrl reward train "
+                                         "CONFIG.yaml [key=value ...]")
+        p.add_argument("config", help="YAML file with `algorithm: reward_bt`")
+        p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=10 optim.lr=1e-5")
+        p.set_defaults(func=_reward_train(train))
     return reward
+
+
+def _reward_train(train: Any):
+    """`mmrl train` for a config whose algorithm is reward_bt (errors: the main CLI's one line)."""
+
+    def cmd_reward_train(args: argparse.Namespace) -> int:
+        from mmrl.config import load_config
+
+        algorithm = load_config(args.config, args.overrides).algorithm
+        if algorithm != "reward_bt":
+            raise ValueError(f"mmrl reward train: {args.config} has algorithm: {algorithm}, expected reward_bt (train "
+                             f"other recipes with mmrl train)")
+        return train(args)
+
+    return cmd_reward_train
 
 
 def _add_load_args(p: argparse.ArgumentParser) -> None:
