@@ -1,0 +1,185 @@
+"""Sequence parallelism (`dist.sequence_parallel`, mmrl.distributed.sequence): on 2 gloo ranks the split forward and
+backward of a tiny family transformer, a Flow-GRPO rollout and one Flow-GRPO update equal one process; the one-line
+refusals. The 2-rank part runs this file as a script (torch.multiprocessing.spawn), as tests/diffusion/test_flow_grpo.py
+does."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmrl.testing import assert_close_across_paths, child_env, spawn_ranks
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = str(REPO / "assets" / "prompts" / "shapes_train.txt")
+FORWARD_CASES = ("wan21", "qwen_image", "flux")  # tiny_cases() names, one per supported family
+P, G = 2, 2  # Flow-GRPO: prompts, videos per prompt
+
+
+def _forward_backward(path, ctx):
+    """The velocity of a tiny family transformer on 2 fixed rows, and every parameter's gradient of its mean
+    square (under sequence parallelism: this process's share)."""
+    from mmrl.diffusion.models import load_flow_model
+    from mmrl.distributed import sequence
+
+    model = load_flow_model(path, num_frames=5) if "wan" in str(path) else load_flow_model(path)
+    embeds = model.encode_prompts(["a red circle", "a blue square on a green background"])
+    x = model.initial_noise(2, 32, 32, generator=torch.Generator().manual_seed(1))
+    tr = model.transformer
+    tr.requires_grad_(True)
+    if ctx.sp > 1:
+        sequence.apply(tr, ctx, model.family)
+    v = model.transformer_velocity(x, torch.tensor([0.7, 0.4]), embeds, 1.0)
+    v.square().mean().backward()
+    return v.detach(), {n: p.grad.detach().clone() for n, p in tr.named_parameters() if p.grad is not None}
+
+
+def _flow_grpo_cfg(path):
+    from mmrl.config import load_config
+
+    return load_config({"algorithm": "flow_grpo", "output_dir": "/tmp/unused", "seed": 3,
+                        "model": {"path": str(path), "lora": {"rank": 4, "alpha": 8}, "max_sequence_length": 16},
+                        "data": {"train_prompts": PROMPTS},
+                        "rollout": {"prompts_per_step": P, "height": 32, "width": 32, "num_frames": 5, "num_steps": 3,
+                                    "group_size": G, "guidance_scale": 1.0, "timestep_fraction": 0.99},
+                        "update": {"micro_batch_size": 2, "mini_batch_size": 0, "max_grad_norm": 0.0},
+                        "algo": {"kl": {"coef": 0.04}, "ema": False}, "optim": {"lr": 1e-3},
+                        "reward": {"components": {"jpeg_compressibility": 1.0}}, "log": {"sample_every": 0}})
+
+
+def _flow_grpo_step(path, ctx):
+    """A Flow-GRPO rollout of the tiny Wan (fixed noise) and one update on it with fixed rewards (as
+    test_flow_grpo's equality test): the trajectory and the LoRA weights after the update."""
+    from mmrl.core.prompt_stats import PerPromptStatTracker
+    from mmrl.diffusion.common import build_policy_states, load_recipe_model
+    from mmrl.diffusion.grpo_update import train_on_rollout
+    from mmrl.diffusion.loop import TrainingParts
+    from mmrl.diffusion.sampling import sample_groups
+    from mmrl.diffusion.scoring import global_advantages
+    from mmrl.distributed import sequence
+    from mmrl.runtime import seed_everything
+
+    cfg = _flow_grpo_cfg(path)
+    s = cfg.rollout
+    model = load_recipe_model(cfg, torch.device("cpu"), torch.float32)
+    seed_everything(0)  # identical LoRA init everywhere
+    states = build_policy_states(model, cfg.model, old=False, ref=True)
+    params = states.trainable_parameters()
+    initial = [p.detach().clone() for p in params]
+    sequence.apply(states.model, ctx, model.family)
+    model.transformer = ctx.wrap_model(states.model, "ddp")
+    # plain SGD, no clipping: the step is proportional to the gradient, so a gradient off by the group size shows
+    opt = torch.optim.SGD(params, lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+    prompts_all = [x.strip() for x in open(PROMPTS).read().splitlines()[:P]]
+    traj = sample_groups(model, model.encode_prompts(prompts_all), G, num_steps=s.num_steps, height=s.height,
+                         width=s.width, guidance_scale=s.guidance_scale, noise_level=s.noise_level,
+                         timestep_fraction=s.timestep_fraction, generator=torch.Generator().manual_seed(7))
+    scores = torch.tensor([0.1, 0.9, 2.0, -1.0])
+    prompts = [prompts_all[i] for i in traj.prompt_index.tolist()]
+    adv, keep, _ = global_advantages(ctx, PerPromptStatTracker("group"), prompts, scores, cfg.algo.adv_clip_max, True)
+    torch.manual_seed(100)
+    out = train_on_rollout(TrainingParts(cfg, ctx, model, states, opt, sched, params), 0, traj, adv, keep)
+    names = {id(p): n for n, p in states.model.named_parameters()}
+    return {"latents": traj.latents, "log_probs": traj.log_probs, "loss": out["policy/loss"],
+            "params": {names[id(p)]: p.detach().clone() for p in params}, "initial": initial}
+
+
+def _worker(ctx, paths, out_dir):
+    from mmrl.distributed.sequence import data_parallel_view
+
+    view = data_parallel_view(ctx, 2)
+    res = {"view": (view.rank, view.world_size, view.is_main, view.processes)}
+    res["forward"] = {case: _forward_backward(p, view) for case, p in paths.items()}
+    res["step"] = _flow_grpo_step(paths["wan21"], view)
+    torch.save(res, Path(out_dir) / f"rank{ctx.rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    from mmrl.diffusion.models import tiny_cases
+
+    out = tmp_path_factory.mktemp("sp")
+    cases = tiny_cases()
+    paths = {c: str(cases[c].build_at(out / c)) for c in FORWARD_CASES}
+    proc = subprocess.run([sys.executable, __file__, repr(paths), str(out)], cwd=REPO, env=child_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"2-rank run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
+    return paths, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.parametrize("case", FORWARD_CASES)
+def test_split_forward_and_backward_equal_one_process(two_ranks, case):
+    from mmrl.distributed import DistContext
+
+    paths, ranks = two_ranks
+    v1, g1 = _forward_backward(paths[case], DistContext())
+    for r in ranks:  # both processes of the group end with the whole output (gathered after proj_out)
+        assert_close_across_paths(r["forward"][case][0], v1, what=f"{case}: velocity, 2-way split vs 1 process")
+    g2 = {n: ranks[0]["forward"][case][1][n] + ranks[1]["forward"][case][1][n] for n in g1}
+    assert set(ranks[0]["forward"][case][1]) == set(g1)
+    assert_close_across_paths(g2, g1, what=f"{case}: gradients, sum of the 2 shares vs 1 process")
+    # each share is a real part, not the whole gradient twice
+    name = max(g1, key=lambda n: g1[n].abs().max().item())
+    assert (ranks[0]["forward"][case][1][name] - g1[name]).abs().max() > 1e-4 * g1[name].abs().max()
+
+
+def test_flow_grpo_rollout_and_update_equal_one_process(two_ranks):
+    from mmrl.distributed import DistContext
+
+    paths, ranks = two_ranks
+    assert [r["view"] for r in ranks] == [(0, 1, True, 2), (0, 1, False, 2)]
+    one = _flow_grpo_step(paths["wan21"], DistContext())
+    for r in ranks:
+        s = r["step"]
+        assert_close_across_paths(s["latents"], one["latents"], what="rollout latents, 2-way split vs 1 process")
+        assert_close_across_paths(s["log_probs"], one["log_probs"], what="rollout log-probs")
+        assert s["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
+        assert_close_across_paths(s["params"], one["params"], what="LoRA weights after one update")
+    moved = max((p - p0).abs().max().item() for p, p0 in zip(one["params"].values(), one["initial"]))
+    assert moved > 1e-3  # the update is not trivially zero
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+
+
+def test_heads_not_divisible_is_one_line(tiny_wan):
+    from mmrl.distributed.sequence import check_model
+
+    with pytest.raises(ValueError) as e:
+        check_model(tiny_wan.transformer, 4, "wan")
+    assert str(e.value) == ("dist.sequence_parallel=4: wan's transformer has 2 attention heads, not divisible by 4 "
+                            "(each process takes heads / 4); use a divisor of 2")
+    with pytest.raises(ValueError, match=r"^dist.sequence_parallel=2: family 'sd3' is not supported \(supported: "
+                                         r"wan, qwen_image, flux\); set dist.sequence_parallel=1$"):
+        check_model(tiny_wan.transformer, 2, "sd3")
+
+
+def test_config_and_layout_checks():
+    from mmrl.distributed import DistConfig
+    from mmrl.distributed.sequence import check_layout, check_recipe
+
+    with pytest.raises(ValueError, match=r"^dist.sequence_parallel: expected an integer >= 1, got 0$"):
+        DistConfig(sequence_parallel=0)
+    with pytest.raises(ValueError, match=r"^dist.sequence_parallel=2: the number of processes \(3\) must be "
+                                         r"divisible by it"):
+        check_layout(2, 3)
+    cfg = _flow_grpo_cfg("unused")
+    cfg.dist.sequence_parallel, cfg.dist.strategy = 2, "fsdp"
+    with pytest.raises(ValueError, match=r"^dist.sequence_parallel=2 with dist.strategy=fsdp is not supported"):
+        check_recipe(cfg, 2)
+
+
+@pytest.fixture(scope="module")
+def tiny_wan(tmp_path_factory):
+    from mmrl.diffusion.models import load_flow_model, tiny_cases
+
+    return load_flow_model(tiny_cases()["wan21"].build_at(tmp_path_factory.mktemp("wan") / "pipe"), num_frames=5)
+
+
+if __name__ == "__main__":
+    import ast
+
+    spawn_ranks(_worker, ast.literal_eval(sys.argv[1]), sys.argv[2])
