@@ -110,6 +110,7 @@ def two_ranks(tmp_path_factory):
     return paths, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", FORWARD_CASES)
 def test_split_forward_and_backward_equal_one_process(two_ranks, case):
     from mmrl.distributed import DistContext
@@ -126,6 +127,7 @@ def test_split_forward_and_backward_equal_one_process(two_ranks, case):
     assert (ranks[0]["forward"][case][1][name] - g1[name]).abs().max() > 1e-4 * g1[name].abs().max()
 
 
+@pytest.mark.slow
 def test_flow_grpo_rollout_and_update_equal_one_process(two_ranks):
     from mmrl.distributed import DistContext
 
@@ -140,6 +142,27 @@ def test_flow_grpo_rollout_and_update_equal_one_process(two_ranks):
         assert_close_across_paths(s["params"], one["params"], what="LoRA weights after one update")
     moved = max((p - p0).abs().max().item() for p, p0 in zip(one["params"].values(), one["initial"]))
     assert moved > 1e-3  # the update is not trivially zero
+
+
+@pytest.mark.slow
+def test_torchrun_cli_flow_grpo_wan_split_over_two_processes(tmp_path, tiny_wan_path):
+    """`mmrl train` under torchrun with dist.sequence_parallel=2: one data-parallel group of 2 processes runs the
+    whole step (rollout, update, held-out evaluation, sample grid, checkpoint) with every Wan forward split."""
+    import json
+
+    from mmrl.testing import run_torchrun
+
+    out = tmp_path / "run"
+    proc = run_torchrun(["-m", "mmrl.cli", "train", "configs/diffusion/flow_grpo_wan_tiny.yaml",
+                         f"model.path={tiny_wan_path}", f"output_dir={out}", "train.max_steps=1",
+                         "train.save_every=1", "log.eval_every=1", "log.sample_every=1", "log.eval_max_prompts=2",
+                         "dist.sequence_parallel=2"], cwd=REPO)
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
+    assert "[mmrl] dist.strategy: auto -> ddp (2 processes launched)" in proc.stdout
+    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert row["train/updates"] == 1 and row["policy/grad_norm"] > 0 and "eval/reward/mean" in row
+    assert (out / "checkpoints" / "step_1" / "COMPLETE").is_file()
+    assert (out / "samples" / "step_000001.mp4").is_file()
 
 
 # ------------------------------------------------------------------------------------------------ refusals
@@ -173,10 +196,17 @@ def test_config_and_layout_checks():
 
 
 @pytest.fixture(scope="module")
-def tiny_wan(tmp_path_factory):
-    from mmrl.diffusion.models import load_flow_model, tiny_cases
+def tiny_wan_path(tmp_path_factory):
+    from mmrl.diffusion.models import tiny_cases
 
-    return load_flow_model(tiny_cases()["wan21"].build_at(tmp_path_factory.mktemp("wan") / "pipe"), num_frames=5)
+    return tiny_cases()["wan21"].build_at(tmp_path_factory.mktemp("wan") / "pipe")
+
+
+@pytest.fixture(scope="module")
+def tiny_wan(tiny_wan_path):
+    from mmrl.diffusion.models import load_flow_model
+
+    return load_flow_model(tiny_wan_path, num_frames=5)
 
 
 if __name__ == "__main__":
