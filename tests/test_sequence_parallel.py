@@ -1,7 +1,8 @@
-"""Sequence parallelism (`dist.sequence_parallel`, mmrl.distributed.sequence): on 2 gloo ranks the split forward and
-backward of a tiny family transformer, a Flow-GRPO rollout and one Flow-GRPO update equal one process; the one-line
-refusals. The 2-rank part runs this file as a script (torch.multiprocessing.spawn), as tests/diffusion/test_flow_grpo.py
-does."""
+"""Sequence parallelism (`dist.sequence_parallel`, mmrl.distributed.sequence): on 4 gloo processes (2 data-parallel
+groups of 2 processes that split each forward) the forward and backward of a tiny Wan, Qwen-Image and FLUX.1
+transformer, a Flow-GRPO rollout and one Flow-GRPO update equal one process; `mmrl train` under torchrun with 2
+processes splitting every forward; the one-line refusals. The 4-process part runs this file as a script
+(torch.multiprocessing.spawn), as tests/diffusion/test_flow_grpo.py does."""
 
 import subprocess
 import sys
@@ -50,13 +51,13 @@ def _flow_grpo_cfg(path):
 
 
 def _flow_grpo_step(path, ctx):
-    """A Flow-GRPO rollout of the tiny Wan (fixed noise) and one update on it with fixed rewards (as
-    test_flow_grpo's equality test): the trajectory and the LoRA weights after the update."""
+    """A Flow-GRPO rollout of the tiny Wan (fixed noise, the whole batch) and one update with fixed rewards on this
+    data-parallel rank's prompts (as test_flow_grpo's equality test): the trajectory and the LoRA weights after."""
     from mmrl.core.prompt_stats import PerPromptStatTracker
     from mmrl.diffusion.common import build_policy_states, load_recipe_model
     from mmrl.diffusion.grpo_update import train_on_rollout
     from mmrl.diffusion.loop import TrainingParts
-    from mmrl.diffusion.sampling import sample_groups
+    from mmrl.diffusion.sampling import Trajectory, sample_groups
     from mmrl.diffusion.scoring import global_advantages
     from mmrl.distributed import sequence
     from mmrl.runtime import seed_everything
@@ -74,16 +75,21 @@ def _flow_grpo_step(path, ctx):
     opt = torch.optim.SGD(params, lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
     prompts_all = [x.strip() for x in open(PROMPTS).read().splitlines()[:P]]
-    traj = sample_groups(model, model.encode_prompts(prompts_all), G, num_steps=s.num_steps, height=s.height,
+    full = sample_groups(model, model.encode_prompts(prompts_all), G, num_steps=s.num_steps, height=s.height,
                          width=s.width, guidance_scale=s.guidance_scale, noise_level=s.noise_level,
                          timestep_fraction=s.timestep_fraction, generator=torch.Generator().manual_seed(7))
-    scores = torch.tensor([0.1, 0.9, 2.0, -1.0])
-    prompts = [prompts_all[i] for i in traj.prompt_index.tolist()]
+    k = P // ctx.world_size
+    pi, rows = torch.arange(ctx.rank * k, (ctx.rank + 1) * k), torch.arange(ctx.rank * k * G, (ctx.rank + 1) * k * G)
+    traj = Trajectory(latents=full.latents[rows], log_probs=full.log_probs[rows], sigmas=full.sigmas,
+                      sde_mask=full.sde_mask, train_steps=full.train_steps,
+                      prompt_index=full.prompt_index[rows] - ctx.rank * k, embeds=full.embeds.select(pi))
+    scores = torch.tensor([0.1, 0.9, 2.0, -1.0])[rows]
+    prompts = [prompts_all[i] for i in full.prompt_index[rows].tolist()]
     adv, keep, _ = global_advantages(ctx, PerPromptStatTracker("group"), prompts, scores, cfg.algo.adv_clip_max, True)
     torch.manual_seed(100)
     out = train_on_rollout(TrainingParts(cfg, ctx, model, states, opt, sched, params), 0, traj, adv, keep)
     names = {id(p): n for n, p in states.model.named_parameters()}
-    return {"latents": traj.latents, "log_probs": traj.log_probs, "loss": out["policy/loss"],
+    return {"latents": full.latents, "log_probs": full.log_probs, "loss": out["policy/loss"],
             "params": {names[id(p)]: p.detach().clone() for p in params}, "initial": initial}
 
 
@@ -98,48 +104,56 @@ def _worker(ctx, paths, out_dir):
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
+def mesh_2x2(tmp_path_factory):
+    """4 gloo processes: 2 data-parallel groups (DDP over all 4) of 2 processes splitting each forward."""
     from mmrl.diffusion.models import tiny_cases
 
     out = tmp_path_factory.mktemp("sp")
     cases = tiny_cases()
     paths = {c: str(cases[c].build_at(out / c)) for c in FORWARD_CASES}
-    proc = subprocess.run([sys.executable, __file__, repr(paths), str(out)], cwd=REPO, env=child_env(),
+    return paths, _spawn(paths, out, 4)
+
+
+def _spawn(paths, out, world):
+    proc = subprocess.run([sys.executable, __file__, repr(paths), str(out), str(world)], cwd=REPO, env=child_env(),
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"2-rank run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
-    return paths, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert proc.returncode == 0, f"{world}-rank run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", FORWARD_CASES)
-def test_split_forward_and_backward_equal_one_process(two_ranks, case):
+def test_split_forward_and_backward_equal_one_process(mesh_2x2, case):
     from mmrl.distributed import DistContext
 
-    paths, ranks = two_ranks
+    paths, ranks = mesh_2x2
     v1, g1 = _forward_backward(paths[case], DistContext())
-    for r in ranks:  # both processes of the group end with the whole output (gathered after proj_out)
+    for r in ranks:  # every process ends with the whole output (gathered after proj_out)
         assert_close_across_paths(r["forward"][case][0], v1, what=f"{case}: velocity, 2-way split vs 1 process")
-    g2 = {n: ranks[0]["forward"][case][1][n] + ranks[1]["forward"][case][1][n] for n in g1}
-    assert set(ranks[0]["forward"][case][1]) == set(g1)
-    assert_close_across_paths(g2, g1, what=f"{case}: gradients, sum of the 2 shares vs 1 process")
-    # each share is a real part, not the whole gradient twice
+    for a, b in ((0, 1), (2, 3)):  # each group's 2 gradient shares sum to the whole gradient
+        ga, gb = ranks[a]["forward"][case][1], ranks[b]["forward"][case][1]
+        assert set(ga) == set(gb) == set(g1)
+        assert_close_across_paths({n: ga[n] + gb[n] for n in g1}, g1,
+                                  what=f"{case}: gradients, sum of the 2 shares vs 1 process")
+    # a share is a real part, not the whole gradient
     name = max(g1, key=lambda n: g1[n].abs().max().item())
     assert (ranks[0]["forward"][case][1][name] - g1[name]).abs().max() > 1e-4 * g1[name].abs().max()
 
 
 @pytest.mark.slow
-def test_flow_grpo_rollout_and_update_equal_one_process(two_ranks):
+def test_flow_grpo_rollout_and_update_equal_one_process(mesh_2x2):
+    """Each group rolls out the whole batch (its forwards split in 2) and trains on its prompt; DDP over the 4
+    processes with the loss scaled by the group size gives the one-process update on both prompts."""
     from mmrl.distributed import DistContext
 
-    paths, ranks = two_ranks
-    assert [r["view"] for r in ranks] == [(0, 1, True, 2), (0, 1, False, 2)]
+    paths, ranks = mesh_2x2
+    assert [r["view"] for r in ranks] == [(0, 2, True, 4), (0, 2, False, 4), (1, 2, False, 4), (1, 2, False, 4)]
     one = _flow_grpo_step(paths["wan21"], DistContext())
     for r in ranks:
         s = r["step"]
-        assert_close_across_paths(s["latents"], one["latents"], what="rollout latents, 2-way split vs 1 process")
-        assert_close_across_paths(s["log_probs"], one["log_probs"], what="rollout log-probs")
-        assert s["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
-        assert_close_across_paths(s["params"], one["params"], what="LoRA weights after one update")
+        assert_close_across_paths(s["latents"], one["latents"], what="rollout latents, 2 x 2 vs 1 process")
+        assert_close_across_paths(s["log_probs"], one["log_probs"], what="rollout log-probs, 2 x 2 vs 1 process")
+        assert_close_across_paths(s["params"], one["params"], what="LoRA weights after one update, 2 x 2")
     moved = max((p - p0).abs().max().item() for p, p0 in zip(one["params"].values(), one["initial"]))
     assert moved > 1e-3  # the update is not trivially zero
 
@@ -212,4 +226,4 @@ def tiny_wan(tiny_wan_path):
 if __name__ == "__main__":
     import ast
 
-    spawn_ranks(_worker, ast.literal_eval(sys.argv[1]), sys.argv[2])
+    spawn_ranks(_worker, ast.literal_eval(sys.argv[1]), sys.argv[2], world=int(sys.argv[3]))
