@@ -209,6 +209,20 @@ def test_config_and_layout_checks():
         check_recipe(cfg, 2)
 
 
+def test_mfu_counts_every_process_of_a_group(monkeypatch):
+    """A group's split forward is metered once (on its whole inputs) but runs on all its processes' devices: MFU
+    divides by every process's peak, not by the data-parallel ranks' only."""
+    from types import SimpleNamespace
+
+    from mmrl.perf import meter
+
+    model = torch.nn.Linear(2, 2)
+    setattr(model, meter._METER_ATTR, SimpleNamespace(pop=lambda: 1e12))
+    monkeypatch.setenv("MMRL_PEAK_TFLOPS", "1")
+    ctx = SimpleNamespace(enabled=False, world_size=1, processes=2)  # one group of 2 processes
+    assert meter.perf_metrics(ctx, model, 0.5, "cpu")["perf/mfu"] == pytest.approx(1.0)  # 1 TFLOP / 0.5 s / 2 x 1
+
+
 @pytest.fixture(scope="module")
 def tiny_wan_path(tmp_path_factory):
     from mmrl.diffusion.models import tiny_cases
