@@ -74,7 +74,7 @@ def _flow_grpo_step(path, ctx):
     # plain SGD, no clipping: the step is proportional to the gradient, so a gradient off by the group size shows
     opt = torch.optim.SGD(params, lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
-    prompts_all = [x.strip() for x in open(PROMPTS).read().splitlines()[:P]]
+    prompts_all = [x.strip() for x in Path(PROMPTS).read_text().splitlines()[:P]]
     full = sample_groups(model, model.encode_prompts(prompts_all), G, num_steps=s.num_steps, height=s.height,
                          width=s.width, guidance_scale=s.guidance_scale, noise_level=s.noise_level,
                          timestep_fraction=s.timestep_fraction, generator=torch.Generator().manual_seed(7))

@@ -105,7 +105,7 @@ class DistContext:
         # sequence parallelism (`mmrl.distributed.sequence.data_parallel_view`): rank / world_size are then the
         # data-parallel coordinates, collectives run in `group`, and `sp` processes share one forward
         self.group: Any = None
-        self.sp = 1
+        self.sp, self.sp_mesh = 1, None
         self.global_rank, self.processes = self.rank, self.world_size
 
     # ------------------------------------------------------------------ construction

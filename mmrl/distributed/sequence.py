@@ -51,7 +51,7 @@ def check_recipe(cfg: Any, processes: int) -> None:
                          f"{', '.join(RECIPES)}); set dist.sequence_parallel=1")
 
 
-def data_parallel_view(ctx: Any, sp: int, device_type: str | None = None) -> Any:
+def data_parallel_view(ctx: Any, sp: int) -> Any:
     """`ctx` (a DistContext of every process) seen by a recipe under sequence parallelism `sp`: `rank` and
     `world_size` become the data-parallel group's index and count (processes of one group draw the same prompts and
     noise), collectives run among processes with the same position in their group, `is_main` stays process 0, and
@@ -61,7 +61,7 @@ def data_parallel_view(ctx: Any, sp: int, device_type: str | None = None) -> Any
     check_layout(sp, ctx.world_size)
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device_type or ctx.device.type, (ctx.world_size // sp, 1, sp),
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size // sp, 1, sp),
                             mesh_dim_names=("dp", "ring", "ulysses"))
     view = type(ctx)(ctx.rank // sp, ctx.world_size // sp, ctx.local_rank, ctx.device, ctx.backend)
     view.group, view.sp = mesh["dp"].get_group(), sp
@@ -136,10 +136,11 @@ def apply(transformer: nn.Module, ctx: Any, family: str) -> nn.Module:
             processor = getattr(module, "processor", None)
             if processor is None or not hasattr(processor, "_parallel_config"):
                 continue
-            backend = getattr(processor, "_attention_backend", None) or _AttentionBackendRegistry.get_active_backend()[0]
-            if not _AttentionBackendRegistry._is_context_parallel_available(AttentionBackendName(backend)):
-                raise ValueError(f"dist.sequence_parallel={sp}: attention backend {AttentionBackendName(backend).value!r}"
-                                 f" cannot be split by diffusers; use 'native'")
+            backend = AttentionBackendName(getattr(processor, "_attention_backend", None)
+                                           or _AttentionBackendRegistry.get_active_backend()[0])
+            if not _AttentionBackendRegistry._is_context_parallel_available(backend):
+                raise ValueError(f"dist.sequence_parallel={sp}: attention backend {backend.value!r} cannot be split "
+                                 f"by diffusers; use 'native'")
             processor._parallel_config = config
         patch = tuple(model.config.patch_size) if isinstance(getattr(model.config, "patch_size", None),
                                                              (list, tuple)) else None
