@@ -26,7 +26,8 @@ def _forward_backward(path, ctx):
     from mmrl.distributed import sequence
 
     model = load_flow_model(path, num_frames=5) if "wan" in str(path) else load_flow_model(path)
-    embeds = model.encode_prompts(["a red circle", "a blue square on a green background"])
+    # Qwen-Image: 15 text tokens, padded to 16 under the split
+    embeds = model.encode_prompts(["a red circle", "a red circle on a blue square background now"])
     x = model.initial_noise(2, 32, 32, generator=torch.Generator().manual_seed(1))
     tr = model.transformer
     tr.requires_grad_(True)
@@ -192,6 +193,25 @@ def test_heads_not_divisible_is_one_line(tiny_wan):
     with pytest.raises(ValueError, match=r"^dist.sequence_parallel=2: family 'sd3' is not supported \(supported: "
                                          r"wan, qwen_image, flux\); set dist.sequence_parallel=1$"):
         check_model(tiny_wan.transformer, 2, "sd3")
+
+
+def test_tokens_not_divisible_are_one_line_and_qwen_text_is_padded():
+    from mmrl.distributed.sequence import _token_check
+
+    wan = _token_check(2, "wan", (1, 2, 2))
+    with pytest.raises(ValueError) as e:  # 1 x (2 / 2) x (6 / 2) = 3 video tokens
+        wan(None, (), {"hidden_states": torch.zeros(1, 16, 1, 2, 6)})
+    assert str(e.value) == ("dist.sequence_parallel=2: this wan forward has 3 image/video tokens, not divisible by 2; "
+                            "choose rollout.height/width/num_frames (or model.max_sequence_length) so that it is")
+    with pytest.raises(ValueError, match=r"this flux forward has 5 text tokens, not divisible by 2"):
+        _token_check(2, "flux", None)(None, (), {"hidden_states": torch.zeros(1, 4, 8),
+                                                "encoder_hidden_states": torch.zeros(1, 5, 8)})
+    texts, mask = torch.ones(2, 5, 3), torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 1, 1]])
+    _, kw = _token_check(4, "qwen_image", None)(None, (), {"hidden_states": torch.zeros(2, 8, 4),
+                                                          "encoder_hidden_states": texts,
+                                                          "encoder_hidden_states_mask": mask})
+    assert kw["encoder_hidden_states"].shape == (2, 8, 3) and torch.equal(kw["encoder_hidden_states"][:, :5], texts)
+    assert kw["encoder_hidden_states_mask"].tolist() == [[1, 1, 0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0, 0]]
 
 
 def test_config_and_layout_checks():

@@ -93,24 +93,40 @@ def check_model(transformer: nn.Module, sp: int, family: str) -> None:
                              f"divisible by {sp} (each process takes heads / {sp}); use a divisor of {heads}")
 
 
-def _token_check(sp: int, family: str, patch: tuple[int, ...] | None):
-    """A forward pre-hook: one line when this call's tokens cannot be cut into `sp` equal parts (diffusers asserts)."""
+def _pad_text(sp: int, texts: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen-Image's text tokens (their length is the batch's longest prompt) padded to a multiple of `sp`, the padding
+    masked out: attention never reads it and no image token changes (the text RoPE of the real tokens is the same)."""
+    n = texts.shape[1]
+    extra = -n % sp
+    if mask is None:
+        mask = torch.ones(texts.shape[:2], dtype=torch.long, device=texts.device)
+    texts = torch.cat([texts, texts.new_zeros(texts.shape[0], extra, *texts.shape[2:])], dim=1)
+    return texts, torch.cat([mask, mask.new_zeros(mask.shape[0], extra)], dim=1)
 
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+
+def _token_check(sp: int, family: str, patch: tuple[int, ...] | None):
+    """A forward pre-hook: one line when this call's tokens cannot be cut into `sp` equal parts (diffusers asserts);
+    Qwen-Image's text is padded instead (`_pad_text`)."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
         x = kwargs.get("hidden_states", args[0] if args else None)
         if x is None:
-            return
+            return None
         n = int(x.shape[1]) if x.dim() == 3 else int(torch.tensor(
             [s // p for s, p in zip(x.shape[2:], patch or (1,) * (x.dim() - 2))]).prod())
         texts = kwargs.get("encoder_hidden_states")
         lengths = {"image/video tokens": n}
-        if family in ("qwen_image", "flux") and texts is not None:  # their plans split the text tokens too
+        if family == "qwen_image" and texts is not None and texts.shape[1] % sp:
+            kwargs["encoder_hidden_states"], kwargs["encoder_hidden_states_mask"] = _pad_text(
+                sp, texts, kwargs.get("encoder_hidden_states_mask"))
+        if family == "flux" and texts is not None:  # its plan splits the text tokens too (no mask to pad with)
             lengths["text tokens"] = int(texts.shape[1])
         for what, k in lengths.items():
             if k % sp:
                 raise ValueError(f"dist.sequence_parallel={sp}: this {family} forward has {k} {what}, not divisible "
                                  f"by {sp}; choose rollout.height/width/num_frames (or model.max_sequence_length) "
                                  f"so that it is")
+        return args, kwargs
 
     return hook
 
