@@ -1,6 +1,6 @@
 """Sequence parallelism (`dist.sequence_parallel`, mmrl.distributed.sequence): on 4 gloo processes (2 data-parallel
-groups of 2 processes that split each forward) the forward and backward of a tiny Wan, Qwen-Image and FLUX.1
-transformer, a Flow-GRPO rollout and one Flow-GRPO update equal one process; `mmrl train` under torchrun with 2
+groups of 2 processes that split each forward) the forward and backward of a tiny Wan 2.1, Wan 2.2 A14B, Qwen-Image
+and FLUX.1 transformer, a Flow-GRPO rollout and one Flow-GRPO update equal one process; `mmrl train` under torchrun with 2
 processes splitting every forward; the one-line refusals. The 4-process part runs this file as a script
 (torch.multiprocessing.spawn), as tests/diffusion/test_flow_grpo.py does."""
 
@@ -15,7 +15,7 @@ from mmrl.testing import assert_close_across_paths, child_env, spawn_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = str(REPO / "assets" / "prompts" / "shapes_train.txt")
-FORWARD_CASES = ("wan21", "qwen_image", "flux")  # tiny_cases() names, one per supported family
+FORWARD_CASES = ("wan21", "wan22_a14b", "qwen_image", "flux")  # tiny_cases() names: every supported family
 P, G = 2, 2  # Flow-GRPO: prompts, videos per prompt
 
 
@@ -33,7 +33,7 @@ def _forward_backward(path, ctx):
     tr.requires_grad_(True)
     if ctx.sp > 1:
         sequence.apply(tr, ctx, model.family)
-    v = model.transformer_velocity(x, torch.tensor([0.7, 0.4]), embeds, 1.0)
+    v = model.transformer_velocity(x, torch.tensor([0.95, 0.4]), embeds, 1.0)  # Wan 2.2 A14B: one row per expert
     v.square().mean().backward()
     return v.detach(), {n: p.grad.detach().clone() for n, p in tr.named_parameters() if p.grad is not None}
 
