@@ -1,7 +1,7 @@
 """Sequence parallelism (`dist.sequence_parallel`, mmrl.distributed.sequence): on 4 gloo processes (2 data-parallel
 groups of 2 processes that split each forward) the forward and backward of a tiny Wan 2.1, Wan 2.2 A14B, Qwen-Image
-and FLUX.1 transformer, a Flow-GRPO rollout and one Flow-GRPO update equal one process; `mmrl train` under torchrun with 2
-processes splitting every forward; the one-line refusals. The 4-process part runs this file as a script
+and FLUX.1 transformer, a Flow-GRPO rollout and one Flow-GRPO update equal one process; `mmrl train` under torchrun
+with 2 processes splitting every forward; the one-line refusals. The 4-process part runs this file as a script
 (torch.multiprocessing.spawn), as tests/diffusion/test_flow_grpo.py does."""
 
 import subprocess
