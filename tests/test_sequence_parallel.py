@@ -51,9 +51,10 @@ def _flow_grpo_cfg(path):
                         "reward": {"components": {"jpeg_compressibility": 1.0}}, "log": {"sample_every": 0}})
 
 
-def _flow_grpo_step(path, ctx):
+def _flow_grpo_step(path, ctx, strategy="ddp"):
     """A Flow-GRPO rollout of the tiny Wan (fixed noise, the whole batch) and one update with fixed rewards on this
-    data-parallel rank's prompts (as test_flow_grpo's equality test): the trajectory and the LoRA weights after."""
+    data-parallel rank's prompts (as test_flow_grpo's equality test) under `strategy`: the trajectory and the LoRA
+    weights before and after."""
     from mmrl.core.prompt_stats import PerPromptStatTracker
     from mmrl.diffusion.common import build_policy_states, load_recipe_model
     from mmrl.diffusion.grpo_update import train_on_rollout
@@ -68,10 +69,13 @@ def _flow_grpo_step(path, ctx):
     model = load_recipe_model(cfg, torch.device("cpu"), torch.float32)
     seed_everything(0)  # identical LoRA init everywhere
     states = build_policy_states(model, cfg.model, old=False, ref=True)
-    params = states.trainable_parameters()
-    initial = [p.detach().clone() for p in params]
+    initial = ctx.full_state_dict(states.model)
     sequence.apply(states.model, ctx, model.family)
-    model.transformer = ctx.wrap_model(states.model, "ddp")
+    cfg.dist.strategy = strategy
+    model.transformer = ctx.wrap_model(states.model, strategy)
+    if strategy == "fsdp":
+        states.refresh()  # the sharded parameters
+    params = states.trainable_parameters()
     # plain SGD, no clipping: the step is proportional to the gradient, so a gradient off by the group size shows
     opt = torch.optim.SGD(params, lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
@@ -89,9 +93,8 @@ def _flow_grpo_step(path, ctx):
     adv, keep, _ = global_advantages(ctx, PerPromptStatTracker("group"), prompts, scores, cfg.algo.adv_clip_max, True)
     torch.manual_seed(100)
     out = train_on_rollout(TrainingParts(cfg, ctx, model, states, opt, sched, params), 0, traj, adv, keep)
-    names = {id(p): n for n, p in states.model.named_parameters()}
     return {"latents": full.latents, "log_probs": full.log_probs, "loss": out["policy/loss"],
-            "params": {names[id(p)]: p.detach().clone() for p in params}, "initial": initial}
+            "params": ctx.full_state_dict(states.model), "initial": initial}
 
 
 def _worker(ctx, paths, out_dir):
@@ -100,7 +103,7 @@ def _worker(ctx, paths, out_dir):
     view = data_parallel_view(ctx, 2)
     res = {"view": (view.rank, view.world_size, view.is_main, view.processes)}
     res["forward"] = {case: _forward_backward(p, view) for case, p in paths.items()}
-    res["step"] = _flow_grpo_step(paths["wan21"], view)
+    res["step"] = {strategy: _flow_grpo_step(paths["wan21"], view, strategy) for strategy in ("ddp", "fsdp")}
     torch.save(res, Path(out_dir) / f"rank{ctx.rank}.pt")
 
 
@@ -142,20 +145,21 @@ def test_split_forward_and_backward_equal_one_process(mesh_2x2, case):
 
 
 @pytest.mark.slow
-def test_flow_grpo_rollout_and_update_equal_one_process(mesh_2x2):
-    """Each group rolls out the whole batch (its forwards split in 2) and trains on its prompt; DDP over the 4
-    processes with the loss scaled by the group size gives the one-process update on both prompts."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_flow_grpo_rollout_and_update_equal_one_process(mesh_2x2, strategy):
+    """Each group rolls out the whole batch (its forwards split in 2) and trains on its prompt; DDP (or FSDP2) over
+    the 4 processes with the loss scaled by the group size gives the one-process update on both prompts."""
     from mmrl.distributed import DistContext
 
     paths, ranks = mesh_2x2
     assert [r["view"] for r in ranks] == [(0, 2, True, 4), (0, 2, False, 4), (1, 2, False, 4), (1, 2, False, 4)]
     one = _flow_grpo_step(paths["wan21"], DistContext())
     for r in ranks:
-        s = r["step"]
+        s = r["step"][strategy]
         assert_close_across_paths(s["latents"], one["latents"], what="rollout latents, 2 x 2 vs 1 process")
         assert_close_across_paths(s["log_probs"], one["log_probs"], what="rollout log-probs, 2 x 2 vs 1 process")
         assert_close_across_paths(s["params"], one["params"], what="LoRA weights after one update, 2 x 2")
-    moved = max((p - p0).abs().max().item() for p, p0 in zip(one["params"].values(), one["initial"]))
+    moved = max((p - one["initial"][k]).abs().max().item() for k, p in one["params"].items())
     assert moved > 1e-3  # the update is not trivially zero
 
 
@@ -224,8 +228,12 @@ def test_config_and_layout_checks():
                                          r"divisible by it"):
         check_layout(2, 3)
     cfg = _flow_grpo_cfg("unused")
-    cfg.dist.sequence_parallel, cfg.dist.strategy = 2, "fsdp"
-    with pytest.raises(ValueError, match=r"^dist.sequence_parallel=2 with dist.strategy=fsdp is not supported"):
+    cfg.dist.sequence_parallel, cfg.rollout.worker = 2, "process"
+    with pytest.raises(ValueError, match=r"^dist.sequence_parallel=2 with rollout.worker=process is not supported"):
+        check_recipe(cfg, 2)
+    cfg.rollout.worker, cfg.algorithm = "inline", "nft"
+    with pytest.raises(ValueError, match=r"^dist.sequence_parallel=2: recipe 'nft' is not supported \(supported: "
+                                         r"flow_grpo\); set dist.sequence_parallel=1$"):
         check_recipe(cfg, 2)
 
 

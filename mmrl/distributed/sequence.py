@@ -11,8 +11,9 @@ device from `torch.accelerator`, which has no device on a CPU-only machine (a Ze
 steps it takes are taken here with the mesh given.
 
 Gradients: the gather at the output returns each process the gradient of its own tokens, so each parameter's
-gradient on a process is its tokens' share; DDP averages over all processes, and `DistContext.loss_scale`
-multiplies the loss by N so that the average is the groups' sums averaged over groups (the data-parallel mean).
+gradient on a process is its tokens' share; DDP (or FSDP2, sharding over all processes) averages over all processes,
+and `DistContext.loss_scale` multiplies the loss by N so that the average is the groups' sums averaged over groups
+(the data-parallel mean).
 """
 
 from __future__ import annotations
@@ -37,12 +38,10 @@ def check_layout(sp: int, processes: int) -> None:
 
 
 def check_recipe(cfg: Any, processes: int) -> None:
-    """One line for a recipe setting sequence parallelism cannot serve: a layout that does not divide, FSDP (not
-    built with it yet), a rollout process (it has no process group to split over), a recipe not in RECIPES."""
+    """One line for a recipe setting sequence parallelism cannot serve: a layout that does not divide, a rollout
+    process (it has no process group to split over), a recipe not in RECIPES."""
     sp = cfg.dist.sequence_parallel
     check_layout(sp, processes)
-    if cfg.dist.strategy == "fsdp":
-        raise ValueError(f"dist.sequence_parallel={sp} with dist.strategy=fsdp is not supported; use ddp (or auto)")
     if getattr(getattr(cfg, "rollout", None), "worker", "inline") == "process":
         raise ValueError(f"dist.sequence_parallel={sp} with rollout.worker=process is not supported: the rollout "
                          f"process has no process group; use rollout.worker=inline")
