@@ -10,6 +10,8 @@ peak GPU memory, and the largest log-prob drift between rollout and training (mu
 Each recipe starts from its tiny CPU config (configs/*/…_tiny*.yaml: the same task, reward and algorithm settings)
 with the model, device, dtype and resolution overridden (RECIPES below); rewards need no weights (JPEG size, exact
 match, the grid environment). Exit status 1 when a recipe fails (its JSON entry has the error's last lines).
+`flow_grpo_flux_sp2` runs under torchrun on 2 processes (2 GPUs; gloo on CPU with --small) with every FLUX forward
+split over the tokens (`dist.sequence_parallel: 2`); a machine with fewer GPUs reports it failed with the reason.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ DIFFUSION_GPU = ["rollout.height=512", "rollout.width=512", "update.micro_batch_
 RECIPES: dict[str, tuple[str, str, list[str]]] = {
     "flow_grpo": ("configs/diffusion/flow_grpo_tiny.yaml", "sd35_medium", DIFFUSION_GPU),
     "flow_grpo_flux": ("configs/diffusion/flow_grpo_tiny.yaml", "flux1_dev", DIFFUSION_GPU + ["rollout.guidance_scale=3.5"]),
+    # the same on 2 processes splitting every FLUX forward over the tokens (dist.sequence_parallel): its per-process
+    # peak memory beside flow_grpo_flux's is what the split saves
+    "flow_grpo_flux_sp2": ("configs/diffusion/flow_grpo_tiny.yaml", "flux1_dev",
+                           DIFFUSION_GPU + ["rollout.guidance_scale=3.5", "dist.sequence_parallel=2"]),
     "dpo": ("configs/diffusion/dpo_tiny_online.yaml", "sd35_medium", DIFFUSION_GPU),
     "nft": ("configs/diffusion/nft_tiny.yaml", "sd35_medium", DIFFUSION_GPU),
     "awm": ("configs/diffusion/awm_tiny.yaml", "sd35_medium", DIFFUSION_GPU),
@@ -43,6 +49,10 @@ RECIPES: dict[str, tuple[str, str, list[str]]] = {
     "vlm_grpo": ("configs/vlm/grpo_tiny_shapes.yaml", "qwen25_vl_3b", ["warm_start.steps=0"]),
     "vlm_multiturn": ("configs/vlm/multiturn_grid_tiny.yaml", "qwen25_vl_3b", ["warm_start.steps=0"]),
 }
+
+
+# recipes launched with torchrun on this many processes (one per GPU; gloo processes on CPU with --small)
+PROCESSES = {"flow_grpo_flux_sp2": 2}
 
 
 def _rows(out: Path) -> list[dict]:
@@ -134,11 +144,18 @@ def main(argv: list[str] | None = None) -> int:
         overrides += (["device=cpu", "dtype=float32"] if args.small
                       else ["device=cuda", "dtype=bfloat16", "num_threads=0",
                             *[o for o in gpu_overrides if o.startswith(sizes)]])
-        cmd = [sys.executable, "-m", "mmrl.cli", "train", str(REPO / config), *overrides]
+        nproc = PROCESSES.get(name, 1)
+        launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else []
+        cmd = [sys.executable, *launch, "-m", "mmrl.cli", "train", str(REPO / config), *overrides]
+        if not args.small and nproc > torch.cuda.device_count():
+            failed.append(name)
+            report["recipes"][name] = {"config": config, "error": f"needs {nproc} GPUs, this machine has "
+                                                                  f"{torch.cuda.device_count()}"}
+            continue
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
                               env=dict(os.environ, MMRL_NO_PROGRESS="1", HF_HUB_OFFLINE="1"))
-        entry: dict = {"config": config, "wall_s": time.perf_counter() - t0}
+        entry: dict = {"config": config, "wall_s": time.perf_counter() - t0, "processes": nproc}
         if proc.returncode:
             failed.append(name)
             entry["error"] = "\n".join(proc.stderr.strip().splitlines()[-12:])

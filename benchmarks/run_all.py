@@ -44,6 +44,8 @@ BENCHMARKS: dict[str, list[str]] = {
     "families": ["--threads", "1"],
     # a rollout process beside the trainer vs the synchronous loop with 2 and with 1 thread (sets its own threads)
     "async_rollout": ["--out", "runs/bench_async/{stamp}"],
+    # per-process peak memory of one 8192-token video row through a Wan transformer, 1 vs 2 processes splitting it
+    "sequence_parallel": ["--threads", "1"],
 }
 
 

@@ -391,6 +391,10 @@ COMMANDS: dict[str, object] = {
     "dist.strategy=ddp": ByTest("tests/test_distributed.py::test_torchrun_two_processes",
                                 "two nodes are not available; the launch path is tested with 2 local processes"),
     "torchrun --standalone --nproc_per_node 2 -m mmrl.distributed": RUN,
+    "torchrun --standalone --nproc_per_node 2 -m mmrl.cli train configs/diffusion/flow_grpo_wan_tiny.yaml "
+    "dist.sequence_parallel=2": ByTest(
+        "tests/test_sequence_parallel.py::test_torchrun_cli_flow_grpo_wan_split_over_two_processes",
+        "the test runs this launch on the tiny Wan it builds (model.path) for one step"),
     # docs/video.md
     "mmrl tiny runs/tiny": ByTest("tests/diffusion/test_video_end_to_end.py::test_docs_video_commands_two_processes_"
                                   "resume_and_eval", "the video test builds the tiny models with `mmrl tiny` first"),

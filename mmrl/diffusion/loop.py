@@ -49,6 +49,10 @@ def setup_training(ctx: Any, run: Any, cfg: Any, model: Any, *, old: bool, ref: 
     from mmrl.training import UpdateGuard, attach_flops_meter, build_optimizer
 
     states = build_policy_states(model, cfg.model, old=old, ref=ref)
+    if getattr(ctx, "sp", 1) > 1:  # dist.sequence_parallel: split plan attached after the LoRA layers exist
+        from mmrl.distributed import sequence
+
+        sequence.apply(states.model, ctx, model.family)
     evals = TransformerEvalCounter(model.transformer)
     # DDP keeps PolicyStates' parameter objects ("old"/"ref" switching and the EMA work); one process: unchanged
     # a family whose transformer has parameters no output depends on (Qwen-Image: its last block's text stream) needs
@@ -251,8 +255,8 @@ class DiffusionLoop:
 
     @property
     def _evaluates(self) -> bool:
-        """Rank 0 evaluates; under FSDP every rank runs the forwards (rank 0 writes)."""
-        return self.ctx.is_main or self.fsdp
+        """Rank 0 evaluates; under FSDP or sequence parallelism every rank runs the forwards (rank 0 writes)."""
+        return self.ctx.is_main or self.fsdp or getattr(self.ctx, "sp", 1) > 1
 
     @property
     def _writer(self) -> Any:

@@ -39,7 +39,9 @@ trainable LoRA weights stay float32, as PolicyStates keeps them), no multi-node 
 (torchrun's own ``--nnodes/--rdzv-*`` flags work unchanged).
 
 Modules: ``context.py`` (DistContext, DistConfig, rank_seed), ``sharded.py`` (FSDP2 tensors: gather, clipping,
-optimizer state), ``lockstep.py`` (LockstepForwards), ``launch.py`` (launcher environment, process exit);
+optimizer state), ``lockstep.py`` (LockstepForwards), ``launch.py`` (launcher environment, process exit),
+``sequence.py`` (`dist.sequence_parallel`: groups of processes splitting each diffusion-transformer forward over the
+tokens, on diffusers' context parallelism);
 ``python -m mmrl.distributed`` runs the self-check in ``__main__.py``.
 """
 

@@ -47,6 +47,11 @@ class DistConfig:
     process writes them) or `auto` (sharded under FSDP with several processes, full otherwise). Either format
     resumes on any number of processes and under any strategy; LoRA adapters are always written whole (peft and
     diffusers files). `python -m mmrl.run.consolidate` turns a sharded checkpoint into the full one."""
+    sequence_parallel: int = 1
+    """Sequence parallelism (diffusion transformers of families with a split plan: Wan, Qwen-Image, FLUX.1): each
+    group of N processes runs one transformer forward together, every process on 1/N of the tokens, attention
+    exchanged over the heads (Ulysses all-to-all, diffusers' context parallelism); the groups are data-parallel.
+    The number of processes must be divisible by N and the attention heads too. 1 = off."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -55,6 +60,8 @@ class DistConfig:
             raise ValueError(f"dist.backend: expected one of {list(BACKENDS)}, got {self.backend!r}")
         if self.checkpoint not in CHECKPOINT_FORMATS:
             raise ValueError(f"dist.checkpoint: expected one of {list(CHECKPOINT_FORMATS)}, got {self.checkpoint!r}")
+        if not isinstance(self.sequence_parallel, int) or self.sequence_parallel < 1:
+            raise ValueError(f"dist.sequence_parallel: expected an integer >= 1, got {self.sequence_parallel!r}")
 
     def sharded_checkpoints(self, world_size: int) -> bool:
         """True when checkpoints are written sharded (torch.distributed.checkpoint) with `world_size` processes."""
@@ -95,6 +102,11 @@ class DistContext:
         self.device = device if device is not None else torch.device("cpu")
         self.backend = backend
         self.last_gather_sizes: list[int] | None = None
+        # sequence parallelism (`mmrl.distributed.sequence.data_parallel_view`): rank / world_size are then the
+        # data-parallel coordinates, collectives run in `group`, and `sp` processes share one forward
+        self.group: Any = None
+        self.sp, self.sp_mesh = 1, None
+        self.global_rank, self.processes = self.rank, self.world_size
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -158,11 +170,11 @@ class DistContext:
     @property
     def enabled(self) -> bool:
         """True when there is more than one process."""
-        return self.world_size > 1
+        return self.processes > 1
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        return self.global_rank == 0
 
     def __repr__(self) -> str:
         return (f"DistContext(rank={self.rank}, world_size={self.world_size}, local_rank={self.local_rank}, "
@@ -201,14 +213,14 @@ class DistContext:
         if not self.enabled:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """`obj` of rank `src`, on every rank."""
+        """`obj` of rank `src`, on every rank (every process: under sequence parallelism `src` is a process rank)."""
         if not self.enabled:
             return obj
-        box = [obj if self.rank == src else None]
+        box = [obj if self.global_rank == src else None]
         dist.broadcast_object_list(box, src=src)
         return box[0]
 
@@ -234,7 +246,7 @@ class DistContext:
         if x.shape[0] < n_max:
             x = torch.cat([x, x.new_zeros((n_max - x.shape[0], *x.shape[1:]))])
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x)
+        dist.all_gather(parts, x, group=self.group)
         self.last_gather_sizes = sizes
         return torch.cat([p[:n] for p, n in zip(parts, sizes)]).to(t.device)
 
@@ -244,7 +256,7 @@ class DistContext:
         if not self.enabled:
             return x
         y = self._comm(x)  # x is already a fresh tensor: reducing in place is safe
-        dist.all_reduce(y, op=dist.ReduceOp.SUM)
+        dist.all_reduce(y, op=dist.ReduceOp.SUM, group=self.group)
         return y.to(x.device)
 
     def all_reduce_mean(self, t: torch.Tensor | float) -> torch.Tensor:
@@ -264,11 +276,13 @@ class DistContext:
         over the global batch: ``world * n_local / sum_r n_r`` (1.0 when all ranks hold equal counts).
 
         `n_local`: samples (sequence-mean losses) or valid tokens (token-mean) in this rank's share of one
-        optimizer update. A collective: every rank must call it."""
+        optimizer update. A collective: every rank must call it. Under sequence parallelism the factor is also
+        multiplied by `sp`: each of a group's processes holds the gradient of its share of the tokens, and DDP's
+        average over all processes must be their sum averaged over the groups."""
         total = float(self.all_reduce_sum(float(n_local)))
         if total <= 0:
             return 0.0
-        return self.world_size * float(n_local) / total
+        return self.sp * self.world_size * float(n_local) / total
 
     # ------------------------------------------------------------------ data
     def shard(self, items: Sequence[Any], pad: bool = False) -> list[Any] | tuple[list[Any], list[bool]]:
@@ -375,7 +389,7 @@ class DistContext:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        mesh = init_device_mesh(self.device.type, (self.processes,))
         if fsdp_block_types is None:
             fsdp_block_types = getattr(module, "_no_split_modules", None) or []
         names = set(fsdp_block_types)

@@ -219,7 +219,9 @@ def perf_metrics(ctx: Any, model: nn.Module, step_seconds: float, device: torch.
             out["perf/tflops_per_s"] = flops / 1e12 / step_seconds
             peak = device_peak_tflops(device)
             if peak is not None:
-                out["perf/mfu"] = flops / 1e12 / step_seconds / (peak * ctx.world_size)
+                # every process's device (under sequence parallelism a group's processes share one forward, which
+                # the meter counts once per group)
+                out["perf/mfu"] = flops / 1e12 / step_seconds / (peak * getattr(ctx, "processes", ctx.world_size))
     if mem is not None:
         out["perf/peak_memory_gib"] = mem
     reset_peak_memory(device)

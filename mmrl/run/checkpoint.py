@@ -78,7 +78,7 @@ def save_checkpoint(ctx: Any, run: Any, step: int, states: Any, stateful: dict[s
         if gather is not None:
             gather(ctx)
     dist_cfg = getattr(run.cfg, "dist", None)
-    if dist_cfg is not None and dist_cfg.sharded_checkpoints(ctx.world_size):
+    if dist_cfg is not None and dist_cfg.sharded_checkpoints(getattr(ctx, "processes", ctx.world_size)):
         _save_sharded(ctx, run, step, states, stateful, fsdp=fsdp, extra=extra)
         return
     with ctx.checkpoint(run, step) as d:
@@ -114,7 +114,7 @@ def _save_sharded(ctx: Any, run: Any, step: int, states: Any, stateful: dict[str
         dcp_save(tensors, d / SHARDED_DIR)  # returns once every rank has written its shards
         if ctx.is_main:
             run.save_state(d, stateful=small, extra=dict(extra or {}), rng=get_rng_state(), step=step,
-                           sharded={"world_size": ctx.world_size, "dir": SHARDED_DIR})
+                           sharded={"world_size": getattr(ctx, "processes", ctx.world_size), "dir": SHARDED_DIR})
 
 
 def restore_checkpoint(ctx: Any, run: Any, states: Any, stateful: dict[str, Any]) -> tuple[int, dict]:

@@ -28,18 +28,25 @@ def start_run(cfg: Any, global_sizes: dict[str, int] | None = None):
     hide_hf_progress_bars()
     ctx = DistContext.init(cfg.dist.backend)
     try:
+        sp = getattr(cfg.dist, "sequence_parallel", 1)
+        if sp > 1:  # groups of sp processes share each forward; the recipe sees the data-parallel groups
+            from mmrl.distributed.sequence import check_recipe, data_parallel_view
+
+            check_recipe(cfg, ctx.world_size)
+            ctx = data_parallel_view(ctx, sp)
         if ctx.enabled and cfg.dist.strategy == "none":
-            raise ValueError(f"{ctx.world_size} processes were launched but dist.strategy is 'none': use "
+            raise ValueError(f"{ctx.processes} processes were launched but dist.strategy is 'none': use "
                              f"dist.strategy=auto or ddp (gradients are then averaged across processes)")
         if cfg.dist.strategy == "auto":  # as accelerate / TRL: several launched processes mean data parallel
             cfg.dist.strategy = ctx.resolve_strategy("auto")
             if ctx.is_main:
-                n = f"{ctx.world_size} processes launched" if ctx.enabled else "one process"
+                n = f"{ctx.processes} processes launched" if ctx.enabled else "one process"
                 print(f"[mmrl] dist.strategy: auto -> {cfg.dist.strategy} ({n})", flush=True)
         for key, n in (global_sizes or {}).items():
             if n % ctx.world_size:
                 raise ValueError(f"{key}={n} (global, over all processes) must be divisible by the number of "
-                                 f"processes ({ctx.world_size})")
+                                 f"processes ({ctx.world_size})" if ctx.sp == 1 else f"data-parallel groups "
+                                 f"({ctx.processes} processes / dist.sequence_parallel {ctx.sp} = {ctx.world_size})")
         if not ctx.is_main:
             os.environ["MMRL_NO_PROGRESS"] = "1"
             hide_hf_progress_bars()
