@@ -13,15 +13,16 @@ this model: its blobs are too blurry for `mmrl.pipelines.shapes_check` to find t
                 decides from the PNG bytes it is served, up to `--pairs` pairs;
   3. reward   - `reward_bt` (configs/reward/bt_clip_tiny.yaml: a tiny CLIP, full fine-tuning) on the written
                 preferences; held-out pairwise accuracy (20% of the prompts) with its 95% Wilson interval;
-  4. policies - Flow-GRPO (configs/diffusion/flow_grpo_tiny.yaml, reward `learned_pref` on the export, the judge
-                `shapes_geneval` watching it) and offline Diffusion-DPO (configs/diffusion/dpo_tiny_offline.yaml
-                on the same preference file), one run per seed;
+  4. policies - Flow-GRPO (configs/diffusion/flow_grpo_tiny.yaml, reward `learned_pref` on the export, the judges
+                `shapes_geneval` and `prompt_color` watching it) and offline Diffusion-DPO
+                (configs/diffusion/dpo_tiny_offline.yaml on the same preference file), one run per seed;
   5. measure  - the base model and every trained policy sample the held-out prompts (assets/prompts/
-                shapes_eval.txt) with the same noise (`run_eval`, `--eval-samples` per prompt); per seed: the win
-                rate of the trained sample over the base sample of the same (prompt, noise) under the hidden
-                preference (ties 0.5; 0.5 = no change) and the mean foreground share; the alarm's verdict.
+                shapes_eval.txt) with the same noise and sampler (`run_eval`, `--eval-samples` per prompt); per seed:
+                the win rate of the trained sample over the base sample of the same (prompt, noise) under the hidden
+                preference (ties 0.5; 0.5 = no change), the mean foreground share, the GenEval-style background
+                check (is the prompt's background colour still there), the alarm's verdict.
 
-    python benchmarks/preference_loop.py [--seeds 0 1 2] [--pairs 400] [--grpo-steps 30] [--out runs/preference_loop]
+    python benchmarks/preference_loop.py [--seeds 0 1 2 3 4] [--pairs 400] [--grpo-steps 30] [--out DIR]
     python benchmarks/preference_loop.py --quick      # every stage on a few items and 1-2 steps (tests)
 
 Not a test: the numbers are what this machine measured, whatever they are.
@@ -32,7 +33,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import math
 import os
 import statistics
 import time
@@ -45,9 +45,12 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 TOL = 0.25
 MARGIN = 0.02
-JUDGES = "{shapes_geneval: {}}"
-QUICK = dict(k=2, train_prompts=6, pairs=6, bt_steps=2, grpo_steps=1, dpo_steps=1, eval_prompts=8, eval_samples=1,
-             seeds=[0])
+JUDGES = {"shapes_geneval": {}, "prompt_color": {}}  # the alarm: GenEval-style checks, background colour
+# every sample (labelled, held-out) is drawn alike: the training sampler of flow_grpo_tiny, ODE, 64x64
+SAMPLER = ["rollout.eval_num_steps=8", "rollout.eval_guidance_scale=1.0", "rollout.eval_height=64",
+           "rollout.eval_width=64"]
+QUICK = {"k": 2, "train_prompts": 6, "pairs": 6, "bt_steps": 2, "grpo_steps": 1, "dpo_steps": 1, "eval_prompts": 8,
+         "eval_samples": 1, "seeds": [0]}
 
 
 def foreground(image, prompt: str) -> float:
@@ -95,11 +98,20 @@ def label_through_http(url: str, max_pairs: int, session: str = "scripted") -> d
 
 
 def _coverage(report: dict) -> list[float]:
-    """The hidden preference of every image of an eval report, prompt-major."""
+    """The hidden preference of every image of an eval report, prompt-major (checked: the report's sampler)."""
+    got = {k: report["sampling"][k] for k in ("num_steps", "guidance_scale", "height", "width")}
+    if got != {"num_steps": 8, "guidance_scale": 1.0, "height": 64, "width": 64}:
+        raise RuntimeError(f"{report['out_dir']}: sampled with {got}, not the loop's sampler {SAMPLER}")
     from PIL import Image
 
     out = Path(report["out_dir"])
     return [foreground(Image.open(out / f), row["prompt"]) for row in report["per_prompt"] for f in row["images"]]
+
+
+def _background(report: dict) -> float:
+    """The GenEval-style check's background accuracy (`mmrl.pipelines.shapes_check`): the prompt's background
+    colour is still there."""
+    return report["compositional"]["accuracy"]["background"]
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -109,9 +121,9 @@ def _metrics(run_dir: Path) -> list[dict]:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(REPO / "runs/preference_loop"))
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="one Flow-GRPO and one DPO run each")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="one Flow-GRPO and one DPO run each")
     ap.add_argument("--k", type=int, default=3, help="base samples per train prompt (every pair of them is an item)")
-    ap.add_argument("--train-prompts", type=int, default=0, help="first N train prompts (0 = all 146)")
+    ap.add_argument("--train-prompts", type=int, default=0, help="first N train prompts (0 = all 144)")
     ap.add_argument("--pairs", type=int, default=400, help="pairs the scripted labeller labels")
     ap.add_argument("--bt-steps", type=int, default=150, help="reward_bt steps (8 pairs each)")
     ap.add_argument("--grpo-steps", type=int, default=30)
@@ -130,11 +142,13 @@ def main(argv=None) -> dict:
     from mmrl.eval import run_eval
     from mmrl.label.pairs import build_queue
     from mmrl.label.server import LabelServer
+    from mmrl.training.judges import judge_fell
 
     out, t0 = Path(args.out), time.perf_counter()
     times: dict[str, float] = {}
-    grpo_yaml, dpo_yaml = REPO / "configs/diffusion/flow_grpo_tiny.yaml", REPO / "configs/diffusion/dpo_tiny_offline.yaml"
-    base_cfg = load_config(grpo_yaml, [f"output_dir={out / 'base'}"])
+    grpo_yaml = REPO / "configs/diffusion/flow_grpo_tiny.yaml"
+    dpo_yaml = REPO / "configs/diffusion/dpo_tiny_offline.yaml"
+    base_cfg = load_config(grpo_yaml, [f"output_dir={out / 'base'}", *SAMPLER])
 
     # 1. samples of the base model, k per train prompt, as an eval folder
     t = time.perf_counter()
@@ -175,7 +189,8 @@ def main(argv=None) -> dict:
         d = out / f"flow_grpo_s{seed}"
         cfg = load_config(grpo_yaml, common + [
             f"seed={seed}", f"output_dir={d}", f"train.max_steps={args.grpo_steps}",
-            f"reward.components={{learned_pref: {{weight: 1.0, weights: {reward_dir}}}}}", f"log.judges={JUDGES}",
+            f"reward.components={{learned_pref: {{weight: 1.0, weights: {reward_dir}}}}}",
+            "log.judges={" + ", ".join(f"{j}: {{}}" for j in JUDGES) + "}",
             f"log.eval_every={max(1, args.grpo_steps // 3)}", f"log.eval_max_prompts={args.eval_prompts or 26}"])
         recipe_module("flow_grpo").train(cfg)
         runs["flow_grpo"][seed] = d
@@ -191,22 +206,28 @@ def main(argv=None) -> dict:
 
     # 5. the hidden preference on held-out prompts: every policy with the base model's noise
     t = time.perf_counter()
-    ev = dict(prompts=str(REPO / "assets/prompts/shapes_eval.txt"), seed=2000, samples_per_prompt=args.eval_samples,
-              max_prompts=args.eval_prompts)
-    base_cov = _coverage(run_eval(base_cfg, out=out / "eval_base", **ev))
-    result: dict = {"base_coverage": statistics.fmean(base_cov), "labels": labels, "reward_accuracy": acc,
-                    "reward_accuracy_untrained": acc0, "reward_eval_pairs": n_eval_pairs, "runs": {}}
+    ev = {"prompts": str(REPO / "assets/prompts/shapes_eval.txt"), "seed": 2000,
+          "samples_per_prompt": args.eval_samples, "max_prompts": args.eval_prompts}
+    base_report = run_eval(base_cfg, out=out / "eval_base", **ev)
+    base_cov = _coverage(base_report)
+    result: dict = {"base_coverage": statistics.fmean(base_cov), "base_background": _background(base_report),
+                    "labels": labels, "reward_accuracy": acc, "reward_accuracy_untrained": acc0,
+                    "reward_eval_pairs": n_eval_pairs, "runs": {}}
     for algo, per_seed in runs.items():
         yaml = grpo_yaml if algo == "flow_grpo" else dpo_yaml
         for seed, d in per_seed.items():
-            extra = [] if algo == "flow_grpo" else [f"data.preference_file={prefs}", "reward.components={jpeg_incompressibility: 1.0}"]
-            cfg = load_config(yaml, [f"output_dir={d}", *extra])
-            cov = _coverage(run_eval(cfg, d, out=d / "eval_hidden", **ev))
+            extra = [] if algo == "flow_grpo" else [  # offline DPO's config has no reward: any one for run_eval
+                f"data.preference_file={prefs}", "reward.components={jpeg_incompressibility: 1.0}"]
+            cfg = load_config(yaml, [f"output_dir={d}", *SAMPLER, *extra])
+            report = run_eval(cfg, d, out=d / "eval_hidden", **ev)
+            cov = _coverage(report)
             row = {"win_rate": statistics.fmean(prefer(a, b) for a, b in zip(cov, base_cov)),
-                   "coverage": statistics.fmean(cov)}
+                   "coverage": statistics.fmean(cov), "background": _background(report)}
             if algo == "flow_grpo":
                 m = _metrics(d)
-                row["alarm"] = any(r.get("eval/hacking_alarm") for r in m)
+                fired = [r for r in m if r.get("eval/hacking_alarm")]
+                row["alarm_step"] = fired[0]["step"] if fired else None
+                row["alarm_judges"] = [j for j in JUDGES if fired and judge_fell(fired[0], j)]
                 row["reward_first"] = m[0]["reward/mean"]
                 row["reward_last"] = m[-1]["reward/mean"]
             result["runs"].setdefault(algo, {})[seed] = row
@@ -226,17 +247,22 @@ def _print(r: dict, args) -> None:
     print(f"reward_bt ({args.bt_steps} steps): held-out pairwise accuracy {acc['']:.3f} (95% Wilson "
           f"{acc['_lo']:.3f}..{acc['_hi']:.3f}, {r['reward_eval_pairs']} pairs; untrained "
           f"{r['reward_accuracy_untrained']:.3f})")
-    print(f"held-out: {n_eval} samples ({args.eval_samples} per prompt, the base model's noise); base foreground "
-          f"{r['base_coverage']:.3f}; seeds {args.seeds}; Flow-GRPO {args.grpo_steps} steps, DPO {args.dpo_steps}\n")
-    print("| policy | win rate vs base (hidden pref.) | foreground share | per seed (win rate / foreground) | alarm |")
-    print("|---|---|---|---|---|")
+    print(f"held-out: {n_eval} samples ({args.eval_samples} per prompt, the base model's noise, 8-step ODE); seeds "
+          f"{args.seeds}; Flow-GRPO {args.grpo_steps} steps, DPO {args.dpo_steps}; background check: share of samples "
+          f"where the GenEval-style check finds the prompt's background colour; alarm: log.judges "
+          f"{', '.join(JUDGES)} on the learned reward (Flow-GRPO)\n")
+    print("| policy | win rate vs base (hidden pref.) | foreground share | background check | per seed (win rate / "
+          "foreground / background) | hacking alarm |")
+    print("|---|---|---|---|---|---|")
+    print(f"| base model | 0.5 | {r['base_coverage']:.3f} | {r['base_background']:.3f} | - | - |")
     for algo, per_seed in r["runs"].items():
-        win = mean_std([v["win_rate"] for v in per_seed.values()])
-        cov = mean_std([v["coverage"] for v in per_seed.values()])
-        seeds = ", ".join(f"{s}: {v['win_rate']:.3f} / {v['coverage']:.3f}" for s, v in per_seed.items())
-        alarm = ("fired in " + str(sum(v["alarm"] for v in per_seed.values())) + f"/{len(per_seed)}") \
-            if algo == "flow_grpo" else "-"
-        print(f"| {algo} | {win[0]:.3f} ± {win[1]:.3f} | {cov[0]:.3f} ± {cov[1]:.3f} | {seeds} | {alarm} |")
+        ms = {k: mean_std([v[k] for v in per_seed.values()]) for k in ("win_rate", "coverage", "background")}
+        seeds = ", ".join(f"{s}: {v['win_rate']:.3f} / {v['coverage']:.3f} / {v['background']:.3f}"
+                          for s, v in per_seed.items())
+        alarm = "-" if algo != "flow_grpo" else ", ".join(
+            f"{s}: " + (f"step {v['alarm_step']} ({' '.join(v['alarm_judges'])} fell)" if v["alarm_step"] is not None
+                        else "quiet") for s, v in per_seed.items())
+        print(f"| {algo} | " + " | ".join(f"{m:.3f} ± {sd:.3f}" for m, sd in ms.values()) + f" | {seeds} | {alarm} |")
     print(f"\nmean ± sample std over seeds; times (s): {r['times_s']}")
 
 

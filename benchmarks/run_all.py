@@ -44,7 +44,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "families": ["--threads", "1"],
     # a rollout process beside the trainer vs the synchronous loop with 2 and with 1 thread (sets its own threads)
     "async_rollout": ["--out", "runs/bench_async/{stamp}"],
-    # label -> reward -> Flow-GRPO / DPO on the shapes world with a scripted labeller (3 seeds, ~15 CPU minutes)
+    # label -> reward -> Flow-GRPO / DPO on the shapes world with a scripted labeller (5 seeds, ~6 CPU minutes)
     "preference_loop": ["--out", "runs/preference_loop/{stamp}"],
 }
 
