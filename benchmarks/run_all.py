@@ -46,6 +46,8 @@ BENCHMARKS: dict[str, list[str]] = {
     "async_rollout": ["--out", "runs/bench_async/{stamp}"],
     # per-process peak memory of one 8192-token video row through a Wan transformer, 1 vs 2 processes splitting it
     "sequence_parallel": ["--threads", "1"],
+    # label -> reward -> Flow-GRPO / DPO on the shapes world with a scripted labeller (5 seeds, ~6 CPU minutes)
+    "preference_loop": ["--out", "runs/preference_loop/{stamp}"],
 }
 
 

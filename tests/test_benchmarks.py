@@ -216,3 +216,54 @@ def test_compare_diffusion_algos_quick_mode_runs_every_algorithm_over_three_seed
     if any(v["ttt_cpu_s"] > 0 for v in s["flow_grpo"]["seeds"].values()):
         assert s["flow_grpo"]["speedup_cpu_s"] == (1.0, 0.0)
     assert (tmp_path / "compare_diffusion_algos.png").is_file() and (tmp_path / "summary.json").is_file()
+
+
+def test_preference_loop_hidden_preference_by_hand():
+    from PIL import Image
+
+    from mmrl.pipelines.shapes import Shape, render_scene
+
+    loop = load_script("preference_loop")
+    blank = render_scene([], "red", size=64)
+    assert loop.foreground(blank, "a green circle on a red background") == 0.0
+    assert loop.foreground(blank, "a red circle on a blue background") == 1.0  # every pixel is far from blue
+    half = Image.new("RGB", (64, 64), (220, 30, 30))
+    half.paste((30, 170, 50), (0, 0, 32, 64))  # the left half green: half the pixels are foreground on red
+    assert loop.foreground(half, "a green square on a red background") == 0.5
+    big = render_scene([Shape("circle", "green", 0.5, 0.5, 0.4)], "red", size=64)
+    small = render_scene([Shape("circle", "green", 0.5, 0.5, 0.1)], "red", size=64)
+    a, b = (loop.foreground(x, "a green circle on a red background") for x in (big, small))
+    assert a > b + loop.MARGIN and loop.prefer(a, b) == 1.0 and loop.prefer(b, a) == 0.0
+    assert loop.prefer(0.30, 0.30 + loop.MARGIN / 2) == 0.5  # closer than the margin: a tie
+    assert "preference_loop" in load_script("run_all").BENCHMARKS
+
+
+@pytest.mark.slow
+def test_preference_loop_quick_mode_runs_every_stage(tmp_path):
+    """`benchmarks/preference_loop.py --quick` (docs/reward-training.md, "The whole loop"): base samples, the scripted
+    labeller through the label server's HTTP API, reward_bt on its pairs, Flow-GRPO against the export (with its
+    judge) and offline DPO on the same pairs, then the paired held-out measurement."""
+    import json
+
+    loop = load_script("preference_loop")
+    r = loop.main(["--quick", "--out", str(tmp_path)])
+    events = [json.loads(x) for x in (tmp_path / "preferences.events.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (tmp_path / "preferences.jsonl").read_text().splitlines()]
+    lab = r["labels"]
+    assert len(events) == len(rows) == lab["left"] + lab["right"] + lab["tie"] == loop.QUICK["pairs"]
+    assert {e["session"] for e in events} == {"scripted"}  # every label came in through POST /api/label
+    assert lab["progress"]["labelled"] == loop.QUICK["pairs"]
+    for row in rows:  # the labeller's choice is the hidden preference of the two images written
+        from PIL import Image
+
+        cov = [loop.foreground(Image.open(tmp_path / row[k]), row["prompt"]) for k in ("image_0", "image_1")]
+        assert row["label_0"] == loop.prefer(*cov)
+    spec = json.loads((tmp_path / "reward_bt" / "reward" / "mmrl_reward.json").read_text())
+    assert spec["train_pairs"] + spec["eval_pairs"] == lab["left"] + lab["right"]  # ties dropped
+    grpo = [json.loads(x) for x in (tmp_path / "flow_grpo_s0" / "metrics.jsonl").read_text().splitlines()]
+    assert {"reward/learned_pref", "eval/judge/shapes_geneval", "eval/judge/prompt_color"} <= set(grpo[-1])
+    assert (tmp_path / "dpo_s0" / "checkpoints" / "step_1").is_dir()
+    for algo in ("flow_grpo", "dpo"):
+        row = r["runs"][algo][0]
+        assert 0.0 <= row["win_rate"] <= 1.0 and 0.0 <= row["coverage"] <= 1.0
+    assert (tmp_path / "summary.json").is_file()

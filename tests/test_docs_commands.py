@@ -122,6 +122,9 @@ COMMANDS: dict[str, object] = {
         "the full pass takes an hour: the quick mode runs every variant"),
     # docs/reward-training.md
     "mmrl reward train configs/reward/bt_clip_tiny.yaml": RUN,
+    "python benchmarks/preference_loop.py": ByTest(
+        "tests/test_benchmarks.py::test_preference_loop_quick_mode_runs_every_stage",
+        "5 seeds take minutes: the test runs every stage with --quick (a few pairs, 1-2 steps)"),
     "mmrl reward score learned_pref --weights runs/reward_bt_tiny/reward --images runs/reward_bt_demo/images "
     "--prompts runs/reward_bt_demo/image_prompts.txt --out runs/reward_bt_demo/scores.csv": RUN,
     # docs/prompt-rewriter.md

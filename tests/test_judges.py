@@ -199,3 +199,56 @@ def test_a_judge_argument_the_reward_does_not_take_is_one_line(tmp_path, capsys)
         build_judges(log, "cpu")
     log.judges = {"colour": {"reward": "prompt_color", "device": "cpu"}}
     assert list(build_judges(log, "cpu").judges) == ["colour"]
+
+
+def test_a_learned_reward_without_judges_is_watched_by_the_model_it_was_trained_from(tmp_path, capsys):
+    """`reward.components` naming `learned_pref` and no `log.judges`: the diffusion recipes' checks add the judge
+    `<component>_base` (the base model recorded in the export's mmrl_reward.json, scored as the same zoo reward) and
+    print one line; `log.learned_judge=false` or judges of one's own keep it out; without an evaluation or without the
+    base on this machine one line says nothing watches it."""
+    import json
+    from pathlib import Path
+
+    from mmrl.diffusion.config import check_common
+    from mmrl.tiny import build_tiny_clip
+
+    base = build_tiny_clip(tmp_path / "clip", seed=0)
+    export = tmp_path / "reward"
+    build_tiny_clip(export, seed=1)  # stands in for the trained export: a CLIP directory with its processor files
+    (export / "mmrl_reward.json").write_text(json.dumps({"reward": "pickscore", "weights": ".", "kwargs": {},
+                                                         "base": str(base)}))
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "diffusion" / "flow_grpo_tiny.yaml"
+    learned = f"reward.components={{learned_pref: {{weight: 1.0, weights: {export}}}}}"
+    cfg = load_config(tiny, [learned, f"output_dir={tmp_path / 'run'}"])
+    check_common(cfg)
+    assert cfg.log.judges == {"learned_pref_base": {"reward": "pickscore", "weights": str(base),
+                                                    "processor": str(export)}}
+    assert capsys.readouterr().out == (
+        f"[judges] watching the learned reward reward.components.learned_pref with the model it was trained from: "
+        f"log.judges.learned_pref_base = pickscore on {base} (the default for a learned reward without judges; "
+        f"log.learned_judge=false silences this)\n")
+    panel = build_judges(cfg.log, "cpu")  # it loads and scores like any judge
+    images = torch.rand(2, 3, 32, 32)
+    assert torch.isfinite(panel.score(torch.zeros(2), images=images, prompts=PROMPTS[:2])["learned_pref_base"]).all()
+
+    for extra in (["log.learned_judge=false"], ["log.judges={prompt_color: {}}"]):
+        cfg = load_config(tiny, [learned, *extra])
+        check_common(cfg)
+        assert cfg.log.judges == ({} if extra[0].startswith("log.learned") else {"prompt_color": {}})
+        assert capsys.readouterr().out == ""
+    cfg = load_config(tiny, [learned, "log.eval_every=0"])
+    check_common(cfg)
+    assert cfg.log.judges == {} and capsys.readouterr().out.startswith(
+        "[judges] reward.components.learned_pref is a learned reward and nothing watches it: set data.eval_prompts and "
+        "log.eval_every > 0")
+    base.rename(tmp_path / "moved")
+    cfg = load_config(tiny, [learned])
+    check_common(cfg)
+    assert cfg.log.judges == {} and capsys.readouterr().out == (
+        f"[judges] reward.components.learned_pref is a learned reward and nothing watches it: its base model {base} is "
+        f"not on this machine; name a judge in log.judges (docs/reward-hacking.md); log.learned_judge=false silences "
+        f"this\n")
+    # a config without learned_pref is left as it was (the shipped tiny configs' runs do not change)
+    cfg = load_config(tiny)
+    check_common(cfg)
+    assert cfg.log.judges == {} and capsys.readouterr().out == ""

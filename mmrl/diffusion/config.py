@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from mmrl.training import LoRAConfig, OnNonfinite, OptimConfig, TrackersConfig
-from mmrl.training.judges import JudgeFields, check_judges
+from mmrl.training.judges import JudgeFields, check_judges, learned_reward_judges
 
 
 # A recipe default that differs from a shared section's is a subclass with its own field default, never a
@@ -223,6 +223,7 @@ def check_common(cfg: Any, online: bool = True) -> None:
             getattr(reward, "history", 0) or getattr(reward, "running_norm", False)):
         raise ValueError("reward.aggregation=normalise_then_sum normalises each reward within this step's groups: it "
                          "needs reward.history=0 and reward.running_norm=false")
+    learned_reward_judges(getattr(reward, "components", None), log, bool(cfg.data.eval_prompts and log.eval_every))
     if log.judges and not (cfg.data.eval_prompts and log.eval_every):
         raise ValueError("log.judges are scored at every evaluation: set data.eval_prompts (the held-out prompts) and "
                          f"log.eval_every > 0 (got eval_prompts={cfg.data.eval_prompts!r}, "

@@ -23,9 +23,11 @@ baseline.
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +35,7 @@ import torch
 from mmrl.core.hacking import MIN_PROMPTS, ScoreChange, hacking_verdict, score_change
 
 __all__ = ["HackingConfig", "JudgeFields", "JudgePanel", "build_judges", "check_judges", "judge_summary",
-           "stop_for_hacking"]
+           "learned_reward_judges", "stop_for_hacking"]
 
 
 @dataclass
@@ -68,6 +70,10 @@ class JudgeFields:
     to load a zoo reward under another name). Empty = no judges, no alarm."""
     hacking: HackingConfig = field(default_factory=HackingConfig)
     """The reward-hacking alarm: reward rose while a judge fell beyond their noise (z, min_effect, patience, stop)."""
+    learned_judge: bool = True
+    """With a `learned_pref` reward among `reward.components` and `judges` empty: watch it with the model it was
+    trained from (the `base` its mmrl_reward.json records) as the judge `<component>_base` (a line says so);
+    false = no judge."""
 
     def __post_init__(self) -> None:
         for name, spec in self.judges.items():
@@ -121,6 +127,46 @@ def check_judges(log_cfg: Any, makes: str) -> None:
                     if n[0].isalpha() and ":" not in n and _registered_kind(n, {}) == makes]
             raise ValueError(f"log.judges.{name}: reward '{zoo}' scores {kind}s, but this run makes {makes}s; a "
                              f"judge scores what the run makes: name one that scores {makes}s ({', '.join(same)})")
+
+
+def learned_reward_judges(components: dict[str, Any] | None, log_cfg: Any, evaluates: bool) -> None:
+    """A reward fitted to few labels is the easiest to hack: with a `learned_pref` component, empty `log.judges` and
+    `log.learned_judge` on, add the judge `<component>_base` = the model the learned reward was trained from (its
+    `mmrl_reward.json`: zoo reward, `base` weights, arguments), printing one line. Without an evaluation (`evaluates`
+    False) or a base on this machine, one line says that nothing watches it instead."""
+    from mmrl.rewards.learned import SPEC_FILE
+
+    if getattr(log_cfg, "judges", None) or not getattr(log_cfg, "learned_judge", False):
+        return
+    for key, value in (components or {}).items():
+        spec = value if isinstance(value, dict) else {}
+        if spec.get("reward", key) != "learned_pref":
+            continue
+        off = "log.learned_judge=false silences this"
+        if not evaluates:
+            print(f"[judges] reward.components.{key} is a learned reward and nothing watches it: set data.eval_prompts "
+                  f"and log.eval_every > 0 (a judge of the model it was trained from is then added), or name "
+                  f"log.judges; {off}", flush=True)
+            return
+        root = Path(str(spec.get("weights", "")))
+        try:
+            info = json.loads((root / SPEC_FILE).read_text())
+            base = Path(info["base"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # not a reward_bt export: loading the reward names the problem
+        if not base.exists():
+            print(f"[judges] reward.components.{key} is a learned reward and nothing watches it: its base model {base} "
+                  f"is not on this machine; name a judge in log.judges (docs/reward-hacking.md); {off}", flush=True)
+            return
+        kwargs = dict(info.get("kwargs") or {})
+        if info.get("reward") == "pickscore":
+            kwargs.setdefault("processor", str(root))  # the export holds the tokenizer and preprocessor of the base
+        name = f"{key}_base"
+        log_cfg.judges = {name: {"reward": info["reward"], "weights": str(base), **kwargs}}
+        print(f"[judges] watching the learned reward reward.components.{key} with the model it was trained from: "
+              f"log.judges.{name} = {info['reward']} on {base} (the default for a learned reward without judges; "
+              f"{off})", flush=True)
+        return
 
 
 def build_judges(log_cfg: Any, device: Any, stateful: dict | None = None, eval_prompts: int | None = None,
