@@ -33,12 +33,13 @@ with the data position after the newest one. A resumed run consumes the saved ba
 restored version and continues the schedule: exactly the uninterrupted run (tested). A checkpoint therefore costs
 the wait for up to k batches.
 
-Metrics of `next` / `push`: ``rollout/staleness/mean|max`` (trainer version - batch version, per sample),
+Metrics of `next` / `push`: ``rollout/staleness/mean|max|count_<s>`` (trainer version - batch version),
 ``rollout/policy_version``; timing-dependent (under ``time/``): ``time/async/wait_s`` (trainer waiting for and
-receiving the batch), ``time/async/trainer_idle_ratio`` (that wait / the trainer's step),
-``time/async/rollout_idle_ratio`` (the rollout process waiting for work / its wall time since its previous batch),
-``time/async/queue_length`` (finished batches waiting when the trainer asks), ``time/async/weight_push_s``,
-``time/async/weight_load_s``, and the producer's own ``time/*`` (rollout, reward).
+receiving the batch), ``time/async/queue_length`` (finished batches waiting when the trainer asks),
+``time/async/weight_push_s``, ``time/async/weight_load_s``, and the producer's own ``time/*`` (rollout, reward).
+Of `step_metrics` (from the step tail, which knows the step's wall time): the overlap metrics ``async/*``
+(`mmrl.training.overlap`: idle fractions of both sides, the rollout and training seconds R and T, the ideal and the
+achieved speed-up), timing-dependent too.
 
 Several processes (DDP under torchrun, also across machines): every trainer rank starts its own rollout process on
 its node and pushes to it; each producer generates its rank's share. Checkpoints gather every rank's in-flight
@@ -65,6 +66,7 @@ from mmrl.run.files import RunError
 from mmrl.run.start import close_on_failure
 from mmrl.runtime import get_rng_state, how_process_ended as _how_it_ended, set_rng_state
 from mmrl.training.async_worker import POLL_S, worker_main
+from mmrl.training.overlap import overlap_metrics, staleness_metrics
 from mmrl.training.payloads import decode, encode, from_plain, pack_tensors
 
 __all__ = ["AsyncRollout", "RolloutProducer", "rollout_process", "policy_weights", "load_policy_weights",
@@ -252,7 +254,7 @@ class AsyncRollout:
         self.consumed = 0  # newest step whose batch the trainer took
         self.version: int | None = None  # newest version pushed
         self._gathered: list | None = None
-        self._last_return: float | None = None
+        self._step: dict[str, float] | None = None  # this step's timings for `step_metrics`
 
     # ---------------------------------------------------------------- messages
     def _send(self, *msg: Any) -> None:
@@ -337,7 +339,16 @@ class AsyncRollout:
         self.version = int(version)
         if self.version < self.last_step:
             self._send("weights", self.version, pack_tensors(weights))
-        return {"time/async/weight_push_s": time.perf_counter() - t0}
+        push_s = time.perf_counter() - t0
+        if self._step is not None:
+            self._step["push_s"] += push_s
+        return {"time/async/weight_push_s": push_s}
+
+    def step_metrics(self, step_s: float) -> dict[str, float]:
+        """The `async/*` overlap metrics of the step whose batch `next` returned last (`mmrl.training.overlap`),
+        given its wall time `step_s` (`time/step_s`); called once per step by the step tail (`StepLoop`)."""
+        timing, self._step = self._step, None
+        return overlap_metrics(step_s=step_s, **timing) if timing is not None else {}
 
     def next(self, step: int) -> tuple[Any, dict[str, float]]:
         """The batch of `step` (blocks until it is made) and the step's async metrics."""
@@ -360,21 +371,16 @@ class AsyncRollout:
         self.consumed = step
         if state["rng"] is not None:  # k = 0: continue the random stream where the rollout left it
             set_rng_state(state["rng"])
-        now = time.perf_counter()
-        cycle = now - self._last_return if self._last_return is not None else None
-        self._last_return = now
-        staleness = float(self.version - info["version"])
         metrics: dict[str, float] = {
-            "rollout/staleness/mean": staleness, "rollout/staleness/max": staleness,
+            **staleness_metrics([self.version - info["version"]], self.k),
             "rollout/policy_version": float(info["version"]),
             "time/async/wait_s": wait, "time/async/queue_length": float(queue_length),
             "time/async/weight_load_s": info["weight_load_s"],
         }
-        if cycle:
-            metrics["time/async/trainer_idle_ratio"] = min(1.0, wait / cycle)
-        span = info["idle_s"] + info["busy_s"]
-        if span > 0:
-            metrics["time/async/rollout_idle_ratio"] = info["idle_s"] / span
+        # the rest of the step's overlap metrics once its wall time is known (`step_metrics`); a batch saved by an
+        # older mmrl has no produce_s: none for its step
+        self._step = {"wait_s": wait, "push_s": 0.0, "rollout_s": info["produce_s"], "rollout_idle_s": info["idle_s"],
+                      "rollout_wall_s": info["wall_s"]} if "produce_s" in info else None
         metrics.update(info["metrics"])
         self.last_flops = int(info.get("flops", 0))  # the recipe adds them to its meter (mmrl.perf.add_flops)
         return from_plain(plain, self.device), metrics

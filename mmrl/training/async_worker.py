@@ -105,7 +105,9 @@ def worker_main(builder: str, cfg: Any, rank: int, world: int, device: str, thre
         flops_model = getattr(producer, "flops_model", None)
         meter = attach_flops_meter(flops_model) if flops_model is not None else None
         outbox.put(("ready", os.getpid()))
-        version, idle, busy, load_s = -1, 0.0, 0.0, 0.0
+        # per batch: `idle` = blocked waiting for a message (the next ticket is not sent yet: max_staleness reached),
+        # `wall` = since the previous batch was handed over (its encoding counts to the next batch's span)
+        version, idle, load_s, mark = -1, 0.0, 0.0, time.perf_counter()
         while True:
             t0 = time.perf_counter()
             msg = _next_message(inbox, parent)
@@ -130,16 +132,16 @@ def worker_main(builder: str, cfg: Any, rank: int, world: int, device: str, thre
                     meter.pop()  # (forwards of weight loads and the like are not the rollout's)
                 payload, metrics = producer.produce(step)
                 plain = to_plain(payload)
-                busy += time.perf_counter() - t1
+                produce_s = time.perf_counter() - t1
                 state = {"producer": producer.state_dict(), "rng": get_rng_state() if rng is not None else None}
-                info = {"version": version, "idle_s": idle, "busy_s": busy, "weight_load_s": load_s,
-                        "metrics": dict(metrics), "flops": meter.pop() if meter is not None else 0}
+                now = time.perf_counter()
+                info = {"version": version, "idle_s": idle, "wall_s": now - mark, "produce_s": produce_s,
+                        "weight_load_s": load_s, "metrics": dict(metrics),
+                        "flops": meter.pop() if meter is not None else 0}
                 outbox.put(("batch", int(step), encode({"payload": plain, "state": state, "info": info})))
-                idle = busy = load_s = 0.0
-                continue
+                idle, load_s, mark = 0.0, 0.0, now
             else:
                 raise ValueError(f"rollout process: unknown message {kind!r}")
-            busy += time.perf_counter() - t1
     except BaseException as exc:  # noqa: BLE001 - reported to the trainer, which raises it
         try:
             outbox.put(("error", _picklable(exc), traceback.format_exc()))
