@@ -499,6 +499,23 @@ def test_bench_measure_by_hand():
         _bench().measure(rows[:2], skip=1)
 
 
+def test_bench_overlap_table_by_hand():
+    bench = _bench()
+    # sync: R = rollout + reward = 1 s, T = 3 - 1 = 2 s per step (step 1 skipped): ideal 3 / 2
+    rows = [{"step": s, "time/step_s": w, "time/rollout_s": 0.8, "time/reward_s": 0.2}
+            for s, w in [(1, 9.0), (2, 3.0), (3, 3.0)]]
+    assert bench.sync_overlap(rows, skip=1) == pytest.approx({"rollout_s": 1.0, "trainer_s": 2.0, "ideal": 1.5})
+    overlap = {k: 1.0 for k in ("async_rollout_s", "async_trainer_s", "async_ideal_speedup", "async_achieved_speedup",
+                                "async_achieved_over_ideal", "async_trainer_idle_frac", "async_rollout_idle_frac")}
+    results = {"sync 1 thread": [{"steps_per_s": 1 / 3, "sync_overlap": bench.sync_overlap(rows, skip=1)}] * 2,
+               "async, bypass": [{"steps_per_s": 0.5, "overlap": overlap}, {"steps_per_s": 0.45, "overlap": overlap}]}
+    table = bench.overlap_table(results)
+    assert [r[0] for r in table] == ["async, bypass (in-run)", "async, bypass vs sync 1 thread (A/B)"]
+    # A/B: achieved 0.5 / (1/3) = 1.5 and 1.35 -> 1.00 and 0.90 of the ideal 1.5
+    assert table[1][1:] == ["1.000 / 1.000 / 1.000", "2.000 / 2.000 / 2.000", "1.50 / 1.50 / 1.50",
+                            "1.35 / 1.43 / 1.50", "0.90 / 0.95 / 1.00", "-", "-"]
+
+
 @pytest.mark.slow
 def test_docs_async_commands_short_forms(tmp_path):
     """docs/async.md: the Flow-GRPO command for 3 steps. The benchmark command (which runs `mmrl train

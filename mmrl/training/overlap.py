@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-__all__ = ["staleness_metrics", "overlap_metrics", "overlap_summary", "OVERLAP_KEYS"]
+__all__ = ["staleness_metrics", "overlap_metrics", "overlap_summary", "ideal_speedup", "OVERLAP_KEYS"]
 
 OVERLAP_KEYS = ("async/trainer_idle_frac", "async/rollout_idle_frac", "async/rollout_s", "async/trainer_s",
                 "async/ideal_speedup", "async/achieved_speedup")
@@ -36,6 +36,12 @@ def staleness_metrics(staleness: Sequence[int], max_staleness: int) -> dict[str,
     return out
 
 
+def ideal_speedup(rollout_s: float, trainer_s: float) -> float:
+    """(R + T) / max(R, T): the speed-up over a synchronous step of R + T seconds when the two sides overlap
+    perfectly (the step then takes the longer side); between 1 and 2."""
+    return (rollout_s + trainer_s) / max(rollout_s, trainer_s)
+
+
 def overlap_metrics(*, step_s: float, wait_s: float, push_s: float, rollout_s: float, rollout_idle_s: float,
                     rollout_wall_s: float) -> dict[str, float]:
     """The `async/*` keys of one step (module docstring) from: the trainer's step wall time `step_s`, its wait for
@@ -50,20 +56,20 @@ def overlap_metrics(*, step_s: float, wait_s: float, push_s: float, rollout_s: f
     if rollout_wall_s > 0:
         out["async/rollout_idle_frac"] = min(1.0, max(0.0, rollout_idle_s / rollout_wall_s))
     if max(rollout_s, trainer_s) > 0:
-        out["async/ideal_speedup"] = (rollout_s + trainer_s) / max(rollout_s, trainer_s)
+        out["async/ideal_speedup"] = ideal_speedup(rollout_s, trainer_s)
     return out
 
 
-def overlap_summary(rows: Sequence[dict[str, Any]], name: str | None = None) -> dict[str, float]:
+def overlap_summary(rows: Sequence[dict[str, Any]], name: str | None = None, skip: int = 1) -> dict[str, float]:
     """The run summary's `async_*` entries: the mean of every `OVERLAP_KEYS` metric over the logged steps after the
-    first (whose wait includes the rollout process's start-up), `async_staleness_mean` and `async_staleness_max`
-    over every step, and `async_achieved_over_ideal` = mean achieved / mean ideal speed-up; {} for a run without a
-    rollout process. `name`: print them as one line prefixed by it."""
+    first `skip` (the first step's wait includes the rollout process's start-up), `async_staleness_mean` and
+    `async_staleness_max` over every step, and `async_achieved_over_ideal` = mean achieved / mean ideal speed-up;
+    {} for a run without a rollout process. `name`: print them as one line prefixed by it."""
     stale = [r for r in rows if r.get("rollout/staleness/mean") is not None]
     rows = [r for r in rows if r.get("async/ideal_speedup") is not None]
     if not rows:
         return {}
-    measured = rows[1:] or rows
+    measured = rows[skip:] or rows
     out: dict[str, float] = {}
     for key in OVERLAP_KEYS:
         vals = [r[key] for r in measured if r.get(key) is not None]
