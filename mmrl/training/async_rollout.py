@@ -152,6 +152,9 @@ def check_async_rollout(cfg: Any, multi_process: bool | None = None, recomputes_
                          f"rollout_correction.is_level=token: weights pi_old / pi_rollout, decoupled PPO), else the "
                          f"stale samples count as drawn by pi_old; or use algo.old_logprobs=rollout (bypass: the ratio "
                          f"against the policy that sampled)")
+    from mmrl.training.rank_rollout import check_rollout_ranks
+
+    check_rollout_ranks(cfg)
     if multi_process is None:
         multi_process = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
     if ro.worker != "process":
@@ -172,10 +175,14 @@ def rollout_process(cfg: Any, ctx: Any, run: Any, builder: str, stateful: dict[s
     as "async_rollout" (its in-flight batches go into checkpoints) and keeping the `mirror` entries of `stateful`
     (the data position) equal to the producer's. Start it with `.start(...)` after `restore_checkpoint`."""
     ro = cfg.rollout
-    if ro.worker != "process":
+    if ro.worker == "inline":
         return None
     check_async_rollout(cfg, multi_process=ctx.enabled)
-    pipe = AsyncRollout(builder, cfg, max_staleness=ro.max_staleness, last_step=cfg.train.max_steps, seed=cfg.seed,
+    if ro.worker == "ranks":  # on a rank of the launcher's world (mmrl.training.rank_rollout)
+        from mmrl.training.rank_rollout import rank_rollout as make
+    else:
+        make = AsyncRollout
+    pipe = make(builder=builder, cfg=cfg, max_staleness=ro.max_staleness, last_step=cfg.train.max_steps, seed=cfg.seed,
                         rank=ctx.rank, world=ctx.world_size,
                         threads=ro.worker_threads or cfg.num_threads or torch.get_num_threads(),
                         device=run.device, mirror={name: stateful[name] for name in mirror})
@@ -237,17 +244,10 @@ class AsyncRollout:
                  mirror: dict[str, Any] | None = None):
         if max_staleness < 0:
             raise ValueError(f"rollout.max_staleness: expected >= 0 (0 = synchronous), got {max_staleness}")
-        import torch.multiprocessing as tmp
-
         self.k, self.last_step, self.seed, self.rank, self.world = int(max_staleness), int(last_step), int(seed), \
             int(rank), int(world)
         self.device, self.mirror = device, dict(mirror or {})
-        ctx = tmp.get_context("spawn")
-        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=worker_main, args=(builder, cfg, self.rank, self.world, str(device or "cpu"),
-                                                            int(threads), self.inbox, self.outbox),
-                                daemon=True, name=f"mmrl-rollout-{self.rank}")
-        self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.inbox)
+        self._open(builder, cfg, int(threads))
         _OPEN.add(self)
         self.ready: dict[int, tuple] = {}  # step -> (plain payload, state, info), finished and not yet consumed
         self.submitted = 0  # newest step whose ticket was sent (or whose batch was restored)
@@ -256,7 +256,26 @@ class AsyncRollout:
         self._gathered: list | None = None
         self._step: dict[str, float] | None = None  # this step's timings for `step_metrics`
 
-    # ---------------------------------------------------------------- messages
+    # ---------------------------------------------------------------- messages (a rollout process's queues; a
+    # rollout rank's channel: `mmrl.training.rank_rollout` overrides these four)
+    def _open(self, builder: str, cfg: Any, threads: int) -> None:
+        import torch.multiprocessing as tmp
+
+        ctx = tmp.get_context("spawn")
+        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=worker_main, args=(builder, cfg, self.rank, self.world,
+                                                            str(self.device or "cpu"), threads, self.inbox,
+                                                            self.outbox),
+                                daemon=True, name=f"mmrl-rollout-{self.rank}")
+        self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.inbox)
+
+    def _launch(self) -> None:
+        _quiet_resource_sharer()
+        self.proc.start()  # (torch.multiprocessing spawn: a script that trains needs `if __name__ == "__main__":`)
+        # the trainer only reads `outbox`: with the rollout process holding the only write end, a batch cut by its
+        # death (a kill -9 while the batch is half through the pipe) ends in EOF instead of a read that never returns
+        self.outbox._writer.close()
+
     def _send(self, *msg: Any) -> None:
         self.inbox.put(msg)
 
@@ -322,11 +341,7 @@ class AsyncRollout:
         state_dicts, plus `producer_state`), the weights of version `step`, then the tickets that are due."""
         state = {name: obj.state_dict() for name, obj in self.mirror.items()}
         state.update(producer_state or {})
-        _quiet_resource_sharer()
-        self.proc.start()  # (torch.multiprocessing spawn: a script that trains needs `if __name__ == "__main__":`)
-        # the trainer only reads `outbox`: with the rollout process holding the only write end, a batch cut by its
-        # death (a kill -9 while the batch is half through the pipe) ends in EOF instead of a read that never returns
-        self.outbox._writer.close()
+        self._launch()
         self._send("state", state)
         self.version = self.consumed = int(step)
         self._send("weights", self.version, pack_tensors(weights))
