@@ -17,8 +17,10 @@ ranks' own context (`set_trainer_context`): the recipe's collectives never invol
 
 On the channel (point to point, `dist.send` / `dist.recv` with one tag per direction): every message is a size and
 its pickled bytes as a uint8 tensor; the weights of a push follow their header as the flat buffers of
-`payloads.pack_tensors` (one tensor per dtype, on the backend's device: NCCL sends from the GPU). A reader thread on
-each side receives into a local queue, so the trainer polls it as it polls the rollout process's queue. A peer that
+`payloads.pack_tensors` (one tensor per dtype). A reader thread on each side receives into a local queue, so the
+trainer polls it as it polls the rollout process's queue. The channel is always a gloo group of the two ranks (a new
+group beside an NCCL world): a receive kept waiting on NCCL's stream would block the sends of the other direction,
+so weights and batches go through host memory. A peer that
 dies closes its connection: gloo's pending receive fails at once, and the survivor ends with one line naming the
 rank (a trainer: `RolloutProcessError`, a RunError: the last complete checkpoint stays and the CLI prints the resume
 hint; a rollout rank: exits 1).
@@ -47,14 +49,14 @@ from mmrl.training.payloads import decode, encode
 __all__ = ["RankChannel", "RankRollout", "check_rollout_ranks", "serve_rollout_rank"]
 
 TO_ROLLOUT, TO_TRAINER = 11, 12  # the tags of the two directions
-_PEER: tuple[int, torch.device] | None = None  # a trainer rank's rollout rank and the device the channel sends from
+_PEER: tuple[int, Any] | None = None  # a trainer rank's rollout rank and the channel's process group
 
 
 def rank_rollout(cfg: Any, **kw: Any) -> RankRollout:
     """The trainer rank's `RankRollout` (after `serve_rollout_rank` returned False on it)."""
     if _PEER is None:
         raise RuntimeError("rollout.worker=ranks: the recipe must call serve_rollout_rank(cfg, builder) first")
-    return RankRollout(cfg=cfg, peer=_PEER[0], comm_device=_PEER[1], **kw)
+    return RankRollout(cfg=cfg, peer=_PEER[0], group=_PEER[1], **kw)
 
 
 def check_rollout_ranks(cfg: Any, world: int | None = None) -> None:
@@ -89,9 +91,9 @@ class RankChannel:
     """Messages to and from one peer rank (module docstring). `on_gone(reason)`: called by the reader thread when the
     peer's connection ends (default: a ("gone", reason) message in the inbox)."""
 
-    def __init__(self, peer: int, device: torch.device, send_tag: int, recv_tag: int,
+    def __init__(self, peer: int, group: Any, send_tag: int, recv_tag: int,
                  on_gone: Callable[[str], None] | None = None):
-        self.peer, self.device, self.send_tag, self.recv_tag = peer, device, send_tag, recv_tag
+        self.peer, self.group, self.send_tag, self.recv_tag = peer, group, send_tag, recv_tag
         self.inbox: queue_mod.Queue = queue_mod.Queue()
         self.stopping = False  # "stop" was read: the peer's end that follows is no failure
         self.on_gone = on_gone or (lambda reason: self.inbox.put(("gone", reason)))
@@ -104,18 +106,13 @@ class RankChannel:
             flats = list(packed["flat"].values())
             msg = (msg[0], msg[1], {**packed, "flat": {k: (t.numel(), t.dtype) for k, t in packed["flat"].items()}})
         data = torch.frombuffer(bytearray(encode(msg)), dtype=torch.uint8)
-        dist.send(self._dev(torch.tensor([data.numel()], dtype=torch.int64)), self.peer, tag=self.send_tag)
-        dist.send(self._dev(data), self.peer, tag=self.send_tag)
-        for t in flats:
-            dist.send(self._dev(t.contiguous()), self.peer, tag=self.send_tag)
-
-    def _dev(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.device) if t.device != self.device else t
+        for t in (torch.tensor([data.numel()], dtype=torch.int64), data, *flats):
+            dist.send(t.detach().cpu().contiguous(), self.peer, group=self.group, tag=self.send_tag)
 
     def _recv(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.empty(n, dtype=dtype, device=self.device)
-        dist.recv(t, self.peer, tag=self.recv_tag)
-        return t.cpu()
+        t = torch.empty(n, dtype=dtype)
+        dist.recv(t, self.peer, group=self.group, tag=self.recv_tag)
+        return t
 
     def _read(self) -> None:
         try:
@@ -141,12 +138,12 @@ class RankChannel:
 class RankRollout(AsyncRollout):
     """`AsyncRollout` whose producer runs on rollout rank `peer` of the launcher's world (module docstring)."""
 
-    def __init__(self, builder: str, cfg: Any, *, peer: int, comm_device: torch.device, **kw: Any):
-        self.peer, self.comm_device = int(peer), comm_device
+    def __init__(self, builder: str, cfg: Any, *, peer: int, group: Any, **kw: Any):
+        self.peer, self.group = int(peer), group
         super().__init__(builder, cfg, **kw)
 
     def _open(self, builder: str, cfg: Any, threads: int) -> None:
-        self.channel = RankChannel(self.peer, self.comm_device, TO_ROLLOUT, TO_TRAINER)
+        self.channel = RankChannel(self.peer, self.group, TO_ROLLOUT, TO_TRAINER)
         self.closed = False
         self._finalizer = weakref.finalize(self, lambda: None)
 
@@ -195,11 +192,12 @@ def serve_rollout_rank(cfg: Any, builder: str) -> bool:
         return False
     world = DistContext.init(cfg.dist.backend)
     trainers = world.world_size - cfg.dist.rollout_ranks
-    comm = world.device if world.backend == "nccl" else torch.device("cpu")
+    # (every rank of the world creates the group, as new_group requires; None: the gloo world itself)
+    group = dist.new_group(list(range(world.world_size)), backend="gloo") if world.backend != "gloo" else None
     if world.rank < trainers:
         set_trainer_context(DistContext(0, 1, world.local_rank, world.device, None))
         global _PEER
-        _PEER = (trainers + world.rank, comm)
+        _PEER = (trainers + world.rank, group)
         return False
     trainer = world.rank - trainers
 
@@ -208,7 +206,7 @@ def serve_rollout_rank(cfg: Any, builder: str) -> bool:
               file=sys.stderr, flush=True)
         os._exit(1)
 
-    channel = RankChannel(trainer, comm, TO_TRAINER, TO_ROLLOUT, on_gone=trainer_gone)
+    channel = RankChannel(trainer, group, TO_TRAINER, TO_ROLLOUT, on_gone=trainer_gone)
     ro = cfg.rollout
     threads = ro.worker_threads or getattr(cfg, "num_threads", 0) or torch.get_num_threads()
     run_producer(builder, cfg, world.rank - trainers, trainers, str(world.device), threads,
