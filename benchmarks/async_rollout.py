@@ -35,8 +35,8 @@ round, achieved = the synchronous run's seconds per step / the async run's, idea
 synchronous run (R: its `time/rollout_s` + `time/reward_s`, T: the rest of its step).
 
 `--mode` names how the rollouts run beside the trainer (MODES): `process` (one rollout process per trainer process,
-`rollout.worker=process`) is the only one; rollout ranks in one torch.distributed world do not exist yet, and a
-`ranks` mode would be one more MODES entry (its overrides, and the variant names it gets).
+`rollout.worker=process`) or `ranks` (a rollout rank beside the trainer rank in one torch.distributed world, the async
+variants launched by torchrun with 2 processes: `rollout.worker=ranks dist.rollout_ranks=1`).
 """
 
 from __future__ import annotations
@@ -65,9 +65,11 @@ CONFIGS = {
 # --quick: 4 steps, 1 round, the first step skipped, and each recipe's batch made small
 QUICK = {"vlm_grpo": ["warm_start.steps=2", "data.eval_size=2", "rollout.prompts_per_step=2", "rollout.group_size=4"],
          "flow_grpo": ["rollout.prompts_per_step=2", "rollout.group_size=4"]}
-# how the rollouts run beside the trainer, one thread per side (a `ranks` mode, rollout ranks in one
-# torch.distributed world, would be another entry here)
-MODES = {"process": ["num_threads=1", "rollout.worker=process", "rollout.worker_threads=1"]}
+# how the rollouts run beside the trainer, one thread per side
+MODES = {"process": ["num_threads=1", "rollout.worker=process", "rollout.worker_threads=1"],
+         "ranks": ["num_threads=1", "rollout.worker=ranks", "dist.rollout_ranks=1", "rollout.worker_threads=1"]}
+# the launcher of a mode's async variants (none: one process)
+LAUNCH = {"ranks": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]}
 
 
 def variants(mode: str) -> dict[str, tuple[int, list[str]]]:
@@ -135,7 +137,8 @@ def run_once(recipe: str, variant: str, steps: int, k: int, out: Path, extra_ove
         overrides = [*overrides, f"rollout.max_staleness={k}"]
     if out.exists():
         shutil.rmtree(out)
-    cmd = [sys.executable, "-m", "mmrl.cli", "train", cfg, f"output_dir={out}", f"train.max_steps={steps}",
+    launch = LAUNCH.get(mode, []) if variant.startswith("async") else []
+    cmd = [sys.executable, *launch, "-m", "mmrl.cli", "train", cfg, f"output_dir={out}", f"train.max_steps={steps}",
            "train.save_every=0", *extra, *overrides, *extra_overrides]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", MMRL_NO_PROGRESS="1", PYTHONPATH=str(REPO))
@@ -156,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", type=int, default=5, help="first steps left out of the measurement")
     ap.add_argument("--max-staleness", type=int, default=1, help="rollout.max_staleness of the async variant")
     ap.add_argument("--mode", default="process", choices=list(MODES),
-                    help="how the rollouts run beside the trainer: process = one rollout process per trainer process "
-                         "(rollout ranks in one torch.distributed world are not implemented)")
+                    help="how the rollouts run beside the trainer: process = one rollout process per trainer process, "
+                         "ranks = a rollout rank beside the trainer rank (torchrun, 2 processes)")
     ap.add_argument("--out", default="runs/bench_async", help="run directories go here")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="another config override for every run (e.g. a smaller batch for a quick check)")
