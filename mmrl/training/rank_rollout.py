@@ -209,6 +209,9 @@ def serve_rollout_rank(cfg: Any, builder: str) -> bool:
     channel = RankChannel(trainer, group, TO_TRAINER, TO_ROLLOUT, on_gone=trainer_gone)
     ro = cfg.rollout
     threads = ro.worker_threads or getattr(cfg, "num_threads", 0) or torch.get_num_threads()
+    # the producer is built once the trainer's first message is here, sent after the trainer built its policy: a
+    # model the run builds on the fly (model.build_tiny) is written by the trainer alone, then read here
+    pending = [channel.get(None)]
     run_producer(builder, cfg, world.rank - trainers, trainers, str(world.device), threads,
-                 lambda: channel.get(None), channel.send)
+                 lambda: pending.pop() if pending else channel.get(None), channel.send)
     return True
