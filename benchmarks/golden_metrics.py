@@ -1,8 +1,8 @@
 """Golden metrics: every tiny config's metrics.jsonl over 3 steps, recorded before a refactor and compared after it.
 
 Not a speed benchmark: a behaviour record. A refactor that claims "behaviour unchanged" records the rows with the
-old code, then compares the new code's rows with them, row by row and key by key (keys under time/ and the
-wall-clock / machine keys of `mmrl.testing.MACHINE_KEYS` aside). Equality is exact: both runs take the same code
+old code, then compares the new code's rows with them, row by row and key by key (the wall-clock keys under
+`mmrl.testing.TIMING_PREFIXES`, time/ and async/, and the machine keys of `mmrl.testing.MACHINE_KEYS` aside). Equality is exact: both runs take the same code
 path on the same machine, so any difference is a change of behaviour.
 
 Cases (`--list` prints them):

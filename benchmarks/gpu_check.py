@@ -1,6 +1,7 @@
 """A GPU check, ready to run: on a CUDA machine with no network, build random models of the real architectures at
 their real size (mmrl.tiny.random_real: SD3.5-Medium, FLUX.1-dev, Qwen2.5-VL-3B), run every recipe for a few steps in
-bf16 through `mmrl train` (each in its own process, so peak memory is per recipe), and print one JSON object:
+bf16 through `mmrl train` (each in its own process, so peak memory is per recipe; vlm_grpo_ranks under torchrun on 2
+GPUs: a rollout rank beside the trainer rank), and print one JSON object:
 images/s or tokens/s, TFLOP per step and MFU (mmrl.perf: FLOPs from the architecture, the device's dense bf16 peak),
 peak GPU memory, and the largest log-prob drift between rollout and training (must be ~0).
 
@@ -11,7 +12,8 @@ Each recipe starts from its tiny CPU config (configs/*/…_tiny*.yaml: the same 
 with the model, device, dtype and resolution overridden (RECIPES below); rewards need no weights (JPEG size, exact
 match, the grid environment). Exit status 1 when a recipe fails (its JSON entry has the error's last lines).
 `flow_grpo_flux_sp2` runs under torchrun on 2 processes (2 GPUs; gloo on CPU with --small) with every FLUX forward
-split over the tokens (`dist.sequence_parallel: 2`); a machine with fewer GPUs reports it failed with the reason.
+split over the tokens (`dist.sequence_parallel: 2`); a machine with fewer GPUs reports it skipped with the reason
+(so does `vlm_grpo_ranks`, a rollout rank beside the trainer rank).
 """
 
 from __future__ import annotations
@@ -48,11 +50,15 @@ RECIPES: dict[str, tuple[str, str, list[str]]] = {
     # (no lm_head warm start: Qwen2.5-VL-3B ties it to the embeddings; a throughput check needs no format prior)
     "vlm_grpo": ("configs/vlm/grpo_tiny_shapes.yaml", "qwen25_vl_3b", ["warm_start.steps=0"]),
     "vlm_multiturn": ("configs/vlm/multiturn_grid_tiny.yaml", "qwen25_vl_3b", ["warm_start.steps=0"]),
+    # rank 1 generates and scores, rank 0 trains (2 GPUs; NCCL world, the rank channel over gloo); max_staleness 0:
+    # the rollout's log-probs must equal the trainer's (drift ~0), so the pushed weights arrived whole
+    "vlm_grpo_ranks": ("configs/vlm/grpo_tiny_shapes.yaml", "qwen25_vl_3b",
+                       ["warm_start.steps=0", "rollout.worker=ranks", "dist.rollout_ranks=1"]),
 }
 
 
 # recipes launched with torchrun on this many processes (one per GPU; gloo processes on CPU with --small)
-PROCESSES = {"flow_grpo_flux_sp2": 2}
+PROCESSES = {"flow_grpo_flux_sp2": 2, "vlm_grpo_ranks": 2}
 
 
 def _rows(out: Path) -> list[dict]:
@@ -127,6 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     failed = []
     for name in names:
         config, arch_name, gpu_overrides = RECIPES[name]
+        nproc = PROCESSES.get(name, 1)
+        if not args.small and nproc > torch.cuda.device_count():
+            report["recipes"][name] = {"config": config, "skipped": f"needs {nproc} GPUs, this machine has "
+                                                                    f"{torch.cuda.device_count()}"}
+            continue
         if arch_name not in models:  # built once, shared by the recipes that train it
             path = out / "models" / (arch_name + ("_small" if args.small else ""))
             if not (path / ("model_index.json" if "qwen" not in arch_name else "config.json")).is_file():
@@ -139,19 +150,13 @@ def main(argv: list[str] | None = None) -> int:
         overrides = [f"output_dir={run_dir}", f"model.path={path}", f"train.max_steps={args.steps}",
                      f"train.save_every={args.steps}", "train.resume=never", "train.overwrite=true",
                      "log.eval_every=0", "log.sample_every=0"]
-        sizes = ("rollout.", "update.")  # batch and image sizes: on a GPU only; --small keeps the tiny configs'
-        overrides += [o for o in gpu_overrides if not o.startswith(sizes)]
+        # batch and image sizes: on a GPU only; --small keeps the tiny configs' (where rollouts run: both)
+        sized = [o for o in gpu_overrides if o.startswith(("rollout.", "update.")) and not o.startswith("rollout.worker")]
+        overrides += [o for o in gpu_overrides if o not in sized]
         overrides += (["device=cpu", "dtype=float32"] if args.small
-                      else ["device=cuda", "dtype=bfloat16", "num_threads=0",
-                            *[o for o in gpu_overrides if o.startswith(sizes)]])
-        nproc = PROCESSES.get(name, 1)
+                      else ["device=cuda", "dtype=bfloat16", "num_threads=0", *sized])
         launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else []
         cmd = [sys.executable, *launch, "-m", "mmrl.cli", "train", str(REPO / config), *overrides]
-        if not args.small and nproc > torch.cuda.device_count():
-            failed.append(name)
-            report["recipes"][name] = {"config": config, "error": f"needs {nproc} GPUs, this machine has "
-                                                                  f"{torch.cuda.device_count()}"}
-            continue
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
                               env=dict(os.environ, MMRL_NO_PROGRESS="1", HF_HUB_OFFLINE="1"))

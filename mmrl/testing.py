@@ -37,9 +37,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FLOAT32_ATOL", "FLOAT32_RTOL", "RESUMED_RUN", "assert_close_across_paths", "assert_same_path", "child_env",
-           "child_processes", "environment_report", "metrics_rows", "png_claiming_size", "process_ended",
-           "run_torchrun", "signal_death", "spawn_ranks", "without_time"]
+__all__ = ["FLOAT32_ATOL", "FLOAT32_RTOL", "RESUMED_RUN", "assert_close_across_paths", "assert_overlap_metrics",
+           "assert_same_path", "child_env", "child_processes", "environment_report", "metrics_rows",
+           "png_claiming_size", "process_ended", "run_torchrun", "signal_death", "spawn_ranks", "without_time"]
 
 # float32 has a 2^-24 ~ 6e-8 relative rounding step; through a tiny model's forward and a loss the results of two
 # paths drift apart by up to ~1e-6 relative (measured: NFT pos/neg loss 1.8e-8, 2 ranks vs 1 process ~1e-7), far
@@ -144,6 +144,35 @@ def metrics_rows(out_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def assert_overlap_metrics(rows: list[dict], summary: dict | None, max_staleness: int) -> None:
+    """The overlap metrics of an async run (`mmrl.training.overlap`): every row has them, fractions in [0, 1], the
+    ideal speed-up in [1, 2] and equal to (R + T) / max(R, T) of the row, the achieved one (R + T) / W; every
+    batch at most `max_staleness` versions behind, one batch per step; the summary (unless None) holds their
+    means."""
+    import pytest
+
+    from mmrl.training.overlap import OVERLAP_KEYS
+
+    assert rows
+    for r in rows:
+        missing = [k for k in OVERLAP_KEYS if k not in r]
+        assert not missing, f"step {r['step']}: no {missing}"
+        assert 0 <= r["async/trainer_idle_frac"] <= 1 and 0 <= r["async/rollout_idle_frac"] <= 1, r
+        R, T = r["async/rollout_s"], r["async/trainer_s"]
+        assert R > 0 and T > 0 and r["time/step_s"] >= T, r
+        assert 1 <= r["async/ideal_speedup"] <= 2 and r["async/ideal_speedup"] == pytest.approx((R + T) / max(R, T))
+        assert r["async/achieved_speedup"] == pytest.approx((R + T) / r["time/step_s"])
+        counts = [r[f"rollout/staleness/count_{s}"] for s in range(max_staleness + 1)]
+        assert sum(counts) == 1 and r["rollout/staleness/max"] <= max_staleness, r
+        assert r["rollout/staleness/max"] == max(s for s, c in enumerate(counts) if c)
+    if summary is None:
+        return
+    steps = rows[1:] or rows
+    for key in OVERLAP_KEYS:
+        assert summary[key.replace("/", "_")] == pytest.approx(sum(r[key] for r in steps) / len(steps)), key
+    assert summary["async_staleness_max"] == max(r["rollout/staleness/max"] for r in rows)
+
+
 def process_ended(pid: int) -> bool:
     """Process `pid` has ended (Linux /proc): gone, or a zombie that no parent has reaped yet (a container's PID 1
     may never reap the orphans it inherits)."""
@@ -172,10 +201,13 @@ def child_processes(pid: int) -> dict[int, str]:
 MACHINE_KEYS = ("perf/tflops_per_s", "perf/mfu", "perf/peak_memory_gib")
 
 
+TIMING_PREFIXES = ("time/", "async/")  # wall-clock keys: timings, and a rollout process's overlap metrics
+
+
 def without_time(row: dict) -> dict:
-    """A metrics row without its wall-clock and machine keys (``time/...``, ``MACHINE_KEYS``): what two equal runs
-    must agree on (``perf/tflops_per_step`` stays: it is a function of the work done)."""
-    return {k: v for k, v in row.items() if not k.startswith("time/") and k not in MACHINE_KEYS}
+    """A metrics row without its wall-clock and machine keys (``TIMING_PREFIXES``, ``MACHINE_KEYS``): what two equal
+    runs must agree on (``perf/tflops_per_step`` stays: it is a function of the work done)."""
+    return {k: v for k, v in row.items() if not k.startswith(TIMING_PREFIXES) and k not in MACHINE_KEYS}
 
 
 # the CPU features that decide which float kernels torch (and oneDNN / MKL) run: AVX2 vs AVX-512 vs AMX round

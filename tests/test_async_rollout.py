@@ -141,13 +141,45 @@ def test_stale_batches_with_recomputed_pi_old_need_the_correction_weights(cfg_fi
     check_config(vlm)
 
 
+def test_overlap_and_staleness_metrics_by_hand():
+    from mmrl.training.overlap import overlap_metrics, overlap_summary, staleness_metrics
+
+    # W = 2 s, wait 0.5, push 0.1 -> T = 1.4; R = 1.2: ideal 2.6 / 1.4, achieved 2.6 / 2; rollout idle 0.3 of 1.6 s
+    m = overlap_metrics(step_s=2.0, wait_s=0.5, push_s=0.1, rollout_s=1.2, rollout_idle_s=0.3, rollout_wall_s=1.6)
+    assert m == pytest.approx({"async/rollout_s": 1.2, "async/trainer_s": 1.4, "async/trainer_idle_frac": 0.25,
+                               "async/rollout_idle_frac": 0.1875, "async/ideal_speedup": 2.6 / 1.4,
+                               "async/achieved_speedup": 1.3})
+    # rollout-bound: R = 3, T = 1; the trainer waits 2 of its 3.2 s step (push 0.2)
+    m = overlap_metrics(step_s=3.2, wait_s=2.0, push_s=0.2, rollout_s=3.0, rollout_idle_s=0.0, rollout_wall_s=3.2)
+    assert m == pytest.approx({"async/rollout_s": 3.0, "async/trainer_s": 1.0, "async/trainer_idle_frac": 0.625,
+                               "async/rollout_idle_frac": 0.0, "async/ideal_speedup": 4 / 3,
+                               "async/achieved_speedup": 1.25})
+    assert overlap_metrics(step_s=0.0, wait_s=0.0, push_s=0.0, rollout_s=0.0, rollout_idle_s=0.0,
+                           rollout_wall_s=0.0) == {"async/rollout_s": 0.0, "async/trainer_s": 0.0}  # no 0 / 0
+    assert staleness_metrics([1, 2, 2], 2) == pytest.approx({
+        "rollout/staleness/mean": 5 / 3, "rollout/staleness/max": 2.0, "rollout/staleness/count_0": 0.0,
+        "rollout/staleness/count_1": 1.0, "rollout/staleness/count_2": 2.0})
+    assert staleness_metrics([0], 1) == {"rollout/staleness/mean": 0.0, "rollout/staleness/max": 0.0,
+                                         "rollout/staleness/count_0": 1.0, "rollout/staleness/count_1": 0.0}
+    # the summary: means of steps 2 and 3 (step 1 waited for the rollout process's start-up), staleness over all
+    rows = [{"step": s, "rollout/staleness/mean": float(min(s - 1, 1)), "rollout/staleness/max": float(min(s - 1, 1)),
+             **overlap_metrics(step_s=w, wait_s=a, push_s=0.0, rollout_s=1.0, rollout_idle_s=i, rollout_wall_s=2.0)}
+            for s, w, a, i in [(1, 5.0, 4.0, 0.0), (2, 2.0, 0.0, 1.0), (3, 2.5, 0.5, 1.0)]]
+    assert overlap_summary(rows) == pytest.approx({
+        "async_rollout_s": 1.0, "async_trainer_s": 2.0, "async_trainer_idle_frac": 0.1, "async_rollout_idle_frac": 0.5,
+        "async_ideal_speedup": 1.5, "async_achieved_speedup": (1.5 + 1.2) / 2, "async_achieved_over_ideal": 0.9,
+        "async_staleness_mean": 2 / 3, "async_staleness_max": 1.0})
+    assert overlap_summary([{"step": 1, "reward/mean": 0.5}]) == {}  # a synchronous run: nothing
+
+
 # ------------------------------------------------------------------ the schedule, with a model-free producer
 
 
 class CountingProducer:
     """A producer without models (built in the spawned process by name): a batch records its step, the weight it
     was made with, the data position and one random draw; `cfg` = {"fail_at": step, "exit_at": step, "sleep_at":
-    step (generates for 10 minutes), "big": n (each batch carries n float32 values too)}."""
+    step (generates for 10 minutes), "big": n (each batch carries n float32 values too), "sleep_s": seconds (each
+    batch takes that long)}."""
 
     def __init__(self, cfg, rank, world, device):
         self.cfg, self.rank, self.w, self.position = dict(cfg), rank, None, 0
@@ -172,6 +204,10 @@ class CountingProducer:
             import time
 
             time.sleep(600)
+        if "sleep_s" in self.cfg:  # a rollout of known length
+            import time
+
+            time.sleep(self.cfg["sleep_s"])
         self.position += 1
         extra = {"big": torch.zeros(self.cfg["big"])} if "big" in self.cfg else {}
         return ({"step": step, "w": self.w, "position": self.position, "draw": torch.rand(()), **extra},
@@ -256,6 +292,35 @@ def test_staleness_zero_continues_the_trainers_random_stream(tmp_path):
         lock.release(owner)
     assert got == expected
     assert fds and not [t for t in fds if LOCK_NAME in t]
+
+
+def test_overlap_is_measured_on_both_sides():
+    """A rollout of 0.3 s beside a training step of 0.6 s, one version stale: after the start-up step the batch is
+    ready when the trainer asks (it idles ~0), and the step takes T: achieved = ideal = 1.5. The rollout process
+    makes batches 1 and 2 back to back (both tickets are sent at step 1), then waits ~0.3 of every 0.6 s for the
+    next ticket. Step 1 waits for the process to start."""
+    import time
+
+    pipe = _pipe(1, cfg={"sleep_s": 0.3}, last_step=4)
+    rows = []
+    try:
+        pipe.start(0, {"w": torch.tensor(0.0)})
+        for step in range(1, 5):
+            t0 = time.perf_counter()
+            _, metrics = pipe.next(step)
+            time.sleep(0.6)  # training
+            metrics.update(pipe.push(step, {"w": torch.tensor(10.0 * step)}))
+            rows.append({**metrics, **pipe.step_metrics(time.perf_counter() - t0)})
+    finally:
+        pipe.close()
+    assert rows[0]["async/trainer_idle_frac"] > 0.5  # spawning the process and its first batch
+    for r in rows[1:]:
+        assert r["async/trainer_idle_frac"] < 0.2 and 0.3 <= r["async/rollout_s"] < 0.45, r
+        assert 0.6 <= r["async/trainer_s"] < 0.75 and r["async/achieved_speedup"] / r["async/ideal_speedup"] > 0.85, r
+    assert rows[1]["async/rollout_idle_frac"] < 0.25
+    assert all(0.25 < r["async/rollout_idle_frac"] < 0.7 for r in rows[2:]), rows
+    assert [r["rollout/staleness/count_1"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert pipe.step_metrics(1.0) == {}  # once per step
 
 
 @pytest.mark.slow
@@ -432,6 +497,23 @@ def test_bench_measure_by_hand():
     assert m["reward_gain_per_s"] == pytest.approx((0.4 - 0.2) / 5.0) and m["reward_last"] == pytest.approx(0.4)
     with pytest.raises(ValueError, match="1 step"):
         _bench().measure(rows[:2], skip=1)
+
+
+def test_bench_overlap_table_by_hand():
+    bench = _bench()
+    # sync: R = rollout + reward = 1 s, T = 3 - 1 = 2 s per step (step 1 skipped): ideal 3 / 2
+    rows = [{"step": s, "time/step_s": w, "time/rollout_s": 0.8, "time/reward_s": 0.2}
+            for s, w in [(1, 9.0), (2, 3.0), (3, 3.0)]]
+    assert bench.sync_overlap(rows, skip=1) == pytest.approx({"rollout_s": 1.0, "trainer_s": 2.0, "ideal": 1.5})
+    overlap = {k: 1.0 for k in ("async_rollout_s", "async_trainer_s", "async_ideal_speedup", "async_achieved_speedup",
+                                "async_achieved_over_ideal", "async_trainer_idle_frac", "async_rollout_idle_frac")}
+    results = {"sync 1 thread": [{"steps_per_s": 1 / 3, "sync_overlap": bench.sync_overlap(rows, skip=1)}] * 2,
+               "async, bypass": [{"steps_per_s": 0.5, "overlap": overlap}, {"steps_per_s": 0.45, "overlap": overlap}]}
+    table = bench.overlap_table(results)
+    assert [r[0] for r in table] == ["async, bypass (in-run)", "async, bypass vs sync 1 thread (A/B)"]
+    # A/B: achieved 0.5 / (1/3) = 1.5 and 1.35 -> 1.00 and 0.90 of the ideal 1.5
+    assert table[1][1:] == ["1.000 / 1.000 / 1.000", "2.000 / 2.000 / 2.000", "1.50 / 1.50 / 1.50",
+                            "1.35 / 1.43 / 1.50", "0.90 / 0.95 / 1.00", "-", "-"]
 
 
 @pytest.mark.slow

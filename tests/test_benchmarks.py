@@ -151,21 +151,27 @@ def test_families_benchmark_refuses_unknown_families_and_too_few_steps():
 
 
 @pytest.mark.slow
-def test_async_rollout_quick_mode_runs_every_variant(tmp_path):
+@pytest.mark.parametrize("mode", ["process", "ranks"])
+def test_async_rollout_quick_mode_runs_every_variant(tmp_path, mode):
     """`benchmarks/async_rollout.py --quick` on vlm_grpo (the command of docs/async.md, short form): every variant
-    runs, the table lists them, and both async variants trained on batches one policy version stale."""
+    runs, the table lists them, the overlap table follows, and both async variants trained on batches one policy
+    version stale; with `--mode ranks` the async variants run on a rollout rank under torchrun."""
     import json
     import subprocess
 
     from mmrl.testing import child_env
 
     proc = subprocess.run([sys.executable, str(BENCH / "async_rollout.py"), "--quick", "--recipes", "vlm_grpo",
-                           "--out", str(tmp_path / "bench")], cwd=BENCH.parent, env=child_env(),
+                           "--out", str(tmp_path / "bench"), "--mode", mode], cwd=BENCH.parent, env=child_env(),
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
-    assert [line.split("|")[1].strip() for line in table[1:]] == ["sync 2 threads", "sync 1 thread",
-                                                                   "async, decoupled PPO", "async, bypass"]
+    tables = [[line.split("|")[1].strip() for line in block.splitlines() if line.startswith("| ")][1:]
+              for block in proc.stdout.split("\n\n")]
+    tables = [t for t in tables if t]
+    assert tables[0] == ["sync 2 threads", "sync 1 thread", "async, decoupled PPO", "async, bypass"]
+    # the overlap table: each async variant's own async/* means, and the A/B pair
+    assert tables[1] == ["async, decoupled PPO (in-run)", "async, bypass (in-run)",
+                         "async, bypass vs sync 1 thread (A/B)"]
     for variant in ("async_decoupled_PPO", "async_bypass"):
         rows = [json.loads(x) for x in (tmp_path / "bench" / "vlm_grpo" / variant / "metrics.jsonl").read_text()
                 .splitlines() if x.strip()]

@@ -215,6 +215,7 @@ def train(cfg: Config) -> dict:
     from mmrl.diffusion.rollout import BUILDER, sde_sampling, sde_step_metrics, window_range
     from mmrl.diffusion.scoring import AsyncRewardScorer
     from mmrl.training.async_rollout import check_async_rollout, policy_weights, rollout_process
+    from mmrl.training.rank_rollout import serve_rollout_rank
 
     dc.check_common(cfg)
     check_async_rollout(cfg, recomputes_old=cfg.algo.old_logprobs == "recompute")
@@ -226,6 +227,8 @@ def train(cfg: Config) -> dict:
         raise ValueError(f"algo.grpo_guard_reweight balances the per-step gradients of GRPO-Guard's ratio: it needs "
                          f"algo.ratio_norm=grpo_guard, got {algo.ratio_norm!r}")
     cfg.update.updates_per_epoch(rollout.batch)  # update.mini_batch_size must divide the batch: fail before loading
+    if serve_rollout_rank(cfg, BUILDER):  # rollout.worker=ranks: this rank generated the trainer rank's batches
+        return {}
     loop = DiffusionLoop(cfg)
     model = loop.model
     # rewards overlap the next rollout micro-batch

@@ -53,7 +53,14 @@ class DistConfig:
     exchanged over the heads (Ulysses all-to-all, diffusers' context parallelism); the groups are data-parallel.
     The number of processes must be divisible by N and the attention heads too. 1 = off."""
 
+    rollout_ranks: int = 0
+    """How many ranks of the torchrun world generate and score instead of training (with `rollout.worker: ranks`;
+    `mmrl.training.rank_rollout`): the last ranks; the trainer takes the first. 0 = every rank trains. Supported: 1
+    rollout rank beside 1 trainer rank (a world of 2, on one node or two)."""
+
     def __post_init__(self) -> None:
+        if self.rollout_ranks < 0:
+            raise ValueError(f"dist.rollout_ranks: expected >= 0 (0 = every rank trains), got {self.rollout_ranks}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"dist.strategy: expected one of {list(STRATEGIES)}, got {self.strategy!r}")
         if self.backend not in BACKENDS:
@@ -67,6 +74,17 @@ class DistConfig:
         """True when checkpoints are written sharded (torch.distributed.checkpoint) with `world_size` processes."""
         return self.checkpoint == "sharded" or (self.checkpoint == "auto" and self.strategy == "fsdp"
                                                  and world_size > 1)
+
+
+_TRAINER_CONTEXT: "DistContext | None" = None
+
+
+def set_trainer_context(ctx: "DistContext | None") -> None:
+    """What `DistContext.init` returns from now on in this process (None: the launcher's world again): the trainer
+    rank's own context when the world also holds rollout ranks (`mmrl.training.rank_rollout`), so that the recipe's
+    collectives and model wrapping involve the trainer ranks only."""
+    global _TRAINER_CONTEXT
+    _TRAINER_CONTEXT = ctx
 
 
 def rank_seed(seed: int, rank: int = 0, step: int = 0) -> int:
@@ -119,6 +137,8 @@ class DistContext:
         """
         if backend not in BACKENDS:
             raise ValueError(f"dist.backend: expected one of {list(BACKENDS)}, got {backend!r}")
+        if _TRAINER_CONTEXT is not None:  # dist.rollout_ranks: the trainer's view, without the rollout ranks
+            return _TRAINER_CONTEXT
         if dist.is_available() and dist.is_initialized():
             rank, world = dist.get_rank(), dist.get_world_size()
             local = _env_int("LOCAL_RANK")

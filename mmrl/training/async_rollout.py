@@ -33,12 +33,13 @@ with the data position after the newest one. A resumed run consumes the saved ba
 restored version and continues the schedule: exactly the uninterrupted run (tested). A checkpoint therefore costs
 the wait for up to k batches.
 
-Metrics of `next` / `push`: ``rollout/staleness/mean|max`` (trainer version - batch version, per sample),
+Metrics of `next` / `push`: ``rollout/staleness/mean|max|count_<s>`` (trainer version - batch version),
 ``rollout/policy_version``; timing-dependent (under ``time/``): ``time/async/wait_s`` (trainer waiting for and
-receiving the batch), ``time/async/trainer_idle_ratio`` (that wait / the trainer's step),
-``time/async/rollout_idle_ratio`` (the rollout process waiting for work / its wall time since its previous batch),
-``time/async/queue_length`` (finished batches waiting when the trainer asks), ``time/async/weight_push_s``,
-``time/async/weight_load_s``, and the producer's own ``time/*`` (rollout, reward).
+receiving the batch), ``time/async/queue_length`` (finished batches waiting when the trainer asks),
+``time/async/weight_push_s``, ``time/async/weight_load_s``, and the producer's own ``time/*`` (rollout, reward).
+Of `step_metrics` (from the step tail, which knows the step's wall time): the overlap metrics ``async/*``
+(`mmrl.training.overlap`: idle fractions of both sides, the rollout and training seconds R and T, the ideal and the
+achieved speed-up), timing-dependent too.
 
 Several processes (DDP under torchrun, also across machines): every trainer rank starts its own rollout process on
 its node and pushes to it; each producer generates its rank's share. Checkpoints gather every rank's in-flight
@@ -65,6 +66,7 @@ from mmrl.run.files import RunError
 from mmrl.run.start import close_on_failure
 from mmrl.runtime import get_rng_state, how_process_ended as _how_it_ended, set_rng_state
 from mmrl.training.async_worker import POLL_S, worker_main
+from mmrl.training.overlap import overlap_metrics, staleness_metrics
 from mmrl.training.payloads import decode, encode, from_plain, pack_tensors
 
 __all__ = ["AsyncRollout", "RolloutProducer", "rollout_process", "policy_weights", "load_policy_weights",
@@ -150,6 +152,9 @@ def check_async_rollout(cfg: Any, multi_process: bool | None = None, recomputes_
                          f"rollout_correction.is_level=token: weights pi_old / pi_rollout, decoupled PPO), else the "
                          f"stale samples count as drawn by pi_old; or use algo.old_logprobs=rollout (bypass: the ratio "
                          f"against the policy that sampled)")
+    from mmrl.training.rank_rollout import check_rollout_ranks
+
+    check_rollout_ranks(cfg)
     if multi_process is None:
         multi_process = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
     if ro.worker != "process":
@@ -170,10 +175,14 @@ def rollout_process(cfg: Any, ctx: Any, run: Any, builder: str, stateful: dict[s
     as "async_rollout" (its in-flight batches go into checkpoints) and keeping the `mirror` entries of `stateful`
     (the data position) equal to the producer's. Start it with `.start(...)` after `restore_checkpoint`."""
     ro = cfg.rollout
-    if ro.worker != "process":
+    if ro.worker == "inline":
         return None
     check_async_rollout(cfg, multi_process=ctx.enabled)
-    pipe = AsyncRollout(builder, cfg, max_staleness=ro.max_staleness, last_step=cfg.train.max_steps, seed=cfg.seed,
+    if ro.worker == "ranks":  # on a rank of the launcher's world (mmrl.training.rank_rollout)
+        from mmrl.training.rank_rollout import rank_rollout as make
+    else:
+        make = AsyncRollout
+    pipe = make(builder=builder, cfg=cfg, max_staleness=ro.max_staleness, last_step=cfg.train.max_steps, seed=cfg.seed,
                         rank=ctx.rank, world=ctx.world_size,
                         threads=ro.worker_threads or cfg.num_threads or torch.get_num_threads(),
                         device=run.device, mirror={name: stateful[name] for name in mirror})
@@ -235,26 +244,38 @@ class AsyncRollout:
                  mirror: dict[str, Any] | None = None):
         if max_staleness < 0:
             raise ValueError(f"rollout.max_staleness: expected >= 0 (0 = synchronous), got {max_staleness}")
-        import torch.multiprocessing as tmp
-
         self.k, self.last_step, self.seed, self.rank, self.world = int(max_staleness), int(last_step), int(seed), \
             int(rank), int(world)
         self.device, self.mirror = device, dict(mirror or {})
-        ctx = tmp.get_context("spawn")
-        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=worker_main, args=(builder, cfg, self.rank, self.world, str(device or "cpu"),
-                                                            int(threads), self.inbox, self.outbox),
-                                daemon=True, name=f"mmrl-rollout-{self.rank}")
-        self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.inbox)
+        self._open(builder, cfg, int(threads))
         _OPEN.add(self)
         self.ready: dict[int, tuple] = {}  # step -> (plain payload, state, info), finished and not yet consumed
         self.submitted = 0  # newest step whose ticket was sent (or whose batch was restored)
         self.consumed = 0  # newest step whose batch the trainer took
         self.version: int | None = None  # newest version pushed
         self._gathered: list | None = None
-        self._last_return: float | None = None
+        self._step: dict[str, float] | None = None  # this step's timings for `step_metrics`
 
-    # ---------------------------------------------------------------- messages
+    # ---------------------------------------------------------------- messages (a rollout process's queues; a
+    # rollout rank's channel: `mmrl.training.rank_rollout` overrides these four)
+    def _open(self, builder: str, cfg: Any, threads: int) -> None:
+        import torch.multiprocessing as tmp
+
+        ctx = tmp.get_context("spawn")
+        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=worker_main, args=(builder, cfg, self.rank, self.world,
+                                                            str(self.device or "cpu"), threads, self.inbox,
+                                                            self.outbox),
+                                daemon=True, name=f"mmrl-rollout-{self.rank}")
+        self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.inbox)
+
+    def _launch(self) -> None:
+        _quiet_resource_sharer()
+        self.proc.start()  # (torch.multiprocessing spawn: a script that trains needs `if __name__ == "__main__":`)
+        # the trainer only reads `outbox`: with the rollout process holding the only write end, a batch cut by its
+        # death (a kill -9 while the batch is half through the pipe) ends in EOF instead of a read that never returns
+        self.outbox._writer.close()
+
     def _send(self, *msg: Any) -> None:
         self.inbox.put(msg)
 
@@ -320,11 +341,7 @@ class AsyncRollout:
         state_dicts, plus `producer_state`), the weights of version `step`, then the tickets that are due."""
         state = {name: obj.state_dict() for name, obj in self.mirror.items()}
         state.update(producer_state or {})
-        _quiet_resource_sharer()
-        self.proc.start()  # (torch.multiprocessing spawn: a script that trains needs `if __name__ == "__main__":`)
-        # the trainer only reads `outbox`: with the rollout process holding the only write end, a batch cut by its
-        # death (a kill -9 while the batch is half through the pipe) ends in EOF instead of a read that never returns
-        self.outbox._writer.close()
+        self._launch()
         self._send("state", state)
         self.version = self.consumed = int(step)
         self._send("weights", self.version, pack_tensors(weights))
@@ -337,7 +354,16 @@ class AsyncRollout:
         self.version = int(version)
         if self.version < self.last_step:
             self._send("weights", self.version, pack_tensors(weights))
-        return {"time/async/weight_push_s": time.perf_counter() - t0}
+        push_s = time.perf_counter() - t0
+        if self._step is not None:
+            self._step["push_s"] += push_s
+        return {"time/async/weight_push_s": push_s}
+
+    def step_metrics(self, step_s: float) -> dict[str, float]:
+        """The `async/*` overlap metrics of the step whose batch `next` returned last (`mmrl.training.overlap`),
+        given its wall time `step_s` (`time/step_s`); called once per step by the step tail (`StepLoop`)."""
+        timing, self._step = self._step, None
+        return overlap_metrics(step_s=step_s, **timing) if timing is not None else {}
 
     def next(self, step: int) -> tuple[Any, dict[str, float]]:
         """The batch of `step` (blocks until it is made) and the step's async metrics."""
@@ -360,21 +386,16 @@ class AsyncRollout:
         self.consumed = step
         if state["rng"] is not None:  # k = 0: continue the random stream where the rollout left it
             set_rng_state(state["rng"])
-        now = time.perf_counter()
-        cycle = now - self._last_return if self._last_return is not None else None
-        self._last_return = now
-        staleness = float(self.version - info["version"])
         metrics: dict[str, float] = {
-            "rollout/staleness/mean": staleness, "rollout/staleness/max": staleness,
+            **staleness_metrics([self.version - info["version"]], self.k),
             "rollout/policy_version": float(info["version"]),
             "time/async/wait_s": wait, "time/async/queue_length": float(queue_length),
             "time/async/weight_load_s": info["weight_load_s"],
         }
-        if cycle:
-            metrics["time/async/trainer_idle_ratio"] = min(1.0, wait / cycle)
-        span = info["idle_s"] + info["busy_s"]
-        if span > 0:
-            metrics["time/async/rollout_idle_ratio"] = info["idle_s"] / span
+        # the rest of the step's overlap metrics once its wall time is known (`step_metrics`); a batch saved by an
+        # older mmrl has no produce_s: none for its step
+        self._step = {"wait_s": wait, "push_s": 0.0, "rollout_s": info["produce_s"], "rollout_idle_s": info["idle_s"],
+                      "rollout_wall_s": info["wall_s"]} if "produce_s" in info else None
         metrics.update(info["metrics"])
         self.last_flops = int(info.get("flops", 0))  # the recipe adds them to its meter (mmrl.perf.add_flops)
         return from_plain(plain, self.device), metrics

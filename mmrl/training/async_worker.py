@@ -96,6 +96,13 @@ def worker_main(builder: str, cfg: Any, rank: int, world: int, device: str, thre
                          name="mmrl-trainer-watch").start()
     outbox.cancel_join_thread()  # exiting never blocks on batches nobody will read
     _no_shared_progress_lock()
+    run_producer(builder, cfg, rank, world, device, threads, lambda: _next_message(inbox, parent), outbox.put)
+
+
+def run_producer(builder: str, cfg: Any, rank: int, world: int, device: str, threads: int,
+                 get: Callable[[], tuple | None], put: Callable[[tuple], Any]) -> None:
+    """Build the producer and `serve` the trainer; an error (also while building) goes to the trainer, which
+    raises it, and this side then waits for "stop" (or the trainer's end: `get` returns None)."""
     try:
         tune_malloc()  # as the trainer (start_run): buffers stay in the heap between calls
         if threads > 0:
@@ -104,46 +111,54 @@ def worker_main(builder: str, cfg: Any, rank: int, world: int, device: str, thre
         # the rollout's forwards are part of the step's FLOPs (perf/tflops_per_step), as in the synchronous loop
         flops_model = getattr(producer, "flops_model", None)
         meter = attach_flops_meter(flops_model) if flops_model is not None else None
-        outbox.put(("ready", os.getpid()))
-        version, idle, busy, load_s = -1, 0.0, 0.0, 0.0
-        while True:
-            t0 = time.perf_counter()
-            msg = _next_message(inbox, parent)
-            t1 = time.perf_counter()
-            idle += t1 - t0
-            if msg is None or msg[0] == "stop":
-                return
-            kind = msg[0]
-            if kind == "weights":
-                version = int(msg[1])
-                producer.load_weights(unpack_tensors(msg[2]))
-                load_s += time.perf_counter() - t1
-            elif kind == "state":
-                producer.load_state_dict(msg[1])
-            elif kind == "produce":
-                _, step, seed, rng = msg
-                if rng is not None:
-                    set_rng_state(decode(rng))
-                if seed is not None:
-                    seed_everything(seed)
-                if meter is not None:
-                    meter.pop()  # (forwards of weight loads and the like are not the rollout's)
-                payload, metrics = producer.produce(step)
-                plain = to_plain(payload)
-                busy += time.perf_counter() - t1
-                state = {"producer": producer.state_dict(), "rng": get_rng_state() if rng is not None else None}
-                info = {"version": version, "idle_s": idle, "busy_s": busy, "weight_load_s": load_s,
-                        "metrics": dict(metrics), "flops": meter.pop() if meter is not None else 0}
-                outbox.put(("batch", int(step), encode({"payload": plain, "state": state, "info": info})))
-                idle = busy = load_s = 0.0
-                continue
-            else:
-                raise ValueError(f"rollout process: unknown message {kind!r}")
-            busy += time.perf_counter() - t1
+        put(("ready", os.getpid()))
+        serve(producer, meter, get, put)
     except BaseException as exc:  # noqa: BLE001 - reported to the trainer, which raises it
         try:
-            outbox.put(("error", _picklable(exc), traceback.format_exc()))
+            put(("error", _picklable(exc), traceback.format_exc()))
         except Exception:  # noqa: BLE001 - the queue is gone too
             return
-        while (msg := _next_message(inbox, parent)) is not None and msg[0] != "stop":
+        while (msg := get()) is not None and msg[0] != "stop":
             pass  # until the trainer has taken what was sent
+
+
+def serve(producer: Any, meter: Any, get: Callable[[], tuple | None], put: Callable[[tuple], Any]) -> None:
+    """Serve the trainer's messages in order until "stop" or the trainer is gone (`get` returns None): the loop
+    of a rollout process and of a rollout rank (`mmrl.training.rank_rollout`), whatever carries the messages."""
+    # per batch: `idle` = blocked waiting for a message (the next ticket is not sent yet: max_staleness reached),
+    # `wall` = since the previous batch was handed over (its encoding counts to the next batch's span)
+    version, idle, load_s, mark = -1, 0.0, 0.0, time.perf_counter()
+    while True:
+        t0 = time.perf_counter()
+        msg = get()
+        t1 = time.perf_counter()
+        idle += t1 - t0
+        if msg is None or msg[0] == "stop":
+            return
+        kind = msg[0]
+        if kind == "weights":
+            version = int(msg[1])
+            producer.load_weights(unpack_tensors(msg[2]))
+            load_s += time.perf_counter() - t1
+        elif kind == "state":
+            producer.load_state_dict(msg[1])
+        elif kind == "produce":
+            _, step, seed, rng = msg
+            if rng is not None:
+                set_rng_state(decode(rng))
+            if seed is not None:
+                seed_everything(seed)
+            if meter is not None:
+                meter.pop()  # (forwards of weight loads and the like are not the rollout's)
+            payload, metrics = producer.produce(step)
+            plain = to_plain(payload)
+            produce_s = time.perf_counter() - t1
+            state = {"producer": producer.state_dict(), "rng": get_rng_state() if rng is not None else None}
+            now = time.perf_counter()
+            info = {"version": version, "idle_s": idle, "wall_s": now - mark, "produce_s": produce_s,
+                    "weight_load_s": load_s, "metrics": dict(metrics),
+                    "flops": meter.pop() if meter is not None else 0}
+            put(("batch", int(step), encode({"payload": plain, "state": state, "info": info})))
+            idle, load_s, mark = 0.0, 0.0, now
+        else:
+            raise ValueError(f"rollout process: unknown message {kind!r}")

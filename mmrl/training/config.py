@@ -229,7 +229,7 @@ class RunningNormFields:
         return norm
 
 
-RolloutWorker = Literal["inline", "process"]
+RolloutWorker = Literal["inline", "process", "ranks"]
 
 
 @dataclass
@@ -241,9 +241,10 @@ class AsyncRolloutFields:
     worker: RolloutWorker = "inline"
     """`inline`: rollouts run in the trainer process between updates (the synchronous loop). `process`: a rollout
     process per trainer process, with its own copy of the policy, generates (and scores) batches ahead of the
-    trainer; the trainer pushes its weights to it after every update."""
+    trainer; the trainer pushes its weights to it after every update. `ranks`: the same, on the rollout ranks of
+    the torchrun world (`dist.rollout_ranks`), weights and batches over torch.distributed."""
     max_staleness: int = 0
-    """With worker=process: how many policy versions the batch of a step may lag behind the trainer. 0 = the batch
+    """With worker=process or ranks: how many policy versions the batch of a step may lag behind the trainer. 0 = the batch
     of step s is generated with the weights after update s-1 (the synchronous run, equal metrics); k = with the
     weights after update s-1-k, generated while the trainer runs updates s-k..s-1."""
     worker_threads: int = 0
@@ -256,8 +257,8 @@ class AsyncRolloutFields:
             raise ValueError(f"rollout.worker_threads: expected >= 0 (0 = the run's num_threads), got "
                              f"{self.worker_threads}")
         if self.max_staleness > 0 and self.worker == "inline":
-            raise ValueError(f"rollout.max_staleness={self.max_staleness} needs rollout.worker=process (rollouts in "
-                             f"their own process); inline rollouts always use the newest weights")
+            raise ValueError(f"rollout.max_staleness={self.max_staleness} needs rollout.worker=process or ranks "
+                             f"(rollouts in their own process or rank); inline rollouts always use the newest weights")
         post = getattr(super(), "__post_init__", None)  # the next base's checks
         if post is not None:
             post()

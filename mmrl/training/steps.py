@@ -10,7 +10,8 @@ vlm_multiturn, prompt_rewriter):
 Around each step, on every rank: with several processes the global RNG is seeded from (seed, rank, step) first
 (rank-local noise that needs nothing per rank in a checkpoint); the step body runs inside `timer("step")`; then
 `after_step(step, metrics)` (a recipe family's samples and evaluation, outside the step's time), and the tail: the
-timings (`time/*`, `time/step_s`), `perf/*` (a collective), one metrics.jsonl row (rank 0), the progress bar, the
+timings (`time/*`, `time/step_s`), with a rollout process (`stateful["async_rollout"]`) its overlap metrics
+(`async/*`, `mmrl.training.overlap`), `perf/*` (a collective), one metrics.jsonl row (rank 0), the progress bar, the
 checkpoint when due (`train.save_every` or the last step; collective, rank 0 writes, `checkpoint_extra()` saved
 with it), and the stops: a callback's request (`mmrl.run.trackers.stop_requested`) and the reward-hacking alarm
 (`log.hacking.stop`), each writing the step's checkpoint first.
@@ -70,6 +71,9 @@ class StepLoop:
         ctx, run = self.ctx, self.run
         metrics.update(self.timer.pop(TIMING_PREFIX))
         metrics["time/step_s"] = metrics.pop("time/step_s")
+        pipe = self.stateful.get("async_rollout")  # rollout.worker=process: the overlap metrics need the step's time
+        if pipe is not None:
+            metrics.update(pipe.step_metrics(metrics["time/step_s"]))
         metrics.update(perf_metrics(ctx, self.model, metrics["time/step_s"], run.device))  # a collective
         if ctx.is_main:
             run.log(step, metrics)

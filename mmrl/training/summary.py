@@ -29,8 +29,10 @@ def summarise(run: Any, name: str, key: str = "reward/mean", extra_keys: Sequenc
         print(f"[{name}] {key}: first {k} steps {first:.4g} (per-sample std {first_std:.3g}) -> last {k} steps "
               f"{last:.4g}: rise {last - first:+.4g} = {extra['reward_rise_in_std']:.2f} std", flush=True)
     from mmrl.training.judges import judge_summary  # log.judges: the reward-hacking line (nothing without judges)
+    from mmrl.training.overlap import overlap_summary
 
     extra.update(judge_summary(rows, name))
+    extra.update(overlap_summary(rows, name))  # rollout.worker=process: the async_* means (nothing without it)
     return run.finish(extra, reward_axis(run.cfg))
 
 

@@ -35,6 +35,7 @@ from mmrl.run.start import closes_runs, start_run
 from mmrl.runtime import Timer
 from mmrl.training import KLConfig, OptimConfig, UpdateGuard, attach_flops_meter, build_optimizer
 from mmrl.training.async_rollout import policy_weights, rollout_process
+from mmrl.training.rank_rollout import serve_rollout_rank
 from mmrl.training.config import RolloutCorrectionConfig
 from mmrl.training.judges import build_judges
 from mmrl.training.steps import StepLoop
@@ -120,6 +121,8 @@ class Config(RunConfig):
 @closes_runs  # the run directory's lock released however train() ends; a failed start leaves nothing
 def train(cfg: Config) -> dict:
     check_config(cfg)
+    if serve_rollout_rank(cfg, BUILDER):  # rollout.worker=ranks: this rank generated the trainer rank's batches
+        return {}
     rollout, algo, update = cfg.rollout, cfg.algo, cfg.update
     ctx, run = start_run(cfg, {"rollout.prompts_per_step": rollout.prompts_per_step,
                                "update.mini_batch_size": update.mini_batch_size})
@@ -134,7 +137,7 @@ def train(cfg: Config) -> dict:
     eos_id = tok.convert_tokens_to_ids(family_of_processor(processor).turn_end)
     # with a rollout process (rollout.worker=process) this engine only evaluates
     engine, syncer = make_rollout_engine(cfg, states, processor, ctx if fsdp else None,
-                                         engine="hf" if rollout.worker == "process" else None)
+                                         engine="hf" if rollout.worker != "inline" else None)
     recompute = recompute_old_logprobs(cfg)
     summary: dict[str, Any] = {}
     if run.find_resume() is None and cfg.warm_start.steps > 0:  # before sharding: identical on every rank

@@ -317,10 +317,12 @@ def finish(run: Any, summary: dict) -> dict:
     with `log.judges`, the reward-hacking line. A run that evaluated nothing now (resumed at its last step) reports
     its newest logged evaluation as the last eval accuracy."""
     from mmrl.training.judges import judge_summary
+    from mmrl.training.overlap import overlap_summary
     from mmrl.training.summary import reward_axis
 
     rows = run.read_metrics()
     summary.update(judge_summary(rows, "vlm_grpo"))
+    summary.update(overlap_summary(rows, "vlm_grpo"))  # rollout.worker=process: the async_* means
     evals = [r for r in rows if r.get("eval/accuracy") is not None]
     if evals and "eval_accuracy_last" not in summary:
         summary.update({k.replace("eval/accuracy", "eval_accuracy_last"): v for k, v in evals[-1].items()

@@ -14,7 +14,7 @@ os.environ.setdefault("MMRL_NO_PROGRESS", "1")
 
 # every metrics.jsonl key of a recipe starts with one of these (issue 12's naming scheme), or is "step"
 METRIC_PREFIXES = ("reward/", "policy/", "kl/", "train/", "rollout/", "eval/", "time/", "diag/", "cost/", "dist/",
-                   "perf/")
+                   "perf/", "async/")
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from mmrl.diffusion.flow_grpo import train
-from mmrl.testing import RESUMED_RUN, assert_same_path, metrics_rows, without_time
+from mmrl.testing import RESUMED_RUN, assert_overlap_metrics, assert_same_path, metrics_rows, without_time
 
 from .test_flow_grpo import _cfg
 
@@ -40,7 +40,8 @@ def test_max_staleness_zero_equals_the_synchronous_run(tmp_path, tiny_sd3_path, 
 def test_stale_batches_with_decoupled_ppo_resume_exactly(tmp_path, tiny_sd3_path):
     opts = ["rollout.worker=process", "rollout.max_staleness=1", "algo.old_logprobs=recompute",
             "algo.rollout_correction.is_level=token", "train.save_every=2", "optim.lr=1e-2"]
-    train(_cfg(tmp_path / "full", tiny_sd3_path, ["train.max_steps=4", *opts], **COMMON))
+    summary = train(_cfg(tmp_path / "full", tiny_sd3_path, ["train.max_steps=4", *opts], **COMMON))
+    assert_overlap_metrics(metrics_rows(tmp_path / "full"), summary, max_staleness=1)
     train(_cfg(tmp_path / "part", tiny_sd3_path, ["train.max_steps=2", *opts], **COMMON))
     train(_cfg(tmp_path / "part", tiny_sd3_path, ["train.max_steps=4", *opts], **COMMON))  # resumes from step_2
     full, part = _rows(tmp_path / "full", ("time/", "eval/")), _rows(tmp_path / "part", ("time/", "eval/"))

@@ -256,7 +256,7 @@ def test_format_warm_start_equals_the_earlier_loop(tiny_path):
 
 
 METRIC_PREFIXES = ("reward/", "policy/", "kl/", "train/", "rollout/", "eval/", "time/", "diag/", "cost/", "dist/",
-                   "perf/")
+                   "perf/", "async/")
 
 
 def test_every_logged_metric_has_a_design_prefix(tiny_path, tmp_path):

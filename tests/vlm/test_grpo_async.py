@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from mmrl.config import ConfigError
-from mmrl.testing import RESUMED_RUN, assert_same_path, metrics_rows, without_time
+from mmrl.testing import RESUMED_RUN, assert_overlap_metrics, assert_same_path, metrics_rows, without_time
 from mmrl.vlm import grpo
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -36,7 +36,8 @@ def _rows(out, drop=("time/", "eval/")):
 def test_max_staleness_zero_equals_the_synchronous_run(tiny_path, tmp_path):  # noqa: F811
     opts = ("train.max_steps=3", "algo.dynamic_sampling=true", "algo.max_gen_batches=2", *LEARNS)
     grpo.train(_cfg(tiny_path, tmp_path / "sync", *opts))
-    grpo.train(_cfg(tiny_path, tmp_path / "async", *opts, "rollout.worker=process", "rollout.max_staleness=0"))
+    summary = grpo.train(_cfg(tiny_path, tmp_path / "async", *opts, "rollout.worker=process",
+                              "rollout.max_staleness=0"))
     sync, rows = _rows(tmp_path / "sync", ("time/",)), _rows(tmp_path / "async", ("time/",))
     assert_same_path([{k: v for k, v in r.items() if not k.startswith(ASYNC_KEYS)} for r in rows], sync,
                      why=SAME_ROLLOUT)
@@ -44,8 +45,8 @@ def test_max_staleness_zero_equals_the_synchronous_run(tiny_path, tmp_path):  # 
     assert [r["rollout/policy_version"] for r in rows] == [0.0, 1.0, 2.0]
     assert all(r["policy/grad_norm"] > 0 for r in sync)  # the weights moved: versions differ
     assert max(r["rollout/dynamic/rounds"] for r in sync) == 2  # a DAPO round more, in the rollout process
+    assert_overlap_metrics(metrics_rows(tmp_path / "async"), summary, max_staleness=0)
     timing = metrics_rows(tmp_path / "async")[-1]
-    assert 0 <= timing["time/async/trainer_idle_ratio"] <= 1 and 0 <= timing["time/async/rollout_idle_ratio"] <= 1
     assert {"time/async/queue_length", "time/async/wait_s", "time/async/weight_push_s", "time/rollout_s",
             "time/reward_s"} <= set(timing)
 
@@ -54,7 +55,8 @@ def test_max_staleness_zero_equals_the_synchronous_run(tiny_path, tmp_path):  # 
 def test_stale_batches_resume_exactly_with_in_flight_batches_saved(tiny_path, tmp_path):  # noqa: F811
     opts = ("train.save_every=2", "rollout.worker=process", "rollout.max_staleness=2", "algo.old_logprobs=recompute",
             "algo.rollout_correction.is_level=token", *LEARNS)
-    grpo.train(_cfg(tiny_path, tmp_path / "full", "train.max_steps=5", *opts))
+    summary = grpo.train(_cfg(tiny_path, tmp_path / "full", "train.max_steps=5", *opts))
+    assert_overlap_metrics(metrics_rows(tmp_path / "full"), summary, max_staleness=2)
     grpo.train(_cfg(tiny_path, tmp_path / "part", "train.max_steps=2", *opts))
     grpo.train(_cfg(tiny_path, tmp_path / "part", "train.max_steps=5", *opts))  # resume=auto from step_2
     # (perf/ too: the interrupted run evaluates at its last step 2, and a step's FLOPs count its evaluation)
@@ -97,6 +99,7 @@ def test_torchrun_ddp_each_rank_with_its_rollout_process(tmp_path):
                      why=SAME_ROLLOUT)
     assert any(r.get("policy/grad_norm", 0) > 0 for r in sync)
     assert [r["rollout/staleness/max"] for r in _rows(tmp_path / "async1")] == [0.0, 1.0]
+    assert_overlap_metrics(metrics_rows(tmp_path / "async1"), None, max_staleness=1)  # rank 0's (one row per step)
     state = load_state_file(tmp_path / "async1" / "checkpoints" / "step_2" / "state.pt")
     ranks = state["stateful"]["async_rollout"]["ranks"]
     assert len(ranks) == 2 and all(sorted(r["ready"]) == [3] for r in ranks)  # step 3's batch of each rank

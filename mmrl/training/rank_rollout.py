@@ -1,0 +1,217 @@
+"""Rollout ranks apart from trainer ranks in one torch.distributed world (`rollout.worker: ranks`,
+`dist.rollout_ranks: K`): the rollout process of `mmrl.training.async_rollout` as a rank of the torchrun world.
+
+    torchrun --nproc-per-node 2 -m mmrl.cli train CONFIG rollout.worker=ranks dist.rollout_ranks=1 \\
+        rollout.max_staleness=1
+
+    if serve_rollout_rank(cfg, BUILDER):   # first thing in the recipe: a rollout rank serves here, then its run ends
+        return {}
+    ...                                    # a trainer rank: the recipe as with rollout.worker=process
+
+The last K ranks of the world generate and score; the others train. A rollout rank builds the same producer a
+rollout process builds (`async_worker.run_producer`, the same message loop), a trainer rank drives it through
+`RankRollout`: `AsyncRollout` with its messages on a `RankChannel` instead of multiprocessing queues. Everything else
+is the process mode's: the schedule and `rollout.max_staleness` (k = 0 equals the synchronous run), in-flight
+batches saved with checkpoints and never regenerated, the metrics. `DistContext.init` then returns the trainer
+ranks' own context (`set_trainer_context`): the recipe's collectives never involve a rollout rank.
+
+On the channel (point to point, `dist.send` / `dist.recv` with one tag per direction): every message is a size and
+its pickled bytes as a uint8 tensor; the weights of a push follow their header as the flat buffers of
+`payloads.pack_tensors` (one tensor per dtype). A reader thread on each side receives into a local queue, so the
+trainer polls it as it polls the rollout process's queue. The channel is always a gloo group of the two ranks (a new
+group beside an NCCL world): a receive kept waiting on NCCL's stream would block the sends of the other direction,
+so weights and batches go through host memory. A peer that
+dies closes its connection: gloo's pending receive fails at once, and the survivor ends with one line naming the
+rank (a trainer: `RolloutProcessError`, a RunError: the last complete checkpoint stays and the CLI prints the resume
+hint; a rollout rank: exits 1).
+
+Supported: 1 trainer rank and 1 rollout rank (a world of 2, one node or two with torchrun's `--nnodes`), the HF
+rollout engine. Exercised on CPU with gloo; NCCL, GPUs and several nodes are not (benchmarks/gpu_check.py runs it).
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import re
+import sys
+import threading
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from mmrl.training.async_rollout import AsyncRollout, RolloutProcessError
+from mmrl.training.async_worker import POLL_S, run_producer
+from mmrl.training.payloads import decode, encode
+
+__all__ = ["RankChannel", "RankRollout", "check_rollout_ranks", "serve_rollout_rank"]
+
+TO_ROLLOUT, TO_TRAINER = 11, 12  # the tags of the two directions
+_PEER: tuple[int, Any] | None = None  # a trainer rank's rollout rank and the channel's process group
+
+
+def rank_rollout(cfg: Any, **kw: Any) -> RankRollout:
+    """The trainer rank's `RankRollout` (after `serve_rollout_rank` returned False on it)."""
+    if _PEER is None:
+        raise RuntimeError("rollout.worker=ranks: the recipe must call serve_rollout_rank(cfg, builder) first")
+    return RankRollout(cfg=cfg, peer=_PEER[0], group=_PEER[1], **kw)
+
+
+def check_rollout_ranks(cfg: Any, world: int | None = None) -> None:
+    """One-line errors for settings the rollout ranks do not support (`world`: the launched processes; None: read
+    WORLD_SIZE, as torchrun sets it)."""
+    k, worker = cfg.dist.rollout_ranks, cfg.rollout.worker
+    if k == 0 and worker != "ranks":
+        return
+    if k == 0:
+        raise ValueError("rollout.worker=ranks needs dist.rollout_ranks=1 (the rank of the torchrun world that "
+                         "generates); or use rollout.worker=process (a rollout process beside each trainer)")
+    if worker != "ranks":
+        raise ValueError(f"dist.rollout_ranks={k} needs rollout.worker=ranks, got rollout.worker={worker}")
+    if world is None:
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if k != 1 or world != 2:
+        raise ValueError(f"dist.rollout_ranks={k} with {world} launched process(es): supported is 1 rollout rank "
+                         f"beside 1 trainer rank (torchrun --nproc-per-node 2, or --nnodes 2 with 1 process each)")
+    if getattr(cfg.rollout, "engine", "hf") != "hf":
+        raise ValueError(f"rollout.worker=ranks with rollout.engine={cfg.rollout.engine} is not supported (its weight "
+                         f"update is not wired to the rank channel); use rollout.engine=hf or rollout.worker=process")
+
+
+def _reason(exc: BaseException) -> str:
+    """How a peer's connection ended, short: gloo's "Connection closed/reset by peer" without its advice."""
+    text = str(exc)
+    m = re.search(r"Connection \w+ by peer", text)
+    return m.group(0).lower() if m else (text.splitlines()[0][:200] if text else type(exc).__name__)
+
+
+class RankChannel:
+    """Messages to and from one peer rank (module docstring). `on_gone(reason)`: called by the reader thread when the
+    peer's connection ends (default: a ("gone", reason) message in the inbox)."""
+
+    def __init__(self, peer: int, group: Any, send_tag: int, recv_tag: int,
+                 on_gone: Callable[[str], None] | None = None):
+        self.peer, self.group, self.send_tag, self.recv_tag = peer, group, send_tag, recv_tag
+        self.inbox: queue_mod.Queue = queue_mod.Queue()
+        self.stopping = False  # "stop" was read: the peer's end that follows is no failure
+        self.on_gone = on_gone or (lambda reason: self.inbox.put(("gone", reason)))
+        threading.Thread(target=self._read, daemon=True, name=f"mmrl-rank-channel-{peer}").start()
+
+    def send(self, msg: tuple) -> None:
+        flats: list[torch.Tensor] = []
+        if msg[0] == "weights":  # the flat buffers go as tensors after the header
+            packed = msg[2]
+            flats = list(packed["flat"].values())
+            msg = (msg[0], msg[1], {**packed, "flat": {k: (t.numel(), t.dtype) for k, t in packed["flat"].items()}})
+        data = torch.frombuffer(bytearray(encode(msg)), dtype=torch.uint8)
+        for t in (torch.tensor([data.numel()], dtype=torch.int64), data, *flats):
+            dist.send(t.detach().cpu().contiguous(), self.peer, group=self.group, tag=self.send_tag)
+
+    def _recv(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.empty(n, dtype=dtype)
+        dist.recv(t, self.peer, group=self.group, tag=self.recv_tag)
+        return t
+
+    def _read(self) -> None:
+        try:
+            while True:
+                size = int(self._recv(1, torch.int64)[0])
+                msg = decode(self._recv(size, torch.uint8).numpy().tobytes())
+                if msg[0] == "weights":
+                    flat = {k: self._recv(n, dtype) for k, (n, dtype) in msg[2]["flat"].items()}
+                    msg = (msg[0], msg[1], {**msg[2], "flat": flat})
+                self.stopping = self.stopping or msg[0] == "stop"
+                self.inbox.put(msg)
+        except Exception as exc:  # noqa: BLE001 - the peer's connection ended (gloo: "Connection closed by peer")
+            if not self.stopping:
+                self.on_gone(_reason(exc))
+
+    def get(self, timeout: float) -> tuple | None:
+        try:
+            return self.inbox.get(timeout=timeout)
+        except queue_mod.Empty:
+            return None
+
+
+class RankRollout(AsyncRollout):
+    """`AsyncRollout` whose producer runs on rollout rank `peer` of the launcher's world (module docstring)."""
+
+    def __init__(self, builder: str, cfg: Any, *, peer: int, group: Any, **kw: Any):
+        self.peer, self.group = int(peer), group
+        super().__init__(builder, cfg, **kw)
+
+    def _open(self, builder: str, cfg: Any, threads: int) -> None:
+        self.channel = RankChannel(self.peer, self.group, TO_ROLLOUT, TO_TRAINER)
+        self.closed = False
+        self._finalizer = weakref.finalize(self, lambda: None)
+
+    def _launch(self) -> None:
+        pass  # the rollout rank builds its producer as it starts (`serve_rollout_rank`)
+
+    def _gone(self, reason: str, waiting_for: str) -> RolloutProcessError:
+        self.closed = True
+        return RolloutProcessError(f"rollout rank {self.peer} of the torchrun world is gone ({reason}) while the "
+                                   f"trainer waited for {waiting_for}")
+
+    def _send(self, *msg: Any) -> None:
+        try:
+            self.channel.send(msg)
+        except RuntimeError as exc:
+            raise self._gone(_reason(exc), f"it to take a {msg[0]} message") from None
+
+    def _get(self, timeout: float, waiting_for: str) -> tuple | None:
+        msg = self.channel.get(timeout)
+        if msg is not None and msg[0] == "gone":
+            raise self._gone(msg[1], waiting_for)
+        return msg
+
+    def close(self) -> None:
+        """Tell the rollout rank to stop (idempotent; nothing when it is gone)."""
+        from mmrl.training.async_rollout import _OPEN
+
+        _OPEN.discard(self)
+        if not self.closed:
+            self.closed = True
+            try:
+                self.channel.send(("stop",))
+            except Exception:  # noqa: BLE001 - the rollout rank is gone already
+                pass
+
+
+def serve_rollout_rank(cfg: Any, builder: str) -> bool:
+    """With `dist.rollout_ranks`: join the launcher's world; on a rollout rank run the producer `builder` for its
+    trainer rank until that one stops it, and return True (the rank's run is over); on a trainer rank make
+    `DistContext.init` return the trainer ranks' own context and return False. Without: False, nothing done."""
+    from mmrl.distributed import DistContext
+    from mmrl.distributed.context import set_trainer_context
+
+    check_rollout_ranks(cfg)
+    if cfg.dist.rollout_ranks == 0:
+        return False
+    world = DistContext.init(cfg.dist.backend)
+    trainers = world.world_size - cfg.dist.rollout_ranks
+    # (every rank of the world creates the group, as new_group requires; None: the gloo world itself)
+    group = dist.new_group(list(range(world.world_size)), backend="gloo") if world.backend != "gloo" else None
+    if world.rank < trainers:
+        set_trainer_context(DistContext(0, 1, world.local_rank, world.device, None))
+        global _PEER
+        _PEER = (trainers + world.rank, group)
+        return False
+    trainer = world.rank - trainers
+
+    def trainer_gone(reason: str) -> None:
+        print(f"mmrl: rollout rank {world.rank}: its trainer rank {trainer} is gone ({reason}); exiting",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+    channel = RankChannel(trainer, group, TO_TRAINER, TO_ROLLOUT, on_gone=trainer_gone)
+    ro = cfg.rollout
+    threads = ro.worker_threads or getattr(cfg, "num_threads", 0) or torch.get_num_threads()
+    # the producer is built once the trainer's first message is here, sent after the trainer built its policy: a
+    # model the run builds on the fly (model.build_tiny) is written by the trainer alone, then read here
+    pending = [channel.get(None)]
+    run_producer(builder, cfg, world.rank - trainers, trainers, str(world.device), threads,
+                 lambda: pending.pop() if pending else channel.get(None), channel.send)
+    return True
