@@ -231,6 +231,10 @@ def test_config_and_layout_checks():
     cfg.dist.sequence_parallel, cfg.rollout.worker = 2, "process"
     with pytest.raises(ValueError, match=r"^dist.sequence_parallel=2 with rollout.worker=process is not supported"):
         check_recipe(cfg, 2)
+    cfg.rollout.worker = "ranks"  # the rollout rank is outside the groups too
+    with pytest.raises(ValueError, match=r"^dist.sequence_parallel=2 with rollout.worker=ranks is not supported: "
+                                         r"the rollout rank has no process group"):
+        check_recipe(cfg, 2)
     cfg.rollout.worker, cfg.algorithm = "inline", "nft"
     with pytest.raises(ValueError, match=r"^dist.sequence_parallel=2: recipe 'nft' is not supported \(supported: "
                                          r"flow_grpo\); set dist.sequence_parallel=1$"):

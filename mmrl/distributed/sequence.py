@@ -42,9 +42,11 @@ def check_recipe(cfg: Any, processes: int) -> None:
     process (it has no process group to split over), a recipe not in RECIPES."""
     sp = cfg.dist.sequence_parallel
     check_layout(sp, processes)
-    if getattr(getattr(cfg, "rollout", None), "worker", "inline") == "process":
-        raise ValueError(f"dist.sequence_parallel={sp} with rollout.worker=process is not supported: the rollout "
-                         f"process has no process group; use rollout.worker=inline")
+    worker = getattr(getattr(cfg, "rollout", None), "worker", "inline")
+    if sp > 1 and worker in ("process", "ranks"):  # ranks: the rollout rank is outside the trainer's groups
+        raise ValueError(f"dist.sequence_parallel={sp} with rollout.worker={worker} is not supported: the rollout "
+                         f"{'process' if worker == 'process' else 'rank'} has no process group to split over; use "
+                         f"rollout.worker=inline")
     if cfg.algorithm not in RECIPES:
         raise ValueError(f"dist.sequence_parallel={sp}: recipe {cfg.algorithm!r} is not supported (supported: "
                          f"{', '.join(RECIPES)}); set dist.sequence_parallel=1")
