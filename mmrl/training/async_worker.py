@@ -61,6 +61,16 @@ def _exit_with_trainer(parent: Any, rank: int) -> None:
     pid = parent.pid
     while parent.is_alive() and os.getppid() == pid:
         parent.join(timeout=POLL_S)
+    _trainer_gone(pid, rank)
+
+
+_GONE = threading.Lock()
+
+
+def _trainer_gone(pid: int, rank: int) -> None:
+    """The one line and the exit, from whichever thread sees the trainer's death first (the watch thread, or the
+    main thread finding the inbox's writer gone); the other blocks here until the exit."""
+    _GONE.acquire()
     print(f"mmrl: rollout process (PID {os.getpid()}, rank {rank}): its trainer process (PID {pid}) is gone; "
           f"exiting", file=sys.stderr, flush=True)
     os._exit(1)
@@ -96,7 +106,13 @@ def worker_main(builder: str, cfg: Any, rank: int, world: int, device: str, thre
                          name="mmrl-trainer-watch").start()
     outbox.cancel_join_thread()  # exiting never blocks on batches nobody will read
     _no_shared_progress_lock()
-    run_producer(builder, cfg, rank, world, device, threads, lambda: _next_message(inbox, parent), outbox.put)
+    def get() -> tuple | None:
+        msg = _next_message(inbox, parent)
+        if msg is None and parent is not None:  # the trainer is gone: the line before the process ends, not after
+            _trainer_gone(parent.pid, rank)
+        return msg
+
+    run_producer(builder, cfg, rank, world, device, threads, get, outbox.put)
 
 
 def run_producer(builder: str, cfg: Any, rank: int, world: int, device: str, threads: int,
