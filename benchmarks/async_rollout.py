@@ -4,6 +4,7 @@ wall-second of the tiny CPU recipes, and how close the overlap comes to its idea
     .venv/bin/python benchmarks/async_rollout.py [--recipes vlm_grpo,flow_grpo] [--steps 60,30] [--repeats 3]
                                                  [--skip 5] [--max-staleness 1] [--mode process]
                                                  [--out runs/bench_async] [--set KEY=VALUE ...] [--quick]
+                                                 [--leave-out VARIANT ...]
 
 `--quick` checks that the script runs (4 steps, 1 round, smaller batches: QUICK; the numbers mean nothing).
 
@@ -165,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="another config override for every run (e.g. a smaller batch for a quick check)")
     ap.add_argument("--quick", action="store_true", help="does it run: 4 steps, 1 round, --skip 1, small batches")
+    ap.add_argument("--leave-out", action="append", default=[], metavar="VARIANT",
+                    help="a variant not to run (e.g. 'sync 2 threads' on a loaded machine); the tables need "
+                         f"{AB[1]!r} and {AB[0]!r}")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.repeats, args.skip = "4", 1, 1
@@ -176,10 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     steps = steps * len(recipes) if len(steps) == 1 else steps
     if len(steps) != len(recipes) or args.repeats < 1 or min(steps) <= args.skip + 1:
         raise SystemExit(f"--steps: one value, or one per recipe ({len(recipes)}), each > --skip + 1; --repeats >= 1")
+    names = [v for v in variants(args.mode) if v not in args.leave_out]
+    bad = [v for v in args.leave_out if v not in variants(args.mode) or v in AB]
+    if bad:
+        raise SystemExit(f"--leave-out: {bad} cannot be left out; choose among "
+                         f"{[v for v in variants(args.mode) if v not in AB]}")
     print(f"{machine(1)}; `{' '.join(['python', 'benchmarks/async_rollout.py', *(argv or sys.argv[1:])])}`; "
           f"async = rollout.max_staleness={args.max_staleness}, mode {args.mode}; after the first {args.skip} steps; "
           f"{args.repeats} interleaved rounds (min / median / max)\n")
-    names = list(variants(args.mode))
     for recipe, n in zip(recipes, steps):
         results: dict[str, list[dict]] = {v: [] for v in names}
         for r in range(args.repeats):
