@@ -57,7 +57,7 @@ import queue as queue_mod
 import sys
 import time
 import weakref
-from typing import Any, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
@@ -136,6 +136,26 @@ class RolloutProducer(Protocol):
     def load_state_dict(self, state: dict) -> None:
         ...
 
+def check_rollout_ranks(cfg: Any, world: int | None = None) -> None:
+    """One-line errors for settings the rollout ranks do not support (`world`: the launched processes; None: read
+    WORLD_SIZE, as torchrun sets it)."""
+    k, worker = cfg.dist.rollout_ranks, cfg.rollout.worker
+    if k == 0 and worker != "ranks":
+        return
+    if k == 0:
+        raise ValueError("rollout.worker=ranks needs dist.rollout_ranks=1 (the rank of the torchrun world that "
+                         "generates); or use rollout.worker=process (a rollout process beside each trainer)")
+    if worker != "ranks":
+        raise ValueError(f"dist.rollout_ranks={k} needs rollout.worker=ranks, got rollout.worker={worker}")
+    if world is None:
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if k != 1 or world != 2:
+        raise ValueError(f"dist.rollout_ranks={k} with {world} launched process(es): supported is 1 rollout rank "
+                         f"beside 1 trainer rank (torchrun --nproc-per-node 2, or --nnodes 2 with 1 process each)")
+    if getattr(cfg.rollout, "engine", "hf") != "hf":
+        raise ValueError(f"rollout.worker=ranks with rollout.engine={cfg.rollout.engine} is not supported (its weight "
+                         f"update is not wired to the rank channel); use rollout.engine=hf or rollout.worker=process")
+
 
 def check_async_rollout(cfg: Any, multi_process: bool | None = None, recomputes_old: bool = False) -> None:
     """One-line errors for combinations the rollout process does not support (the section's own checks run when
@@ -152,8 +172,6 @@ def check_async_rollout(cfg: Any, multi_process: bool | None = None, recomputes_
                          f"rollout_correction.is_level=token: weights pi_old / pi_rollout, decoupled PPO), else the "
                          f"stale samples count as drawn by pi_old; or use algo.old_logprobs=rollout (bypass: the ratio "
                          f"against the policy that sampled)")
-    from mmrl.training.rank_rollout import check_rollout_ranks
-
     check_rollout_ranks(cfg)
     if multi_process is None:
         multi_process = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
@@ -178,10 +196,9 @@ def rollout_process(cfg: Any, ctx: Any, run: Any, builder: str, stateful: dict[s
     if ro.worker == "inline":
         return None
     check_async_rollout(cfg, multi_process=ctx.enabled)
-    if ro.worker == "ranks":  # on a rank of the launcher's world (mmrl.training.rank_rollout)
-        from mmrl.training.rank_rollout import rank_rollout as make
-    else:
-        make = AsyncRollout
+    make = WORKERS.get(ro.worker)
+    if make is None:  # "ranks": registered by mmrl.training.rank_rollout, which the recipe imports to serve the rank
+        raise RuntimeError(f"rollout.worker={ro.worker}: the recipe must call serve_rollout_rank(cfg, builder) first")
     pipe = make(builder=builder, cfg=cfg, max_staleness=ro.max_staleness, last_step=cfg.train.max_steps, seed=cfg.seed,
                         rank=ctx.rank, world=ctx.world_size,
                         threads=ro.worker_threads or cfg.num_threads or torch.get_num_threads(),
@@ -436,6 +453,11 @@ class AsyncRollout:
         """Stop the rollout process (idempotent)."""
         _OPEN.discard(self)
         self._finalizer()
+
+
+# rollout.worker -> the trainer side's class (or factory) made by rollout_process(); "ranks" is added by
+# mmrl.training.rank_rollout (which imports this module, not the other way round)
+WORKERS: dict[str, Callable[..., AsyncRollout]] = {"process": AsyncRollout}
 
 
 @torch.no_grad()

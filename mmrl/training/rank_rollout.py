@@ -42,8 +42,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from mmrl.training.async_rollout import AsyncRollout, RolloutProcessError
-from mmrl.training.async_worker import POLL_S, run_producer
+from mmrl.training.async_rollout import (WORKERS, AsyncRollout, RolloutProcessError,  # noqa: F401 (re-exported)
+                                         check_rollout_ranks)
+from mmrl.training.async_worker import run_producer
 from mmrl.training.payloads import decode, encode
 
 __all__ = ["RankChannel", "RankRollout", "check_rollout_ranks", "serve_rollout_rank"]
@@ -59,25 +60,8 @@ def rank_rollout(cfg: Any, **kw: Any) -> RankRollout:
     return RankRollout(cfg=cfg, peer=_PEER[0], group=_PEER[1], **kw)
 
 
-def check_rollout_ranks(cfg: Any, world: int | None = None) -> None:
-    """One-line errors for settings the rollout ranks do not support (`world`: the launched processes; None: read
-    WORLD_SIZE, as torchrun sets it)."""
-    k, worker = cfg.dist.rollout_ranks, cfg.rollout.worker
-    if k == 0 and worker != "ranks":
-        return
-    if k == 0:
-        raise ValueError("rollout.worker=ranks needs dist.rollout_ranks=1 (the rank of the torchrun world that "
-                         "generates); or use rollout.worker=process (a rollout process beside each trainer)")
-    if worker != "ranks":
-        raise ValueError(f"dist.rollout_ranks={k} needs rollout.worker=ranks, got rollout.worker={worker}")
-    if world is None:
-        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if k != 1 or world != 2:
-        raise ValueError(f"dist.rollout_ranks={k} with {world} launched process(es): supported is 1 rollout rank "
-                         f"beside 1 trainer rank (torchrun --nproc-per-node 2, or --nnodes 2 with 1 process each)")
-    if getattr(cfg.rollout, "engine", "hf") != "hf":
-        raise ValueError(f"rollout.worker=ranks with rollout.engine={cfg.rollout.engine} is not supported (its weight "
-                         f"update is not wired to the rank channel); use rollout.engine=hf or rollout.worker=process")
+WORKERS["ranks"] = rank_rollout  # rollout_process() makes it for rollout.worker=ranks (this module imported by then)
+
 
 
 def _reason(exc: BaseException) -> str:
