@@ -464,7 +464,7 @@ def test_dist_config_embeds_in_a_recipe_config():
     apply_overrides(cfg, ["dist.backend=gloo"])
     assert cfg.dist.backend == "gloo"
     assert set(field_docs(DistConfig)) == {"strategy", "backend", "find_unused_parameters", "checkpoint",
-                                           "sequence_parallel"}
+                                           "sequence_parallel", "rollout_ranks"}
     assert "# torch.distributed backend" in to_yaml(cfg)
     with pytest.raises(ValueError, match="dist.strategy"):
         from_dict(Cfg, {"dist": {"strategy": "deepspeed"}})
