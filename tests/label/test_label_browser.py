@@ -24,7 +24,7 @@ def browser():
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=900,700"):
         opts.add_argument(arg)
     driver = webdriver.Chrome(service=Service(executable_path=driver_path), options=opts)  # no driver download
-    driver.set_page_load_timeout(20)
+    driver.set_page_load_timeout(60)  # generous: CI runs two pytest halves beside the browser on 2 cores
     yield driver
     driver.quit()
 
@@ -32,7 +32,7 @@ def browser():
 def _wait(driver, cond, what):
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, 10, poll_frequency=0.05).until(lambda d: cond(d), message=what)
+    return WebDriverWait(driver, 30, poll_frequency=0.05).until(lambda d: cond(d), message=what)
 
 
 def progress(driver):
