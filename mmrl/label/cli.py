@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 from urllib.parse import quote
 
 from mmrl.http_auth import token_from_env
@@ -34,6 +35,10 @@ def cmd_label(args: argparse.Namespace) -> int:
     print(f"open {server.url}" + (f"?token={quote(token, safe='')}" if token else "") +
           "  (Ctrl-C stops; rerun to continue)",
           flush=True)
+    # Ctrl-C and `kill` stop it the same clean way, also when started from a script's background job (a shell
+    # without job control starts those with SIGINT ignored, and Python then keeps ignoring it)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
     try:
         server.httpd.serve_forever()
     except KeyboardInterrupt:
@@ -45,6 +50,10 @@ def cmd_label(args: argparse.Namespace) -> int:
     print(f"mmrl label: stopped with {p['labelled']} labelled, {p['skipped']} skipped, {p['remaining']} to go; "
           f"pairs in {server.store.out}", flush=True)
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def add_label_subparser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
