@@ -169,7 +169,9 @@ def sample_groups(
     """Roll out `group_size` samples for each of the P prompts in `embeds` (encoded once, reused).
 
     noise_level = 0 gives deterministic ODE sampling (all steps Euler, no train steps) - used for eval.
-    same_noise: all samples of a prompt start from the same initial noise (they differ by SDE noise).
+    same_noise: all samples of a prompt start from the same initial noise (they differ by SDE noise); with an SDE
+    window after the first step, the deterministic steps before it are computed once per prompt (the group
+    branches at the window, as Flow-GRPO-Fast samples).
     batch_size: rollout micro-batch (default all B at once); does not change the result.
     window_generator: draws the SDE window position instead of `generator` (data-parallel training passes
     one seeded identically on every rank, so all ranks train on the same steps while their noise differs).
@@ -244,14 +246,31 @@ def sample_groups(
     means = torch.zeros((b, num_steps, *x0.shape[1:]), dtype=torch.float32, device=device) if record_means else None
     latents[:, 0] = x0
     mb = batch_size or b
+    first = sde_steps[0] if sde_steps else 0
+    if same_noise and initial_noise is None and group_size > 1 and first > 0:
+        # Flow-GRPO-Fast's branching: a group shares its noise, so the deterministic steps before the window are one
+        # trajectory per prompt, computed once and copied to the group (G times fewer transformer rows there)
+        shared = torch.empty((p, first + 1, *x0.shape[1:]), dtype=torch.float32, device=device)
+        shared[:, 0] = x0[::group_size]
+        for lo in range(0, p, mb):
+            rows = slice(lo, min(p, lo + mb))
+            emb, x = embeds.select(torch.arange(p)[rows]), shared[rows, 0]
+            with _autocast(device, autocast_dtype):
+                for i in range(first):
+                    v = guided_velocity(model, x, sigmas[i].item(), emb, guidance_scale=guidance_scale)
+                    x = ode_step(x, v, sigmas[i].item(), sigmas[i + 1].item())
+                    shared[rows, i + 1] = x
+        latents[:, :first + 1] = shared[prompt_index.to(device)]
+    else:
+        first = 0
     chunks = []
     for lo in range(0, b, mb):
         rows = slice(lo, min(b, lo + mb))
         emb = embeds.select(prompt_index[rows])
-        x = latents[rows, 0]
+        x = latents[rows, first]
         prev_x0, prev_s = None, None  # the previous step's data prediction (DPM-Solver++(2M)'s history)
         with _autocast(device, autocast_dtype):  # no-op when None
-            for i in range(num_steps):
+            for i in range(first, num_steps):
                 s, s_next = sigmas[i].item(), sigmas[i + 1].item()
                 # the velocity of `step_log_prob` (guided_velocity, cfg_grad both = model.velocity): same values
                 v = guided_velocity(model, x, s, emb, guidance_scale=guidance_scale)

@@ -72,6 +72,26 @@ def test_same_noise_and_micro_batch_invariance(tiny_sd3):
     assert not torch.equal(full.latents[0, 0], full.latents[1, 0])
 
 
+def test_same_noise_window_shares_the_ode_prefix_of_a_group(tiny_sd3, monkeypatch):
+    """Flow-GRPO-Fast's branching: with one noise per prompt and the SDE window at steps 2-3, steps 0-1 run once
+    per prompt (2 rows, not 6) and the trajectory equals the one computed row by row from the same noise."""
+    rows = []
+    velocity = tiny_sd3.transformer_velocity
+    monkeypatch.setattr(tiny_sd3, "transformer_velocity", lambda x, *a, **kw: rows.append(len(x)) or velocity(x, *a, **kw))
+    shared = _roll(tiny_sd3, same_noise=True, window=(2, 4))
+    assert rows == [2, 2, 6, 6]  # two prefix steps on one row per prompt, then the window on the whole group
+    g = torch.Generator().manual_seed(0)
+    x0 = tiny_sd3.initial_noise(2, 64, 64, g).repeat_interleave(3, 0)  # what same_noise draws, then the step noise
+    rows.clear()
+    each = _roll(tiny_sd3, initial_noise=x0, generator=g, window=(2, 4))
+    assert rows == [6, 6, 6, 6]
+    assert torch.equal(shared.latents[0, 2], shared.latents[2, 2]) and not torch.equal(shared.latents[0, 3],
+                                                                                       shared.latents[1, 3])
+    assert_close_across_paths(shared.latents, each.latents, atol=1e-5)
+    assert_close_across_paths(shared.log_probs, each.log_probs, atol=1e-5)
+    assert shared.train_steps.tolist() == [2, 3] and (shared.log_probs[:, :2] == 0).all()
+
+
 def test_cps_rollout(tiny_sd3):
     traj = _roll(tiny_sd3, sde_type="cps")
     assert torch.isfinite(traj.log_probs).all()
