@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/run_all.py [--only flow_grpo_step,rewards_throughput] [--out runs/bench.md]
 
-Each benchmark runs in its own process, one after the other (never two at once: they would time each other),
+Each benchmark runs in its own process, one after the other (never two at once: they would time each other; only
+compare_diffusion_algos runs two of its training runs at once, and reports each run's own CPU time),
 with the arguments listed in BENCHMARKS, one torch thread each (the machine of the published numbers has 2
 cores shared with other jobs). Prints one Markdown report - date, machine, this exact command, then every
 benchmark's command, its output and its wall time - and writes it to `--out` too. A benchmark that fails is
@@ -39,8 +40,9 @@ BENCHMARKS: dict[str, list[str]] = {
     "latent_reward_step": ["--threads", "1", "--rounds", "8"],
     "vlm_step": ["--part", "all", "--threads", "1"],
     "reward_overlap": ["--threads", "1"],
-    # the reduced pass (3 seeds x 21 steps x 5 algorithms, ~13 CPU minutes); the full table: docs/performance.md
-    "compare_diffusion_algos": ["--reduced", "--out", "runs/compare_diffusion/{stamp}"],
+    # the table of docs/faster-diffusion.md: 10 algorithms x 5 seeds to Flow-GRPO's level after 105 steps, two runs
+    # at once (each in its own process with one thread; the table's main clock is each run's own CPU time)
+    "compare_diffusion_algos": ["--jobs", "2", "--out", "runs/compare_diffusion/{stamp}"],
     "families": ["--threads", "1"],
     # a rollout process beside the trainer vs the synchronous loop with 2 and with 1 thread (sets its own threads)
     "async_rollout": ["--out", "runs/bench_async/{stamp}"],

@@ -205,23 +205,50 @@ def test_compare_diffusion_algos_time_to_target_and_speedups_by_hand():
     assert "compare_diffusion_algos" in load_script("run_all").BENCHMARKS
 
 
-@pytest.mark.slow
-def test_compare_diffusion_algos_quick_mode_runs_every_algorithm_over_three_seeds(tmp_path):
+def test_compare_diffusion_algos_grid_bound_and_stop_by_hand():
     cmp = load_script("compare_diffusion_algos")
-    s = cmp.main(["--quick", "--out", str(tmp_path)])
+    curve = [(0.0, -1.0), (10.0, -0.8), (20.0, -0.4)]
+    assert cmp.grid_bound(curve, -0.6) == (pytest.approx(10.0 / 15.0), False)  # crossed at 15 s in (10, 20)
+    assert cmp.grid_bound(curve, -0.9) == (pytest.approx(10.0 / 5.0), True)  # before the first evaluation
+    assert cmp.grid_bound(curve, -0.3) is None and cmp.grid_bound(curve, -1.0) is None  # never / at the start
+    stop = cmp.StopAt(target=-0.5, cpu_cap=100.0)
+    stop.on_log(1, {"bench/cpu_s": 5.0})
+    stop.on_log(2, {"bench/cpu_s": 9.0, "eval/reward/mean": -0.6})
+    assert not stop.stop_requested
+    stop.on_log(3, {"bench/cpu_s": 12.0, "eval/reward/mean": -0.5})
+    assert stop.stop_requested and stop.why.startswith("target")
+    capped = cmp.StopAt(target=None, cpu_cap=10.0)
+    capped.on_log(1, {"bench/cpu_s": 10.0})
+    assert capped.stop_requested and capped.why.startswith("CPU cap")
+    # every algorithm of the table has a cited row: config present, evaluation grid, label; the queue knows them all
+    assert set(cmp.ALGOS) == set(cmp.QUEUE_ORDER) | {"flow_grpo"}
+    for name, algo in cmp.ALGOS.items():
+        assert (cmp.REPO / "configs/diffusion" / algo.config).is_file() and algo.eval_every >= 1 and algo.label
+
+
+@pytest.mark.slow
+def test_compare_diffusion_algos_quick_mode_stops_each_run_at_its_target(tmp_path):
+    cmp = load_script("compare_diffusion_algos")
+    s = cmp.main(["--quick", "--seeds", "0", "1", "--out", str(tmp_path)])
     names = cmp.QUICK["algos"]
-    assert set(names) <= set(s) and sorted(s["targets"]) == [0, 1, 2]
+    assert set(names) <= set(s) and sorted(s["targets"]) == [0, 1]
     for n in names:
         for seed, v in s[n]["seeds"].items():
-            assert [step for step, _, _ in v["curve"]] == [1, 2], (n, seed)  # evaluated every step
+            steps = [step for step, _, _ in v["curve"]]
+            assert steps == list(range(1, v["steps"] + 1)), (n, seed)  # evaluated every step
             assert v["cpu_s"] > 0 and v["train_evals"] > 0
+            if n != "flow_grpo" and v["steps"] < cmp.QUICK["steps"] * 4:  # stopped early: target or CPU cap
+                cap = s["flow_grpo"]["seeds"][seed]["cpu_s"]
+                assert v["eval_final"] >= s["targets"][seed] or v["cpu_s"] >= cap, (n, seed)
+                assert v["eval_best"] < s["targets"][seed] or v["eval_final"] >= s["targets"][seed], (n, seed)
         assert (tmp_path / f"{n}_s0" / "metrics.jsonl").is_file()
-    # Flow-GRPO reaches its own target in every seed; its ratio to itself is exactly 1 where it took time (a target
-    # the starting model already meets is reached at 0 s: no ratio)
-    assert s["flow_grpo"]["reached_cpu_s"] == "3/3"
+    assert [v["steps"] for v in s["flow_grpo"]["seeds"].values()] == [2, 2]  # the baseline runs its whole budget
+    assert s["flow_grpo"]["reached_cpu_s"] == "2/2"
     if any(v["ttt_cpu_s"] > 0 for v in s["flow_grpo"]["seeds"].values()):
         assert s["flow_grpo"]["speedup_cpu_s"] == (1.0, 0.0)
     assert (tmp_path / "compare_diffusion_algos.png").is_file() and (tmp_path / "summary.json").is_file()
+    again = cmp.main(["--quick", "--seeds", "0", "1", "--out", str(tmp_path)])  # finished runs are kept
+    assert again["awm"]["seeds"][0]["cpu_s"] == s["awm"]["seeds"][0]["cpu_s"]
 
 
 def test_preference_loop_hidden_preference_by_hand():
@@ -273,3 +300,14 @@ def test_preference_loop_quick_mode_runs_every_stage(tmp_path):
         row = r["runs"][algo][0]
         assert 0.0 <= row["win_rate"] <= 1.0 and 0.0 <= row["coverage"] <= 1.0
     assert (tmp_path / "summary.json").is_file()
+
+
+def test_algo_step_cost_counts_the_published_transformer_evaluations_by_hand(tmp_path):
+    """8 samples per step (--quick). Flow-GRPO published: 10 SDE steps with CFG (x2) + 9 trained steps with CFG + 9
+    reference steps with CFG = 56 rows per sample; DGPO: 10 CFG steps + 4 trained + 4 reference + 4 old points without
+    CFG = 32; on the task (8 steps, no CFG) 8 + 7 + 7 = 22 and 8 + 4 + 4 + 4 = 20."""
+    cost = load_script("algo_step_cost").main(["--quick", "--only", "dgpo", "--out", str(tmp_path)])
+    assert cost["flow_grpo"]["published"]["evals"] == 8 * 56 and cost["dgpo"]["published"]["evals"] == 8 * 32
+    assert cost["flow_grpo"]["task"]["evals"] == 8 * 22 and cost["dgpo"]["task"]["evals"] == 8 * 20
+    assert cost["flow_grpo"]["per_step_x"] == 1.0 and cost["dgpo"]["per_step_x"] > 0
+    assert (tmp_path / "cost.json").is_file()

@@ -169,8 +169,8 @@ COMMANDS: dict[str, object] = {
         "mmrl train configs/diffusion/dpo_tiny_offline.yaml train.max_steps=1 train.save_every=0 "
         "rollout.prompts_per_step=2", "minutes: 1 small step on the pairs written above"),
     "python benchmarks/compare_diffusion_algos.py": Short(
-        "python benchmarks/compare_diffusion_algos.py --steps 2 --eval-every 1 --seeds 0 --only flow_grpo "
-        "--out runs/compare", "five algorithms x 3 seeds x 60 steps: 2 steps of Flow-GRPO, one seed"),
+        "python benchmarks/compare_diffusion_algos.py --quick --seeds 0 --only flow_grpo dgpo --out runs/compare",
+        "10 algorithms x 5 seeds, about an hour: 2 steps of Flow-GRPO and DGPO, one seed"),
     "mmrl train configs/diffusion/awm_tiny.yaml": Short(
         f"mmrl train configs/diffusion/awm_tiny.yaml train.max_steps=1 {_TINY_DIFF}", "1 small step"),
     # docs/editing.md
