@@ -272,6 +272,10 @@ COMMANDS: dict[str, object] = {
     "data.path=/data/geometry3k/data/train-00000-of-00001.parquet data.val_path=/data/geometry3k/data/test-00000-of-00001.parquet": Short(
         "mmrl config check configs/vlm/grpo_glm41v_9b_geo3k.yaml model.path=/models/GLM-4.1V-9B-Thinking model.lora.rank=64 "
         "data.path=/data/geometry3k/data/train-00000-of-00001.parquet data.val_path=/data/geometry3k/data/test-00000-of-00001.parquet", _NO_GPU),
+    "mmrl train configs/vlm/grpo_internvl35_1b_geo3k.yaml model.path=/models/InternVL3_5-1B-MPO-hf "
+    "data.path=/data/geometry3k/data/train-00000-of-00001.parquet data.val_path=/data/geometry3k/data/test-00000-of-00001.parquet": Short(
+        "mmrl config check configs/vlm/grpo_internvl35_1b_geo3k.yaml model.path=/models/InternVL3_5-1B-MPO-hf "
+        "data.path=/data/geometry3k/data/train-00000-of-00001.parquet data.val_path=/data/geometry3k/data/test-00000-of-00001.parquet", _NO_GPU),
     "mmrl train configs/diffusion/flow_grpo_sd35_ocr.yaml "
     "model.path=/models/stable-diffusion-3.5-medium data.train_prompts=data/ocr/train.txt data.eval_prompts=data/ocr/test.txt": Short(
         "mmrl config check configs/diffusion/flow_grpo_sd35_ocr.yaml "

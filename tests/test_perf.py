@@ -198,22 +198,24 @@ def test_qwen_vl_flops_equal_flop_counter(builder, tmp_path):
     assert meter.pop() == prefill + decode
 
 
-def test_internvl_flops_equal_flop_counter(tmp_path):
+@pytest.mark.parametrize("decoder", ["qwen2", "qwen3"])
+def test_internvl_flops_equal_flop_counter(tmp_path, decoder):
     """InternVL: the vision tower (patch convolution, CLS + patches per tile, attention within a tile), the projector
-    after the pixel shuffle, the Qwen2 decoder and lm_head sum to flop_counter's count, for 1 and 3 tiles. Eager
-    attention: flop_counter does not count the CPU flash kernel SDPA dispatches to without a mask."""
+    after the pixel shuffle, the Qwen2 (InternVL 3) / Qwen3 (InternVL 3.5) decoder and lm_head sum to flop_counter's
+    count, for 1 and 3 tiles. Eager attention: flop_counter does not count the CPU flash kernel SDPA dispatches to
+    without a mask."""
     from PIL import Image
     from transformers import AutoModelForImageTextToText
 
     from mmrl.tiny import build_tiny_internvl
     from mmrl.vlm.common import encode_prompt, load_policy, messages_from_text, render_prompt
 
-    path = build_tiny_internvl(tmp_path / "m")
+    path = build_tiny_internvl(tmp_path / "m", decoder=decoder)
     _, proc = load_policy(path)
     model = AutoModelForImageTextToText.from_pretrained(path, attn_implementation="eager").eval()
     meter = attach_flops_meter(model)
     assert {type(e.module).__name__ for e in meter.estimators} == {
-        "InternVLVisionModel", "InternVLMultiModalProjector", "Qwen2Model", "Linear"}
+        "InternVLVisionModel", "InternVLMultiModalProjector", decoder.capitalize() + "Model", "Linear"}
     for size, tiles in (((90, 60), 3), ((56, 56), 1)):
         enc = encode_prompt(proc, render_prompt(proc, messages_from_text("<image>what colour is it")),
                             [Image.new("RGB", size, "red")])

@@ -8,6 +8,8 @@ per tile; ``GotOcr2ImageProcessor(crop_to_patches=True, max_patches=4)`` (a 60x1
 -> ``<img>`` + 12 x ``<IMG_CONTEXT>`` + ``</img>``). Tokenizer: the tiny Qwen byte-level BPE of ``mmrl.tiny.vocab``
 with InternVL's image tokens (the real strings, source: OpenGVLab/InternVL3-1B-hf tokenizer_config.json) as
 ``extra_special_tokens``; chat template: Qwen's layout with images as ``<IMG_CONTEXT>\\n`` (InternVL-hf's template).
+``decoder="qwen3"`` gives InternVL 3.5's text model (a Qwen3 decoder: q/k RMS norms per head, same sizes and
+projection names), the rest unchanged.
 """
 
 from __future__ import annotations
@@ -38,16 +40,19 @@ INTERNVL_CHAT_TEMPLATE = (
 
 
 @side_effect_free
-def build_tiny_internvl(path, seed: int = 0) -> Path:
-    """Tiny ``InternVLForConditionalGeneration`` + ``InternVLProcessor`` at ``path`` (see the module docstring)."""
+def build_tiny_internvl(path, seed: int = 0, decoder: str = "qwen2") -> Path:
+    """Tiny ``InternVLForConditionalGeneration`` + ``InternVLProcessor`` at ``path`` (see the module docstring);
+    `decoder`: the text model's ``model_type``, ``"qwen2"`` (InternVL 3) or ``"qwen3"`` (InternVL 3.5)."""
     from transformers import (AutoTokenizer, GotOcr2ImageProcessor, InternVLConfig, InternVLForConditionalGeneration,
                               InternVLProcessor, InternVLVideoProcessor)
 
+    if decoder not in ("qwen2", "qwen3"):
+        raise ValueError(f"decoder: expected 'qwen2' (InternVL 3) or 'qwen3' (InternVL 3.5), got {decoder!r}")
     path = _prepare_dir(path)
     tok = AutoTokenizer.from_pretrained(ASSETS_DIR / "qwen", extra_special_tokens=INTERNVL_TOKENS)
     tid = tok.convert_tokens_to_ids
     eos, pad = tid("<|im_end|>"), tid("<|endoftext|>")
-    text = {"model_type": "qwen2", "vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128,
+    text = {"model_type": decoder, "vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
             "max_position_embeddings": 4096, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
             "eos_token_id": eos, "pad_token_id": pad}

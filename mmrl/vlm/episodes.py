@@ -107,7 +107,9 @@ class ChatFormat:
 
     The first prompt is ``system? + user(obs) + generation prompt``; each later observation is the text
     the template appends after an assistant message (the assistant turn's closing, the user message,
-    the next generation prompt). Needs an append-only template (Qwen2/2.5/3-VL are).
+    the next generation prompt) minus a special token the model already emitted at the end of its response:
+    Qwen's ``<|im_end|>`` (the closing), GLM-4.1V's ``<|user|>`` (its turn end is the next user turn's header).
+    Needs an append-only template (Qwen2/2.5/3-VL, GLM-4.1V and InternVL's are).
     """
 
     def __init__(self, processor: Any, system_prompt: str | None = None):
@@ -131,20 +133,21 @@ class ChatFormat:
         return render_prompt(self.processor, self.system + [self._user(obs)])
 
     def next_segment(self, obs: Observation, last_response_ids: Sequence[int]) -> str:
-        """Closing of the previous assistant turn (minus what the model already emitted) + user turn."""
+        """Closing of the previous assistant turn + user turn, minus what the model already emitted."""
         full = render_prompt(self.processor, self._probe + [self._user(obs)])
         if not full.startswith(self._base):
             raise ValueError("ChatFormat: the chat template is not append-only (rendering a longer chat changed "
                              "the earlier turns); multi-turn token-in/token-out rollout needs one that is")
-        return self.closing_after(last_response_ids) + full[len(self._base):]
+        return self.after_response(last_response_ids, self.closing + full[len(self._base):])
 
-    def closing_after(self, response_ids: Sequence[int]) -> str:
-        """The assistant turn's closing text minus a special token the model already emitted (its EOS)."""
+    def after_response(self, response_ids: Sequence[int], text: str) -> str:
+        """`text` (what the template puts after the response) minus a special token the model already emitted at
+        its end (its EOS): the template writes that token itself, and the trajectory must hold it once."""
         if response_ids and int(response_ids[-1]) in self._special_ids:
             last = self.tokenizer.decode([int(response_ids[-1])])
-            if self.closing.startswith(last):
-                return self.closing[len(last):]
-        return self.closing
+            if last and text.startswith(last):
+                return text[len(last):]
+        return text
 
 
 def encode_observation(fmt: ChatFormat, obs: Observation, first: bool, last_response_ids: Sequence[int],

@@ -2,7 +2,8 @@
 and InternVL (`InternVLForConditionalGeneration`, 1-D positions, tiles). Each: a tiny random checkpoint saved with
 save_pretrained + its processor and loaded through `load_policy` (from_pretrained); placeholders, position ids,
 log-probs, vision-feature reuse (GLM) / pass-through (InternVL), packing and greedy rollouts against transformers' own
-model; LoRA on the language model; a 2-step vlm_grpo run and its exact resume."""
+model; LoRA on the language model; a 2-step vlm_grpo run and its exact resume. InternVL 3.5 (a Qwen3 decoder):
+log-probs, LoRA names and FSDP blocks. Multi-turn: a 2-turn trajectory equals the chat template's tokens."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from mmrl.config import load_config
 from mmrl.testing import RESUMED_RUN, assert_same_path, metrics_rows
 from mmrl.vlm import grpo
 from mmrl.vlm.batch import RolloutBatch
-from mmrl.vlm.common import (VisionCache, compute_logprobs, encode_prompt, load_policy, messages_from_text,
-                             render_prompt)
+from mmrl.vlm.common import (VisionCache, compute_logprobs, encode_prompt, language_block_types, load_policy,
+                             messages_from_text, render_prompt)
+from mmrl.vlm.envs import Observation
+from mmrl.vlm.episodes import ChatFormat, encode_observation
 from mmrl.vlm.families import GLM4V, INTERNVL, family_of_config, family_of_processor
 from mmrl.vlm.policy import build_policy
 from mmrl.vlm.rollout import GenRequest, HFRolloutEngine, SamplingParams
@@ -115,6 +118,67 @@ def test_checkpoint_placeholders_positions_and_logprobs_equal_transformers(polic
     packed = batch.replace(packed=True).logprobs(model, 8)  # padding-free rows: 4 x [rows, width] positions
     dense = batch.logprobs(model, 8)
     assert (packed - dense)[batch.response_mask].abs().max().item() < 2e-6
+
+
+def test_internvl35_qwen3_decoder_logprobs_lora_and_fsdp_blocks(tmp_path):
+    """InternVL 3.5 is InternVL 3 with a Qwen3 decoder (q/k norms per head): the same family row serves it. Log-probs
+    (padded and packed) equal transformers' own forward, LoRA lands on the decoder's projections, and FSDP shards
+    the Qwen3 decoder layers."""
+    from mmrl.tiny import build_tiny_internvl
+
+    path = build_tiny_internvl(tmp_path / "m", seed=0, decoder="qwen3")
+    model, processor = load_policy(path)
+    assert type(model.model.language_model).__name__ == "Qwen3Model"
+    assert family_of_config(model.config, strict=True) is INTERNVL and family_of_processor(processor) is INTERNVL
+    assert language_block_types(model) == ["Qwen3DecoderLayer"]
+    encs, _ = _prompts(processor)
+    responses = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    mm, pad = [e.mm for e in encs], processor.tokenizer.pad_token_id
+    lps, _ = compute_logprobs(model, [e.input_ids for e in encs], responses, mm, pad, micro_batch_size=2)
+    plain = [_plain_logprobs(model, e, r) for e, r in zip(encs, responses)]
+    diff = max((a - b).abs().max().item() for a, b in zip(lps, plain))
+    assert diff < 2e-6, diff
+    batch = RolloutBatch.build(model, [e.input_ids for e in encs], responses, mm, pad)
+    packed, dense = batch.replace(packed=True).logprobs(model, 8), batch.logprobs(model, 8)
+    assert (packed - dense)[batch.response_mask].abs().max().item() < 2e-6
+
+    states, _ = build_policy(_cfg(path, tmp_path).model, torch.device("cpu"), torch.float32, keep_ref=False)
+    names = [n for n, _ in states.named_trainable_parameters()]
+    assert names and all(".language_model." in n and "lora_" in n for n in names)
+    assert {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in names} == {
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "glm4v", "internvl"])
+def test_two_turn_trajectory_equals_the_chat_template(tmp_path, family):
+    """A 2-turn trajectory as vlm_multiturn builds it (first prompt + the policy's response ending in the family's
+    turn-end token + the environment segment, each tokenised on its own) is token for token the processor's
+    tokenisation of the chat template's rendering of the whole conversation, with the same vision tensors.
+    GLM-4.1V ends a turn on <|user|>, which is also the next user turn's header: the segment must not repeat it."""
+    from transformers import AutoProcessor
+
+    import mmrl.tiny as tiny
+
+    processor = AutoProcessor.from_pretrained(getattr(tiny, f"build_tiny_{family}")(tmp_path / "m", seed=0))
+    tok, fmt = processor.tokenizer, ChatFormat(processor)
+    turn_end = tok.convert_tokens_to_ids(family_of_processor(processor).turn_end)
+    obs = [Observation("Where next?", [_image(56, 56, 0)]), Observation("Moved. Next?", [_image(60, 90, 1)])]
+    answer = "<think>go</think>left"
+    response = tok(answer, add_special_tokens=False)["input_ids"] + [turn_end]
+    first = encode_prompt(processor, fmt.first_prompt(obs[0]), obs[0].images)
+    segment, cut = encode_observation(fmt, obs[1], False, response, budget=10_000)
+    assert not cut
+
+    chat = [ChatFormat._user(obs[0]), {"role": "assistant", "content": answer}, ChatFormat._user(obs[1])]
+    text = render_prompt(processor, chat)
+    whole = encode_prompt(processor, text, obs[0].images + obs[1].images)
+    assert first.input_ids + response + segment.input_ids == whole.input_ids
+    for key, value in whole.mm.items():
+        assert torch.equal(torch.cat([first.mm[key], segment.mm[key]]), value)
+    if family == "glm4v":  # the layout of GLM-4.1V-9B-Thinking's own chat_template (revision 3c1471e) for this chat
+        image = "<|begin_of_image|><|image|><|end_of_image|>"
+        assert text == (f"[gMASK]<sop><|user|>\n{image}Where next?<|assistant|>\n{answer}"
+                        f"<|user|>\n{image}Moved. Next?<|assistant|>\n")
 
 
 def test_greedy_rollout_equals_generate(policy):
