@@ -75,14 +75,8 @@ def patch(source: str, model: Path, images: list[Path], caption: str, max_new_to
     return source
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ref", default="/tmp/ref-unified_reward", help="copy of CodeGoat24/UnifiedReward")
-    ap.add_argument("--max-new-tokens", type=int, default=512, help="the scripts' 512, or fewer for a quick check")
-    args = ap.parse_args(argv)
-    ref = Path(args.ref)
-    root = Path(tempfile.mkdtemp(prefix="mmrl_parity_ur_"))
-    model = build_tiny_unified_reward(root / "tiny_unified_reward", seed=0)
+def write_images(root: Path) -> tuple[list[Path], list[torch.Tensor]]:
+    """The fixed test images (`SIZES`, seed 0) as PNG files under `root` and as [3, H, W] tensors in [0, 1]."""
     rng = np.random.default_rng(0)
     files, tensors = [], []
     for k, (h, w) in enumerate(SIZES):
@@ -90,18 +84,18 @@ def main(argv=None) -> None:
         Image.fromarray(arr).save(root / f"img{k}.png")
         files.append(root / f"img{k}.png")
         tensors.append(torch.from_numpy(arr).permute(2, 0, 1).float() / 255)
+    return files, tensors
 
+
+def cases_of(files: list[Path]) -> list[tuple[str, list[Path], str]]:
+    """(mode, image files, caption) of every case: pointwise per image, then pairwise and Think per pair."""
     cases = [("pointwise", [files[k]], CAPTIONS[k]) for k in range(len(SIZES))]
     cases += [(mode, [files[i], files[j]], c) for mode in ("pairwise", "think") for (i, j), c in zip(PAIRS, PAIR_CAPTIONS)]
-    sources = [patch((ref / SCRIPTS[mode]).read_text(), model, imgs, cap, args.max_new_tokens)
-               for mode, imgs, cap in cases]
-    (root / "cases.json").write_text(json.dumps(sources))
-    (root / "runner.py").write_text(RUNNER)
-    subprocess.run([sys.executable, str(root / "runner.py"), str(root / "cases.json"), str(root / "theirs.json")],
-                   check=True, cwd=str(ref), stdout=subprocess.DEVNULL)  # (their scripts print the reply)
-    theirs = json.loads((root / "theirs.json").read_text())
+    return cases
 
-    common = dict(weights=model, max_new_tokens=args.max_new_tokens, batch_size=4, device="cpu")
+
+def mmrl_replies(tensors: list[torch.Tensor], **common) -> list[str]:
+    """mmrl's replies to `cases_of`'s cases, in order: pointwise in batches, then each pair (pairwise, Think)."""
     point = load("unified_reward", **common)(tensors, CAPTIONS)  # mixed sizes: one batch per size
     ours = list(point.details["response"])
     pair_imgs = torch.stack([tensors[0], tensors[2]])
@@ -115,8 +109,11 @@ def main(argv=None) -> None:
             prompts = [PAIR_CAPTIONS[k]] * 2
             _, det = judge.compare(pair_imgs, prompts, None, first[k:k + 1], second[k:k + 1])
             ours += det["response"]
+    return ours
 
-    print(f"tiny checkpoint {model}, max_new_tokens {args.max_new_tokens}")
+
+def report(cases, theirs: list[str], ours: list[str]) -> tuple[int, int]:
+    """Print per mode the identical replies and the parsed scores of both; returns (identical, total)."""
     total = same = 0
     for mode in ("pointwise", "pairwise", "think"):
         rows = [k for k, c in enumerate(cases) if c[0] == mode]
@@ -131,6 +128,40 @@ def main(argv=None) -> None:
             if theirs[k] != ours[k]:
                 print(f"  differs at case {k}: theirs {theirs[k][:120]!r}\n                 ours   {ours[k][:120]!r}")
         total, same = total + len(rows), same + eq
+    print(f"reply lengths (characters): {min(map(len, theirs))}-{max(map(len, theirs))}")
+    return same, total
+
+
+def commit_of(ref: Path) -> str:
+    """The authors' commit: `git rev-parse` of `ref`, or its COMMIT file (an export of the files with its commit)."""
+    commit = subprocess.run(["git", "-C", str(ref), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    if not commit and (ref / "COMMIT").is_file():
+        commit = (ref / "COMMIT").read_text().strip()
+    return commit or "unknown"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ref", default="/tmp/ref-unified_reward", help="copy of CodeGoat24/UnifiedReward")
+    ap.add_argument("--max-new-tokens", type=int, default=512, help="the scripts' 512, or fewer for a quick check")
+    args = ap.parse_args(argv)
+    ref = Path(args.ref)
+    root = Path(tempfile.mkdtemp(prefix="mmrl_parity_ur_"))
+    model = build_tiny_unified_reward(root / "tiny_unified_reward", seed=0)
+    files, tensors = write_images(root)
+    cases = cases_of(files)
+    sources = [patch((ref / SCRIPTS[mode]).read_text(), model, imgs, cap, args.max_new_tokens)
+               for mode, imgs, cap in cases]
+    (root / "cases.json").write_text(json.dumps(sources))
+    (root / "runner.py").write_text(RUNNER)
+    subprocess.run([sys.executable, str(root / "runner.py"), str(root / "cases.json"), str(root / "theirs.json")],
+                   check=True, cwd=str(ref), stdout=subprocess.DEVNULL)  # (their scripts print the reply)
+    theirs = json.loads((root / "theirs.json").read_text())
+
+    common = dict(weights=model, max_new_tokens=args.max_new_tokens, batch_size=4, device="cpu")
+    ours = mmrl_replies(tensors, **common)
+    print(f"tiny checkpoint {model}, max_new_tokens {args.max_new_tokens}")
+    same, total = report(cases, theirs, ours)
     # control: the same pointwise turns decoded without the checkpoint's repetition_penalty (plain argmax) do not
     # reproduce the authors' replies, so agreement above is not a property of any greedy decoding
     plain = load("unified_reward", **common)
@@ -138,12 +169,7 @@ def main(argv=None) -> None:
     control = list(plain(tensors, CAPTIONS).details["response"])
     print(f"control, repetition_penalty 1.0: {sum(a == b for a, b in zip(theirs, control))}/{len(control)} "
           f"pointwise replies identical")
-    commit = subprocess.run(["git", "-C", str(ref), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    if not commit and (ref / "COMMIT").is_file():  # an export of the files (git archive / git show) with its commit
-        commit = (ref / "COMMIT").read_text().strip()
-    print(f"reply lengths (characters): {min(map(len, theirs))}-{max(map(len, theirs))}")
-    print(f"total: {same}/{total} identical replies; authors' code: CodeGoat24/UnifiedReward@{commit or 'unknown'}")
-
+    print(f"total: {same}/{total} identical replies; authors' code: CodeGoat24/UnifiedReward@{commit_of(ref)}")
 
 if __name__ == "__main__":
     main()

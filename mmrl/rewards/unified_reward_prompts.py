@@ -5,7 +5,9 @@ trained on, so the local judge (`unified_reward`) and the HTTP judges (`vlm_judg
 source: CodeGoat24/UnifiedReward at ff6f520: inference_qwen/image_generation/qwen_point_score_image_generation.py
 (pointwise), qwen_pair_rank_image_generation.py (pairwise), UnifiedReward-Think/inference_qwen/image_generation/
 qwen_infer_cot_image_generation.py (think); CodeGoat24/Pref-GRPO at 3e787f6: fastvideo/rewards/templates.py
-get_unifiedreward_think_image_template (pref_grpo_think). Each is the f-string's text with {prompt} left in.
+get_unifiedreward_think_image_template (pref_grpo_think, also verbatim the text of CodeGoat24/UnifiedReward at ff6f520
+UnifiedReward-Think/inference_qwen/UnifiedReward-Think-qwen3-inference/qwen3_infer_cot_image_generation.py: the Think
+prompt of the Qwen3-VL judges). Each is the f-string's text with {prompt} left in.
 """
 
 POINTWISE_PROMPT = (
@@ -146,6 +148,7 @@ PREF_GRPO_THINK_PROMPT = (
     '        '
 )
 
-# every prompt_template that can be given by name (the first three: the modes' defaults of unified_reward)
+# every prompt_template that can be given by name (the first three: the modes' defaults of unified_reward on
+# Qwen2.5-VL; on Qwen3-VL "think" defaults to pref_grpo_think, the text of their Qwen3-VL Think script)
 PROMPTS = {"pointwise": POINTWISE_PROMPT, "pairwise": PAIRWISE_PROMPT, "think": THINK_PROMPT,
            "pref_grpo_think": PREF_GRPO_THINK_PROMPT}

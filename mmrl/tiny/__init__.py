@@ -55,7 +55,7 @@ from mmrl.tiny.qwen_image_models import (  # noqa: F401
     build_tiny_qwen_image_edit_plus,
 )
 from mmrl.tiny.janus import build_tiny_janus  # noqa: F401
-from mmrl.tiny.unified_reward import build_tiny_unified_reward  # noqa: F401
+from mmrl.tiny.unified_reward import build_tiny_unified_reward, build_tiny_unified_reward_qwen3vl  # noqa: F401
 from mmrl.tiny.videoalign import build_tiny_videoalign  # noqa: F401
 from mmrl.tiny.vlm_models import (  # noqa: F401
     QWEN_MAX_PIXELS,

@@ -122,12 +122,13 @@ def build_tiny_qwen25_vl(path, seed: int = 0, head_dim: int = 16) -> Path:
 
 
 @side_effect_free
-def build_tiny_qwen3_vl(path, seed: int = 0) -> Path:
+def build_tiny_qwen3_vl(path, seed: int = 0, head_dim: int = 16) -> Path:
     """Tiny ``Qwen3VLForConditionalGeneration`` + ``Qwen3VLProcessor`` at ``path``.
 
     Text: hidden 64, 2 layers, 4 heads x 16, 2 kv heads, interleaved mrope_section [4, 2, 2] (sums to
     head_dim / 2). Vision: depth 2, width 32, patch 16, 8x8 learned position grid, deepstack from
-    block 0. Chat template without the default system turn, as Qwen3-VL's.
+    block 0. Chat template without the default system turn, as Qwen3-VL's. `head_dim`: of the text decoder (hidden
+    4 * head_dim, mrope_section scaled alike); vLLM's CPU backend needs one of ``CPU_HEAD_SIZES`` (e.g. 32).
     """
     from transformers import (Qwen2VLImageProcessor, Qwen3VLConfig, Qwen3VLForConditionalGeneration,
                               Qwen3VLProcessor, Qwen3VLVideoProcessor)
@@ -136,13 +137,16 @@ def build_tiny_qwen3_vl(path, seed: int = 0) -> Path:
     tok = _load_tokenizer("qwen")
     tok.chat_template = QWEN3_CHAT_TEMPLATE
     ids = _qwen_token_ids(tok)
-    text = _qwen_text_config(tok, ids)
-    text.update(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
-                                              "mrope_section": [4, 2, 2], "mrope_interleaved": True})
+    text = _qwen_text_config(tok, ids, head_dim)
+    unit = head_dim // 16
+    text.update(head_dim=head_dim, rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
+                                                    "mrope_section": [4 * unit, 2 * unit, 2 * unit],
+                                                    "mrope_interleaved": True})
     text.pop("bos_token_id")
     cfg = Qwen3VLConfig(
         text_config=text,
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                           out_hidden_size=text["hidden_size"],
                            patch_size=16, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
                            num_position_embeddings=64, deepstack_visual_indexes=[0]),
         image_token_id=ids["image_token_id"], video_token_id=ids["video_token_id"],

@@ -1,7 +1,8 @@
-"""UnifiedReward run locally (`mmrl.rewards.unified_reward`) on the tiny judge (`mmrl.tiny.build_tiny_unified_reward`,
-random weights: random replies): loading and its errors, each mode, batched generation = one turn at a time, and
-the parsing of hand-written replies in each of the authors' formats (pointwise, pairwise, Think), malformed ones
-included. Parity with the authors' scripts: benchmarks/parity/unified_reward.py (docs/rewards.md)."""
+"""UnifiedReward run locally (`mmrl.rewards.unified_reward`) on the tiny judges (`mmrl.tiny.build_tiny_unified_reward`,
+a Qwen2.5-VL, and `build_tiny_unified_reward_qwen3vl`; random weights: random replies): loading and its errors, each
+mode, batched generation = one turn at a time, each backbone's image preprocessing, and the parsing of hand-written
+replies in each of the authors' formats (pointwise, pairwise, Think), malformed ones included. Parity with the
+authors' code: benchmarks/parity/unified_reward.py, unified_reward_qwen3vl.py (docs/rewards.md)."""
 
 import json
 import math
@@ -14,7 +15,7 @@ from mmrl.rewards.base import to_pil_list
 from mmrl.rewards.group import is_group_reward, pairwise_verdict
 from mmrl.rewards.unified_reward import PROMPTS, UnifiedRewardPairwiseJudge
 from mmrl.rewards.vlm_judge import judge_content, pointwise_verdict
-from mmrl.tiny import build_tiny_unified_reward
+from mmrl.tiny import build_tiny_unified_reward, build_tiny_unified_reward_qwen3vl
 
 PROMPTS_ = ["a red circle on a blue background", "two yellow stars", "a photo of a cat", "a green square"]
 
@@ -23,6 +24,12 @@ PROMPTS_ = ["a red circle on a blue background", "two yellow stars", "a photo of
 def judge_path(tmp_path_factory):
     torch.set_num_threads(1)
     return build_tiny_unified_reward(tmp_path_factory.mktemp("ur") / "tiny_unified_reward", seed=0)
+
+
+@pytest.fixture(scope="module")
+def qwen3_path(tmp_path_factory):
+    torch.set_num_threads(1)
+    return build_tiny_unified_reward_qwen3vl(tmp_path_factory.mktemp("ur3") / "tiny_unified_reward_qwen3vl", seed=0)
 
 
 def _images(n, size=56):
@@ -143,17 +150,98 @@ def test_wrong_path_or_layout_is_one_line(tmp_path, judge_path):
                               "checkpoint (e.g. the Hugging Face repository CodeGoat24/UnifiedReward-qwen-7b) yourself "
                               "and pass its local path (nothing is downloaded automatically)")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match=r"^unified_reward: no config.json in '.*empty'; expected a Qwen2.5-VL"):
+    with pytest.raises(FileNotFoundError, match=r"^unified_reward: no config.json in '.*empty'; expected a Qwen2.5-VL "
+                                                r"or Qwen3-VL checkpoint directory"):
         rewards.load("unified_reward", weights=tmp_path / "empty")
     (tmp_path / "clip").mkdir()
     (tmp_path / "clip" / "config.json").write_text(json.dumps({"model_type": "clip"}))
     with pytest.raises(ValueError, match=r"^unified_reward: '.*clip' holds a 'clip' model \(config.json model_type\); "
-                                         r"expected 'qwen2_5_vl'"):
+                                         r"expected 'qwen2_5_vl' \(Qwen2.5-VL\) or 'qwen3_vl' \(Qwen3-VL\), a "
+                                         r"UnifiedReward checkpoint"):
         rewards.load("unified_reward", weights=tmp_path / "clip")
     with pytest.raises(ValueError, match=r"^unified_reward: mode must be one of pointwise, pairwise, think; got 'rank'"):
         rewards.load("unified_reward", weights=judge_path, mode="rank")
     with pytest.raises(ValueError, match=r"prompt_template must be one of .* or a string containing '\{prompt\}'"):
         rewards.load("unified_reward", weights=judge_path, prompt_template="no caption")
+
+
+@pytest.mark.parametrize("model_type", ["llava", "llava_qwen", "llava_onevision"])
+def test_llava_onevision_judges_are_refused_in_one_line(tmp_path, model_type):
+    """UnifiedReward-7b / -7b-v1.5 / -Think-7b are LLaVA-NeXT checkpoints: one line saying why they do not load."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type,
+                                                      "architectures": ["LlavaQwenForCausalLM"]}))
+    with pytest.raises(ValueError) as exc:
+        rewards.load("unified_reward", weights=tmp_path)
+    assert str(exc.value) == (
+        f"unified_reward: '{tmp_path}' holds a {model_type!r} model (config.json model_type): UnifiedReward's "
+        "LLaVA-OneVision judges (UnifiedReward-7b, -7b-v1.5, -Think-7b) exist only in the original LLaVA-NeXT format, "
+        "which only the authors' llava package loads; use a Qwen2.5-VL or Qwen3-VL UnifiedReward checkpoint "
+        "(e.g. CodeGoat24/UnifiedReward-2.0-qwen3vl-8b)")
+
+
+def test_qwen3vl_judge_pointwise_and_pairwise(qwen3_path):
+    """A Qwen3-VL checkpoint (UnifiedReward-2.0-qwen3vl, -Think-qwen3vl) loads by its config.json model_type into
+    transformers' Qwen3-VL class and runs the authors' vLLM-client inference: greedy, 4096 new tokens by default,
+    their Qwen3-VL Think prompt."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    default = rewards.load("unified_reward", weights=qwen3_path)
+    assert default.judge.model_type == "qwen3_vl" and isinstance(default.judge.model, Qwen3VLForConditionalGeneration)
+    gen = default.judge.generation_config
+    assert (gen.max_new_tokens, gen.do_sample, gen.repetition_penalty) == (4096, False, 1.0)
+    r = rewards.load("unified_reward", weights=qwen3_path, max_new_tokens=8)
+    out = r(_images(1), PROMPTS_[:1])
+    assert out.scores.tolist() == [0.0] and out.details["parse_error"] == ["no 'Final Score: x' in the reply"]
+    assert isinstance(out.details["response"][0], str) and out.details["response"][0]
+    r.judge.replies = lambda turns: ["x (object): 1\nFinal Score: 3"] * len(turns)
+    assert r(_images(1), PROMPTS_[:1]).scores.tolist() == pytest.approx([0.6])
+    pair = rewards.load("unified_reward", weights=qwen3_path, mode="pairwise", max_new_tokens=8)
+    out = pair(_images(2), ["a", "a"])
+    assert out.details["pairs"] == 1 and isinstance(out.details["pair_response"][0], str)
+    pair.judge.judge.replies = lambda turns: ["Image 2 is better."] * len(turns)
+    assert pair(_images(2), ["a", "a"]).scores.tolist() == [0.0, 1.0]
+    think = UnifiedRewardPairwiseJudge(weights=qwen3_path, think=True, max_new_tokens=1)
+    assert think.prompt_template == PROMPTS["pref_grpo_think"]  # = their qwen3_infer_cot_image_generation.py text
+
+
+def _processor_images(judge, image):
+    """The images the judge's processor receives for one pointwise turn of `image`."""
+    seen, processor = [], judge.processor
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(processor, name)
+
+        def __call__(self, **kwargs):
+            seen.extend(kwargs["images"])
+            return processor(**kwargs)
+
+    judge.processor = Spy()
+    judge.replies([judge_content([image], "x")])
+    judge.processor = processor
+    return seen
+
+
+def test_each_backbone_preprocesses_images_as_its_authors_code(judge_path, qwen3_path):
+    """Qwen2.5-VL: qwen_vl_utils' resize (their transformers scripts); Qwen3-VL: a JPEG of quality 95 at the image's
+    own size, the processor resizing it (their vLLM client)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from mmrl.pipelines.images import resize_for_qwen
+
+    image = to_pil_list(_images(1, 70))[0]
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=95)
+    jpeg = np.asarray(Image.open(buf).convert("RGB"))
+    q3 = rewards.load("unified_reward", weights=qwen3_path, max_new_tokens=1).judge
+    (seen,) = _processor_images(q3, image)
+    assert seen.size == (70, 70) and np.array_equal(np.asarray(seen), jpeg)
+    q25 = rewards.load("unified_reward", weights=judge_path, max_new_tokens=1).judge
+    (seen,) = _processor_images(q25, image)
+    assert seen.size == (56, 56) and np.array_equal(np.asarray(seen), np.asarray(resize_for_qwen(image)))
 
 
 def test_http_judges_ask_the_same_turn_by_prompt_name(judge_path):
