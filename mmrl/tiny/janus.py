@@ -34,8 +34,14 @@ def _janus_tokenizer():
 
 
 @side_effect_free
-def build_tiny_janus(path, seed: int = 0, image_size: int = 32, patch_size: int = 8) -> Path:
-    """Tiny randomly initialised `JanusForConditionalGeneration` + `JanusProcessor` at `path` (module docstring)."""
+def build_tiny_janus(path, seed: int = 0, image_size: int = 32, patch_size: int = 8, vq_top_width: int = 1,
+                     aligner_dim: int = 2048) -> Path:
+    """Tiny randomly initialised `JanusForConditionalGeneration` + `JanusProcessor` at `path` (module docstring).
+    `vq_top_width`: the VQ-VAE's first channel multiplier (32 x it channels at full resolution). The decoder's last
+    GroupNorm has 32 groups and no residual around it: at width 1 every group is one channel, so a one-token image
+    (constant feature maps) loses its colour there; width 4 keeps 4-channel directions (mmrl.ar_image.pretrain_tiny).
+    `aligner_dim`: the understanding aligner's width (transformers' default 2048, kept so the seeded weights of the
+    default build do not change; generation never uses it, and 32 = the Llama width keeps a checkpoint small)."""
     from transformers import (GenerationConfig, JanusConfig, JanusForConditionalGeneration, JanusImageProcessor,
                               JanusProcessor, JanusVisionConfig, JanusVQVAEConfig, LlamaConfig)
 
@@ -50,11 +56,13 @@ def build_tiny_janus(path, seed: int = 0, image_size: int = 32, patch_size: int 
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                        bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"])
     vision = JanusVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                               image_size=image_size, patch_size=patch_size, num_image_tokens=tokens)
+                               image_size=image_size, patch_size=patch_size, num_image_tokens=tokens,
+                               projection_dim=aligner_dim)
     # GroupNorm(32): every VQ-VAE width a multiple of 32; the decoder upsamples by 2 per level after the first
     levels = {8: [1, 1, 1, 1], 16: [1, 1, 1, 1, 1], 4: [1, 1, 1]}.get(patch_size)
     if levels is None:
         raise ValueError(f"tiny Janus: patch_size must be 4, 8 or 16, got {patch_size}")
+    levels[0] = vq_top_width
     vq = JanusVQVAEConfig(embed_dim=8, num_embeddings=64, base_channels=32, latent_channels=32,
                           channel_multiplier=levels, num_res_blocks=1, projection_dim=32, image_token_embed_dim=32,
                           num_patches=image_size // patch_size, resolution=image_size)
