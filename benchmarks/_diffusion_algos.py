@@ -25,8 +25,10 @@ ALGOS: dict[str, Algo] = {
                                                     "rollout.same_noise=true"],
                            "2 trained steps: Flow-GRPO's reward per epoch (PickScore), no time ratio", "-", 2,
                            "Flow-GRPO-Fast"),
-    # coefficients-preserving sampling, "a typical setting is noise_level = 0.8" (flow_grpo README)
-    "cps": Algo("flow_grpo_tiny.yaml", ["rollout.sde_type=cps", "rollout.noise_level=0.8"],
+    # coefficients-preserving sampling, "a typical setting is noise_level = 0.8" (flow_grpo README); no KL, as every
+    # published CPS config (flow_grpo config/grpo.py *_fast_nocfg: beta 0): CPS's small step std makes the Gaussian KL
+    # of the SDE rows far larger, so Flow-GRPO's 0.01 holds the policy at the start (measured, docs)
+    "cps": Algo("flow_grpo_tiny.yaml", ["rollout.sde_type=cps", "rollout.noise_level=0.8", "algo.kl.coef=0"],
                 "better GenEval and samples, no speed claim", "-", 5, "Flow-GRPO + CPS"),
     # MixGRPO's scripts: no KL, shared initial noise per group, the window moved every 25 (Flash: 20) of 300
     # iterations, i.e. every 9 (7) of Flow-GRPO's 105 steps here

@@ -250,22 +250,38 @@ class StopAt:
             self.stop_requested, self.why = True, f"CPU cap {self.cpu_cap:.1f} s reached"
 
 
-def run_one(name: str, seed: int, args, target: float | None = None, cpu_cap: float | None = None) -> list[dict]:
-    """Train `name` on `seed` in this process (or keep the finished run of the same settings); its metrics rows."""
-    from mmrl.config import load_config, recipe_module
-    from mmrl.run.trackers import callbacks_active
-
+def _run_key(name: str, seed: int, args, target: float | None, cpu_cap: float | None) -> tuple[Path, list, dict]:
+    """(run dir, overrides, the settings a finished run records in bench_done.json)."""
     algo = ALGOS[name]
     run_dir = Path(args.out) / f"{name}_s{seed}"
     every = 1 if args.quick else algo.eval_every
     steps = args.steps if name == "flow_grpo" else args.steps * args.cap
     overrides = (_overrides(args.model, steps, args.reward, run_dir, seed, every)
                  + (QUICK["overrides"] if args.quick else []) + algo.overrides)
-    done = run_dir / "bench_done.json"  # written after a finished run: its exact settings
     key: dict = {"config": algo.config, "overrides": overrides}
     if name != "flow_grpo":
         key["stop"] = {"target": target, "cpu_cap": cpu_cap}
-    if not (done.is_file() and json.loads(done.read_text()) == key):
+    return run_dir, overrides, key
+
+
+def _finished(run_dir: Path, key: dict) -> bool:
+    done = run_dir / "bench_done.json"  # written after a finished run: its exact settings
+    return done.is_file() and json.loads(done.read_text()) == key
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def run_one(name: str, seed: int, args, target: float | None = None, cpu_cap: float | None = None) -> list[dict]:
+    """Train `name` on `seed` in this process (or keep the finished run of the same settings); its metrics rows."""
+    from mmrl.config import load_config, recipe_module
+    from mmrl.run.trackers import callbacks_active
+
+    algo = ALGOS[name]
+    run_dir, overrides, key = _run_key(name, seed, args, target, cpu_cap)
+    done = run_dir / "bench_done.json"
+    if not _finished(run_dir, key):
         cfg = load_config(REPO / "configs/diffusion" / algo.config, overrides)
         clocks = Clocks()
         undo = _instrument(clocks)
@@ -276,7 +292,7 @@ def run_one(name: str, seed: int, args, target: float | None = None, cpu_cap: fl
         finally:
             undo()
         done.write_text(json.dumps(key))
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = _rows(run_dir)
     last = rows[-1]
     print(f"[compare] seed {seed} {name}: {len(rows)} steps, {last['bench/cpu_s']:.1f} CPU s, "
           f"{last['bench/wall_s']:.1f} wall s (training only)", flush=True)
@@ -289,7 +305,9 @@ def _run_in_subprocess(name: str, seed: int, args, target: float | None, cpu_cap
            "--steps", str(args.steps), "--cap", str(args.cap), "--reward", args.reward, "--out", str(args.out)]
     cmd += (["--target", repr(target)] if target is not None else []) + (
         ["--cpu-cap", repr(cpu_cap)] if cpu_cap is not None else []) + (["--quick"] if args.quick else [])
-    run_dir = Path(args.out) / f"{name}_s{seed}"
+    run_dir, _, key = _run_key(name, seed, args, target, cpu_cap)
+    if _finished(run_dir, key):  # kept: no process to start
+        return _rows(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "bench.log", "w") as log:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, check=False)
@@ -297,7 +315,7 @@ def _run_in_subprocess(name: str, seed: int, args, target: float | None, cpu_cap
           flush=True)
     if proc.returncode:
         raise SystemExit(f"[compare] seed {seed} {name} failed (exit {proc.returncode}): see {run_dir / 'bench.log'}")
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return _rows(run_dir)
 
 
 def _stops(flow_rows: list[dict]) -> tuple[float, float]:
@@ -407,7 +425,7 @@ def _plot(summary: dict, names: list[str], out: Path, args) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cols = min(5, len(names))
+    cols = min(4, len(names))
     rows = -(-len(names) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.8 * rows), dpi=100, sharex=True, sharey=True,
                              squeeze=False)

@@ -43,6 +43,8 @@ BENCHMARKS: dict[str, list[str]] = {
     # the table of docs/faster-diffusion.md: 10 algorithms x 5 seeds to Flow-GRPO's level after 105 steps, two runs
     # at once (each in its own process with one thread; the table's main clock is each run's own CPU time)
     "compare_diffusion_algos": ["--jobs", "2", "--out", "runs/compare_diffusion/{stamp}"],
+    # the per-step cost table beside it (each row 3 steps on the task and at its paper's sampler and CFG)
+    "algo_step_cost": ["--summary", "runs/compare_diffusion/{stamp}/summary.json", "--out", "runs/algo_step_cost/{stamp}"],
     "families": ["--threads", "1"],
     # a rollout process beside the trainer vs the synchronous loop with 2 and with 1 thread (sets its own threads)
     "async_rollout": ["--out", "runs/bench_async/{stamp}"],
@@ -50,6 +52,8 @@ BENCHMARKS: dict[str, list[str]] = {
     "sequence_parallel": ["--threads", "1"],
     # label -> reward -> Flow-GRPO / DPO on the shapes world with a scripted labeller (5 seeds, ~6 CPU minutes)
     "preference_loop": ["--out", "runs/preference_loop/{stamp}"],
+    # Janus GRPO on the shapes colour reward, trained vs a control at lr 1e-8, 3 seeds (docs/ar-image.md)
+    "janus_color_demo": ["--out", "runs/janus_color_demo/{stamp}"],
 }
 
 
