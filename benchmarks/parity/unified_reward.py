@@ -68,6 +68,11 @@ def patch(source: str, model: Path, images: list[Path], caption: str, max_new_to
         subs.append((r"image_path = '[^']*'", f"image_path = {str(images[0])!r}"))
     else:
         subs += [(rf"image_path_{k + 1} = '[^']*'", f"image_path_{k + 1} = {str(p)!r}") for k, p in enumerate(images)]
+    return substitute(source, subs)
+
+
+def substitute(source: str, subs: list[tuple[str, str]]) -> str:
+    """Each (pattern, replacement) applied to the authors' script, each pattern found exactly once."""
     for pattern, repl in subs:
         source, n = re.subn(pattern, lambda _m, r=repl: r, source)
         if n != 1:

@@ -39,7 +39,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from unified_reward import cases_of, commit_of, mmrl_replies, report, write_images  # noqa: E402
+from unified_reward import cases_of, commit_of, mmrl_replies, report, substitute, write_images  # noqa: E402
 
 from mmrl.rewards.unified_reward_prompts import PROMPTS  # noqa: E402
 from mmrl.tiny import build_tiny_unified_reward_qwen3vl  # noqa: E402
@@ -67,11 +67,7 @@ def patch_think(source: str, images: list[Path], caption: str) -> str:
     """Their Think script with its image paths and caption replaced; nothing else."""
     subs = [(r"prompt =\s*(''|\"\")", f"prompt = {caption!r}")]
     subs += [(rf"image_path_{k + 1} = '[^']*'", f"image_path_{k + 1} = {str(p)!r}") for k, p in enumerate(images)]
-    for pattern, repl in subs:
-        source, n = re.subn(pattern, lambda _m, r=repl: r, source)
-        if n != 1:
-            raise SystemExit(f"parity: pattern {pattern!r} found {n} times in the authors' script (expected 1)")
-    return source
+    return substitute(source, subs)
 
 
 def client_copy(ref: Path, root: Path, max_tokens: int) -> Path:
