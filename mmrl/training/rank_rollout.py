@@ -36,6 +36,7 @@ import queue as queue_mod
 import re
 import sys
 import threading
+import time
 import weakref
 from typing import Any, Callable
 
@@ -185,10 +186,14 @@ def serve_rollout_rank(cfg: Any, builder: str) -> bool:
         return False
     trainer = world.rank - trainers
 
+    once = threading.Lock()
+
     def trainer_gone(reason: str) -> None:
-        print(f"mmrl: rollout rank {world.rank}: its trainer rank {trainer} is gone ({reason}); exiting",
-              file=sys.stderr, flush=True)
-        os._exit(1)
+        if once.acquire(blocking=False):  # one line, whichever thread sees the end first; it ends the process
+            print(f"mmrl: rollout rank {world.rank}: its trainer rank {trainer} is gone ({reason}); exiting",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
+        threading.Event().wait()  # the other thread is printing and ending the process
 
     channel = RankChannel(trainer, group, TO_TRAINER, TO_ROLLOUT, on_gone=trainer_gone)
     ro = cfg.rollout
@@ -198,4 +203,9 @@ def serve_rollout_rank(cfg: Any, builder: str) -> bool:
     pending = [channel.get(None)]
     run_producer(builder, cfg, world.rank - trainers, trainers, str(world.device), threads,
                  lambda: pending.pop() if pending else channel.get(None), channel.send)
+    if not channel.stopping:
+        # no "stop": the trainer's connection broke (a send here failed first); the reader thread says why and ends
+        # the process with status 1 (a normal return would race it to status 0)
+        time.sleep(30)
+        trainer_gone("no stop message, connection silent")
     return True
