@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from mmrl.pipelines.shapes import COLORS
+from mmrl.run.files import refuse_foreign_output
 
 __all__ = ["SHADES", "token_palette", "palette_check", "redraw_head_input", "pretrain_tiny_janus", "main"]
 
@@ -153,10 +154,8 @@ def pretrain_tiny_janus(out_dir, steps: int = 600, seed: int = 0, *, batch_size:
 
     if steps < 1:
         raise ValueError(f"pretrain_tiny_janus: steps must be >= 1, got {steps}")
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / "pretraining.json").is_file():
-        raise FileExistsError(f"pretrain_tiny_janus: output directory '{out_dir}' is not empty and holds no "
-                              f"pretraining.json; refusing to overwrite it (pass a new or an earlier output directory)")
+    out_dir = refuse_foreign_output(out_dir, "pretraining.json", "pretrain_tiny_janus",
+                                    "pass a new or an earlier output directory")
     t0, c0 = time.time(), time.process_time()
     with tempfile.TemporaryDirectory() as tmp:
         init = build_tiny_janus(Path(tmp) / "init", seed=seed, image_size=image_size, patch_size=patch_size,

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from mmrl.pipelines.shapes import sample_scene
+from mmrl.run.files import refuse_foreign_output
 
 __all__ = ["pretrain_tiny_sd3", "make_shape_pool", "encode_captions", "sample_images", "main"]
 
@@ -198,10 +199,8 @@ def pretrain_tiny_sd3(out_dir, steps: int = 3000, seed: int = 0, *, vae_steps: i
     if vae_steps < 0:
         raise ValueError(f"pretrain_tiny_sd3: vae_steps must be >= 0, got {vae_steps}")
     t_start, c_start = time.time(), time.process_time()
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / "model_index.json").is_file():
-        raise FileExistsError(f"pretrain_tiny_sd3: output directory '{out_dir}' is not empty and holds no "
-                              f"model_index.json; refusing to overwrite it (pass a new or a pipeline directory)")
+    out_dir = refuse_foreign_output(out_dir, "model_index.json", "pretrain_tiny_sd3",
+                                    "pass a new or a pipeline directory")
     gen = torch.Generator().manual_seed(seed)
     with tempfile.TemporaryDirectory() as tmp:
         pipe = StableDiffusion3Pipeline.from_pretrained(build_tiny_sd3(Path(tmp) / "init", seed=seed))

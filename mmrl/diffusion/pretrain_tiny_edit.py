@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 
 from mmrl.diffusion.pretrain_tiny import _drop_temp_paths, _lr_factor, _update
 from mmrl.pipelines.edits import shapes_edit_example
+from mmrl.run.files import refuse_foreign_output
 
 __all__ = ["pretrain_tiny_kontext", "GUIDANCE", "main"]
 
@@ -117,10 +118,7 @@ def pretrain_tiny_kontext(out_dir, steps: int = 3000, seed: int = 0, *, batch_si
 
     if steps < 1:
         raise ValueError(f"pretrain_tiny_kontext: steps must be >= 1, got {steps}")
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / "model_index.json").is_file():
-        raise FileExistsError(f"pretrain_tiny_kontext: output directory '{out_dir}' is not empty and holds no "
-                              f"model_index.json; refusing to overwrite it")
+    out_dir = refuse_foreign_output(out_dir, "model_index.json", "pretrain_tiny_kontext")
     t_start, c_start = time.time(), time.process_time()
     gen = torch.Generator().manual_seed(seed)
     vae = AutoencoderKL.from_pretrained(Path(vae_from) / "vae").eval().requires_grad_(False)

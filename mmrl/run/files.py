@@ -96,6 +96,16 @@ def disk_full(exc: BaseException, where: Path) -> bool:
     return 0 <= _free_bytes(where) < (16 << 20)
 
 
+def refuse_foreign_output(out_dir: str | Path, marker: str, who: str, hint: str = "") -> Path:
+    """`out_dir` as a Path; FileExistsError when it is a non-empty directory without `marker` (an earlier output of
+    the same writer holds it, so only such a directory or an empty / new one is overwritten)."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / marker).is_file():
+        raise FileExistsError(f"{who}: output directory '{out_dir}' is not empty and holds no {marker}; refusing to "
+                              f"overwrite it{f' ({hint})' if hint else ''}")
+    return out_dir
+
+
 def probe_writable(directory: str | Path) -> None:
     """Create `directory` (with its parents) and write and delete an empty file in it: the OSError a writer would
     meet there later (a read-only file system, no permission, a file in the way) raised now, before the work."""
