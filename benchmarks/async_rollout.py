@@ -1,7 +1,7 @@
 """Rollouts in their own process vs the synchronous loop, on the same 2 CPU cores: steps/s and reward gain per
 wall-second of the tiny CPU recipes, and how close the overlap comes to its ideal.
 
-    .venv/bin/python benchmarks/async_rollout.py [--recipes vlm_grpo,flow_grpo] [--steps 60,30] [--repeats 3]
+    .venv/bin/python benchmarks/async_rollout.py [--recipes vlm_grpo,flow_grpo] [--steps 40,20] [--repeats 3]
                                                  [--skip 5] [--max-staleness 1] [--mode process]
                                                  [--out runs/bench_async] [--set KEY=VALUE ...] [--quick]
                                                  [--leave-out VARIANT ...]
@@ -155,7 +155,7 @@ def run_once(recipe: str, variant: str, steps: int, k: int, out: Path, extra_ove
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipes", default="vlm_grpo,flow_grpo", help=f"comma-separated subset of {list(CONFIGS)}")
-    ap.add_argument("--steps", default="60,30", help="train.max_steps per recipe (one number for all, or one each)")
+    ap.add_argument("--steps", default="40,20", help="train.max_steps per recipe (one number for all, or one each)")
     ap.add_argument("--repeats", type=int, default=3, help="rounds of the variants")
     ap.add_argument("--skip", type=int, default=5, help="first steps left out of the measurement")
     ap.add_argument("--max-staleness", type=int, default=1, help="rollout.max_staleness of the async variant")

@@ -47,7 +47,9 @@ BENCHMARKS: dict[str, list[str]] = {
     "algo_step_cost": ["--summary", "runs/compare_diffusion/{stamp}/summary.json", "--out", "runs/algo_step_cost/{stamp}"],
     "families": ["--threads", "1"],
     # a rollout process beside the trainer vs the synchronous loop with 2 and with 1 thread (sets its own threads)
-    "async_rollout": ["--out", "runs/bench_async/{stamp}"],
+    "async_rollout": ["--steps", "40,20", "--mode", "process", "--out", "runs/bench_async/{stamp}"],
+    # the same with the rollouts on a rollout rank of a 2-process torchrun world
+    "async_rollout:ranks": ["--steps", "40,20", "--mode", "ranks", "--out", "runs/bench_async_ranks/{stamp}"],
     # per-process peak memory of one 8192-token video row through a Wan transformer, 1 vs 2 processes splitting it
     "sequence_parallel": ["--threads", "1"],
     # label -> reward -> Flow-GRPO / DPO on the shapes world with a scripted labeller (5 seeds, ~6 CPU minutes)
