@@ -9,7 +9,8 @@ reward zoo (`reward.components`, e.g. `prompt_color`, `shapes_geneval`); advanta
 first update is exactly 1); the registry policy loss (`algo.policy_loss`) + KL to the reference (LoRA adapters off)
 per micro-step of `mmrl.training.updates.UpdateIterator`, in `mmrl.training.steps.StepLoop`'s steps (checkpoints,
 exact resume, metrics rows). The policy is LoRA on the Llama decoder and the generation head (`PolicyStates`).
-One process (no DDP/FSDP yet); no held-out evaluation or sample grids yet.
+Sample grids and a held-out evaluation (`log:`, `mmrl.ar_image.evaluation`) from their own random streams.
+One process (no DDP/FSDP yet).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Literal
 import torch
 
 from mmrl.config import RunConfig, TrainConfig
+from mmrl.ar_image.evaluation import JanusLogConfig, JanusMonitor
 from mmrl.distributed import DistConfig
 from mmrl.run.start import closes_runs
 from mmrl.training.config import KLConfig, LoRAConfig, OptimConfig, UpdateConfig
@@ -45,6 +47,9 @@ class ModelConfig:
 class DataConfig:
     train_prompts: str = "assets/prompts/shapes_train.txt"
     """Training prompts (.txt one per line, or .jsonl with a `prompt` key; other keys are the reward's metadata)."""
+    eval_prompts: str = ""
+    """Held-out prompts (same formats) for `log.eval_every` and the sample grids ("" = none: grids use training
+    prompts)."""
 
 
 @dataclass
@@ -118,6 +123,8 @@ class Config(RunConfig):
     """Training loop length, checkpoints, resume."""
     dist: DistConfig = field(default_factory=DistConfig)
     """One process only for now (strategy none)."""
+    log: JanusLogConfig = field(default_factory=JanusLogConfig)
+    """Sample grids, held-out evaluation, trackers."""
 
 
 def build_states(cfg: Config, device: torch.device, dtype: torch.dtype):
@@ -161,6 +168,7 @@ def train(cfg: Config) -> dict:
     if ctx.enabled:
         raise ValueError("janus_grpo: runs in one process; it was started under torchrun / accelerate launch")
     items = load_prompts(cfg.data.train_prompts)
+    eval_items = load_prompts(cfg.data.eval_prompts) if cfg.data.eval_prompts else []
     reward_fn = load_reward(dict(cfg.reward.components), device=str(run.device))
     estimator, loss_fn = get_advantage_estimator(algo.advantage), get_policy_loss(algo.policy_loss)
     states, policy = build_states(cfg, run.device, run.dtype)
@@ -173,8 +181,26 @@ def train(cfg: Config) -> dict:
     stateful = {"optimizer": optimizer, "lr_scheduler": lr_sched, "data": sampler}
     start, _ = restore_checkpoint(ctx, run, states, stateful)
     guard = UpdateGuard(update.max_skipped_updates, ctx, run)
-    steps = StepLoop(ctx, run, cfg, start, states=states, stateful=stateful, fsdp=False,
-                     after_step=lambda step, m: m.update({"policy/lr": lr_sched.get_last_lr()[0]}))
+    monitor = JanusMonitor(policy, reward_fn, cfg.log, cfg.seed, cfg.train.max_steps, eval_items, items)
+    summary: dict = {}
+    if start == 0:  # the starting policy: grid at step 0, and the evaluation's baseline in the summary
+        if monitor.grid_due(0):
+            monitor.grid(0, run)
+        if monitor.eval_due(0):
+            summary["eval_reward_first"] = monitor.evaluate(0, run)["eval/reward/mean"]
+            print(f"[janus_grpo] held-out reward before RL: {summary['eval_reward_first']:.4f}", flush=True)
+
+    def after_step(step: int, m: dict) -> None:
+        m["policy/lr"] = lr_sched.get_last_lr()[0]
+        if monitor.grid_due(step):
+            monitor.grid(step, run)
+        if monitor.eval_due(step):
+            with steps.timer("eval"):
+                m.update(monitor.evaluate(step, run))
+            if step == cfg.train.max_steps:
+                summary["eval_reward_last"] = m["eval/reward/mean"]
+
+    steps = StepLoop(ctx, run, cfg, start, states=states, stateful=stateful, fsdp=False, after_step=after_step)
     for step in steps:
         batch = sampler.next(rollout.prompts_per_step)
         prompts = [it.prompt for it in batch]
@@ -234,4 +260,4 @@ def train(cfg: Config) -> dict:
         steps.metrics.update({"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
                               "adv/abs_mean": float(adv.abs().mean()), **reduce_metrics(ctx, acc)})
     steps.close()
-    return summarise(run, "janus_grpo")
+    return {**summarise(run, "janus_grpo"), **summary}

@@ -51,18 +51,33 @@ def _cfg(path, out, *overrides):
 
 
 def test_two_steps_then_exact_resume(tiny_path, tmp_path):
+    """The uninterrupted run draws sample grids and evaluates every step, the resumed one neither: the training
+    rows are equal (grids and evaluation sample from their own random streams)."""
     full, part = tmp_path / "full", tmp_path / "part"
-    grpo.train(_cfg(tiny_path, full))
-    grpo.train(_cfg(tiny_path, part, "train.max_steps=1"))
-    grpo.train(_cfg(tiny_path, part))  # resumes from step 1 (train.resume=auto)
+    shown = ["log.sample_every=1", "log.num_samples=2", "log.eval_every=1", "log.eval_images=2",
+             "log.eval_max_prompts=2", "data.eval_prompts=assets/prompts/shapes_eval.txt"]
+    summary = grpo.train(_cfg(tiny_path, full, *shown))
+    grpo.train(_cfg(tiny_path, part, "train.max_steps=1", "log.sample_every=0"))
+    grpo.train(_cfg(tiny_path, part, "log.sample_every=0"))  # resumes from step 1 (train.resume=auto)
 
     def strip(rows):
-        return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/", "eval/"))} for r in rows]
 
     a, b = strip(metrics_rows(full)), strip(metrics_rows(part))
     assert [r["step"] for r in b] == [1, 2]
     assert_same_path(a, b, why=RESUMED_RUN)
     assert all(r["policy/grad_norm"] > 0 and r["kl/ref"] >= 0 for r in a)
+    rows = metrics_rows(full)
+    assert all(0 <= r["eval/reward/mean"] <= 1 and r["eval/reward/std"] >= 0 for r in rows)
+    assert summary["eval_reward_last"] == rows[-1]["eval/reward/mean"] and 0 <= summary["eval_reward_first"] <= 1
+    assert sorted(p.name for p in (full / "samples").glob("*.png")) == [
+        f"{kind}_{s:06d}.png" for kind in ("eval_step", "step") for s in range(3)]
+    assert not list((part / "samples").glob("*.png")) if (part / "samples").exists() else True
+
+
+def test_log_section_is_checked(tiny_path, tmp_path):
+    with pytest.raises(ValueError, match=r"log.eval_images: expected >= 1, got 0"):
+        _cfg(tiny_path, tmp_path / "run", "log.eval_images=0")
 
 
 def test_guidance_scale_must_exceed_one(tiny_path, tmp_path):
