@@ -256,6 +256,10 @@ COMMANDS: dict[str, object] = {
     "data.train_prompts=data/geneval_and_t2i_data_final.jsonl": Short(
         "mmrl config check configs/ar_image/janus_grpo_janus_pro_7b_hps.yaml model.path=/models/Janus-Pro-7B "
         "data.train_prompts=data/geneval_and_t2i_data_final.jsonl", _NO_GPU),
+    "mmrl train configs/ar_image/janus_grpo_janus_pro_7b_hps_cot.yaml model.path=/models/Janus-Pro-7B "
+    "data.train_prompts=data/geneval_and_t2i_data_final.jsonl": Short(
+        "mmrl config check configs/ar_image/janus_grpo_janus_pro_7b_hps_cot.yaml model.path=/models/Janus-Pro-7B "
+        "data.train_prompts=data/geneval_and_t2i_data_final.jsonl", _NO_GPU),
     "mmrl train configs/diffusion/flow_grpo_sd35_pickscore.yaml "
     "model.path=/models/stable-diffusion-3.5-medium data.train_prompts=data/pickscore/train.txt data.eval_prompts=data/pickscore/test.txt": Short(
         "mmrl config check configs/diffusion/flow_grpo_sd35_pickscore.yaml "

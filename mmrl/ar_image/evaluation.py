@@ -58,11 +58,13 @@ def _due(every: int, step: int, last: int) -> bool:
 
 class JanusMonitor:
     """Sample grids and held-out evaluation of one run (module docstring). `reward_fn(images, prompts, metadata)`
-    is the run's reward (`mmrl.rewards.load`); `items` the loaded prompt items (`.prompt`, `.metadata`)."""
+    is the run's reward (`mmrl.rewards.load`); `items` the loaded prompt items (`.prompt`, `.metadata`); `cot` the
+    run's `SemanticCoT` (`rollout.semantic_cot`: each image after its sampled chain-of-thought, as in training)."""
 
     def __init__(self, policy: Any, reward_fn: Callable, log: JanusLogConfig, seed: int, last_step: int,
-                 eval_items: Sequence[Any], train_items: Sequence[Any]):
+                 eval_items: Sequence[Any], train_items: Sequence[Any], cot: Any = None):
         self.policy, self.reward_fn, self.log, self.seed, self.last = policy, reward_fn, log, seed, last_step
+        self.cot = cot
         self.eval_items = list(eval_items)[: log.eval_max_prompts]
         self.grid_items = list(eval_items or train_items)[: log.num_samples]
 
@@ -72,7 +74,10 @@ class JanusMonitor:
         images, scores = [], []
         with torch.no_grad(), not_counted():
             for it in items:
-                tokens, _ = self.policy.sample(self.policy.prompt_ids(it.prompt), n, generator=gen)
+                if self.cot is None:
+                    tokens, _ = self.policy.sample(self.policy.prompt_ids(it.prompt), n, generator=gen)
+                else:
+                    tokens = self.cot.rollout(it.prompt, n, generator=gen).tokens
                 imgs = self.policy.decode(tokens)
                 meta = [it.metadata] * n if it.metadata else None
                 scores.append(self.reward_fn(imgs, [it.prompt] * n, meta).scores.float().cpu())

@@ -9,6 +9,8 @@ reward zoo (`reward.components`, e.g. `prompt_color`, `shapes_geneval`); advanta
 first update is exactly 1); the registry policy loss (`algo.policy_loss`) + KL to the reference (LoRA adapters off)
 per micro-step of `mmrl.training.updates.UpdateIterator`, in `mmrl.training.steps.StepLoop`'s steps (checkpoints,
 exact resume, metrics rows). The policy is LoRA on the Llama decoder and the generation head (`PolicyStates`).
+`rollout.semantic_cot` makes each sample a text chain-of-thought then the image tokens (T2I-R1's BiCoT-GRPO,
+`mmrl.ar_image.cot`): both parts' log-probs under one advantage per sample.
 Sample grids and a held-out evaluation (`log:`, `mmrl.ar_image.evaluation`) from their own random streams.
 One process (no DDP/FSDP yet).
 """
@@ -21,8 +23,9 @@ from typing import Literal
 
 import torch
 
-from mmrl.config import RunConfig, TrainConfig
+from mmrl.ar_image.cot import CoTConfig
 from mmrl.ar_image.evaluation import JanusLogConfig, JanusMonitor
+from mmrl.config import RunConfig, TrainConfig
 from mmrl.distributed import DistConfig
 from mmrl.run.start import closes_runs
 from mmrl.training.config import KLConfig, LoRAConfig, OptimConfig, UpdateConfig
@@ -62,6 +65,11 @@ class RolloutConfig:
     """Classifier-free guidance on the image-token logits (> 1: uncond + gs (cond - uncond))."""
     temperature: float = 1.0
     """Divides the guided logits before sampling (and in the trained log-probs)."""
+    semantic_cot: bool = False
+    """T2I-R1's semantic chain-of-thought: each sample is text (the model's lm_head continuing `cot.template`) then
+    the image tokens given `cot.image_template`; GRPO on the log-probs of both (mmrl.ar_image.cot)."""
+    cot: CoTConfig = field(default_factory=CoTConfig)
+    """The chain-of-thought's prompt templates and text sampling (used with semantic_cot: true)."""
 
     def __post_init__(self) -> None:
         for key in ("prompts_per_step", "group_size"):
@@ -72,6 +80,9 @@ class RolloutConfig:
                              f"got {self.guidance_scale}")
         if not self.temperature > 0:
             raise ValueError(f"rollout.temperature: expected > 0, got {self.temperature}")
+        if not self.semantic_cot and self.cot != CoTConfig():
+            raise ValueError("rollout.cot: set while rollout.semantic_cot is false; set rollout.semantic_cot: true "
+                             "to use it, or drop rollout.cot")
 
     @property
     def batch(self) -> int:
@@ -141,9 +152,12 @@ def build_states(cfg: Config, device: torch.device, dtype: torch.dtype):
     model, processor = load_janus(path, device, dtype)
     model.requires_grad_(False)
     lora = peft_lora_config(cfg.model.lora, JANUS_LORA_TARGETS, lora_dropout=0.0)
-    if lora is None:  # full fine-tuning: the decoder and the generation head
+    if lora is None:  # full fine-tuning: the decoder and the generation head (+ the text head that writes the CoT)
+        trained = ("model.language_model.", "model.generation_head.")
+        if cfg.rollout.semantic_cot:
+            trained += ("lm_head.",)
         for name, p in model.named_parameters():
-            p.requires_grad_(name.startswith(("model.language_model.", "model.generation_head.")))
+            p.requires_grad_(name.startswith(trained))
     states = PolicyStates(model, lora, keep_ref_copy=lora is None and cfg.algo.kl.coef > 0)
     return states, JanusPolicy(model, processor, cfg.rollout.guidance_scale, cfg.rollout.temperature)
 
@@ -173,6 +187,11 @@ def train(cfg: Config) -> dict:
     estimator, loss_fn = get_advantage_estimator(algo.advantage), get_policy_loss(algo.policy_loss)
     states, policy = build_states(cfg, run.device, run.dtype)
     model = states.model
+    cot = None
+    if rollout.semantic_cot:
+        from mmrl.ar_image.cot import SemanticCoT
+
+        cot = SemanticCoT(policy, rollout.cot)
     attach_flops_meter(model)
     params = states.trainable_parameters()
     per_epoch = update.updates_per_epoch(rollout.batch)
@@ -181,7 +200,7 @@ def train(cfg: Config) -> dict:
     stateful = {"optimizer": optimizer, "lr_scheduler": lr_sched, "data": sampler}
     start, _ = restore_checkpoint(ctx, run, states, stateful)
     guard = UpdateGuard(update.max_skipped_updates, ctx, run)
-    monitor = JanusMonitor(policy, reward_fn, cfg.log, cfg.seed, cfg.train.max_steps, eval_items, items)
+    monitor = JanusMonitor(policy, reward_fn, cfg.log, cfg.seed, cfg.train.max_steps, eval_items, items, cot)
     summary: dict = {}
     if start == 0:  # the starting policy: grid at step 0, and the evaluation's baseline in the summary
         if monitor.grid_due(0):
@@ -204,9 +223,13 @@ def train(cfg: Config) -> dict:
     for step in steps:
         batch = sampler.next(rollout.prompts_per_step)
         prompts = [it.prompt for it in batch]
-        ids = [policy.prompt_ids(p) for p in prompts]
         with steps.timer("rollout"), torch.no_grad():
-            tokens = [policy.sample(x, rollout.group_size)[0] for x in ids]
+            if cot is None:
+                ids = [policy.prompt_ids(p) for p in prompts]
+                tokens = [policy.sample(x, rollout.group_size)[0] for x in ids]
+            else:
+                groups = [cot.rollout(p, rollout.group_size) for p in prompts]
+                tokens = [g.tokens for g in groups]
             images = torch.cat([policy.decode(t) for t in tokens])
         with steps.timer("reward"):
             rep = [p for p in prompts for _ in range(rollout.group_size)]
@@ -218,13 +241,17 @@ def train(cfg: Config) -> dict:
         prompt_of = group.tolist()
 
         def logprobs(rows: torch.Tensor, state: str | None = None):
-            """(log-probs, entropy) of `rows` [r] grouped by prompt (no padding: one forward per prompt)."""
+            """(log-probs, image-token entropy, mask) of `rows` [r] grouped by prompt (one forward per prompt)."""
             outs = []
             for g in sorted({prompt_of[r] for r in rows.tolist()}):
                 sel = rows[group[rows] == g]
-                outs.append((sel, policy.guided_logprobs(ids[g], tokens_all[sel])))
+                if cot is None:
+                    logp, entropy = policy.guided_logprobs(ids[g], tokens_all[sel])
+                    outs.append((sel, (logp, entropy, torch.ones_like(logp))))
+                else:
+                    outs.append((sel, cot.logprobs(groups[g], sel - g * rollout.group_size)))
             order = torch.cat([s for s, _ in outs]).argsort()
-            return tuple(torch.cat([o[k] for _, o in outs])[order] for k in range(2))
+            return tuple(torch.cat([o[k] for _, o in outs])[order] for k in range(3))
 
         with steps.timer("old_logprobs"), torch.no_grad():
             all_rows = torch.arange(len(rep))
@@ -241,8 +268,7 @@ def train(cfg: Config) -> dict:
                                      lr_scheduler=lr_sched, guard=guard, max_grad_norm=update.max_grad_norm,
                                      step=step, epochs=update.epochs, updates_per_epoch=per_epoch,
                                      micro_batch_size=update.micro_batch_size, metrics=acc):
-                logp, entropy = logprobs(mb.rows)
-                mask = torch.ones_like(logp)
+                logp, entropy, mask = logprobs(mb.rows)
                 a = adv[mb.rows][:, None].expand_as(logp)
                 loss, m = loss_fn(logp, old[mb.rows], a, mask, clip_low=algo.clip_low, clip_high=algo.clip_high,
                                   agg=algo.loss_agg)
@@ -255,9 +281,12 @@ def train(cfg: Config) -> dict:
                 if mb.real:
                     acc["policy/loss"].append(loss.detach())
                     acc["policy/clipfrac"].append(m["clipfrac"])
-                    acc["policy/entropy"].append(agg_loss(entropy.detach(), mask, algo.loss_agg))
+                    ones = torch.ones_like(entropy)  # the image tokens' (the CoT's are not measured)
+                    acc["policy/entropy"].append(agg_loss(entropy.detach(), ones, algo.loss_agg))
             model.eval()
         steps.metrics.update({"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
                               "adv/abs_mean": float(adv.abs().mean()), **reduce_metrics(ctx, acc)})
+        if cot is not None:
+            steps.metrics.update(cot.metrics(groups))
     steps.close()
     return {**summarise(run, "janus_grpo"), **summary}

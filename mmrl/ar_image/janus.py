@@ -12,7 +12,10 @@ random stream as `generate` with `do_sample=True`); the sampled token is embedde
 `guided_logprobs` scores given tokens by teacher forcing: the prompt embeddings followed by the image-token embeddings
 of all tokens but the last, one forward of both rows, the guided logits combined BEFORE the log-softmax (the policy is
 the guided distribution, what the rollout sampled from). Rows of one call share one prompt (a GRPO group): no padding,
-so the positions are those of `generate`.
+so the positions are those of `generate`. Rows with prompts of different lengths (the semantic chain-of-thought,
+`mmrl.ar_image.cot`) come left-padded with an `attention_mask` that both rows of each pair use (what `generate` does
+with one): pads are masked, positions count them (`generate`'s image mode sets none), which RoPE leaves without effect
+up to float rounding.
 """
 
 from __future__ import annotations
@@ -79,21 +82,26 @@ class JanusPolicy:
     # ------------------------------------------------------------------ rollout
 
     @torch.no_grad()
-    def sample(self, ids: Tensor, n: int, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    def sample(self, ids: Tensor, n: int, generator: torch.Generator | None = None,
+               attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """(tokens [n, T], log-probs [n, T] of the sampled tokens under the guided policy) for `n` images of one
-        prompt `ids` [1, L]. With `generator` None the global generator draws (what `generate` uses)."""
+        prompt `ids` [1, L] (or `n` left-padded prompts [n, L] with their `attention_mask`). With `generator` None
+        the global generator draws (what `generate` uses)."""
         from transformers import DynamicCache
 
         model = self.model
         device = next(model.parameters()).device
         ids = ids.to(device).expand(n, -1)
         embeds = model.get_input_embeddings()(self._cond_uncond(ids))
+        mask = None if attention_mask is None else attention_mask.to(device).repeat(2, 1)
         lm, head = model.model.language_model, model.model.generation_head
         cache = DynamicCache(config=lm.config)
         tokens = torch.zeros(n, self.num_tokens, dtype=torch.long, device=device)
         logps = torch.zeros(n, self.num_tokens, device=device)
         for i in range(self.num_tokens):
-            hidden = lm(inputs_embeds=embeds, cache=cache, use_cache=True).last_hidden_state[:, -1]
+            if mask is not None and i:
+                mask = torch.cat([mask, mask.new_ones(2 * n, 1)], 1)
+            hidden = lm(inputs_embeds=embeds, attention_mask=mask, cache=cache, use_cache=True).last_hidden_state[:, -1]
             guided = self._guide(head(hidden))
             token = torch.multinomial(torch.softmax(guided, -1), 1, generator=generator).squeeze(-1)
             tokens[:, i] = token
@@ -104,20 +112,27 @@ class JanusPolicy:
 
     # ------------------------------------------------------------------ training
 
-    def guided_logits(self, ids: Tensor, tokens: Tensor) -> Tensor:
-        """[n, T, codebook] guided logits (after the temperature) of `tokens` [n, T] given one prompt `ids` [1, L],
-        by teacher forcing (module docstring); differentiable."""
+    def guided_logits(self, ids: Tensor, tokens: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """[n, T, codebook] guided logits (after the temperature) of `tokens` [n, T] given one prompt `ids` [1, L]
+        (or left-padded prompts [n, L] with their `attention_mask`), by teacher forcing (module docstring);
+        differentiable."""
         model = self.model
         n = tokens.shape[0]
         ids = ids.to(tokens.device).expand(n, -1)
         prompt = model.get_input_embeddings()(self._cond_uncond(ids))
         images = model.prepare_embeddings_for_image_generation(tokens[:, :-1]).repeat(2, 1, 1)
-        hidden = model.model.language_model(inputs_embeds=torch.cat([prompt, images], 1)).last_hidden_state
+        mask = None
+        if attention_mask is not None:
+            mask = attention_mask.to(tokens.device).repeat(2, 1)
+            mask = torch.cat([mask, mask.new_ones(2 * n, images.shape[1])], 1)
+        hidden = model.model.language_model(inputs_embeds=torch.cat([prompt, images], 1),
+                                            attention_mask=mask).last_hidden_state
         return self._guide(model.model.generation_head(hidden[:, ids.shape[1] - 1:]))
 
-    def guided_logprobs(self, ids: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+    def guided_logprobs(self, ids: Tensor, tokens: Tensor,
+                        attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """(log-probs [n, T] of `tokens`, entropy [n, T]) under the guided policy, by teacher forcing."""
-        logp = torch.log_softmax(self.guided_logits(ids, tokens), -1)
+        logp = torch.log_softmax(self.guided_logits(ids, tokens, attention_mask), -1)
         entropy = -(logp.exp() * logp).sum(-1)
         return logp.gather(-1, tokens[..., None]).squeeze(-1), entropy
 
