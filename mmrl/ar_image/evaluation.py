@@ -75,7 +75,7 @@ class JanusMonitor:
         with torch.no_grad(), not_counted():
             for it in items:
                 if self.cot is None:
-                    tokens, _ = self.policy.sample(self.policy.prompt_ids(it.prompt), n, generator=gen)
+                    tokens, _ = self.policy.sample(self.policy.image_prompt_ids(it.prompt), n, generator=gen)
                 else:
                     tokens = self.cot.rollout(it.prompt, n, generator=gen).tokens
                 imgs = self.policy.decode(tokens)

@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 
 from mmrl.ar_image.cot import CoTConfig
+from mmrl.ar_image.janus import JANUS_IMAGE_PROMPT, check_prompt_template
 from mmrl.ar_image.evaluation import JanusLogConfig, JanusMonitor
 from mmrl.config import RunConfig, TrainConfig
 from mmrl.distributed import DistConfig
@@ -65,6 +66,10 @@ class RolloutConfig:
     """Classifier-free guidance on the image-token logits (> 1: uncond + gs (cond - uncond))."""
     temperature: float = 1.0
     """Divides the guided logits before sampling (and in the trained log-probs)."""
+    prompt_template: str = JANUS_IMAGE_PROMPT
+    """The text before begin-of-image, `{prompt}` the prompt: Janus' "deepseek" conversation format with an empty
+    system prompt, as Janus-Pro's own image generation and T2I-R1 build it ("{prompt}" = the bare prompt, what a
+    model trained on bare captions wants; not used with semantic_cot, whose `cot.image_template` says it)."""
     semantic_cot: bool = False
     """T2I-R1's semantic chain-of-thought: each sample is text (the model's lm_head continuing `cot.template`) then
     the image tokens given `cot.image_template`; GRPO on the log-probs of both (mmrl.ar_image.cot)."""
@@ -80,6 +85,7 @@ class RolloutConfig:
                              f"got {self.guidance_scale}")
         if not self.temperature > 0:
             raise ValueError(f"rollout.temperature: expected > 0, got {self.temperature}")
+        check_prompt_template(self.prompt_template)
         if not self.semantic_cot and self.cot != CoTConfig():
             raise ValueError("rollout.cot: set while rollout.semantic_cot is false; set rollout.semantic_cot: true "
                              "to use it, or drop rollout.cot")
@@ -159,7 +165,8 @@ def build_states(cfg: Config, device: torch.device, dtype: torch.dtype):
         for name, p in model.named_parameters():
             p.requires_grad_(name.startswith(trained))
     states = PolicyStates(model, lora, keep_ref_copy=lora is None and cfg.algo.kl.coef > 0)
-    return states, JanusPolicy(model, processor, cfg.rollout.guidance_scale, cfg.rollout.temperature)
+    return states, JanusPolicy(model, processor, cfg.rollout.guidance_scale, cfg.rollout.temperature,
+                               cfg.rollout.prompt_template)
 
 
 @closes_runs  # the run directory's lock released however train() ends; a failed start leaves nothing
@@ -225,7 +232,7 @@ def train(cfg: Config) -> dict:
         prompts = [it.prompt for it in batch]
         with steps.timer("rollout"), torch.no_grad():
             if cot is None:
-                ids = [policy.prompt_ids(p) for p in prompts]
+                ids = [policy.image_prompt_ids(p) for p in prompts]
                 tokens = [policy.sample(x, rollout.group_size)[0] for x in ids]
             else:
                 groups = [cot.rollout(p, rollout.group_size) for p in prompts]

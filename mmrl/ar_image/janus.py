@@ -27,7 +27,24 @@ import torch
 
 Tensor = torch.Tensor
 
-__all__ = ["JanusPolicy", "load_janus"]
+__all__ = ["JANUS_IMAGE_PROMPT", "JanusPolicy", "check_prompt_template", "load_janus"]
+
+# The user turn of Janus' "deepseek" conversation format with an empty system prompt (deepseek-ai/Janus
+# janus/utils/conversation.py, SeparatorStyle.DeepSeek; generation_inference.py builds its image prompts so, and
+# CaraJ7/T2I-R1@2d9d4d1 too): what a Janus-Pro checkpoint saw before begin-of-image in training.
+JANUS_IMAGE_PROMPT = "<|User|>: {prompt}\n\n<|Assistant|>:"
+
+
+def check_prompt_template(template: str, key: str = "rollout.prompt_template") -> None:
+    """One `{prompt}` placeholder and no other field."""
+    import string
+
+    try:
+        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as exc:
+        raise ValueError(f"{key}: not a format string ({exc}): {template!r}") from None
+    if fields != ["prompt"]:
+        raise ValueError(f"{key}: expected exactly one placeholder {{prompt}}, got {fields} in {template!r}")
 
 
 def load_janus(path: str | Path, device: torch.device, dtype: torch.dtype):
@@ -48,13 +65,15 @@ class JanusPolicy:
     """The guided image-token policy of one Janus model (module docstring). `guidance_scale` > 1 (transformers'
     image generation runs its CFG only above 1), `temperature` > 0 divides the guided logits."""
 
-    def __init__(self, model: Any, processor: Any, guidance_scale: float, temperature: float = 1.0):
+    def __init__(self, model: Any, processor: Any, guidance_scale: float, temperature: float = 1.0,
+                 prompt_template: str = "{prompt}"):
         if not guidance_scale > 1:
             raise ValueError(f"rollout.guidance_scale: Janus image generation needs classifier-free guidance > 1, "
                              f"got {guidance_scale}")
         if not temperature > 0:
             raise ValueError(f"rollout.temperature: expected > 0, got {temperature}")
-        self.model, self.processor = model, processor
+        check_prompt_template(prompt_template)
+        self.model, self.processor, self.prompt_template = model, processor, prompt_template
         self.gs, self.temperature = float(guidance_scale), float(temperature)
         gen = model.generation_config
         boi = (gen.generation_kwargs or {}).get("boi_token_id")
@@ -70,6 +89,10 @@ class JanusPolicy:
     def prompt_ids(self, prompt: str) -> Tensor:
         """[1, L] ids of one prompt in image mode (the processor appends begin-of-image)."""
         return self.processor(text=[prompt], generation_mode="image", return_tensors="pt")["input_ids"]
+
+    def image_prompt_ids(self, prompt: str) -> Tensor:
+        """[1, L] ids of one prompt put into the policy's `prompt_template` (e.g. Janus' user turn)."""
+        return self.prompt_ids(self.prompt_template.format(prompt=prompt))
 
     def _cond_uncond(self, ids: Tensor) -> Tensor:
         keep = (ids == self.bos) | (ids == self.boi)

@@ -75,6 +75,21 @@ def test_two_steps_then_exact_resume(tiny_path, tmp_path):
     assert not list((part / "samples").glob("*.png")) if (part / "samples").exists() else True
 
 
+def test_image_prompts_are_janus_user_turns(tiny_path, tmp_path):
+    """The recipe's prompts go into Janus' user turn before begin-of-image (as Janus-Pro's own generation and
+    T2I-R1 build them); `{prompt}` alone keeps the bare prompt; a template without the placeholder is refused."""
+    model, processor = load_janus(tiny_path, torch.device("cpu"), torch.float32)
+    policy = grpo.build_states(_cfg(tiny_path, tmp_path / "run"), torch.device("cpu"), torch.float32)[1]
+    text = "<|User|>: a red circle\n\n<|Assistant|>:"
+    want = processor(text=[text], generation_mode="image", return_tensors="pt")["input_ids"]
+    assert torch.equal(policy.image_prompt_ids("a red circle"), want)
+    bare = JanusPolicy(model, processor, 2.0, prompt_template="{prompt}")
+    assert torch.equal(bare.image_prompt_ids("a red circle"), bare.prompt_ids("a red circle"))
+    with pytest.raises(ValueError, match=r"rollout.prompt_template: expected exactly one placeholder \{prompt\}, "
+                                         r"got \[\] in 'a picture'"):
+        _cfg(tiny_path, tmp_path / "run", "rollout.prompt_template=a picture")
+
+
 def test_log_section_is_checked(tiny_path, tmp_path):
     with pytest.raises(ValueError, match=r"log.eval_images: expected >= 1, got 0"):
         _cfg(tiny_path, tmp_path / "run", "log.eval_images=0")
