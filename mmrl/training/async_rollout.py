@@ -155,9 +155,6 @@ def check_rollout_ranks(cfg: Any, world: int | None = None) -> None:
                          f"rank per trainer rank (torchrun --nproc-per-node {2 * k}: the first {k} train, rank {k} + i "
                          f"generates for trainer rank i); a rollout rank serving several trainer ranks is not "
                          f"supported")
-    if getattr(cfg.rollout, "engine", "hf") != "hf":
-        raise ValueError(f"rollout.worker=ranks with rollout.engine={cfg.rollout.engine} is not supported (its weight "
-                         f"update is not wired to the rank channel); use rollout.engine=hf or rollout.worker=process")
 
 
 def check_async_rollout(cfg: Any, multi_process: bool | None = None, recomputes_old: bool = False) -> None:

@@ -28,9 +28,10 @@ receive fails at once, and the survivor ends with one line naming the rank (a tr
 RunError: the last complete checkpoint stays and the CLI prints the resume hint; a rollout rank: exits 1); the other
 trainer ranks then fail in their next collective (`mmrl.distributed.launch.lost_rank_error`: one line too).
 
-Supported: K trainer ranks and K rollout ranks (one node or several with torchrun's `--nnodes`), the HF rollout
-engine; a rollout rank serving several trainer ranks is refused. Exercised on CPU with gloo (worlds of 2 and 4);
-NCCL, GPUs and several nodes are not (benchmarks/gpu_check.py runs it).
+Supported: K trainer ranks and K rollout ranks (one node or several with torchrun's `--nnodes`), the HF and vLLM
+rollout engines (a rollout rank joins no process group of the world, so vLLM's in-process engine makes its own); a
+rollout rank serving several trainer ranks is refused. Exercised on CPU with gloo (worlds of 2 and 4; vLLM's CPU
+build with 2); NCCL, GPUs and several nodes are not (benchmarks/gpu_check.py runs it).
 """
 
 from __future__ import annotations

@@ -146,7 +146,6 @@ def test_kill_9_of_either_rank_ends_the_other_within_seconds(model, tmp_path, vi
                 r"rollout rank serving several trainer ranks is not supported")),
     (RANKS2, 6, r"dist.rollout_ranks=2 with 6 launched process\(es\): expected 4, .* rank 2 \+ i generates for "),
     (RANKS2, 3, r"dist.rollout_ranks=2 with 3 launched process\(es\): expected 4"),
-    ([*RANKS, "rollout.engine=vllm"], 2, r"rollout.worker=ranks with rollout.engine=vllm is not supported"),
 ])
 def test_unsupported_rank_settings_are_refused_in_one_line(overrides, world, match):
     from mmrl.training.rank_rollout import check_rollout_ranks
