@@ -1,7 +1,7 @@
 """A GPU check, ready to run: on a CUDA machine with no network, build random models of the real architectures at
 their real size (mmrl.tiny.random_real: SD3.5-Medium, FLUX.1-dev, Qwen2.5-VL-3B), run every recipe for a few steps in
-bf16 through `mmrl train` (each in its own process, so peak memory is per recipe; vlm_grpo_ranks under torchrun on 2
-GPUs: a rollout rank beside the trainer rank), and print one JSON object:
+bf16 through `mmrl train` (each in its own process, so peak memory is per recipe; vlm_grpo_ranks under torchrun on 4
+GPUs: 2 trainer ranks with DDP, each with a rollout rank), and print one JSON object:
 images/s or tokens/s, TFLOP per step and MFU (mmrl.perf: FLOPs from the architecture, the device's dense bf16 peak),
 peak GPU memory, and the largest log-prob drift between rollout and training (must be ~0).
 
@@ -13,7 +13,7 @@ with the model, device, dtype and resolution overridden (RECIPES below); rewards
 match, the grid environment). Exit status 1 when a recipe fails (its JSON entry has the error's last lines).
 `flow_grpo_flux_sp2` runs under torchrun on 2 processes (2 GPUs; gloo on CPU with --small) with every FLUX forward
 split over the tokens (`dist.sequence_parallel: 2`); a machine with fewer GPUs reports it skipped with the reason
-(so does `vlm_grpo_ranks`, a rollout rank beside the trainer rank).
+(so does `vlm_grpo_ranks` with fewer than 4: 2 trainer ranks and 2 rollout ranks).
 """
 
 from __future__ import annotations
@@ -50,15 +50,16 @@ RECIPES: dict[str, tuple[str, str, list[str]]] = {
     # (no lm_head warm start: Qwen2.5-VL-3B ties it to the embeddings; a throughput check needs no format prior)
     "vlm_grpo": ("configs/vlm/grpo_tiny_shapes.yaml", "qwen25_vl_3b", ["warm_start.steps=0"]),
     "vlm_multiturn": ("configs/vlm/multiturn_grid_tiny.yaml", "qwen25_vl_3b", ["warm_start.steps=0"]),
-    # rank 1 generates and scores, rank 0 trains (2 GPUs; NCCL world, the rank channel over gloo); max_staleness 0:
-    # the rollout's log-probs must equal the trainer's (drift ~0), so the pushed weights arrived whole
+    # ranks 0-1 train (DDP over NCCL in their own group), rank 2 + i generates and scores for rank i (4 GPUs; each
+    # pair's channel over gloo); max_staleness 0: the rollout's log-probs must equal the trainer's (drift ~0), so the
+    # pushed weights arrived whole
     "vlm_grpo_ranks": ("configs/vlm/grpo_tiny_shapes.yaml", "qwen25_vl_3b",
-                       ["warm_start.steps=0", "rollout.worker=ranks", "dist.rollout_ranks=1"]),
+                       ["warm_start.steps=0", "rollout.worker=ranks", "dist.rollout_ranks=2"]),
 }
 
 
 # recipes launched with torchrun on this many processes (one per GPU; gloo processes on CPU with --small)
-PROCESSES = {"flow_grpo_flux_sp2": 2, "vlm_grpo_ranks": 2}
+PROCESSES = {"flow_grpo_flux_sp2": 2, "vlm_grpo_ranks": 4}
 
 
 def _rows(out: Path) -> list[dict]:

@@ -52,8 +52,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         summary = recipe_module(cfg.algorithm).train(cfg)
     except (Exception, KeyboardInterrupt) as exc:
+        from mmrl.distributed.launch import lost_rank_error
+
+        err = lost_rank_error(exc) or exc  # (a collective broken by another rank's death: one line, not gloo's)
         if started_run_dir() == Path(cfg.output_dir).resolve():  # the run had started: say where it can go on from
-            exc.add_note(resume_hint(cfg.output_dir))
+            err.add_note(resume_hint(cfg.output_dir))
+        if err is not exc:
+            raise err from exc
         raise
     if summary:  # non-main ranks of a multi-process run return nothing to report
         print(json.dumps(summary, indent=2, default=str))

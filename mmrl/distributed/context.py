@@ -55,8 +55,8 @@ class DistConfig:
 
     rollout_ranks: int = 0
     """How many ranks of the torchrun world generate and score instead of training (with `rollout.worker: ranks`;
-    `mmrl.training.rank_rollout`): the last ranks; the trainer takes the first. 0 = every rank trains. Supported: 1
-    rollout rank beside 1 trainer rank (a world of 2, on one node or two)."""
+    `mmrl.training.rank_rollout`): the last K of a world of 2K, rank K + i generating trainer rank i's share; the
+    first K train together (DDP) in a process group of their own. 0 = every rank trains."""
 
     def __post_init__(self) -> None:
         if self.rollout_ranks < 0:
@@ -74,17 +74,6 @@ class DistConfig:
         """True when checkpoints are written sharded (torch.distributed.checkpoint) with `world_size` processes."""
         return self.checkpoint == "sharded" or (self.checkpoint == "auto" and self.strategy == "fsdp"
                                                  and world_size > 1)
-
-
-_TRAINER_CONTEXT: "DistContext | None" = None
-
-
-def set_trainer_context(ctx: "DistContext | None") -> None:
-    """What `DistContext.init` returns from now on in this process (None: the launcher's world again): the trainer
-    rank's own context when the world also holds rollout ranks (`mmrl.training.rank_rollout`), so that the recipe's
-    collectives and model wrapping involve the trainer ranks only."""
-    global _TRAINER_CONTEXT
-    _TRAINER_CONTEXT = ctx
 
 
 def rank_seed(seed: int, rank: int = 0, step: int = 0) -> int:
@@ -128,35 +117,41 @@ class DistContext:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def init(cls, backend: str = "auto", timeout_s: float = 1800.0, device: str | None = None) -> "DistContext":
+    def init(cls, backend: str = "auto", timeout_s: float = 1800.0, device: str | None = None, *,
+             store: Any = None, rank: int | None = None, world: int | None = None) -> "DistContext":
         """Join the process group described by the launcher's environment variables.
 
         Without WORLD_SIZE (plain `python ...`) or with WORLD_SIZE=1 and no existing group: a single-process
         context on `device` (default: cuda if available else cpu) and no process group. If a group already
         exists (e.g. created by accelerate) it is reused. backend: auto | gloo | nccl.
+        `store`, `rank`, `world`: make the default group `world` processes of the launcher's world meeting on
+        `store` instead (the trainer ranks of a world with rollout ranks: `mmrl.training.rank_rollout`), so that
+        every collective, DDP, FSDP and checkpoint of the recipe involves them only.
         """
         if backend not in BACKENDS:
             raise ValueError(f"dist.backend: expected one of {list(BACKENDS)}, got {backend!r}")
-        if _TRAINER_CONTEXT is not None:  # dist.rollout_ranks: the trainer's view, without the rollout ranks
-            return _TRAINER_CONTEXT
         if dist.is_available() and dist.is_initialized():
             rank, world = dist.get_rank(), dist.get_world_size()
             local = _env_int("LOCAL_RANK")
             local = rank if local is None else local
             used = dist.get_backend()
             return cls(rank, world, local, cls._rank_device(used, local, device), used)
-        world = _env_int("WORLD_SIZE") or 1
-        if world == 1:
-            dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-            return cls(0, 1, 0, dev, None)
-        rank, local = _env_int("RANK"), _env_int("LOCAL_RANK")
-        if rank is None:
-            raise ValueError("WORLD_SIZE is set but RANK is not: launch with `torchrun` or `accelerate launch`")
+        local = _env_int("LOCAL_RANK")
+        if store is None:
+            world = _env_int("WORLD_SIZE") or 1
+            if world == 1:
+                dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+                return cls(0, 1, 0, dev, None)
+            rank = _env_int("RANK")
+            if rank is None:
+                raise ValueError("WORLD_SIZE is set but RANK is not: launch with `torchrun` or `accelerate launch`")
+            missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+            if missing:
+                raise ValueError(f"distributed launch: environment variables {missing} are not set "
+                                 "(torchrun / accelerate launch set them)")
+        elif rank is None or world is None:
+            raise ValueError("DistContext.init(store=...): give the process's rank and the group's size (world) too")
         local = rank if local is None else local
-        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
-        if missing:
-            raise ValueError(f"distributed launch: environment variables {missing} are not set "
-                             "(torchrun / accelerate launch set them)")
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() and (device is None or "cuda" in str(device)) else "gloo"
         if backend == "nccl" and not torch.cuda.is_available():
@@ -167,6 +162,8 @@ class DistContext:
         kw: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout_s)}
         if dev.type == "cuda":
             kw["device_id"] = dev  # lets NCCL bind eagerly to this rank's GPU
+        if store is not None:
+            kw["store"] = store
         dist.init_process_group(backend=backend, rank=rank, world_size=world, **kw)
         return cls(rank, world, local, dev, backend)
 

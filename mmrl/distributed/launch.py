@@ -4,6 +4,7 @@ exit for the processes it started."""
 from __future__ import annotations
 
 import os
+import re
 
 
 def _env_int(name: str) -> int | None:
@@ -34,3 +35,23 @@ def exit_launched_process(code: int) -> None:
         except Exception:  # noqa: BLE001 - a closed stream must not keep the process alive
             pass
     os._exit(code)
+
+
+def peer_gone(exc: BaseException) -> str | None:
+    """"connection closed by peer" / "connection reset by peer" when `exc` is gloo's error for a peer whose process
+    ended (its socket closed), else None."""
+    m = re.search(r"Connection \w+ by peer", str(exc))
+    return m.group(0).lower() if m else None
+
+
+def lost_rank_error(exc: BaseException) -> Exception | None:
+    """The one-line error for a rank of a launched world (WORLD_SIZE > 1) whose collective failed because another
+    rank's process ended (a kill, the OOM killer, an error that ended it first); None for any other exception. gloo
+    notices at once; NCCL only reports it after its timeout."""
+    reason = peer_gone(exc) if isinstance(exc, RuntimeError) else None  # (gloo's errors are RuntimeErrors)
+    if reason is None or (_env_int("WORLD_SIZE") or 1) <= 1:
+        return None
+    from mmrl.run.files import RunError
+
+    return RunError(f"another rank of the torchrun world is gone ({reason}) while rank {_env_int('RANK')} was in a "
+                    f"collective with it; its own output says why")

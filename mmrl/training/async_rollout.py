@@ -143,25 +143,26 @@ def check_rollout_ranks(cfg: Any, world: int | None = None) -> None:
     if k == 0 and worker != "ranks":
         return
     if k == 0:
-        raise ValueError("rollout.worker=ranks needs dist.rollout_ranks=1 (the rank of the torchrun world that "
-                         "generates); or use rollout.worker=process (a rollout process beside each trainer)")
+        raise ValueError("rollout.worker=ranks needs dist.rollout_ranks >= 1 (the ranks of the torchrun world that "
+                         "generate, one per trainer rank); or use rollout.worker=process (a rollout process beside "
+                         "each trainer)")
     if worker != "ranks":
         raise ValueError(f"dist.rollout_ranks={k} needs rollout.worker=ranks, got rollout.worker={worker}")
     if world is None:
         world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if k != 1 or world != 2:
-        raise ValueError(f"dist.rollout_ranks={k} with {world} launched process(es): supported is 1 rollout rank "
-                         f"beside 1 trainer rank (torchrun --nproc-per-node 2, or --nnodes 2 with 1 process each)")
-    if getattr(cfg.rollout, "engine", "hf") != "hf":
-        raise ValueError(f"rollout.worker=ranks with rollout.engine={cfg.rollout.engine} is not supported (its weight "
-                         f"update is not wired to the rank channel); use rollout.engine=hf or rollout.worker=process")
+    if world != 2 * k:
+        raise ValueError(f"dist.rollout_ranks={k} with {world} launched process(es): expected {2 * k}, one rollout "
+                         f"rank per trainer rank (torchrun --nproc-per-node {2 * k}: the first {k} train, rank {k} + i "
+                         f"generates for trainer rank i); a rollout rank serving several trainer ranks is not "
+                         f"supported")
 
 
 def check_async_rollout(cfg: Any, multi_process: bool | None = None, recomputes_old: bool = False) -> None:
     """One-line errors for combinations the rollout process does not support (the section's own checks run when
     the config loads: max_staleness >= 0, max_staleness > 0 only with worker=process). `multi_process`: several
-    trainer processes (None: read WORLD_SIZE, as set by torchrun). `recomputes_old`: the recipe takes pi_old from a
-    trainer forward (decoupled PPO); with stale batches that needs the importance weights pi_old / pi_rollout."""
+    trainer processes (None: read WORLD_SIZE, as set by torchrun, less `dist.rollout_ranks`). `recomputes_old`: the
+    recipe takes pi_old from a trainer forward (decoupled PPO); with stale batches that needs the importance weights
+    pi_old / pi_rollout."""
     ro = cfg.rollout
     algo = getattr(cfg, "algo", None)
     correction = getattr(algo, "rollout_correction", None)
@@ -173,18 +174,19 @@ def check_async_rollout(cfg: Any, multi_process: bool | None = None, recomputes_
                          f"stale samples count as drawn by pi_old; or use algo.old_logprobs=rollout (bypass: the ratio "
                          f"against the policy that sampled)")
     check_rollout_ranks(cfg)
-    if multi_process is None:
-        multi_process = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
-    if ro.worker != "process":
+    if multi_process is None:  # (the trainer processes: a world with rollout ranks has as many of them)
+        multi_process = int(os.environ.get("WORLD_SIZE", "1") or 1) - cfg.dist.rollout_ranks > 1
+    if ro.worker not in ("process", "ranks"):
         return
+    side, trainers = ("rollout process", "processes") if ro.worker == "process" else ("rollout rank", "trainer ranks")
     strategy = getattr(getattr(cfg, "dist", None), "strategy", "none")
     if strategy == "fsdp":
-        raise ValueError("rollout.worker=process with dist.strategy=fsdp is not supported (the rollout process needs "
-                         "whole weights, FSDP shards them); use dist.strategy=ddp or rollout.worker=inline")
+        raise ValueError(f"rollout.worker={ro.worker} with dist.strategy=fsdp is not supported (the {side} needs "
+                         f"whole weights, FSDP shards them); use dist.strategy=ddp or rollout.worker=inline")
     if multi_process and getattr(algo, "dynamic_sampling", False):
-        raise ValueError("rollout.worker=process with several processes and algo.dynamic_sampling=true is not "
-                         "supported (the generation rounds need a count over all ranks); use one process or "
-                         "rollout.worker=inline")
+        raise ValueError(f"rollout.worker={ro.worker} with several {trainers} and algo.dynamic_sampling=true is not "
+                         f"supported (the generation rounds need a count over all ranks); use one process or "
+                         f"rollout.worker=inline")
 
 
 def rollout_process(cfg: Any, ctx: Any, run: Any, builder: str, stateful: dict[str, Any],

@@ -2,38 +2,42 @@
 `dist.rollout_ranks: K`): the rollout process of `mmrl.training.async_rollout` as a rank of the torchrun world.
 
     torchrun --nproc-per-node 2 -m mmrl.cli train CONFIG rollout.worker=ranks dist.rollout_ranks=1 \\
-        rollout.max_staleness=1
+        rollout.max_staleness=1     # 1 trainer + 1 rollout rank (--nproc-per-node 4 dist.rollout_ranks=2: 2 + 2)
 
     if serve_rollout_rank(cfg, BUILDER):   # first thing in the recipe: a rollout rank serves here, then its run ends
         return {}
     ...                                    # a trainer rank: the recipe as with rollout.worker=process
 
-The last K ranks of the world generate and score; the others train. A rollout rank builds the same producer a
+In a world of 2K processes the first K train and the last K generate and score: rank K + i serves trainer rank i
+(its data shard, as trainer rank i's rollout process would). A rollout rank builds the same producer a
 rollout process builds (`async_worker.run_producer`, the same message loop), a trainer rank drives it through
 `RankRollout`: `AsyncRollout` with its messages on a `RankChannel` instead of multiprocessing queues. Everything else
 is the process mode's: the schedule and `rollout.max_staleness` (k = 0 equals the synchronous run), in-flight
-batches saved with checkpoints and never regenerated, the metrics. `DistContext.init` then returns the trainer
-ranks' own context (`set_trainer_context`): the recipe's collectives never involve a rollout rank.
+batches saved with checkpoints and never regenerated, the metrics. The trainer ranks' default process group holds
+them alone (`DistContext.init(store=...)` on the launcher's store): every collective of the recipe (DDP, FSDP, the
+advantages' all-gather, metrics, checkpoint barriers, DCP) involves the trainer ranks only; a rollout rank joins no
+default group.
 
-On the channel (point to point, `dist.send` / `dist.recv` with one tag per direction): every message is a size and
+On the channel (point to point, send / recv with one tag per direction): every message is a size and
 its pickled bytes as a uint8 tensor; the weights of a push follow their header as the flat buffers of
 `payloads.pack_tensors` (one tensor per dtype). A reader thread on each side receives into a local queue, so the
-trainer polls it as it polls the rollout process's queue. The channel is always a gloo group of the two ranks (a new
-group beside an NCCL world): a receive kept waiting on NCCL's stream would block the sends of the other direction,
-so weights and batches go through host memory. A peer that
-dies closes its connection: gloo's pending receive fails at once, and the survivor ends with one line naming the
-rank (a trainer: `RolloutProcessError`, a RunError: the last complete checkpoint stays and the CLI prints the resume
-hint; a rollout rank: exits 1).
+trainer polls it as it polls the rollout process's queue. The channel of a pair is always a gloo group of its two
+ranks (beside NCCL trainer groups too): a receive kept waiting on NCCL's stream would block the sends of the other
+direction, so weights and batches go through host memory. A peer that dies closes its connection: gloo's pending
+receive fails at once, and the survivor ends with one line naming the rank (a trainer: `RolloutProcessError`, a
+RunError: the last complete checkpoint stays and the CLI prints the resume hint; a rollout rank: exits 1); the other
+trainer ranks then fail in their next collective (`mmrl.distributed.launch.lost_rank_error`: one line too).
 
-Supported: 1 trainer rank and 1 rollout rank (a world of 2, one node or two with torchrun's `--nnodes`), the HF
-rollout engine. Exercised on CPU with gloo; NCCL, GPUs and several nodes are not (benchmarks/gpu_check.py runs it).
+Supported: K trainer ranks and K rollout ranks (one node or several with torchrun's `--nnodes`), the HF and vLLM
+rollout engines (a rollout rank joins no process group of the world, so vLLM's in-process engine makes its own); a
+rollout rank serving several trainer ranks is refused. Exercised on CPU with gloo (worlds of 2 and 4; vLLM's CPU
+build with 2); NCCL, GPUs and several nodes are not (benchmarks/gpu_check.py runs it).
 """
 
 from __future__ import annotations
 
 import os
 import queue as queue_mod
-import re
 import sys
 import threading
 import time
@@ -43,6 +47,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from mmrl.distributed.launch import peer_gone
 from mmrl.training.async_rollout import (WORKERS, AsyncRollout, RolloutProcessError,  # noqa: F401 (re-exported)
                                          check_rollout_ranks)
 from mmrl.training.async_worker import run_producer
@@ -51,7 +56,7 @@ from mmrl.training.payloads import decode, encode
 __all__ = ["RankChannel", "RankRollout", "check_rollout_ranks", "serve_rollout_rank"]
 
 TO_ROLLOUT, TO_TRAINER = 11, 12  # the tags of the two directions
-_PEER: tuple[int, Any] | None = None  # a trainer rank's rollout rank and the channel's process group
+_PEER: tuple[int, Any] | None = None  # a trainer rank's rollout rank (global rank) and the pair's gloo group
 
 
 def rank_rollout(cfg: Any, **kw: Any) -> RankRollout:
@@ -68,21 +73,21 @@ WORKERS["ranks"] = rank_rollout  # rollout_process() makes it for rollout.worker
 def _reason(exc: BaseException) -> str:
     """How a peer's connection ended, short: gloo's "Connection closed/reset by peer" without its advice."""
     text = str(exc)
-    m = re.search(r"Connection \w+ by peer", text)
-    return m.group(0).lower() if m else (text.splitlines()[0][:200] if text else type(exc).__name__)
+    return peer_gone(exc) or (text.splitlines()[0][:200] if text else type(exc).__name__)
 
 
 class RankChannel:
-    """Messages to and from one peer rank (module docstring). `on_gone(reason)`: called by the reader thread when the
-    peer's connection ends (default: a ("gone", reason) message in the inbox)."""
+    """Messages to and from the other rank of a pair's gloo group `group` (module docstring): `peer` is its rank in
+    that group, `name` its global rank. `on_gone(reason)`: called by the reader thread when the peer's connection
+    ends (default: a ("gone", reason) message in the inbox)."""
 
     def __init__(self, peer: int, group: Any, send_tag: int, recv_tag: int,
-                 on_gone: Callable[[str], None] | None = None):
+                 on_gone: Callable[[str], None] | None = None, name: int | None = None):
         self.peer, self.group, self.send_tag, self.recv_tag = peer, group, send_tag, recv_tag
         self.inbox: queue_mod.Queue = queue_mod.Queue()
         self.stopping = False  # "stop" was read: the peer's end that follows is no failure
         self.on_gone = on_gone or (lambda reason: self.inbox.put(("gone", reason)))
-        threading.Thread(target=self._read, daemon=True, name=f"mmrl-rank-channel-{peer}").start()
+        threading.Thread(target=self._read, daemon=True, name=f"mmrl-rank-channel-{name}").start()
 
     def send(self, msg: tuple) -> None:
         flats: list[torch.Tensor] = []
@@ -92,11 +97,12 @@ class RankChannel:
             msg = (msg[0], msg[1], {**packed, "flat": {k: (t.numel(), t.dtype) for k, t in packed["flat"].items()}})
         data = torch.frombuffer(bytearray(encode(msg)), dtype=torch.uint8)
         for t in (torch.tensor([data.numel()], dtype=torch.int64), data, *flats):
-            dist.send(t.detach().cpu().contiguous(), self.peer, group=self.group, tag=self.send_tag)
+            # (the group's own send: it is no group of torch.distributed's registry, which has the trainers' only)
+            self.group.send([t.detach().cpu().contiguous()], self.peer, self.send_tag).wait()
 
     def _recv(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         t = torch.empty(n, dtype=dtype)
-        dist.recv(t, self.peer, group=self.group, tag=self.recv_tag)
+        self.group.recv([t], self.peer, self.recv_tag).wait()
         return t
 
     def _read(self) -> None:
@@ -128,7 +134,7 @@ class RankRollout(AsyncRollout):
         super().__init__(builder, cfg, **kw)
 
     def _open(self, builder: str, cfg: Any, threads: int) -> None:
-        self.channel = RankChannel(self.peer, self.group, TO_ROLLOUT, TO_TRAINER)
+        self.channel = RankChannel(1, self.group, TO_ROLLOUT, TO_TRAINER, name=self.peer)
         self.closed = False
         self._finalizer = weakref.finalize(self, lambda: None)
 
@@ -167,41 +173,51 @@ class RankRollout(AsyncRollout):
 
 def serve_rollout_rank(cfg: Any, builder: str) -> bool:
     """With `dist.rollout_ranks`: join the launcher's world; on a rollout rank run the producer `builder` for its
-    trainer rank until that one stops it, and return True (the rank's run is over); on a trainer rank make
-    `DistContext.init` return the trainer ranks' own context and return False. Without: False, nothing done."""
+    trainer rank until that one stops it, and return True (the rank's run is over); on a trainer rank make the
+    trainer ranks' default process group (what `DistContext.init` returns from now on) and return False. Without:
+    False, nothing done."""
     from mmrl.distributed import DistContext
-    from mmrl.distributed.context import set_trainer_context
+    from mmrl.distributed.launch import _env_int
 
     check_rollout_ranks(cfg)
     if cfg.dist.rollout_ranks == 0:
         return False
-    world = DistContext.init(cfg.dist.backend)
-    trainers = world.world_size - cfg.dist.rollout_ranks
-    # (every rank of the world creates the group, as new_group requires; None: the gloo world itself)
-    group = dist.new_group(list(range(world.world_size)), backend="gloo") if world.backend != "gloo" else None
-    if world.rank < trainers:
-        set_trainer_context(DistContext(0, 1, world.local_rank, world.device, None))
+    if dist.is_initialized():  # (its group would span the rollout ranks too)
+        raise ValueError("rollout.worker=ranks: a torch.distributed process group exists already (made by a launcher "
+                         "such as accelerate?); launch with torchrun, which leaves it to the recipe")
+    # the launcher's store (torchrun's agent store, or rank 0's): the trainers' group and each pair's channel meet on
+    # it under their own prefixes, so no process group spans the whole world
+    store, rank, world = next(dist.rendezvous("env://"))
+    trainers = world - cfg.dist.rollout_ranks
+    pair = rank % trainers  # trainer rank i and rollout rank trainers + i
+    channel_store = dist.PrefixStore(f"mmrl/rollout_pair/{pair}", store)
+    if rank < trainers:
+        DistContext.init(cfg.dist.backend, store=dist.PrefixStore("mmrl/trainers", store), rank=rank, world=trainers)
         global _PEER
-        _PEER = (trainers + world.rank, group)
+        _PEER = (trainers + rank, dist.ProcessGroupGloo(channel_store, 0, 2))
         return False
-    trainer = world.rank - trainers
+    local = _env_int("LOCAL_RANK")
+    device = DistContext._rank_device(cfg.dist.backend, rank if local is None else local, None)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    group = dist.ProcessGroupGloo(channel_store, 1, 2)
 
     once = threading.Lock()
 
     def trainer_gone(reason: str) -> None:
         if once.acquire(blocking=False):  # one line, whichever thread sees the end first; it ends the process
-            print(f"mmrl: rollout rank {world.rank}: its trainer rank {trainer} is gone ({reason}); exiting",
+            print(f"mmrl: rollout rank {rank}: its trainer rank {pair} is gone ({reason}); exiting",
                   file=sys.stderr, flush=True)
             os._exit(1)
         threading.Event().wait()  # the other thread is printing and ending the process
 
-    channel = RankChannel(trainer, group, TO_TRAINER, TO_ROLLOUT, on_gone=trainer_gone)
+    channel = RankChannel(0, group, TO_TRAINER, TO_ROLLOUT, on_gone=trainer_gone, name=pair)
     ro = cfg.rollout
     threads = ro.worker_threads or getattr(cfg, "num_threads", 0) or torch.get_num_threads()
     # the producer is built once the trainer's first message is here, sent after the trainer built its policy: a
     # model the run builds on the fly (model.build_tiny) is written by the trainer alone, then read here
     pending = [channel.get(None)]
-    run_producer(builder, cfg, world.rank - trainers, trainers, str(world.device), threads,
+    run_producer(builder, cfg, pair, trainers, str(device), threads,
                  lambda: pending.pop() if pending else channel.get(None), channel.send)
     if not channel.stopping:
         # no "stop": the trainer's connection broke (a send here failed first); the reader thread says why and ends

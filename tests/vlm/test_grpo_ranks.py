@@ -2,7 +2,9 @@
 `dist.rollout_ranks: 1`; mmrl.training.rank_rollout), on 2 CPU ranks over gloo: max_staleness 0 equals the
 synchronous one-process run; max_staleness 1 stopped at a checkpoint and extended equals the uninterrupted run (the
 in-flight batch comes from the checkpoint); a kill -9 of either rank ends the other within seconds with one line,
-the last complete checkpoint intact. Unsupported combinations are refused in one line."""
+the last complete checkpoint intact. The same on 4 ranks (2 trainer ranks in their own DDP group, 2 rollout ranks):
+max_staleness 0 equals the synchronous 2-process DDP run, max_staleness 1 resumes exactly, a kill -9 of a rollout
+rank ends every rank with one line each. Unsupported combinations are refused in one line."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from mmrl.testing import (RESUMED_RUN, _free_port, assert_same_path, child_env, 
 ROOT = Path(__file__).resolve().parents[2]
 ASYNC_KEYS = ("rollout/staleness/", "rollout/policy_version")
 RANKS = ["rollout.worker=ranks", "dist.rollout_ranks=1"]
+RANKS2 = ["rollout.worker=ranks", "dist.rollout_ranks=2"]  # a world of 4: ranks 0-1 train, rank 2 + i serves rank i
 
 
 def _args(model: Path) -> list[str]:
@@ -42,9 +45,9 @@ def model(tmp_path_factory):
     return build_tiny_qwen2_vl(tmp_path_factory.mktemp("vlm") / "qwen2_vl", seed=0)
 
 
-def _torchrun(model, out, *extra):
-    proc = run_torchrun(["-m", "mmrl.cli", "train", *_args(model), f"output_dir={out}", *RANKS, *extra], cwd=ROOT,
-                        timeout=600)
+def _torchrun(model, out, *extra, ranks=RANKS, nproc=2):
+    proc = run_torchrun(["-m", "mmrl.cli", "train", *_args(model), f"output_dir={out}", *ranks, *extra], nproc=nproc,
+                        cwd=ROOT, timeout=600)
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
@@ -76,8 +79,8 @@ def test_stale_batches_on_a_rollout_rank_resume_exactly(model, tmp_path):
     assert [r["rollout/policy_version"] for r in full] == [0.0, 0.0, 1.0, 2.0]
 
 
-def _rank(rank: int, port: int, args: list[str], err: Path) -> subprocess.Popen:
-    env = child_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+def _rank(rank: int, port: int, args: list[str], err: Path, world: int = 2) -> subprocess.Popen:
+    env = child_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                     MASTER_PORT=str(port))
     with open(err, "w") as stderr:
         return subprocess.Popen([sys.executable, "-m", "mmrl.cli", "train", *args], cwd=ROOT, env=env,
@@ -136,11 +139,13 @@ def test_kill_9_of_either_rank_ends_the_other_within_seconds(model, tmp_path, vi
 
 
 @pytest.mark.parametrize("overrides, world, match", [
-    (["rollout.worker=ranks"], 2, r"rollout.worker=ranks needs dist.rollout_ranks=1"),
+    (["rollout.worker=ranks"], 2, r"rollout.worker=ranks needs dist.rollout_ranks >= 1 \(the ranks of the torchrun "),
     (["dist.rollout_ranks=1"], 2, r"dist.rollout_ranks=1 needs rollout.worker=ranks, got rollout.worker=inline"),
-    (RANKS, 3, r"dist.rollout_ranks=1 with 3 launched process\(es\): supported is 1 rollout rank beside 1 trainer"),
-    (["rollout.worker=ranks", "dist.rollout_ranks=2"], 3, r"dist.rollout_ranks=2 with 3 launched process\(es\)"),
-    ([*RANKS, "rollout.engine=vllm"], 2, r"rollout.worker=ranks with rollout.engine=vllm is not supported"),
+    (RANKS, 3, (r"dist.rollout_ranks=1 with 3 launched process\(es\): expected 2, one rollout rank per trainer rank "
+                r"\(torchrun --nproc-per-node 2: the first 1 train, rank 1 \+ i generates for trainer rank i\); a "
+                r"rollout rank serving several trainer ranks is not supported")),
+    (RANKS2, 6, r"dist.rollout_ranks=2 with 6 launched process\(es\): expected 4, .* rank 2 \+ i generates for "),
+    (RANKS2, 3, r"dist.rollout_ranks=2 with 3 launched process\(es\): expected 4"),
 ])
 def test_unsupported_rank_settings_are_refused_in_one_line(overrides, world, match):
     from mmrl.training.rank_rollout import check_rollout_ranks
@@ -154,3 +159,113 @@ def test_rollout_ranks_is_checked_when_the_config_loads():
     with pytest.raises(ValueError, match=r"dist.rollout_ranks: expected >= 0 \(0 = every rank trains\), got -1"):
         load_config(str(ROOT / "configs/vlm/grpo_tiny_shapes.yaml"), ["dist.rollout_ranks=-1"])
     load_config(str(ROOT / "configs/vlm/grpo_tiny_shapes.yaml"), [*RANKS, "rollout.max_staleness=2"])  # accepted
+
+
+def test_two_trainer_ranks_are_accepted_and_their_refusals_name_the_rollout_rank(monkeypatch):
+    from mmrl.training.async_rollout import check_async_rollout
+
+    load = lambda *o: load_config(str(ROOT / "configs/vlm/grpo_tiny_shapes.yaml"), [*RANKS2, *o])
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    check_async_rollout(load("rollout.max_staleness=1"))  # 2 trainer ranks + 2 rollout ranks: accepted
+    with pytest.raises(ValueError, match=r"rollout.worker=ranks with dist.strategy=fsdp is not supported \(the rollout "
+                                         r"rank needs whole weights, FSDP shards them\)"):
+        check_async_rollout(load("dist.strategy=fsdp"))
+    with pytest.raises(ValueError, match=r"rollout.worker=ranks with several trainer ranks and "
+                                         r"algo.dynamic_sampling=true is not supported"):
+        check_async_rollout(load("algo.dynamic_sampling=true"))
+    monkeypatch.setenv("WORLD_SIZE", "2")  # 1 trainer rank: its rounds need no count over ranks
+    check_async_rollout(load_config(str(ROOT / "configs/vlm/grpo_tiny_shapes.yaml"),
+                                    [*RANKS, "algo.dynamic_sampling=true"]))
+
+
+@pytest.mark.slow
+def test_two_trainer_ranks_with_their_rollout_ranks_equal_the_ddp_run(model, tmp_path):
+    """A world of 4: ranks 0-1 train (DDP in a process group of their own), ranks 2-3 generate their shards; with
+    max_staleness 0 the run equals the synchronous 2-process DDP run (a DDP or collective over all 4 ranks would
+    hang: the rollout ranks join none)."""
+    ddp = run_torchrun(["-m", "mmrl.cli", "train", *_args(model), "train.max_steps=2",
+                        f"output_dir={tmp_path / 'ddp'}"], cwd=ROOT, timeout=600)
+    assert ddp.returncode == 0, ddp.stderr[-6000:]
+    _torchrun(model, tmp_path / "ranks", "train.max_steps=2", ranks=RANKS2, nproc=4)
+    sync_rows, rows = _rows(tmp_path / "ddp"), _rows(tmp_path / "ranks")
+    assert_same_path([{k: v for k, v in r.items() if not k.startswith(ASYNC_KEYS)} for r in rows], sync_rows,
+                     why="each rollout rank runs its trainer rank's share of the synchronous loop's rollout with the "
+                         "same weights, random state and thread count; the trainer ranks' DDP is the same")
+    assert any(r["policy/grad_norm"] > 0 for r in sync_rows)  # the weights moved: versions differ
+    assert [r["rollout/policy_version"] for r in rows] == [0.0, 1.0]
+
+
+@pytest.mark.slow
+def test_two_pairs_of_ranks_resume_exactly(model, tmp_path):
+    from mmrl.run.files import load_state_file
+
+    opts = ("rollout.max_staleness=1", "train.save_every=2")
+    _torchrun(model, tmp_path / "full", "train.max_steps=3", *opts, ranks=RANKS2, nproc=4)
+    _torchrun(model, tmp_path / "part", "train.max_steps=2", *opts, ranks=RANKS2, nproc=4)
+    state = load_state_file(tmp_path / "part" / "checkpoints" / "step_2" / "state.pt")
+    ranks = state["stateful"]["async_rollout"]["ranks"]
+    assert len(ranks) == 2 and all(sorted(r["ready"]) == [3] for r in ranks)  # step 3's batch of each trainer rank
+    _torchrun(model, tmp_path / "part", "train.max_steps=3", *opts, ranks=RANKS2, nproc=4)  # resume from step_2
+    drop = ("time/", "eval/", "perf/")  # (the interrupted run evaluates at its last step: FLOPs and eval differ)
+    full, part = _rows(tmp_path / "full", drop), _rows(tmp_path / "part", drop)
+    assert [r["step"] for r in part] == [1, 2, 3]
+    assert_same_path(part, full, why=RESUMED_RUN + "; both trainer ranks' in-flight batches come from the checkpoint")
+    assert [r["rollout/policy_version"] for r in full] == [0.0, 0.0, 1.0]
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_rollout_rank_of_two_ends_every_rank_with_one_line(model, tmp_path):
+    """Rollout rank 3 (trainer rank 1's) killed: trainer rank 1 names it, trainer rank 0 (in a collective with rank 1)
+    says another rank is gone, each in one line, and stops its rollout rank 2 (status 0): all within seconds."""
+    out, port = tmp_path / "run", _free_port()
+    args = [*_args(model), *RANKS2, "rollout.max_staleness=1", "train.max_steps=1000", "train.save_every=2",
+            f"output_dir={out}"]
+    errs = [tmp_path / f"rank{r}.txt" for r in range(4)]
+    procs = [_rank(r, port, args, errs[r], world=4) for r in range(4)]
+    try:
+        end = time.time() + 300
+        while not _past_a_checkpoint(out) and all(p.poll() is None for p in procs) and time.time() < end:
+            time.sleep(0.1)
+        assert all(p.poll() is None for p in procs), "".join(e.read_text()[-2000:] for e in errs)
+        t0 = time.time()
+        procs[3].kill()
+        for p in procs[:3]:
+            p.wait(timeout=60)
+        took = time.time() - t0
+    finally:
+        for p in procs:
+            if not process_ended(p.pid):
+                p.kill()
+            p.wait()
+    ckpts = list_checkpoints(out / "checkpoints")
+    verify_checkpoint(ckpts[-1][1])  # the last complete checkpoint is whole
+    hint = (rf"; nothing of the failed step was saved; rerun the same command to resume from step {ckpts[-1][0]} "
+            rf"\({re.escape(str(ckpts[-1][1]))}\)  \(MMRL_DEBUG=1 shows the traceback\)")
+    expected = {
+        0: (2, r"mmrl: error: another rank of the torchrun world is gone \(connection (closed|reset) by peer\) while "
+               r"rank 0 was in a collective with it; its own output says why" + hint),
+        1: (2, r"mmrl: error: rollout rank 3 of the torchrun world is gone \(connection (closed|reset) by peer\) while "
+               r"the trainer waited for .*" + hint),
+        2: (0, None)}  # (told to stop by its trainer as that one ended)
+    for r, (code, line) in expected.items():
+        text = errs[r].read_text()
+        lines = [ln for ln in text.splitlines() if ln.startswith("mmrl: ")]
+        assert len(lines) == (line is not None) and "Traceback" not in text, (r, text[-3000:])
+        assert procs[r].returncode == code, (r, procs[r].returncode, text[-3000:])
+        assert line is None or re.fullmatch(line, lines[0]), (r, lines[0])
+    assert took < 30, f"{took:.1f} s"
+
+
+def test_a_collective_broken_by_another_ranks_death_is_one_line(monkeypatch):
+    from mmrl.distributed.launch import lost_rank_error
+
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:33445: "
+                        "Connection reset by peer. This is typically caused by a remote worker hanging ...")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert lost_rank_error(gloo) is None  # no launched world: no other rank
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert str(lost_rank_error(gloo)) == ("another rank of the torchrun world is gone (connection reset by peer) while "
+                                          "rank 0 was in a collective with it; its own output says why")
+    assert lost_rank_error(RuntimeError("CUDA out of memory")) is None
+    assert lost_rank_error(ConnectionResetError("Connection reset by peer")) is None  # (an OSError: not gloo's)
