@@ -52,9 +52,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         summary = recipe_module(cfg.algorithm).train(cfg)
     except (Exception, KeyboardInterrupt) as exc:
-        from mmrl.distributed.launch import lost_rank_error
+        from mmrl.distributed.launch import lost_rank_message
 
-        err = lost_rank_error(exc) or exc  # (a collective broken by another rank's death: one line, not gloo's)
+        lost = lost_rank_message(exc)  # (a collective broken by another rank's death: one line, not gloo's)
+        err = RunError(lost) if lost else exc
         if started_run_dir() == Path(cfg.output_dir).resolve():  # the run had started: say where it can go on from
             err.add_note(resume_hint(cfg.output_dir))
         if err is not exc:

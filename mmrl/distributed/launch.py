@@ -44,14 +44,12 @@ def peer_gone(exc: BaseException) -> str | None:
     return m.group(0).lower() if m else None
 
 
-def lost_rank_error(exc: BaseException) -> Exception | None:
-    """The one-line error for a rank of a launched world (WORLD_SIZE > 1) whose collective failed because another
+def lost_rank_message(exc: BaseException) -> str | None:
+    """The one-line message for a rank of a launched world (WORLD_SIZE > 1) whose collective failed because another
     rank's process ended (a kill, the OOM killer, an error that ended it first); None for any other exception. gloo
     notices at once; NCCL only reports it after its timeout."""
     reason = peer_gone(exc) if isinstance(exc, RuntimeError) else None  # (gloo's errors are RuntimeErrors)
     if reason is None or (_env_int("WORLD_SIZE") or 1) <= 1:
         return None
-    from mmrl.run.files import RunError
-
-    return RunError(f"another rank of the torchrun world is gone ({reason}) while rank {_env_int('RANK')} was in a "
-                    f"collective with it; its own output says why")
+    return (f"another rank of the torchrun world is gone ({reason}) while rank {_env_int('RANK')} was in a "
+            f"collective with it; its own output says why")

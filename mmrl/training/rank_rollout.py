@@ -26,7 +26,7 @@ ranks (beside NCCL trainer groups too): a receive kept waiting on NCCL's stream 
 direction, so weights and batches go through host memory. A peer that dies closes its connection: gloo's pending
 receive fails at once, and the survivor ends with one line naming the rank (a trainer: `RolloutProcessError`, a
 RunError: the last complete checkpoint stays and the CLI prints the resume hint; a rollout rank: exits 1); the other
-trainer ranks then fail in their next collective (`mmrl.distributed.launch.lost_rank_error`: one line too).
+trainer ranks then fail in their next collective (`mmrl.distributed.launch.lost_rank_message`: one line too).
 
 Supported: K trainer ranks and K rollout ranks (one node or several with torchrun's `--nnodes`), the HF and vLLM
 rollout engines (a rollout rank joins no process group of the world, so vLLM's in-process engine makes its own); a

@@ -257,15 +257,15 @@ def test_kill_9_of_a_rollout_rank_of_two_ends_every_rank_with_one_line(model, tm
 
 
 def test_a_collective_broken_by_another_ranks_death_is_one_line(monkeypatch):
-    from mmrl.distributed.launch import lost_rank_error
+    from mmrl.distributed.launch import lost_rank_message
 
     gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:33445: "
                         "Connection reset by peer. This is typically caused by a remote worker hanging ...")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
-    assert lost_rank_error(gloo) is None  # no launched world: no other rank
+    assert lost_rank_message(gloo) is None  # no launched world: no other rank
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert str(lost_rank_error(gloo)) == ("another rank of the torchrun world is gone (connection reset by peer) while "
+    assert lost_rank_message(gloo) == ("another rank of the torchrun world is gone (connection reset by peer) while "
                                           "rank 0 was in a collective with it; its own output says why")
-    assert lost_rank_error(RuntimeError("CUDA out of memory")) is None
-    assert lost_rank_error(ConnectionResetError("Connection reset by peer")) is None  # (an OSError: not gloo's)
+    assert lost_rank_message(RuntimeError("CUDA out of memory")) is None
+    assert lost_rank_message(ConnectionResetError("Connection reset by peer")) is None  # (an OSError: not gloo's)
