@@ -1,7 +1,7 @@
 """A GPU check, ready to run: on a CUDA machine with no network, build random models of the real architectures at
 their real size (mmrl.tiny.random_real: SD3.5-Medium, FLUX.1-dev, Qwen2.5-VL-3B), run every recipe for a few steps in
-bf16 through `mmrl train` (each in its own process, so peak memory is per recipe; vlm_grpo_ranks under torchrun on 4
-GPUs: 2 trainer ranks with DDP, each with a rollout rank), and print one JSON object:
+bf16 through `mmrl train` (each in its own process, so peak memory is per recipe; vlm_grpo_ranks under torchrun: on 4
+GPUs 2 trainer ranks with DDP, each with a rollout rank, on 2 GPUs one pair), and print one JSON object:
 images/s or tokens/s, TFLOP per step and MFU (mmrl.perf: FLOPs from the architecture, the device's dense bf16 peak),
 peak GPU memory, and the largest log-prob drift between rollout and training (must be ~0).
 
@@ -13,7 +13,7 @@ with the model, device, dtype and resolution overridden (RECIPES below); rewards
 match, the grid environment). Exit status 1 when a recipe fails (its JSON entry has the error's last lines).
 `flow_grpo_flux_sp2` runs under torchrun on 2 processes (2 GPUs; gloo on CPU with --small) with every FLUX forward
 split over the tokens (`dist.sequence_parallel: 2`); a machine with fewer GPUs reports it skipped with the reason
-(so does `vlm_grpo_ranks` with fewer than 4: 2 trainer ranks and 2 rollout ranks).
+(so does `vlm_grpo_ranks` with fewer than 2; `--small` runs it with 2 pairs on 4 CPU processes).
 """
 
 from __future__ import annotations
@@ -54,12 +54,14 @@ RECIPES: dict[str, tuple[str, str, list[str]]] = {
     # pair's channel over gloo); max_staleness 0: the rollout's log-probs must equal the trainer's (drift ~0), so the
     # pushed weights arrived whole
     "vlm_grpo_ranks": ("configs/vlm/grpo_tiny_shapes.yaml", "qwen25_vl_3b",
-                       ["warm_start.steps=0", "rollout.worker=ranks", "dist.rollout_ranks=2"]),
+                       ["warm_start.steps=0", "rollout.worker=ranks"]),
 }
 
 
-# recipes launched with torchrun on this many processes (one per GPU; gloo processes on CPU with --small)
-PROCESSES = {"flow_grpo_flux_sp2": 2, "vlm_grpo_ranks": 4}
+# recipes launched with torchrun on this many processes (one per GPU; gloo processes on CPU with --small): the first
+# count the machine's GPUs allow; a rank-pair recipe gets dist.rollout_ranks = half of it
+PROCESSES = {"flow_grpo_flux_sp2": (2,), "vlm_grpo_ranks": (4, 2)}
+PAIRED = ("vlm_grpo_ranks",)
 
 
 def _rows(out: Path) -> list[dict]:
@@ -134,11 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     failed = []
     for name in names:
         config, arch_name, gpu_overrides = RECIPES[name]
-        nproc = PROCESSES.get(name, 1)
-        if not args.small and nproc > torch.cuda.device_count():
-            report["recipes"][name] = {"config": config, "skipped": f"needs {nproc} GPUs, this machine has "
+        counts = PROCESSES.get(name, (1,))
+        fits = [n for n in counts if args.small or n <= torch.cuda.device_count()]
+        if not fits:
+            report["recipes"][name] = {"config": config, "skipped": f"needs {min(counts)} GPUs, this machine has "
                                                                     f"{torch.cuda.device_count()}"}
             continue
+        nproc = fits[0]
         if arch_name not in models:  # built once, shared by the recipes that train it
             path = out / "models" / (arch_name + ("_small" if args.small else ""))
             if not (path / ("model_index.json" if "qwen" not in arch_name else "config.json")).is_file():
@@ -154,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         # batch and image sizes: on a GPU only; --small keeps the tiny configs' (where rollouts run: both)
         sized = [o for o in gpu_overrides if o.startswith(("rollout.", "update.")) and not o.startswith("rollout.worker")]
         overrides += [o for o in gpu_overrides if o not in sized]
+        overrides += [f"dist.rollout_ranks={nproc // 2}"] if name in PAIRED else []
         overrides += (["device=cpu", "dtype=float32"] if args.small
                       else ["device=cuda", "dtype=bfloat16", "num_threads=0", *sized])
         launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else []
