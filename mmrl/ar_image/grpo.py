@@ -192,12 +192,13 @@ def train(cfg: Config) -> dict:
         prompt_of = group.tolist()
 
         def logprobs(rows: torch.Tensor, state: str | None = None):
-            """(log-probs, entropy) of `rows` [r] grouped by prompt (no padding: one forward per prompt)."""
+            """(log-probs, entropy) of `rows` [r], in the order of `rows` (the update shuffles them), grouped by
+            prompt (no padding: one forward per prompt)."""
             outs = []
             for g in sorted({prompt_of[r] for r in rows.tolist()}):
-                sel = rows[group[rows] == g]
-                outs.append((sel, policy.guided_logprobs(ids[g], tokens_all[sel])))
-            order = torch.cat([s for s, _ in outs]).argsort()
+                at = (group[rows] == g).nonzero().squeeze(1)  # positions in `rows`, not row ids
+                outs.append((at, policy.guided_logprobs(ids[g], tokens_all[rows[at]])))
+            order = torch.cat([a for a, _ in outs]).argsort()
             return tuple(torch.cat([o[k] for _, o in outs])[order] for k in range(2))
 
         with steps.timer("old_logprobs"), torch.no_grad():
