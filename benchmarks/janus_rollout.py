@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, (size, patch) in SIZES.items():
             path = build_tiny_janus(Path(tmp) / f"m{size}", seed=0, image_size=size, patch_size=patch, aligner_dim=32)
-            times, equal, tokens = compare(path, args.repeats)
+            times, equal, _ = compare(path, args.repeats)
             rows.append((name, times["mmrl"].fmt(1e3, 0), times["transformers"].fmt(1e3, 0),
                          speedup(times["transformers"], times["mmrl"]), "yes" if equal else "NO"))
     print(f"Guided rollout: 1 prompt x {IMAGES} images, guidance {GUIDANCE:g}, tiny Janus (Llama width 32, 2 layers); "
