@@ -1,11 +1,12 @@
 """Janus GRPO on the shapes colour reward: does the reward rise for a real reason? Trained vs a control, over seeds.
 
-Model: assets/tiny_janus_shapes, whose VQ decoder paints each token a known colour (mmrl.ar_image.pretrain_tiny; the
-language model and the generation head are random). Task: configs/ar_image/janus_grpo_tiny_shapes.yaml (reward
-prompt_color: the soft fraction of pixels in the background colour the prompt names). Two arms per seed: `trained`
+Model: assets/tiny_janus_shapes, whose VQ decoder paints each token a known colour and whose language model was
+briefly trained on the shapes captions, so it starts weakly prompt-conditioned (mmrl.ar_image.pretrain_tiny). Task:
+configs/ar_image/janus_grpo_tiny_shapes.yaml (reward prompt_color: the soft fraction of pixels in the background
+colour the prompt names). Two arms per seed: `trained`
 (the config as shipped) and `control` (the same config at optim.lr 1e-8: the same prompts, sampling and reward, no
 learning). Per run: the rollout reward (metrics.jsonl `reward/mean`) of the first and the last 5 steps, and the
-held-out reward: the 26 prompts of assets/prompts/shapes_eval.txt x `--eval-images` images, sampled with a fixed
+held-out reward: the 24 prompts of assets/prompts/shapes_eval.txt x `--eval-images` images, sampled with a fixed
 seed, of the starting model and of the run's last checkpoint. Also the held-out samples of the starting model and of
 the trained arm's last checkpoint (first seed) as PNG grids, and every number in OUT/results.json.
 
@@ -84,7 +85,7 @@ def held_out(cfg, adapters: Path | None, prompts: list[str], n_images: int, seed
     gen = torch.Generator().manual_seed(seed)
     images, scores = [], []
     for p in prompts:
-        tokens, _ = policy.sample(policy.prompt_ids(p), n_images, generator=gen)
+        tokens, _ = policy.sample(policy.image_prompt_ids(p), n_images, generator=gen)
         imgs = policy.decode(tokens)
         images.append(imgs)
         scores.append(reward(imgs, [p] * n_images, None).scores.float())

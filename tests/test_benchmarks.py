@@ -150,6 +150,17 @@ def test_families_benchmark_refuses_unknown_families_and_too_few_steps():
     assert "families" in load_script("run_all").BENCHMARKS
 
 
+def test_janus_rollout_benchmark_compares_equal_tokens(tmp_path):
+    """benchmarks/janus_rollout.py's comparison on the 16-token tiny Janus: both sides timed, the same tokens."""
+    from mmrl.tiny import build_tiny_janus
+
+    bench = load_script("janus_rollout")
+    path = build_tiny_janus(tmp_path / "m", seed=0, image_size=16, patch_size=4, aligner_dim=32)
+    times, equal, tokens = bench.compare(path, repeats=1)
+    assert equal and tokens == 16 and set(times) == {"mmrl", "transformers"}
+    assert "janus_rollout" in load_script("run_all").BENCHMARKS
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["process", "ranks"])
 def test_async_rollout_quick_mode_runs_every_variant(tmp_path, mode):

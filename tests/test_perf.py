@@ -227,6 +227,32 @@ def test_internvl_flops_equal_flop_counter(tmp_path, decoder):
         assert meter.pop() == counted
 
 
+def test_janus_flops_equal_flop_counter(tmp_path):
+    """Janus (mmrl.ar_image): the meter watches the Llama decoder, the generation head and the image-token aligner
+    (the text lm_head is never called in image generation); guided sampling (a prefill of the prompt and its
+    unconditional row, then one token per row against the cache) and the teacher-forced guided forward of the
+    trained log-probs each sum to flop_counter's count."""
+    from mmrl.ar_image.janus import JanusPolicy, load_janus
+    from mmrl.tiny import build_tiny_janus
+
+    path = build_tiny_janus(tmp_path / "m", seed=0, image_size=16, patch_size=4, vq_top_width=4, aligner_dim=32)
+    model, proc = load_janus(path, torch.device("cpu"), torch.float32)
+    meter = attach_flops_meter(model)
+    assert sorted(type(e.module).__name__ for e in meter.estimators) == [
+        "JanusVQVAEAlignerMLP", "JanusVQVAEHead", "Linear", "LlamaModel"]
+    policy = JanusPolicy(model, proc, guidance_scale=5.0)
+    ids = policy.prompt_ids("a red circle on a blue background")
+    meter.pop()
+    out = {}
+    with torch.no_grad():
+        counted = _counted(lambda: out.update(tokens=policy.sample(ids, 3)[0]))
+    assert counted > 0 and meter.pop() == counted
+    tokens = out["tokens"]
+    with torch.no_grad():
+        counted = _counted(lambda: policy.guided_logits(ids, tokens))
+    assert meter.pop() == counted
+
+
 def test_window_lengths_match_qwen25_get_window_index():
     """Patches per attention window against transformers' own window index of Qwen2.5-VL's vision tower
     (windows of 112 px = 4 merged units of 2 x 2 patches of 14 px; edge windows smaller, empty ones skipped)."""

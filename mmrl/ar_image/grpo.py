@@ -248,16 +248,17 @@ def train(cfg: Config) -> dict:
         prompt_of = group.tolist()
 
         def logprobs(rows: torch.Tensor, state: str | None = None):
-            """(log-probs, image-token entropy, mask) of `rows` [r] grouped by prompt (one forward per prompt)."""
+            """(log-probs, image-token entropy, mask) of `rows` [r], in the order of `rows` (the update shuffles
+            them), grouped by prompt (one forward per prompt)."""
             outs = []
             for g in sorted({prompt_of[r] for r in rows.tolist()}):
-                sel = rows[group[rows] == g]
+                at = (group[rows] == g).nonzero().squeeze(1)  # positions in `rows`, not row ids
                 if cot is None:
-                    logp, entropy = policy.guided_logprobs(ids[g], tokens_all[sel])
-                    outs.append((sel, (logp, entropy, torch.ones_like(logp))))
+                    logp, entropy = policy.guided_logprobs(ids[g], tokens_all[rows[at]])
+                    outs.append((at, (logp, entropy, torch.ones_like(logp))))
                 else:
-                    outs.append((sel, cot.logprobs(groups[g], sel - g * rollout.group_size)))
-            order = torch.cat([s for s, _ in outs]).argsort()
+                    outs.append((at, cot.logprobs(groups[g], rows[at] - g * rollout.group_size)))
+            order = torch.cat([a for a, _ in outs]).argsort()
             return tuple(torch.cat([o[k] for _, o in outs])[order] for k in range(3))
 
         with steps.timer("old_logprobs"), torch.no_grad():

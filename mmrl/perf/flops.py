@@ -17,11 +17,12 @@ kernel skips about half of it in a prefill; flop_counter and PaLM's MFU formula 
 not counted (they add ~2r/width of the base layer's work); a backward costs 2x the forward for trainable weights
 (input and weight gradients) and 1x for frozen ones (input gradients only), 2x for attention.
 
-This module holds the formula, the registry and the estimators of the Qwen-VL policies; each diffusion family declares
-its transformer's estimator in its own file (mmrl/diffusion/models/<family>.py): a function decorated with
-``@register_flops("ClassName")`` that takes the module and returns a :class:`FlopsEstimator` (its stream rules and a
-``shapes(args, kwargs)`` reading the forward's inputs with :func:`input_arg`). The registry holds a family's
-estimator once ``mmrl.diffusion.models`` is imported (loading a model imports it).
+This module holds the formula, the registry and the estimators of the Qwen-VL policies (and of Janus's decoder,
+generation head and image-token aligner); each diffusion family declares its transformer's estimator in its own file
+(mmrl/diffusion/models/<family>.py): a function decorated with ``@register_flops("ClassName")`` that takes the
+module and returns a :class:`FlopsEstimator` (its stream rules and a ``shapes(args, kwargs)`` reading the forward's
+inputs with :func:`input_arg`). The registry holds a family's estimator once ``mmrl.diffusion.models`` is imported
+(loading a model imports it).
 """
 
 from __future__ import annotations
@@ -240,6 +241,23 @@ def _internvl_projector(module: nn.Module) -> FlopsEstimator:
         return Pass({"merged": x.numel() // x.shape[-1]})
 
     return FlopsEstimator(module, [("", "merged")], shapes)
+
+
+# Janus / Janus-Pro (mmrl.ar_image): the Llama decoder counts as the Qwen-VL decoder (a guided row pair is two rows;
+# no attention mask: rows of one forward share one prompt). The VQ decoder is not counted, as no recipe counts a VAE.
+register_flops("LlamaModel")(_qwen_text)
+
+
+@register_flops("JanusVQVAEHead", "JanusVQVAEAlignerMLP")
+def _janus_rows(module: nn.Module) -> FlopsEstimator:
+    """Janus's generation head (hidden state -> image-token logits) and image-token aligner (codebook embedding ->
+    decoder width): every row of the input through their Linear layers."""
+
+    def shapes(args, kwargs):
+        x = input_arg(args, kwargs, "hidden_states")
+        return Pass({"rows": x.numel() // x.shape[-1]})
+
+    return FlopsEstimator(module, [("", "rows")], shapes)
 
 
 @register_flops("Linear")

@@ -112,6 +112,15 @@ def test_cot_two_steps_then_exact_resume(tiny_path, tmp_path):
     assert all(r["policy/loss"] is not None and 0 <= r["cot/truncated"] <= 1 for r in a)  # no skipped update
 
 
+def test_first_update_ratio_is_one_with_the_cot(tiny_path, tmp_path):
+    """One update over all 6 rows in the update's shuffled order: each row's CoT + image log-probs meet its own old
+    log-probs and advantage (ratio exactly 1, nothing clipped); sorted by row id instead, they met another row's."""
+    grpo.train(_cfg(tiny_path, tmp_path / "run", "train.max_steps=1", "update.micro_batch_size=6",
+                    "update.mini_batch_size=0", "log.sample_every=0"))
+    (row,) = metrics_rows(tmp_path / "run")
+    assert row["policy/grad_norm"] > 0 and row["policy/clipfrac"] == 0
+
+
 def test_full_fine_tuning_with_the_cot_trains_the_text_head(tmp_path):
     import json
 
