@@ -113,3 +113,25 @@ def test_reward_cli_refuses_sound_in_one_line(tmp_path, capsys):
         assert capsys.readouterr().err.splitlines()[-1].endswith(
             "scores sound, not images: `mmrl reward score|serve` take image files only; call it from Python "
             "(load(...)(audio=..., sample_rate=...)) or name it in a recipe's reward.components")
+
+
+def test_recipe_with_an_audio_reward_for_a_silent_family_fails_before_loading(tmp_path):
+    """A recipe's start (reads model_index.json only: no weights here, nothing loaded or written): one line naming
+    the component."""
+    import json
+
+    from mmrl.config import load_config
+    from mmrl.diffusion.flow_grpo import train
+
+    (tmp_path / "wan").mkdir()
+    (tmp_path / "wan" / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red circle\n")
+    d = {"algorithm": "flow_grpo", "output_dir": str(tmp_path / "run"), "model": {"path": str(tmp_path / "wan")},
+         "data": {"train_prompts": str(prompts)}, "rollout": {"num_frames": 5},
+         "reward": {"components": {"motion_amount": 1.0, "loud": {"reward": "audio_loudness", "weight": 0.1}}}}
+    with pytest.raises(ValueError, match=rf"^reward\.components\.loud scores sound, but model\.path "
+                                         rf"'{tmp_path / 'wan'}' \(wan\) makes none; audio rewards need an "
+                                         rf"audio-video family \(LTX2Pipeline\)$"):
+        train(load_config(d))
+    assert not (tmp_path / "run").exists()
