@@ -302,6 +302,13 @@ register_architecture(Architecture(
     # Flow-Factory's LTX-2 t2av GRPO run: 512 x 768, 121 frames -> 16 x 16 x 24 = 6144 video tokens, 126 audio
     # tokens, 1024 Gemma tokens (the pipeline's max_sequence_length), micro-batch 1 without CFG (guidance 1), rank 64
     step=dict(rows=1, num_frames=121, height=512, width=768, text_tokens=1024, lora_rank=64),
+    # the recipe's row (7294 tokens) does not fit a CPU measurement beside other jobs: measure 9 frames (2 x 16 x 24 =
+    # 768 video tokens + 9 audio + the same 1024 text tokens) and scale what a row adds by the tokens (7294 / 1801,
+    # linear: flash attention on a GPU keeps no [L, L] matrix), the fixed part too: an upper bound (the text tokens
+    # are the same in both rows); LoRA only, as the recipe (full fine-tuning: 8 bytes a parameter, 141 GiB, FSDP)
+    measured_row=dict(num_frames=9, height=512, width=768, text_tokens=1024),
+    row_scale={"*": (6144 + 126 + 1024) / (768 + 9 + 1024)},
+    measure_modes=("lora",),
     inputs=_training_row,
     small_widths={"num_attention_heads": 2, "attention_head_dim": 16, "cross_attention_dim": 32,
                   "audio_num_attention_heads": 2, "audio_attention_head_dim": 8, "audio_cross_attention_dim": 16,
