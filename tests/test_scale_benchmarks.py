@@ -137,7 +137,7 @@ def test_real_width_plan_is_read_from_each_architecture():
             "wan22_ti2v_5b": (one, dict(num_frames=9, height=704, width=1280, text_tokens=1024)),
             "qwen_image_20b": (one, dict(image, text_tokens=256)),
             "hunyuan_video15_480p_t2v": (one, dict(num_frames=5, height=256, width=256, text_tokens=1000)),
-            "ltx2_19b": (one, dict(num_frames=121, height=512, width=768, text_tokens=1024)),
+            "ltx2_19b": (one, dict(num_frames=9, height=512, width=768, text_tokens=1024)),
             "z_image_6b": ([{"n_layers": 2}, {"n_layers": 3}], dict(image, text_tokens=512)),
             "qwen25_vl_3b": ([{"text_config.num_hidden_layers": 1, "vision_config.depth": 1},
                               {"text_config.num_hidden_layers": 2, "vision_config.depth": 1},
@@ -150,9 +150,10 @@ def test_real_width_plan_is_read_from_each_architecture():
         arch = get_architecture(name)
         assert rw.depth_points(arch) == depths and rw.measured_row(arch, small=False) == row, name
         assert arch.inputs is not None and arch.small_widths and rw.measured_row(arch, small=True), name
-        assert arch.measure_modes == (("lora",) if name == "flux2_dev" else ("lora", "full")), name
+        assert arch.measure_modes == (("lora",) if name in ("flux2_dev", "ltx2_19b") else ("lora", "full")), name
     assert get_architecture("flux1_dev").row_scale == {"*": 1536 / 384}
     assert get_architecture("hunyuan_video15_480p_t2v").row_scale == {"*": 10085 / 2497}  # 33 frames at 480 px
+    assert get_architecture("ltx2_19b").row_scale == {"*": 7294 / 1801}  # 121 frames at 512 x 768, 9 frames measured
     assert get_architecture("sd35_medium").measure_config == {"pos_embed_max_size": 64}
 
 

@@ -96,3 +96,60 @@ def test_run_saves_video_samples_and_sends_them_to_trackers(tmp_path, monkeypatc
     assert np.abs(cell - expected).mean() < 12.0  # GIF: a 256-colour palette
     media = list((run.dir / "wandb").glob("offline-run-*/files/media/videos/samples/rollout_*.mp4"))
     assert len(media) == 2 and all(read_video(m).shape == (4, 16, 16, 3) for m in media)
+
+
+def _tone(hz, rate=16000, n=1600, amplitude=0.5):
+    return amplitude * torch.sin(2 * torch.pi * hz * torch.arange(n) / rate)
+
+
+def test_sound_is_written_as_wav_and_as_the_mp4_track(tmp_path):
+    """A waveform [C, S] -> 16-bit WAV (samples x 32767, rounded; beyond [-1, 1] clipped) and an AAC track in the MP4
+    (mono and stereo; 16 kHz kept, 12.5 kHz, which AAC does not take, resampled to 48 kHz)."""
+    import wave
+
+    import av
+
+    from mmrl.pipelines.videos import write_wav
+
+    x = torch.stack([_tone(440), 2 * _tone(880)])  # the second channel peaks at 1.0 (clipped to 32767)
+    path = write_wav(x, 16000, tmp_path / "a.wav")
+    with wave.open(str(path)) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()) == (2, 2, 16000, 1600)
+        pcm = np.frombuffer(w.readframes(1600), "<i2").reshape(1600, 2).T
+    assert np.array_equal(pcm, np.round(np.clip(x.numpy(), -1, 1) * 32767).astype(np.int16))
+    video = sample_video(frames=6, size=16)
+    for sound, rate, layout, kept in [(x, 16000, "stereo", 16000), (x[:1], 12500, "mono", 48000)]:
+        clip = write_video(video, tmp_path / f"{layout}.mp4", fps=24, audio=sound, sample_rate=rate)
+        with av.open(str(clip)) as c:
+            a = c.streams.audio[0]
+            assert (a.codec_context.name, a.rate, a.layout.name) == ("aac", kept, layout)
+            assert sum(f.samples for f in c.decode(audio=0)) >= 1600 * kept // rate  # (+ AAC's priming frames)
+        assert read_video(clip).shape == (6, 16, 16, 3)
+    with pytest.raises(ValueError, match=r"^audio: expected a waveform \[C, S\] with 1 or 2 channels, got \(3, 8\)$"):
+        write_wav(torch.zeros(3, 8), 16000, tmp_path / "b.wav")
+    with pytest.raises(ValueError, match=r"expected a .mp4 file name$"):
+        write_video(video, tmp_path / "x.gif", audio=x, sample_rate=16000)
+
+
+def test_run_saves_each_sample_with_its_sound(tmp_path):
+    """Run.save_samples with `audio`: the grid as before, plus step_N_s<i>.wav and step_N_s<i>.mp4 (the sample with
+    its sound) per sample; images (one frame) get the WAV only."""
+    run = Run(_Cfg(algorithm="toy", output_dir=str(tmp_path / "run"), train=TrainConfig()))
+    videos = torch.stack([sample_video(frames=4, size=16, seed=s) for s in range(2)])
+    audio = torch.stack([_tone(440), _tone(660)])[:, None]
+    path = run.save_samples(1, videos, ["a", "b"], audio=audio, sample_rate=16000, fps=24.0)
+    assert path.name == "step_000001.mp4"
+    names = sorted(p.name for p in path.parent.iterdir())
+    assert names == ["step_000001.mp4", "step_000001_s0.mp4", "step_000001_s0.wav", "step_000001_s1.mp4",
+                     "step_000001_s1.wav"]
+    import av
+
+    with av.open(str(path.parent / "step_000001_s1.mp4")) as c:
+        assert [s.type for s in c.streams] == ["video", "audio"] and c.streams.video[0].average_rate == 24
+    run.save_samples(2, videos[:, 0], None, audio=audio, sample_rate=16000)
+    assert sorted(p.name for p in path.parent.glob("step_000002*")) == [
+        "step_000002.png", "step_000002_s0.wav", "step_000002_s1.wav"]
+    with pytest.raises(ValueError, match=r"^save_samples: audio must be \[N, C, S\] for the 2 samples with a "
+                                         r"sample_rate, got \(1, 1, 1600\) at 16000$"):
+        run.save_samples(3, videos, None, audio=audio[:1], sample_rate=16000)
+    run.finish()

@@ -192,35 +192,44 @@ def flow_matching_mse(v_pred: Tensor, x0: Tensor, noise: Tensor) -> Tensor:
 def ode_images(model: Any, states: Any, state: str, reward_fn: Any, items: Sequence[Any], *, num_steps: int,
                guidance_scale: float, height: int, width: int, batch_size: int = 8, seed: int = 0):
     """(images [N, 3, H, W] (videos [N, F, 3, H, W]), final latents [N, ...], scores [N] or None without a reward,
-    component scores {name: [N]}): one deterministic (ODE) image per item with policy state `state`, from the same
-    initial noise every time it is called. The global RNG streams (CPU, and the model's CUDA device) are forked:
-    whatever a reward or the sampler draws from them here, training continues exactly as if no evaluation had run
-    (how often one evaluates changes no training number)."""
+    component scores {name: [N]}, sound): one deterministic (ODE) image per item with policy state `state`, from the
+    same initial noise every time it is called; sound: {audio [N, C, S], sample_rate, fps} of an audio-video family
+    (decoded to be saved with the samples and scored by audio rewards), else {}. The global RNG streams (CPU, and the
+    model's CUDA device) are forked: whatever a reward or the sampler draws from them here, training continues
+    exactly as if no evaluation had run (how often one evaluates changes no training number)."""
     from mmrl.diffusion.conditioning import encode_items
     from mmrl.diffusion.sampling import sample_groups
+    from mmrl.rewards.audio import takes_audio
     from mmrl.rewards.latent import takes_latents
 
     gen = torch.Generator(device=model.device).manual_seed(seed + 12345)
-    images, finals, scores, details = [], [], [], defaultdict(list)
+    images, finals, sounds, scores, details = [], [], [], [], defaultdict(list)
     cuda = [model.device] if torch.device(model.device).type == "cuda" else []
     with torch.random.fork_rng(devices=cuda), states.use(state):
         for lo in range(0, len(items), max(1, batch_size)):
             chunk = items[lo:lo + batch_size]
             emb = encode_items(model, chunk, height, width)  # + source images (edit models)
             traj = sample_groups(model, emb, 1, num_steps=num_steps, height=height, width=width,
-                                 guidance_scale=guidance_scale, noise_level=0.0, generator=gen)
+                                 guidance_scale=guidance_scale, noise_level=0.0, generator=gen,
+                                 decode_audio=model.has_audio)
             images.append(traj.images)
             finals.append(traj.latents[:, -1])
+            if traj.audio is not None:
+                sounds.append(traj.audio)
             if reward_fn is None:
                 continue
             kw = {"latents": traj.latents[:, -1]} if takes_latents(reward_fn) else {}  # (images decoded: shown)
+            if takes_audio(reward_fn):
+                kw.update(audio=traj.audio, sample_rate=model.audio_sample_rate)
             out = reward_fn(images=traj.images, prompts=[it.prompt for it in chunk],
                             metadata=[it.metadata for it in chunk], **kw)
             scores.append(out.scores.detach().float().cpu())
             for name in getattr(reward_fn, "components", {}):
                 details[name].append(torch.as_tensor(out.details[name]).float().cpu())
+    sound = ({"audio": torch.cat(sounds).cpu(), "sample_rate": model.audio_sample_rate, "fps": model.frame_rate}
+             if sounds else {})
     return (torch.cat(images), torch.cat(finals), torch.cat(scores) if scores else None,
-            {k: torch.cat(v) for k, v in details.items()})
+            {k: torch.cat(v) for k, v in details.items()}, sound)
 
 
 def _captions(items: Sequence[Any], scores: torch.Tensor | None) -> list[str]:
@@ -239,12 +248,14 @@ def evaluate_ode(model: Any, states: Any, state: str, reward_fn: Any, items: Seq
     from mmrl.diffusion.conditioning import sample_panels
     from mmrl.diffusion.diagnostics import sample_statistics
 
-    images, finals, s, details = ode_images(model, states, state, reward_fn, items, num_steps=num_steps,
-                                            guidance_scale=guidance_scale, height=height, width=width,
-                                            batch_size=batch_size, seed=seed)
+    images, finals, s, details, sound = ode_images(model, states, state, reward_fn, items, num_steps=num_steps,
+                                                   guidance_scale=guidance_scale, height=height, width=width,
+                                                   batch_size=batch_size, seed=seed)
     n = min(num_images, len(items))
+    if sound:
+        sound = {**sound, "audio": sound["audio"][:n]}
     run.save_samples(step, *sample_panels(images[:n], _captions(items[:n], s), [it.metadata for it in items[:n]]),
-                     name=f"eval_step_{step:06d}.png")
+                     name=f"eval_step_{step:06d}.png", **sound)
     metrics = {"eval/reward/mean": s.mean().item(), "eval/reward/std": s.std().item() if len(s) > 1 else 0.0}
     metrics.update({f"eval/reward/{k}": v.mean().item() for k, v in details.items()})
     metrics.update(sample_statistics(images, finals, prefix="eval/sample/"))
@@ -286,18 +297,19 @@ def sample_grid(model: Any, states: Any, state: str, reward_fn: Any, items: Sequ
     """samples/step_<N>.png: one image per grid prompt (`grid_prompts`), ODE with the eval settings
     (`rollout.eval_num_steps`, `rollout.eval_guidance_scale`) and the same initial noise in every grid, so the grids
     of a run show one policy changing; captions "reward <reward> | <prompt>", word-wrapped (edit rows: each result after
-    its source image)."""
+    its source image); an audio-video family's sound beside it (step_<N>_s<i>.wav and .mp4 with sound)."""
     if not items:
         return
     rollout = cfg.rollout
     with not_counted():  # cost/transformer_evals and perf/tflops_per_step count training work only
-        images, _, scores, _ = ode_images(model, states, state, reward_fn, items, num_steps=rollout.eval_num_steps,
-                                          guidance_scale=rollout.eval_guidance_scale, height=rollout.height,
-                                          width=rollout.width, batch_size=max(1, cfg.update.micro_batch_size),
-                                          seed=cfg.seed)
+        images, _, scores, _, sound = ode_images(model, states, state, reward_fn, items,
+                                                 num_steps=rollout.eval_num_steps,
+                                                 guidance_scale=rollout.eval_guidance_scale, height=rollout.height,
+                                                 width=rollout.width, batch_size=max(1, cfg.update.micro_batch_size),
+                                                 seed=cfg.seed)
     from mmrl.diffusion.conditioning import sample_panels
 
-    run.save_samples(step, *sample_panels(images, _captions(items, scores), [it.metadata for it in items]))
+    run.save_samples(step, *sample_panels(images, _captions(items, scores), [it.metadata for it in items]), **sound)
 
 
 # ------------------------------------------------------------------------------------------ cost accounting

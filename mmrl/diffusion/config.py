@@ -233,6 +233,18 @@ def check_common(cfg: Any, online: bool = True) -> None:
         from mmrl.rewards.latent import check_latent_rewards
 
         check_latent_rewards(reward.components, lambda: policy_latent_space(cfg.model.path), cfg.model.path)
+        from pathlib import Path
+
+        from mmrl.diffusion.models import flow_model_class
+        from mmrl.rewards.audio import check_audio_rewards
+
+        def family_has_audio():  # a sound reward of a family without sound (read from model_index.json)
+            if not (Path(cfg.model.path) / "model_index.json").is_file():
+                return None  # not there yet (model.build_tiny): checked again once the model is loaded
+            cls = flow_model_class(cfg.model.path)
+            return cls.family, cls.has_audio
+
+        check_audio_rewards(reward.components, family_has_audio, cfg.model.path)
     num_frames = getattr(cfg.rollout, "num_frames", 1)
     if num_frames > 1:  # an image family refuses videos here, before the image rewards would be blamed for them
         from mmrl.diffusion.models import check_num_frames

@@ -118,6 +118,7 @@ class DiffusionLoop:
         from mmrl.diffusion.conditioning import check_data
         from mmrl.diffusion.scoring import load_reward_fn, policy_latent_space
         from mmrl.pipelines.data import load_prompts
+        from mmrl.rewards.audio import check_audio_rewards, takes_audio
         from mmrl.rewards.latent import check_reward_latents, takes_latents
         from mmrl.run.start import start_run
 
@@ -135,6 +136,9 @@ class DiffusionLoop:
         self.model = load_recipe_model(cfg, self.run.device, self.run.dtype)
         if takes_latents(self.reward_fn):  # a latent reward against the loaded model (also one built after the config)
             check_reward_latents(self.reward_fn, policy_latent_space(model=self.model), cfg.model.path)
+        if takes_audio(self.reward_fn):  # a sound reward against the loaded model (also one built after the config)
+            check_audio_rewards(getattr(self.reward_fn, "components", None) or {"reward": self.reward_fn},
+                                lambda: (self.model.family, self.model.has_audio), cfg.model.path)
         self.extra_evaluations: list[Callable[[], dict]] = []  # run beside the held-out evaluation (offline DPO)
 
     # ---------------------------------------------------------------------------------------------- setup

@@ -8,7 +8,8 @@ DGPO and online DPO), their rewards (`score_images`, and each reward component's
 `reward.aggregation`; with reward.score_while_sampling the micro-batches are scored while the next is sampled) and
 the samples' statistics (`diag/sample/*`). A latent reward (`mmrl.rewards.latent`) gets the final latents; when
 every component scores latents the images are not decoded (`traj.images` is None, `diag/sample/*` then holds only
-`latent_rms`). The recipes call it through `DiffusionLoop.rollout`; the rollout
+`latent_rms`). An audio reward (`mmrl.rewards.audio`) gets the decoded sound of an audio-video family (LTX-2), which
+is decoded only then (`traj.audio`). The recipes call it through `DiffusionLoop.rollout`; the rollout
 process's `FlowGRPOProducer` builds its own copy of the pipeline and policy from the run's config and calls the same
 function, so both make the same batch from the same weights and random stream.
 """
@@ -114,13 +115,17 @@ def rollout_and_score(cfg: Any, model: Any, sampler: Any, shards: Any, reward_fn
     from mmrl.diffusion.conditioning import encode_items
     from mmrl.diffusion.diagnostics import sample_statistics
     from mmrl.diffusion.scoring import component_scores, score_images
+    from mmrl.rewards.audio import takes_audio
     from mmrl.rewards.latent import needs_pixels, takes_latents
 
     rollout = cfg.rollout
     # a reward scoring latents gets the final latents; when no component needs pixels the VAE decode is skipped.
-    # Such a reward is scored after sampling (the micro-batch callback hands over images only)
-    latent, decode = takes_latents(reward_fn), needs_pixels(reward_fn)
-    scorer = None if latent else scorer
+    # A reward scoring sound gets the waveforms, decoded for it only. Both are scored after sampling (the
+    # micro-batch callback hands over images only)
+    latent, audio, decode = takes_latents(reward_fn), takes_audio(reward_fn), needs_pixels(reward_fn)
+    scorer = None if latent or audio else scorer
+    if audio:
+        sampling = {**sampling, "decode_audio": True}
     with timer("rollout"):
         items = shards.shard(sampler.next(rollout.prompts_per_step))
         embeds = encode_items(model, items, rollout.height, rollout.width, encode)  # + source images (edit models)
@@ -133,6 +138,8 @@ def rollout_and_score(cfg: Any, model: Any, sampler: Any, shards: Any, reward_fn
         extra = step_metrics(traj) if step_metrics is not None else {}
     with timer("reward"):
         kw = {"latents": traj.latents[:, -1]} if latent else {}
+        if audio:
+            kw.update(audio=traj.audio, sample_rate=model.audio_sample_rate)
         out = scorer.output() if scorer else reward_fn(images=traj.images, prompts=prompts, metadata=metadata, **kw)
         scores, reward_metrics = score_images(reward_fn, traj.images, prompts, metadata,
                                               on_nonfinite=cfg.reward.on_nonfinite, out=out)

@@ -61,7 +61,9 @@ class Trajectory:
     train_steps [K] long: step indices the trainer uses; prompt_index [B] long: row in `embeds`
     (also the group id); embeds: one row per prompt; images [B, 3, H, W] in [0, 1] (videos: [B, F, 3, H, W]; None
     when not decoded); means [B, T, C, (F,) h, w] fp32: the Gaussian mean of every stochastic transition (0 on ODE
-    steps), recorded with `record_means=True` (GRPO-Guard's ratio needs the sampling policy's means), else None.
+    steps), recorded with `record_means=True` (GRPO-Guard's ratio needs the sampling policy's means), else None;
+    audio [B, C, S]: the waveforms of an audio-video family at `model.audio_sample_rate`, decoded with
+    `decode_audio=True` (an audio reward), else None.
     """
 
     latents: Tensor
@@ -73,6 +75,7 @@ class Trajectory:
     embeds: PromptEmbeds
     images: Tensor | None = None
     means: Tensor | None = None
+    audio: Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.latents.shape[0])
@@ -165,6 +168,7 @@ def sample_groups(
     ode_compress: float = 1.0,
     initial_noise: torch.Tensor | None = None,
     record_means: bool = False,
+    decode_audio: bool = False,
 ) -> Trajectory:
     """Roll out `group_size` samples for each of the P prompts in `embeds` (encoded once, reused).
 
@@ -186,7 +190,10 @@ def sample_groups(
     initial_noise: [P * G, ...] initial latents used instead of drawing them (e.g. different prompts rendered from
     the same noise); the generator then draws only the window and the step noise.
     record_means: also keep every stochastic step's Gaussian mean (`Trajectory.means`; memory as `latents`).
+    decode_audio: also decode the sound of an audio-video family (`Trajectory.audio`, `model.decode_audio`).
     """
+    if decode_audio and not model.has_audio:
+        raise ValueError(f"decode_audio: the {model.family} family makes no sound (audio-video families: LTX-2)")
     if ode_solver not in ODE_SOLVERS:
         raise ValueError(f"ode_solver: expected one of {list(ODE_SOLVERS)}, got {ode_solver!r}")
     p = len(embeds)
@@ -263,7 +270,7 @@ def sample_groups(
         latents[:, :first + 1] = shared[prompt_index.to(device)]
     else:
         first = 0
-    chunks = []
+    chunks, sounds = [], []
     for lo in range(0, b, mb):
         rows = slice(lo, min(b, lo + mb))
         emb = embeds.select(prompt_index[rows])
@@ -292,6 +299,9 @@ def sample_groups(
             chunks.append(model.decode(latents[rows, -1], height, width))
             if on_images is not None:
                 on_images(rows.start, rows.stop, chunks[-1])
+        if decode_audio:
+            sounds.append(model.decode_audio(latents[rows, -1], height, width))
     images = torch.cat(chunks) if decode else None
     return Trajectory(latents=latents, log_probs=log_probs, sigmas=sigmas, sde_mask=sde_mask,
-                      train_steps=train_steps, prompt_index=prompt_index, embeds=embeds, images=images, means=means)
+                      train_steps=train_steps, prompt_index=prompt_index, embeds=embeds, images=images, means=means,
+                      audio=torch.cat(sounds) if decode_audio else None)

@@ -15,7 +15,9 @@ What it does, top to bottom:
      which other prompts are evaluated;
   3. the images are rounded to 8 bits and saved (`images/p<i>_s<j>.png`); everything below scores those saved
      images, so the report can be recomputed from the files alone (videos, `rollout.num_frames` > 1: the 8-bit
-     frames are scored and each video is saved as `images/p<i>_s<j>.mp4` for viewing, H.264 being lossy);
+     frames are scored and each video is saved as `images/p<i>_s<j>.mp4` for viewing, H.264 being lossy; an
+     audio-video family's sound goes into that MP4 and beside it as `images/p<i>_s<j>.wav`, and audio rewards
+     score it);
   4. every reward of `reward.components` (each component and the weighted sum; non-finite scores are counted
      and left out of the statistics) and, for prompts of the shapes grammar, the GenEval-style check of
      `mmrl.pipelines.shapes_check` (object / color / count / position / background accuracy and overall; of a video:
@@ -217,6 +219,7 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
     from mmrl.diffusion.sampling import sample_groups
     from mmrl.diffusion.scoring import load_reward_fn
     from mmrl.pipelines.data import load_prompts
+    from mmrl.rewards.audio import takes_audio
     from mmrl.rewards.latent import takes_latents
     from mmrl.run.plots import save_image_grid, save_video_grid
     from mmrl.runtime import resolve_device, resolve_dtype
@@ -266,17 +269,20 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
     model.transformer.eval()
 
     # ---- sampling: one generator per prompt, images rounded to 8 bits and saved
-    images, files, rows, finals = [], [], [], []
+    images, files, rows, finals, sounds = [], [], [], [], []
+    sound = {"sample_rate": model.audio_sample_rate, "fps": model.frame_rate} if model.has_audio else {}
     bar = tqdm(total=len(items), desc="mmrl eval", unit="prompt", disable=os.environ.get("MMRL_NO_PROGRESS") == "1")
     for i, item in enumerate(items):
         gen = torch.Generator(device=model.device).manual_seed(prompt_seed(seed, i))
         traj = sample_groups(model, encode_items(model, [item], *s.eval_hw), samples_per_prompt,
                              num_steps=s.eval_num_steps, height=s.eval_hw[0], width=s.eval_hw[1],
                              guidance_scale=s.eval_guidance_scale, noise_level=0.0,
-                             generator=gen, batch_size=batch_size)
+                             generator=gen, batch_size=batch_size, decode_audio=model.has_audio)
         u8 = (traj.images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu()
         names = [f"images/p{i:04d}_s{j}.{'mp4' if video else 'png'}" for j in range(samples_per_prompt)]
-        _save_files(u8, [out / n for n in names])
+        _save_files(u8, [out / n for n in names], **({"audio": traj.audio.cpu(), **sound} if sound else {}))
+        if sound:
+            sounds.append(traj.audio.cpu())
         images.append(u8.float() / 255.0)
         finals.append(traj.latents[:, -1])  # what a latent reward scores
         files.append(names)
@@ -293,6 +299,8 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
     for lo in range(0, len(x), batch_size):
         sl = slice(lo, lo + batch_size)
         kw = {"latents": torch.cat(finals)[sl]} if takes_latents(reward_fn) else {}
+        if takes_audio(reward_fn):
+            kw.update(audio=torch.cat(sounds)[sl], sample_rate=sound["sample_rate"])
         res = reward_fn(images=x[sl], prompts=all_prompts[sl], metadata=all_meta[sl], **kw)
         total += res.scores.detach().float().cpu().tolist()
         for c in components:
@@ -346,15 +354,20 @@ def grid_captions(rewards: Sequence[float], checks: Sequence[dict | None], promp
             for r, c, p in zip(rewards, checks, prompts)]
 
 
-def _save_files(u8: torch.Tensor, paths: Sequence[Path]) -> None:
+def _save_files(u8: torch.Tensor, paths: Sequence[Path], audio: torch.Tensor | None = None,
+                sample_rate: int | None = None, fps: float | None = None) -> None:
     """Write uint8 images [N, 3, H, W] to `paths` as PNG (lossless: the report's scores are of these files), or
-    videos [N, F, 3, H, W] as MP4 (`mmrl.pipelines.videos.write_video`)."""
+    videos [N, F, 3, H, W] as MP4 (`mmrl.pipelines.videos.write_video`); `audio` [N, C, S]: each sample's sound in
+    its MP4 and beside it as WAV."""
     from PIL import Image
 
-    from mmrl.pipelines.videos import write_video
+    from mmrl.pipelines.videos import DEFAULT_FPS, write_video, write_wav
 
-    for img, path in zip(u8, paths):
+    for i, (img, path) in enumerate(zip(u8, paths)):
+        wave = None if audio is None else audio[i]
+        if wave is not None:
+            write_wav(wave, sample_rate, path.with_suffix(".wav"))
         if img.dim() == 4:
-            write_video(img.permute(0, 2, 3, 1).numpy(), path)
+            write_video(img.permute(0, 2, 3, 1).numpy(), path, fps or DEFAULT_FPS, audio=wave, sample_rate=sample_rate)
         else:
             Image.fromarray(img.permute(1, 2, 0).numpy()).save(path)

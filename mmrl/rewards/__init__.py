@@ -37,5 +37,8 @@ register_lazy("mmrl.rewards.video", "video_frames", "temporal_consistency", "mot
 register_lazy("mmrl.rewards.latent_dina", "dina_lrm")
 register_lazy("mmrl.rewards.latent_lpo", "lpo_lrm")
 
+# audio rewards (an audio-video family's waveforms + sample rate: mmrl.rewards.audio)
+register_lazy("mmrl.rewards.audio", "audio_loudness")
+
 # VideoAlign's VideoReward (Qwen2-VL reward model: visual quality, motion quality, text alignment)
 register_lazy("mmrl.rewards.video_align", "videoalign", "videoreward")

@@ -278,9 +278,15 @@ def _exit_with_parent(pid: int) -> None:
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 def _refuse_latents(spec: str, reward: Any) -> Any:
-    """A latent reward (its class or a loaded reward with a latent component): one line, the CLI and the server take
-    image files; anything else is returned."""
+    """A latent or audio reward (its class or a loaded reward with such a component): one line, the CLI and the server
+    take image files; anything else is returned."""
+    from mmrl.rewards.audio import AudioRewardModel, takes_audio
     from mmrl.rewards.latent import LatentRewardModel, takes_latents
+
+    if (isinstance(reward, type) and issubclass(reward, AudioRewardModel)) or (
+            not isinstance(reward, type) and takes_audio(reward)):
+        _fail(f"reward {spec!r} scores sound, not images: `mmrl reward score|serve` take image files only; call it "
+              f"from Python (load(...)(audio=..., sample_rate=...)) or name it in a recipe's reward.components")
 
     if (isinstance(reward, type) and issubclass(reward, LatentRewardModel)) or (
             not isinstance(reward, type) and takes_latents(reward)):

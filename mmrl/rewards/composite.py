@@ -15,7 +15,9 @@ of its own details. Image (or video) and text components can be mixed: image and
 ``images, prompts, metadata`` (videos [B, F, 3, H, W] in ``images``), text components ``completions, prompts,
 metadata``; image and video components cannot (wrap image rewards with ``video_frames``). Latent components
 (`mmrl.rewards.latent`) get ``latents, prompts, metadata``; they all score one latent space, and a composite of
-latent components only is itself a latent reward (``kind == "latent"``: a recipe then skips the VAE decode).
+latent components only is itself a latent reward (``kind == "latent"``: a recipe then skips the VAE decode). Audio
+components (`mmrl.rewards.audio`) get ``audio, sample_rate, prompts, metadata`` beside any of these; a composite of
+audio components only is an audio reward.
 """
 
 from __future__ import annotations
@@ -61,8 +63,9 @@ class CompositeReward(RewardModel):
                              f"space, of an image family")
         if spaces:
             self.latent_space = next(c.latent_space for c in self.components.values() if c.kind == "latent")
-        self.kind = ("text" if kinds == {"text"} else "latent" if kinds == {"latent"}
-                     else "video" if "video" in kinds else "image")
+        rest = kinds - {"audio"}  # sound comes beside the pictures (or alone), it does not change their kind
+        self.kind = ("audio" if not rest else "text" if rest == {"text"} else "latent" if rest == {"latent"}
+                     else "video" if "video" in rest else "image")
         self.differentiable = all(c.differentiable for c in self.components.values())
         self.needs_prompts = any(getattr(c, "needs_prompts", False) for c in self.components.values())
         self.name = "composite(" + " + ".join(f"{w:g}*{k}" for k, w in self.weights.items()) + ")"
@@ -125,7 +128,7 @@ class CompositeReward(RewardModel):
 
     def __call__(self, images: Any = None, prompts: Sequence[str] | None = None,
                  metadata: Sequence[dict] | None = None, completions: Sequence[str] | None = None,
-                 latents: Any = None) -> RewardOutput:
+                 latents: Any = None, audio: Any = None, sample_rate: Any = None) -> RewardOutput:
         if images is not None and not isinstance(images, torch.Tensor) and "image" in self.kinds.values():
             images = to_image_list(images)  # decode once, not once per component
             if len({tuple(t.shape) for t in images}) > 1:  # mixed sizes: each size is its own batch
@@ -139,6 +142,8 @@ class CompositeReward(RewardModel):
                 raw[key] = comp(prompts=prompts, metadata=metadata, completions=completions)
             elif comp.kind == "latent":
                 raw[key] = comp(latents=latents, prompts=prompts, metadata=metadata)
+            elif comp.kind == "audio":
+                raw[key] = comp(audio=audio, sample_rate=sample_rate, prompts=prompts, metadata=metadata)
             else:
                 if images is None:
                     raise ValueError(f"composite component '{key}' scores images: pass images=...")

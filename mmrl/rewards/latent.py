@@ -102,8 +102,8 @@ def takes_latents(reward: Any) -> bool:
 
 
 def needs_pixels(reward: Any) -> bool:
-    """Whether scoring `reward` needs decoded images (False only when every component scores latents)."""
-    return getattr(reward, "kind", None) != "latent"
+    """Whether scoring `reward` needs decoded images (False only when every component scores latents or sound)."""
+    return getattr(reward, "kind", None) not in ("latent", "audio")
 
 
 def check_latent_rewards(components: Mapping[str, Any], policy: Callable[[], LatentSpace | None], model_path: Any,

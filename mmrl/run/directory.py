@@ -355,12 +355,13 @@ class Run:
                     dynamic_ncols=True, disable=os.environ.get("MMRL_NO_PROGRESS") == "1")
 
     def save_samples(self, step: int, images: torch.Tensor, captions: list[str] | None = None,
-                     name: str | None = None, title: str | None = None) -> Path:
+                     name: str | None = None, title: str | None = None, **sound: Any) -> Path:
         """A grid of the samples in samples/ (PNG with `title` above it; videos [N, F, 3, H, W]: MP4), also sent to
-        the trackers."""
+        the trackers; `sound`: `audio`, `sample_rate`, `fps` of `write_samples` (a WAV and an MP4 with sound per
+        sample)."""
         self.check_lock()
         self.start.wrote = True
-        return write_samples(self.samples_dir, self.trackers, step, images, captions, name, title)
+        return write_samples(self.samples_dir, self.trackers, step, images, captions, name, title, **sound)
 
     def finish(self, extra: dict | None = None, axis: dict | None = None) -> dict:
         """Write plots/reward_curve.png (`axis`: the reward's `unit` and `value_range`, `mmrl.training.summary.

@@ -85,13 +85,17 @@ def save_image_grid(images: Any, captions: list[str] | None, path: str | Path, c
 
 
 def write_samples(directory: Path, trackers: list, step: int, images: torch.Tensor, captions: list[str] | None = None,
-                  name: str | None = None, title: str | None = None) -> Path:
+                  name: str | None = None, title: str | None = None, audio: torch.Tensor | None = None,
+                  sample_rate: int | None = None, fps: float | None = None) -> Path:
     """`Run.save_samples`: images [N, 3, H, W] -> a PNG grid (`directory/<name or step_N.png>`, `title` above it);
     videos [N, F, 3, H, W] -> an MP4 grid (same name, `.mp4`; `mmrl.pipelines.videos`). Each tracker gets the samples
     with their captions (reward, prompt): images (TensorBoard draws them as one grid per step), or videos where the
-    tracker takes them."""
+    tracker takes them. `audio` [N, C, S] at `sample_rate` (an audio-video family's sound): sample i also gets
+    `<name>_s<i>.wav` and, for videos, `<name>_s<i>.mp4` with its sound track at `fps` frames per second."""
     kind = "eval" if (name or "").startswith("eval") else "rollout"
     path = Path(directory) / (name or f"step_{step:06d}.png")
+    if audio is not None:
+        write_sample_sounds(path, images, audio, sample_rate, fps)
     if isinstance(images, torch.Tensor) and images.dim() == 5:
         from mmrl.pipelines.videos import DEFAULT_FPS, to_uint8_frames
 
@@ -106,6 +110,22 @@ def write_samples(directory: Path, trackers: list, step: int, images: torch.Tens
         for tracker in trackers:
             tracker.images(int(step), kind, pils, captions)
     return path
+
+
+def write_sample_sounds(grid: Path, images: torch.Tensor, audio: torch.Tensor, sample_rate: int | None,
+                        fps: float | None) -> None:
+    """Beside the grid `grid`: `<stem>_s<i>.wav` per sample and, for videos [N, F, 3, H, W], `<stem>_s<i>.mp4` (the
+    video with its sound)."""
+    from mmrl.pipelines.videos import DEFAULT_FPS, write_video, write_wav
+
+    if not sample_rate or audio.dim() != 3 or audio.shape[0] != images.shape[0]:
+        raise ValueError(f"save_samples: audio must be [N, C, S] for the {images.shape[0]} samples with a sample_rate, "
+                         f"got {tuple(audio.shape)} at {sample_rate!r}")
+    for i, wave in enumerate(audio):
+        stem = grid.with_name(f"{grid.stem}_s{i}")
+        write_wav(wave, sample_rate, stem.with_suffix(".wav"))
+        if images.dim() == 5:
+            write_video(images[i], stem.with_suffix(".mp4"), fps or DEFAULT_FPS, audio=wave, sample_rate=sample_rate)
 
 
 _EVAL_RATES = {"eval/accuracy": "eval accuracy (greedy)", "eval/success_rate": "eval success rate"}

@@ -125,6 +125,8 @@ def test_recipe_trains_and_resumes_exactly(family, recipe, lora, tmp_path, tiny_
         assert max(r["diag/logprob_drift"] for r in a) < 1e-4
     video = CASES[family].rollout.get("num_frames", 1) > 1
     assert (full / "samples" / f"step_000001.{'mp4' if video else 'png'}").is_file()
+    if MODEL_FAMILIES[CASES[family].pipeline].has_audio:  # the grid's samples with their sound
+        assert (full / "samples" / "step_000001_s0.wav").is_file()
     ckpt = full / "checkpoints" / "step_2" / "adapters" / "default"
     assert (ckpt / ("adapter_model.safetensors" if lora else "model.safetensors")).is_file()
     if reward_of(CASES[family]) is EDIT_REWARD:  # the edit rewards read each row's source image and mask

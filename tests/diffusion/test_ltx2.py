@@ -39,7 +39,7 @@ def _pipeline_final(m, x0, *, steps, gs, audio_gs, output_type="latent"):
                latents=pipe._pack_latents(video), audio_latents=audio4, max_sequence_length=SEQ,
                output_type=output_type, **NO_EXTRA_GUIDANCE)
     if output_type != "latent":
-        return out.frames
+        return out.frames, out.audio
     vae, avae = pipe.vae, pipe.audio_vae
     v = pipe._normalize_latents(out.frames, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
     a = (out.audio.transpose(1, 2).flatten(2, 3) - avae.latents_mean) / avae.latents_std
@@ -49,7 +49,7 @@ def _pipeline_final(m, x0, *, steps, gs, audio_gs, output_type="latent"):
 @pytest.mark.parametrize("gs, audio_gs", [(3.0, 5.0), (1.0, None)], ids=["cfg", "no_cfg"])
 def test_ltx2_ode_rollout_equals_diffusers_pipeline(ltx2_path, gs, audio_gs):
     """Video and audio latents after 3 steps equal LTX2Pipeline's for the same initial noise, with CFG (video 3,
-    audio 5) and without; the decoded videos too."""
+    audio 5) and without; the decoded videos and waveforms (audio VAE + vocoder) too."""
     assert json.loads((ltx2_path / "model_index.json").read_text())["_class_name"] == "LTX2Pipeline"
     m = load_flow_model(ltx2_path, num_frames=FRAMES, max_sequence_length=SEQ,
                         family_options={"audio_guidance_scale": audio_gs})
@@ -60,9 +60,12 @@ def test_ltx2_ode_rollout_equals_diffusers_pipeline(ltx2_path, gs, audio_gs):
     ref = _pipeline_final(m, traj.latents[:, 0], steps=3, gs=gs, audio_gs=audio_gs)
     assert (traj.latents[:, -1] - ref).abs().max() < 1e-5
     if gs > 1:
-        video = _pipeline_final(m, traj.latents[:, 0], steps=3, gs=gs, audio_gs=audio_gs, output_type="pt")
+        video, audio = _pipeline_final(m, traj.latents[:, 0], steps=3, gs=gs, audio_gs=audio_gs, output_type="pt")
         assert traj.images.shape == video.shape == (4, FRAMES, 3, H, W)
         assert (traj.images - video).abs().max() < 1e-5
+        sound = m.decode_audio(traj.latents[:, -1], H, W)
+        assert sound.shape == audio.shape and sound.shape[:2] == (4, 2) and m.audio_sample_rate == 16000
+        assert (sound - audio).abs().max() < 1e-5
 
 
 def test_ltx2_initial_noise_is_the_pipelines(ltx2_path):
@@ -144,3 +147,79 @@ def test_ltx2_dgpo_trains_and_resumes_exactly(ltx2_path, tmp_path, lora, monkeyp
     rows = fr.assert_resume_is_exact(full, split)
     assert all(r["policy/grad_norm"] > 0 for r in rows)
     assert (full / "samples" / "step_000001.mp4").is_file()
+
+
+AUDIO_REWARD = {"motion_amount": 1.0, "loud": {"reward": "audio_loudness", "weight": 0.1}}
+
+
+@pytest.mark.slow
+def test_ltx2_flow_grpo_rewards_sound_and_resumes_exactly(ltx2_path, tmp_path):
+    """Flow-GRPO on the tiny case with a video reward and an audio reward: the rollout decodes the sound for it,
+    2 steps = 1 step + a resumed step (metrics and weights), and every grid sample has its WAV and its MP4 with an
+    AAC track."""
+    import av
+
+    from mmrl.config import load_config
+    from mmrl.diffusion.flow_grpo import train
+
+    from . import test_family_recipes as fr
+
+    full, split = tmp_path / "full", tmp_path / "split"
+    for out, steps in ((full, 2), (split, 1), (split, 2)):
+        d = fr._config_dict("flow_grpo", "ltx2", ltx2_path, out, True, steps)
+        d["reward"]["components"] = AUDIO_REWARD
+        train(load_config(d))
+    rows = fr.assert_resume_is_exact(full, split)
+    assert all(r["policy/grad_norm"] > 0 and -100 < r["reward/loud"] < 0 for r in rows)
+    assert rows[0]["reward/mean"] == pytest.approx(rows[0]["reward/motion_amount"] + 0.1 * rows[0]["reward/loud"])
+    samples = full / "samples"
+    n = len(list(samples.glob("step_000001_s*.wav")))  # one per grid prompt
+    assert n > 1 and {p.name for p in samples.glob("step_000001*")} == {"step_000001.mp4"} | {
+        f"step_000001_s{i}.{ext}" for i in range(n) for ext in ("mp4", "wav")}
+    with av.open(str(samples / "step_000001_s0.mp4")) as c:
+        assert [s.type for s in c.streams] == ["video", "audio"] and c.streams.audio[0].rate == 16000
+
+
+def test_ltx2_video_reward_never_decodes_sound(ltx2_path, tmp_path, monkeypatch):
+    """Without an audio reward a rollout does not decode the sound (no vocoder cost for video-only rewards)."""
+    from mmrl.config import load_config
+    from mmrl.diffusion.flow_grpo import train
+
+    from . import test_family_recipes as fr
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("decode_audio called")
+
+    monkeypatch.setattr(LTX2Model, "decode_audio", refuse)
+    d = fr._config_dict("flow_grpo", "ltx2", ltx2_path, tmp_path / "run", True, 1)
+    train(load_config({**d, "log": {"sample_every": 0}}))
+    assert fr.metrics_rows(tmp_path / "run")[0]["reward/motion_amount"] >= 0
+
+
+def test_ltx2_eval_saves_and_scores_the_sound(ltx2_path, tmp_path):
+    """`mmrl eval` of the tiny case with an audio reward: each sample's MP4 carries its sound, a WAV lies beside it,
+    and the report's audio scores are those of the decoded waveform (recomputed here)."""
+    import av
+
+    from mmrl.config import load_config
+    from mmrl.eval import run_eval
+    from mmrl.eval.harness import prompt_seed
+    from mmrl.rewards import load
+
+    from . import test_family_recipes as fr
+
+    d = fr._config_dict("flow_grpo", "ltx2", ltx2_path, tmp_path / "run", True, 1)
+    d["reward"]["components"] = AUDIO_REWARD
+    cfg = load_config(d)
+    report = run_eval(cfg, None, prompts=fr.PROMPTS, out=tmp_path / "ev", max_prompts=2)
+    m = load_flow_model(ltx2_path, num_frames=3, max_sequence_length=16)
+    for i, p in enumerate(report["per_prompt"]):
+        clip = tmp_path / "ev" / p["images"][0]
+        assert clip.with_suffix(".wav").is_file()
+        with av.open(str(clip)) as c:
+            assert [s.type for s in c.streams] == ["video", "audio"]
+        traj = sample_groups(m, m.encode_prompts([p["prompt"]]), 1, num_steps=cfg.rollout.eval_num_steps, height=32,
+                             width=32, guidance_scale=cfg.rollout.eval_guidance_scale, noise_level=0.0,
+                             generator=torch.Generator().manual_seed(prompt_seed(cfg.seed, i)), decode_audio=True)
+        loud = load("audio_loudness")(audio=traj.audio, sample_rate=16000).scores.item()
+        assert p["components"]["loud"][0] == pytest.approx(loud, abs=1e-5)

@@ -110,6 +110,7 @@ class FlowModel:
     needs_source_image: bool = False  # edit models: encode_prompts(prompts, images) needs one source image per prompt
     has_unused_parameters: bool = False  # parameters no output depends on: DDP must find unused parameters
     is_video: bool = False  # latents [B, C, F, h, w]; decode gives [B, F, 3, H, W] when num_frames > 1
+    has_audio: bool = False  # audio-video families: decode_audio(latents, h, w) -> waveforms [B, C, S]
     num_frames: int = 1  # frames per sample (> 1 only for video families; set_num_frames)
     option_names: tuple[str, ...] = ()  # the keywords `configure` takes (model.family_options)
     tiny_cases: tuple[TinyCase, ...] = ()  # declared by each registered class itself (not inherited): see TinyCase

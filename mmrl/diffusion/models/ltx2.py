@@ -5,8 +5,9 @@ the pipeline steps both with the same sigmas, so the state this family exposes i
 tensor [B, D]: the video latents [C, F', h, w] (normalised, as the pipeline's) then the audio latents in the
 pipeline's packed layout [L, C_a * M] (normalised). One flow-matching process on the pair: the samplers' SDE noises
 both parts, the per-step log-probs average over both, and every recipe trains the transformer's video and audio
-outputs together on the reward of the decoded video. `decode` gives the video [B, F, 3, H, W] only: the waveform is
-not decoded, rewarded or saved (the audio stream is trained, as a joint policy, but nothing scores its sound).
+outputs together. `decode` gives the video [B, F, 3, H, W]; `decode_audio` the waveforms [B, 2, S] at
+`audio_sample_rate` (the audio VAE's mel spectrogram through the vocoder, as the pipeline), which a rollout decodes
+only when a reward component scores audio (`mmrl.rewards.audio`) and sample grids save beside their videos.
 
 What diffusers' `LTX2Pipeline.__call__` does per step, and what this family does the same way:
 - text: Gemma 3's every hidden state, stacked (`encode_prompt`, left padding to `max_sequence_length`), through the
@@ -22,6 +23,8 @@ What diffusers' `LTX2Pipeline.__call__` does per step, and what this family does
   combination v_u + w (v_c - v_u) at the same sigma;
 - decode: de-normalise (latents_mean / latents_std / scaling_factor), `AutoencoderKLLTX2Video.decode` (timestep 0
   and no decode noise when the VAE is timestep-conditioned: the pipeline's defaults), [-1, 1] -> [0, 1].
+- audio decode: de-normalise (the audio VAE's latents_mean / latents_std on the packed latents), unpack to
+  [B, C_a, L, M], `AutoencoderKLLTX2Audio.decode` (a mel spectrogram), `LTX2Vocoder` -> waveform.
 Not covered: the pipeline's spatio-temporal guidance (STG), modality-isolation guidance and guidance rescale (each an
 extra transformer pass or a non-linear rescale; the recipes run with CFG only, parity holds with `stg_scale=0,
 modality_scale=1, guidance_rescale=0`); image-to-video, the two-stage upsampler, prompt enhancement; encoding videos
@@ -54,6 +57,7 @@ class LTX2Model(FlowModel):
     family = "ltx2"
     default_max_sequence_length = 1024  # LTX2Pipeline's max_sequence_length
     is_video = True
+    has_audio = True
     option_names = ("audio_guidance_scale", "frame_rate")
     lora_target_modules = LTX2_LORA_TARGETS
     tiny_cases = (TinyCase("ltx2", build_tiny_ltx2, {"height": 32, "width": 32, "num_frames": 3,
@@ -202,7 +206,7 @@ class LTX2Model(FlowModel):
 
     # ------------------------------------------------------------------ VAE
     def decode(self, latents, height, width):
-        """State [B, D] -> videos [B, F, 3, H, W] in [0, 1] (one frame: images [B, 3, H, W]); the audio is dropped."""
+        """State [B, D] -> videos [B, F, 3, H, W] in [0, 1] (one frame: images [B, 3, H, W]); sound: decode_audio."""
         video, _ = self.split(latents, height, width)
         vae = self.vae
         z = self.pipe._denormalize_latents(video, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
@@ -210,6 +214,20 @@ class LTX2Model(FlowModel):
         out = vae.decode(z.to(vae.dtype), t, return_dict=False)[0]  # [B, 3, F, H, W] in [-1, 1]
         out = (out.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)
         return out[:, 0] if self.num_frames == 1 else out
+
+    @property
+    def audio_sample_rate(self) -> int:
+        """Samples per second of `decode_audio`'s waveforms (the vocoder's output rate; LTX-2: 24000)."""
+        return int(self.pipe.vocoder.config.output_sampling_rate)
+
+    def decode_audio(self, latents: Tensor, height: int, width: int) -> Tensor:
+        """State [B, D] -> waveforms [B, channels, samples] (float, the vocoder's range) at `audio_sample_rate`."""
+        _, audio = self.split(latents, height, width)
+        p, avae = self.pipe, self.pipe.audio_vae
+        z = p._denormalize_audio_latents(audio, avae.latents_mean, avae.latents_std)
+        z = p._unpack_audio_latents(z, audio.shape[1], num_mel_bins=self._audio_dims()[1])
+        mel = avae.decode(z.to(avae.dtype), return_dict=False)[0]
+        return p.vocoder(mel).float()
 
     def encode_images(self, images):
         raise ValueError("LTX2Pipeline: encoding videos into latents is not supported (LTX-2's latents hold the "
@@ -284,6 +302,13 @@ register_architecture(Architecture(
     # Flow-Factory's LTX-2 t2av GRPO run: 512 x 768, 121 frames -> 16 x 16 x 24 = 6144 video tokens, 126 audio
     # tokens, 1024 Gemma tokens (the pipeline's max_sequence_length), micro-batch 1 without CFG (guidance 1), rank 64
     step=dict(rows=1, num_frames=121, height=512, width=768, text_tokens=1024, lora_rank=64),
+    # the recipe's row (7294 tokens) does not fit a CPU measurement beside other jobs: measure 9 frames (2 x 16 x 24 =
+    # 768 video tokens + 9 audio + the same 1024 text tokens) and scale what a row adds by the tokens (7294 / 1801,
+    # linear: flash attention on a GPU keeps no [L, L] matrix), the fixed part too: an upper bound (the text tokens
+    # are the same in both rows); LoRA only, as the recipe (full fine-tuning: 8 bytes a parameter, 141 GiB, FSDP)
+    measured_row=dict(num_frames=9, height=512, width=768, text_tokens=1024),
+    row_scale={"*": (6144 + 126 + 1024) / (768 + 9 + 1024)},
+    measure_modes=("lora",),
     inputs=_training_row,
     small_widths={"num_attention_heads": 2, "attention_head_dim": 16, "cross_attention_dim": 32,
                   "audio_num_attention_heads": 2, "audio_attention_head_dim": 8, "audio_cross_attention_dim": 16,
