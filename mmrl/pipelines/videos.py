@@ -19,7 +19,7 @@ from __future__ import annotations
 import io
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
