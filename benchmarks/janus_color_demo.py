@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -44,26 +45,23 @@ def _env() -> dict:
     return env
 
 
+def _train(r: dict) -> None:
+    """One run's `mmrl train` command, its output in <out>/<name>.log; a failure stops with the log's tail."""
+    r["dir"].parent.mkdir(parents=True, exist_ok=True)
+    log_path = r["dir"].parent / f"{r['dir'].name}.log"
+    with open(log_path, "w") as log:
+        code = subprocess.run(r["cmd"], cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT).returncode
+    if code:
+        tail = log_path.read_text().strip().splitlines()[-5:]
+        raise SystemExit(f"janus_color_demo: {r['name']} failed (exit {code}):\n" + "\n".join(tail))
+
+
 def _train_all(runs: list[dict], jobs: int) -> None:
-    """Run every `runs` entry's `mmrl train` command, `jobs` at a time; one failure stops with its stderr tail."""
-    pending, active = list(runs), []
-    while pending or active:
-        while pending and len(active) < jobs:
-            r = pending.pop(0)
-            r["dir"].parent.mkdir(parents=True, exist_ok=True)
-            log = open(r["dir"].parent / f"{r['dir'].name}.log", "w")
-            active.append((r, log, subprocess.Popen(r["cmd"], cwd=REPO, env=_env(), stdout=log,
-                                                    stderr=subprocess.STDOUT)))
-        time.sleep(0.5)
-        for item in list(active):
-            r, log, proc = item
-            if proc.poll() is None:
-                continue
-            log.close()
-            active.remove(item)
-            if proc.returncode:
-                tail = (r["dir"].parent / f"{r['dir'].name}.log").read_text().strip().splitlines()[-5:]
-                raise SystemExit(f"janus_color_demo: {r['name']} failed (exit {proc.returncode}):\n" + "\n".join(tail))
+    """Every `runs` entry's `mmrl train` command, `jobs` at a time (the standard thread pool, as
+    compare_diffusion_algos runs its processes)."""
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        for done in [pool.submit(_train, r) for r in runs]:
+            done.result()
 
 
 def _rollout_rewards(run_dir: Path) -> list[float]:

@@ -322,3 +322,25 @@ def test_algo_step_cost_counts_the_published_transformer_evaluations_by_hand(tmp
     assert cost["flow_grpo"]["task"]["evals"] == 8 * 22 and cost["dgpo"]["task"]["evals"] == 8 * 20
     assert cost["flow_grpo"]["per_step_x"] == 1.0 and cost["dgpo"]["per_step_x"] > 0
     assert (tmp_path / "cost.json").is_file()
+
+
+@pytest.mark.slow
+def test_janus_color_demo_runs_both_arms_and_evaluates(tmp_path):
+    """`benchmarks/janus_color_demo.py` in its shortest form (1 seed, 6 steps, 1 image per held-out prompt): both
+    arms train in parallel processes, the table has a row per arm, the control at lr 1e-8 ends where it started on
+    the held-out prompts (same sampling seed, weights moved by ~1e-8), and the held-out grids are written."""
+    import json
+    import subprocess
+
+    from mmrl.testing import child_env
+
+    out = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, str(BENCH / "janus_color_demo.py"), "--seeds", "0", "--steps", "6",
+                           "--eval-images", "1", "--jobs", "2", "--out", str(out)], cwd=BENCH.parent,
+                          env=child_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = {r["arm"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
+    assert set(runs) == {"trained", "control"} and all(r["steps"] == 6 for r in runs.values())
+    assert abs(runs["control"]["held_out_end"] - runs["control"]["held_out_start"]) < 0.02
+    assert "| 0 | trained |" in proc.stdout and "| 0 | control |" in proc.stdout
+    assert (out / "held_out_start.png").is_file() and (out / "held_out_trained.png").is_file()
