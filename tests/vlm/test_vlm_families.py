@@ -217,6 +217,19 @@ def test_vllm_prompts_carry_the_family_placeholder_unexpanded(policy):
     assert raw[0]["prompt"] == fam.chat_image + "What color?"
 
 
+def test_a_full_vllm_sync_sends_every_name_of_a_tied_tensor(glm_path):
+    """The tiny InternVL's lm_head is its embed_tokens (named_parameters lists it once): the sync sends the tensor
+    under both names, as vLLM's CPU build keeps a separate copy for its output layer."""
+    from mmrl.adapters import PolicyStates
+    from mmrl.vlm.vllm_sync import VLLMWeightSyncer
+
+    model, _ = load_policy(glm_path)
+    sent = dict(VLLMWeightSyncer(None, PolicyStates(model, None), load_fn=lambda chunk: None).named_weights(True))
+    assert set(sent) == {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    embed = "model.language_model.embed_tokens.weight"
+    assert (sent["lm_head.weight"] is sent[embed]) == (_family(model) is INTERNVL)
+
+
 def _cfg(glm_path, out, *overrides):
     base = {
         "algorithm": "vlm_grpo", "output_dir": str(out), "device": "cpu", "seed": 3,
