@@ -225,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "Qwen-VL, CLIP) into DIR")
     tb.add_argument("dir")
     tb.add_argument("--head-dim", type=int, default=16, metavar="N",
-                    help="head size of the Qwen-VL text decoders (default 16; vLLM's CPU backend needs 32, 64, ...)")
+                    help="head size of the VLM text decoders (Qwen2-VL / 2.5-VL, GLM-4.1V, InternVL; default 16; "
+                         "vLLM's CPU backend needs 32, 64, ...)")
     tb.set_defaults(func=cmd_tiny)
 
     dm = sub.add_parser("demo", help="run the CPU demos (what `make demo` runs)")

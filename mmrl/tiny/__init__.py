@@ -114,9 +114,9 @@ BUILDERS = {
 def build_all(root, seed: int = 0, vlm_head_dim: int = 16) -> dict[str, Path]:
     """Build every tiny model into ``root/<name>`` (names as in ``BUILDERS``); returns name -> path.
 
-    vlm_head_dim: head size of the Qwen2-VL / Qwen2.5-VL text decoders (16 = the smallest; vLLM's CPU backend takes
-    32, 64, ...: ``mmrl.vlm.vllm_engine.CPU_HEAD_SIZES``)."""
+    vlm_head_dim: head size of the Qwen2-VL / Qwen2.5-VL, GLM-4.1V and InternVL text decoders (16 = the smallest;
+    vLLM's CPU backend takes 32, 64, ...: ``mmrl.vlm.vllm_engine.CPU_HEAD_SIZES``)."""
     root = Path(root)
-    with_head = {"qwen2_vl", "qwen25_vl"}
+    with_head = {"qwen2_vl", "qwen25_vl", "glm4v", "internvl"}
     return {name: build(root / name, seed=seed, **({"head_dim": vlm_head_dim} if name in with_head else {}))
             for name, build in BUILDERS.items()}

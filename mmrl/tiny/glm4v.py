@@ -4,7 +4,8 @@ THUDM/GLM-4.1V-9B-Thinking directory is (config.json, safetensors, processor and
 Sizes (facts measured in /work/shared/facts/MODEL_KINDS_2026.md, checked against transformers 5.24.0
 ``configuration_glm4v.py``): text decoder hidden 64, 2 layers, 4 heads of 16, 2 kv heads, M-RoPE
 ``mrope_section [1, 1, 2]`` over half of each head (``partial_rotary_factor 0.5``, GLM's partial rope); vision tower
-depth 1, hidden 32, patch 14, merge 2; images resized into [56*56, 112*112] pixels (a 56x56 image = 4 tokens).
+depth 1, hidden 32, patch 14, merge 2 (``head_dim=32`` for vLLM's CPU attention doubles the decoder's widths and
+the M-RoPE sections); images resized into [56*56, 112*112] pixels (a 56x56 image = 4 tokens).
 Tokenizer: the tiny Qwen byte-level BPE of ``mmrl.tiny.vocab`` plus GLM-4.1V's special tokens (the real strings,
 source: THUDM/GLM-4.1V-9B-Thinking tokenizer_config.json) and a chat template with GLM's layout
 (``[gMASK]<sop><|user|>\\n...<|assistant|>\\n``, images as ``<|begin_of_image|><|image|><|end_of_image|>``).
@@ -55,22 +56,34 @@ def glm4v_tokenizer():
 
 
 @side_effect_free
-def build_tiny_glm4v(path, seed: int = 0) -> Path:
-    """Tiny ``Glm4vForConditionalGeneration`` + ``Glm4vProcessor`` at ``path`` (see the module docstring)."""
+def build_tiny_glm4v(path, seed: int = 0, head_dim: int = 16) -> Path:
+    """Tiny ``Glm4vForConditionalGeneration`` + ``Glm4vProcessor`` at ``path`` (see the module docstring).
+
+    `head_dim`: of the text decoder (a multiple of 16; hidden 4 * head_dim, intermediate 2 * hidden, mrope_section
+    scaled alike); vLLM's CPU backend needs one of ``mmrl.vlm.vllm_engine.CPU_HEAD_SIZES`` (e.g. 32)."""
     from transformers import (Glm4vConfig, Glm4vForConditionalGeneration, Glm4vImageProcessor, Glm4vProcessor,
                               Glm4vVideoProcessor)
 
+    if head_dim < 16 or head_dim % 16:
+        raise ValueError(f"tiny GLM-4.1V: head_dim must be a multiple of 16 (mrope_section 1:1:2 over a quarter of "
+                         f"each head), got {head_dim}")
+    unit, hidden = head_dim // 16, 4 * head_dim
     path = _prepare_dir(path)
     tok = glm4v_tokenizer()
     tid = tok.convert_tokens_to_ids
     eos, pad = tid("<|user|>"), tid("<|endoftext|>")
-    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+    text = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=4096,
                 rms_norm_eps=1e-5, hidden_act="silu", pad_token_id=pad, eos_token_id=eos,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
-                                 "partial_rotary_factor": 0.5})
+                # as the real config.json: transformers' decoder has q/k/v biases whatever it says, vLLM's Glm4
+                # reads this flag (default False) and without it drops the biases (a synced bias then never lands)
+                # source: huggingface/transformers@231653db models/glm4v/convert_glm4v_mgt_weights_to_hf.py
+                # ("attention_bias": add_qkv_bias, default True)
+                attention_bias=True,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": [unit, unit, 2 * unit], "partial_rotary_factor": 0.5})
     vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=14, spatial_merge_size=2,
-                  temporal_patch_size=2, image_size=56, out_hidden_size=64)
+                  temporal_patch_size=2, image_size=56, out_hidden_size=hidden)
     cfg = Glm4vConfig(text_config=text, vision_config=vision, image_token_id=tid("<|image|>"),
                       video_token_id=tid("<|video|>"), image_start_token_id=tid("<|begin_of_image|>"),
                       image_end_token_id=tid("<|end_of_image|>"), video_start_token_id=tid("<|begin_of_video|>"),

@@ -14,6 +14,8 @@ What differs:
   ``"1d"``: plain positions (InternVL); ``RolloutBatch`` keeps them as 3 equal rows and hands the model one;
 * ``vision_attr`` / ``vision_lora``: the vision tower's attribute name and the LoRA pattern of its blocks
   (``model.train_vision``); ``vision_cache``: ``VisionCache`` can hand its features to the model;
+* ``pad_wrap``: tokens the processor writes around an expanded placeholder that the chat template does not
+  (InternVL's ``<img>`` ... ``</img>``); vLLM adds them itself, so token-in prompts to vLLM drop them with the run;
 * ``fused_lm_targets``: fused linear layers of the decoder that stand for LoRA target names (GLM's ``gate_up_proj``
   is ``gate_proj`` + ``up_proj`` in one matrix).
 
@@ -44,6 +46,7 @@ class VLMFamily:
     turn_end: str
     rope: str
     videos: bool = True
+    pad_wrap: tuple[str, ...] = ()
     fused_lm_targets: dict[str, tuple[str, ...]] = field(default_factory=dict)
     vision_attr: str = "visual"
     vision_lora: str = r".*visual\.blocks.*\.(qkv|proj|fc1|fc2|gate_proj|up_proj|down_proj)"
@@ -72,7 +75,7 @@ GLM4V = VLMFamily(
 INTERNVL = VLMFamily(
     name="internvl", model_types=("internvl",), chat_image="<IMG_CONTEXT>", image_pad="<IMG_CONTEXT>",
     vision_tokens=("<img>", "</img>", "<IMG_CONTEXT>"), turn_end="<|im_end|>", rope="1d", videos=False,
-    vision_attr="vision_tower",
+    pad_wrap=("<img>", "</img>"), vision_attr="vision_tower",
     vision_lora=r".*vision_tower\.encoder\.layer.*\.(q_proj|k_proj|v_proj|projection_layer|fc1|fc2)",
     vision_cache=False)
 

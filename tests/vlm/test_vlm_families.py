@@ -199,6 +199,37 @@ def test_greedy_rollout_equals_generate(policy):
         assert r.response_ids == (ref[:stop[0] + 1] if stop else ref)
 
 
+def test_vllm_prompts_carry_the_family_placeholder_unexpanded(policy):
+    """What VLLMRolloutEngine hands vLLM, which expands every image placeholder itself: text prompts with the
+    family's image markup (also for a raw ``<image>``), and token-in prompts whose expanded placeholders (InternVL's
+    with the <img> ... </img> around them) are collapsed back to the tokens of the chat text."""
+    from mmrl.vlm.vllm_engine import VLLMRolloutEngine
+
+    model, processor = policy
+    fam = _family(model)
+    encs, items = _prompts(processor)
+    engine = VLLMRolloutEngine("unused", processor, llm=object())  # no vLLM needed to build its inputs
+    reqs = [GenRequest(prompt_text=e.text, images=ims) for e, (_, ims) in zip(encs, items)]
+    for text_in, token_in, e, (_, ims) in zip(engine.build_inputs(reqs), engine.build_inputs(reqs, encs), encs, items):
+        assert text_in["prompt"] == e.text and text_in.get("multi_modal_data", {}).get("image", []) == ims
+        assert token_in["prompt_token_ids"] == processor.tokenizer(e.text)["input_ids"]
+    raw = engine.build_inputs([GenRequest(prompt_text="<image>What color?", images=items[0][1])])
+    assert raw[0]["prompt"] == fam.chat_image + "What color?"
+
+
+def test_a_full_vllm_sync_sends_every_name_of_a_tied_tensor(glm_path):
+    """The tiny InternVL's lm_head is its embed_tokens (named_parameters lists it once): the sync sends the tensor
+    under both names, as vLLM's CPU build keeps a separate copy for its output layer."""
+    from mmrl.adapters import PolicyStates
+    from mmrl.vlm.vllm_sync import VLLMWeightSyncer
+
+    model, _ = load_policy(glm_path)
+    sent = dict(VLLMWeightSyncer(None, PolicyStates(model, None), load_fn=lambda chunk: None).named_weights(True))
+    assert set(sent) == {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    embed = "model.language_model.embed_tokens.weight"
+    assert (sent["lm_head.weight"] is sent[embed]) == (_family(model) is INTERNVL)
+
+
 def _cfg(glm_path, out, *overrides):
     base = {
         "algorithm": "vlm_grpo", "output_dir": str(out), "device": "cpu", "seed": 3,
