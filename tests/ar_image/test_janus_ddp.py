@@ -7,13 +7,14 @@
 * 2 ranks stopped at a checkpoint and resumed equal the uninterrupted 2-rank run (rank 0 alone logs and writes).
 * The one-line refusals: FSDP, rollout ranks, a prompt count the ranks cannot split.
 
-Run as a script (`torchrun ... this_file OUT [key=value ...]`): the recipe with the rank-independent rollouts.
+Run as a script (`torchrun ... this_file KEY=VALUE ...`): the tiny recipe with the rank-independent rollouts.
 """
 
 from __future__ import annotations
 
 import re
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -38,13 +39,14 @@ def _rows(out):
 
 
 def _fixed_rollouts() -> None:
-    """Training rollouts drawn from a generator seeded by (the sampler's position at the step's draw, the prompt's
-    ids): the same images for a prompt in one process and on whichever rank holds it."""
+    """Training rollouts drawn from a generator seeded by (the sampler's position at the step's draw, the prompt):
+    the same samples of a prompt in one process and on whichever rank holds it (crc32: str hashes differ by process)."""
+    from mmrl.ar_image.cot import SemanticCoT
     from mmrl.ar_image.janus import JanusPolicy
     from mmrl.pipelines.data import PromptSampler
 
     where = [0]
-    draw, sample = PromptSampler.next, JanusPolicy.sample
+    draw, sample, cot_rollout = PromptSampler.next, JanusPolicy.sample, SemanticCoT.rollout
 
     def next_(self, n):
         where[0] = self.epoch * 1_000_003 + self.index
@@ -52,10 +54,15 @@ def _fixed_rollouts() -> None:
 
     def sample_(self, ids, n, generator=None, attention_mask=None):
         if generator is None:  # the training rollout (grids and evaluation bring their own)
-            generator = torch.Generator().manual_seed(where[0] * 1_000_003 + hash(tuple(ids.flatten().tolist())) % 997)
+            generator = torch.Generator().manual_seed(where[0] * 1_000_003 + zlib.crc32(ids.cpu().numpy().tobytes()))
         return sample(self, ids, n, generator, attention_mask)
 
-    PromptSampler.next, JanusPolicy.sample = next_, sample_
+    def rollout_(self, prompt, n, generator=None):  # rollout.semantic_cot: the CoT and its images from one stream
+        if generator is None:
+            generator = torch.Generator().manual_seed(where[0] * 1_000_003 + zlib.crc32(prompt.encode()))
+        return cot_rollout(self, prompt, n, generator)
+
+    PromptSampler.next, JanusPolicy.sample, SemanticCoT.rollout = next_, sample_, rollout_
 
 
 def _train(*args):
@@ -77,24 +84,29 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_two_ranks_equal_one_process_with_the_same_rollouts(tiny, tmp_path, monkeypatch):
-    two = _torchrun(__file__, *_args(tiny, tmp_path / "two"))
+@pytest.mark.parametrize("cot", [False, True], ids=["image", "semantic_cot"])
+def test_two_ranks_equal_one_process_with_the_same_rollouts(tiny, tmp_path, monkeypatch, cot):
+    extra = ["rollout.semantic_cot=true", "rollout.cot.max_tokens=6"] if cot else []
+    two = _torchrun(__file__, *_args(tiny, tmp_path / "two", *extra))
     assert two.returncode == 0, f"torchrun failed:\n{two.stdout[-2000:]}\n{two.stderr[-5000:]}"
     assert "[mmrl] dist.strategy: auto -> ddp (2 processes launched)" in two.stdout
+    from mmrl.ar_image.cot import SemanticCoT
     from mmrl.ar_image.janus import JanusPolicy
     from mmrl.pipelines.data import PromptSampler
 
     monkeypatch.setattr(PromptSampler, "next", PromptSampler.next)  # restored after the test
     monkeypatch.setattr(JanusPolicy, "sample", JanusPolicy.sample)
+    monkeypatch.setattr(SemanticCoT, "rollout", SemanticCoT.rollout)
     _fixed_rollouts()
-    _train(*_args(tiny, tmp_path / "one"))
+    _train(*_args(tiny, tmp_path / "one", *extra))
     one, two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
     assert [r["step"] for r in two] == [1, 2]  # rank 0 alone logs
     assert_close_across_paths(two, one, what="2 ranks vs 1 process, the same rollouts")
     diff = max(abs(a[k] - b[k]) for a, b in zip(two, one) for k in a if isinstance(a[k], float))
-    print(f"[janus ddp] max |metric diff| 2 ranks vs 1 process: {diff:.2e}; grad norms "
+    print(f"[janus ddp{' cot' if cot else ''}] max |metric diff| 2 ranks vs 1 process: {diff:.2e}; grad norms "
           f"{[round(r['policy/grad_norm'], 6) for r in one]}")
     assert all(r["policy/grad_norm"] > 0 and r["reward/std"] > 0 for r in one)
+    assert not cot or all(1 <= r["cot/length"] <= 6 for r in one)
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["step_1", "step_2"]
 
 
