@@ -75,6 +75,7 @@ RECIPE_SETTINGS = {
 CONFIG_INPUTS = {"flow_grpo_wan_tiny": ["model.path={models}/WanPipeline"],
                  "dpo_tiny_offline": ["data.preference_file={models}/pairs/pairs.jsonl"]}
 ASYNC = {"flow_grpo": "configs/diffusion/flow_grpo_tiny.yaml", "vlm_grpo": "configs/vlm/grpo_tiny_shapes.yaml"}
+DDP = {**ASYNC, "janus_grpo": "configs/ar_image/janus_grpo_tiny.yaml"}  # recipes recorded on 2 processes too
 
 
 def _cases(models: Path, edit_file: Path | None) -> list[dict]:
@@ -99,7 +100,7 @@ def _cases(models: Path, edit_file: Path | None) -> list[dict]:
         for k in (0, 1):
             out.append({"name": f"async/{recipe}/staleness_{k}", "config": cfg, "nproc": 1,
                         "overrides": ["rollout.worker=process", f"rollout.max_staleness={k}"]})
-    for recipe, cfg in ASYNC.items():
+    for recipe, cfg in DDP.items():
         out.append({"name": f"ddp/{recipe}", "config": cfg, "nproc": 2,
                     "overrides": ["dist.strategy=ddp", "dist.backend=gloo"]})
     return out

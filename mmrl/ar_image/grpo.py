@@ -12,7 +12,11 @@ exact resume, metrics rows). The policy is LoRA on the Llama decoder and the gen
 `rollout.semantic_cot` makes each sample a text chain-of-thought then the image tokens (T2I-R1's BiCoT-GRPO,
 `mmrl.ar_image.cot`): both parts' log-probs under one advantage per sample.
 Sample grids and a held-out evaluation (`log:`, `mmrl.ar_image.evaluation`) from their own random streams.
-One process (no DDP/FSDP yet).
+Several processes (`torchrun ... dist.strategy=ddp`, or `auto`): every rank draws the step's global prompts and
+keeps its contiguous share (`prompts_per_step` divisible by the world size), samples its groups with the per-(rank,
+step) random stream of `StepLoop`, and takes its rows' advantages from the all-gathered rewards (a group never spans
+ranks); DDP averages the LoRA gradients of equal shares, so an update's gradient is the global batch's; metrics are
+over the whole batch; rank 0 alone draws grids, evaluates and writes checkpoints. FSDP is refused.
 """
 
 from __future__ import annotations
@@ -139,7 +143,7 @@ class Config(RunConfig):
     train: TrainConfig = field(default_factory=TrainConfig)
     """Training loop length, checkpoints, resume."""
     dist: DistConfig = field(default_factory=DistConfig)
-    """One process only for now (strategy none)."""
+    """Several processes under torchrun / accelerate launch (strategy auto|none|ddp; fsdp is refused)."""
     log: JanusLogConfig = field(default_factory=JanusLogConfig)
     """Sample grids, held-out evaluation, trackers."""
 
@@ -169,6 +173,18 @@ def build_states(cfg: Config, device: torch.device, dtype: torch.dtype):
                                cfg.rollout.prompt_template)
 
 
+class _TrainForward(torch.nn.Module):
+    """The training log-prob pass as one module call: DDP hooks into its wrapped module's forward, and the Janus
+    passes call the model's submodules directly."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, logprobs, rows: torch.Tensor):
+        return logprobs(rows)
+
+
 @closes_runs  # the run directory's lock released however train() ends; a failed start leaves nothing
 def train(cfg: Config) -> dict:
     from mmrl.core import get_advantage_estimator, get_policy_loss, kl_estimate
@@ -183,16 +199,19 @@ def train(cfg: Config) -> dict:
     from mmrl.training.updates import UpdateIterator, reduce_metrics
 
     rollout, algo, update = cfg.rollout, cfg.algo, cfg.update
-    if cfg.dist.strategy not in ("auto", "none"):
-        raise ValueError(f"dist.strategy: janus_grpo runs in one process, expected 'auto' or 'none', got {cfg.dist.strategy!r}")
+    if cfg.dist.strategy not in ("auto", "none", "ddp"):
+        raise ValueError(f"dist.strategy: janus_grpo runs in one process or data parallel, expected 'auto', 'none' "
+                         f"or 'ddp', got {cfg.dist.strategy!r}")
+    if cfg.dist.rollout_ranks:
+        raise ValueError(f"dist.rollout_ranks: janus_grpo has no rollout ranks (every rank trains), expected 0, got "
+                         f"{cfg.dist.rollout_ranks}")
     ctx, run = start_run(cfg, {"rollout.prompts_per_step": rollout.prompts_per_step})
-    if ctx.enabled:
-        raise ValueError("janus_grpo: runs in one process; it was started under torchrun / accelerate launch")
     items = load_prompts(cfg.data.train_prompts)
     eval_items = load_prompts(cfg.data.eval_prompts) if cfg.data.eval_prompts else []
     reward_fn = load_reward(dict(cfg.reward.components), device=str(run.device))
     estimator, loss_fn = get_advantage_estimator(algo.advantage), get_policy_loss(algo.policy_loss)
-    states, policy = build_states(cfg, run.device, run.dtype)
+    with ctx.main_process_first():  # rank 0 builds the tiny model (model.build_tiny) before the others load it
+        states, policy = build_states(cfg, run.device, run.dtype)
     model = states.model
     cot = None
     if rollout.semantic_cot:
@@ -201,6 +220,8 @@ def train(cfg: Config) -> dict:
         cot = SemanticCoT(policy, rollout.cot)
     attach_flops_meter(model)
     params = states.trainable_parameters()
+    forward = ctx.wrap_model(_TrainForward(model), cfg.dist.strategy,  # DDP: the training passes (one process: as is)
+                             find_unused_parameters=cfg.dist.find_unused_parameters)
     per_epoch = update.updates_per_epoch(rollout.batch)
     optimizer, lr_sched = build_optimizer(params, cfg.optim, total_steps=cfg.train.max_steps * update.epochs * per_epoch)
     sampler = PromptSampler(items, seed=cfg.seed)
@@ -209,7 +230,7 @@ def train(cfg: Config) -> dict:
     guard = UpdateGuard(update.max_skipped_updates, ctx, run)
     monitor = JanusMonitor(policy, reward_fn, cfg.log, cfg.seed, cfg.train.max_steps, eval_items, items, cot)
     summary: dict = {}
-    if start == 0:  # the starting policy: grid at step 0, and the evaluation's baseline in the summary
+    if start == 0 and ctx.is_main:  # the starting policy: grid at step 0, and the evaluation's baseline in the summary
         if monitor.grid_due(0):
             monitor.grid(0, run)
         if monitor.eval_due(0):
@@ -218,6 +239,8 @@ def train(cfg: Config) -> dict:
 
     def after_step(step: int, m: dict) -> None:
         m["policy/lr"] = lr_sched.get_last_lr()[0]
+        if not ctx.is_main:  # grids and evaluation: rank 0 alone (the others wait in end_step's collectives)
+            return
         if monitor.grid_due(step):
             monitor.grid(step, run)
         if monitor.eval_due(step):
@@ -228,7 +251,7 @@ def train(cfg: Config) -> dict:
 
     steps = StepLoop(ctx, run, cfg, start, states=states, stateful=stateful, fsdp=False, after_step=after_step)
     for step in steps:
-        batch = sampler.next(rollout.prompts_per_step)
+        batch = ctx.shard(sampler.next(rollout.prompts_per_step))  # the global prompts, this rank's share
         prompts = [it.prompt for it in batch]
         with steps.timer("rollout"), torch.no_grad():
             if cot is None:
@@ -243,7 +266,10 @@ def train(cfg: Config) -> dict:
             meta = [it.metadata for it in batch for _ in range(rollout.group_size)]
             rewards = reward_fn(images, rep, meta if any(meta) else None).scores.float().cpu()
         group = torch.arange(len(prompts)).repeat_interleave(rollout.group_size)
-        adv = estimator(rewards, group).to(run.device)
+        # advantages of the whole batch's rewards (one process: `rewards` as they are), this rank's rows kept
+        rewards_all, group_all = ctx.gather_group_rewards(rewards, group, scope="rank")
+        adv_all = estimator(rewards_all, group_all)
+        adv = ctx.local_slice(adv_all).to(run.device)
         tokens_all = torch.cat(tokens)
         prompt_of = group.tolist()
 
@@ -276,15 +302,15 @@ def train(cfg: Config) -> dict:
                                      lr_scheduler=lr_sched, guard=guard, max_grad_norm=update.max_grad_norm,
                                      step=step, epochs=update.epochs, updates_per_epoch=per_epoch,
                                      micro_batch_size=update.micro_batch_size, metrics=acc):
-                logp, entropy, mask = logprobs(mb.rows)
-                a = adv[mb.rows][:, None].expand_as(logp)
-                loss, m = loss_fn(logp, old[mb.rows], a, mask, clip_low=algo.clip_low, clip_high=algo.clip_high,
-                                  agg=algo.loss_agg)
-                if ref is not None:
-                    kl = agg_loss(kl_estimate(logp, ref[mb.rows], algo.kl.estimator), mask, algo.loss_agg)
-                    loss = loss + algo.kl.coef * kl
-                    acc["kl/ref"].append(kl.detach())
-                with mb.no_sync():
+                with mb.no_sync():  # around the forward too: DDP decides there whether the backward all-reduces
+                    logp, entropy, mask = forward(logprobs, mb.rows)
+                    a = adv[mb.rows][:, None].expand_as(logp)
+                    loss, m = loss_fn(logp, old[mb.rows], a, mask, clip_low=algo.clip_low, clip_high=algo.clip_high,
+                                      agg=algo.loss_agg)
+                    if ref is not None:
+                        kl = agg_loss(kl_estimate(logp, ref[mb.rows], algo.kl.estimator), mask, algo.loss_agg)
+                        loss = loss + algo.kl.coef * kl
+                        acc["kl/ref"].append(kl.detach())
                     (loss * mb.weight(1)).backward()
                 if mb.real:
                     acc["policy/loss"].append(loss.detach())
@@ -292,9 +318,13 @@ def train(cfg: Config) -> dict:
                     ones = torch.ones_like(entropy)  # the image tokens' (the CoT's are not measured)
                     acc["policy/entropy"].append(agg_loss(entropy.detach(), ones, algo.loss_agg))
             model.eval()
-        steps.metrics.update({"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
-                              "adv/abs_mean": float(adv.abs().mean()), **reduce_metrics(ctx, acc)})
-        if cot is not None:
-            steps.metrics.update(cot.metrics(groups))
+        steps.metrics.update({"reward/mean": float(rewards_all.mean()), "reward/std": float(rewards_all.std()),
+                              "adv/abs_mean": float(adv_all.abs().mean()), **reduce_metrics(ctx, acc)})
+        if cot is not None:  # means over equal shares: the mean of the ranks' means
+            steps.metrics.update({k: float(ctx.all_reduce_mean(v)) if ctx.enabled else v
+                                  for k, v in cot.metrics(groups).items()})
     steps.close()
-    return {**summarise(run, "janus_grpo"), **summary}
+    out = {**summarise(run, "janus_grpo"), **summary} if ctx.is_main else {}
+    ctx.barrier()
+    ctx.close()
+    return out
