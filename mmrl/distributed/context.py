@@ -55,8 +55,9 @@ class DistConfig:
 
     rollout_ranks: int = 0
     """How many ranks of the torchrun world generate and score instead of training (with `rollout.worker: ranks`;
-    `mmrl.training.rank_rollout`): the last K of a world of 2K, rank K + i generating trainer rank i's share; the
-    first K train together (DDP) in a process group of their own. 0 = every rank trains."""
+    `mmrl.training.rank_rollout`): the last K of a world of M + K (M a multiple of K), rank M + j generating the
+    shares of trainer ranks j*M/K to (j+1)*M/K - 1 with one model; the first M train together (DDP) in a process
+    group of their own. 0 = every rank trains."""
 
     def __post_init__(self) -> None:
         if self.rollout_ranks < 0:

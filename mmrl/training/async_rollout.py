@@ -122,7 +122,8 @@ class RolloutProcessError(RunError):
 
 class RolloutProducer(Protocol):
     """What a recipe's producer class (built in the rollout process as ``cls(cfg, rank, world, device)``: the
-    trainer rank's device) provides."""
+    trainer rank's device) provides. A rollout rank serving several trainer ranks (`mmrl.training.rank_shared`) also
+    sets its `shards` (a `DistContext`: the share it generates) to each trainer rank's before its batch."""
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy these "default"-state tensors (`PolicyStates.state_tensors` keys) into the producer's policy."""
@@ -150,11 +151,17 @@ def check_rollout_ranks(cfg: Any, world: int | None = None) -> None:
         raise ValueError(f"dist.rollout_ranks={k} needs rollout.worker=ranks, got rollout.worker={worker}")
     if world is None:
         world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if world != 2 * k:
-        raise ValueError(f"dist.rollout_ranks={k} with {world} launched process(es): expected {2 * k}, one rollout "
-                         f"rank per trainer rank (torchrun --nproc-per-node {2 * k}: the first {k} train, rank {k} + i "
-                         f"generates for trainer rank i); a rollout rank serving several trainer ranks is not "
-                         f"supported")
+    trainers = world - k
+    if trainers < k or trainers % k:
+        raise ValueError(f"dist.rollout_ranks={k} with {world} launched process(es): expected {k} rollout ranks after "
+                         f"a multiple of {k} trainer ranks, each rollout rank serving as many (torchrun "
+                         f"--nproc-per-node {2 * k}: the first {k} train, rank {k} + i generates for trainer rank i; "
+                         f"{3 * k}: the first {2 * k} train, rank {2 * k} + i for trainer ranks 2i and 2i + 1)")
+    if trainers > k and getattr(cfg.rollout, "engine", None) == "vllm":
+        raise ValueError(f"rollout.engine=vllm with a rollout rank serving {trainers // k} trainer ranks is not "
+                         f"supported (the engine samples from one random stream of its own, which cannot be kept "
+                         f"per trainer rank); launch {2 * k} processes (one rollout rank per trainer rank) or use "
+                         f"rollout.engine=hf")
 
 
 def check_async_rollout(cfg: Any, multi_process: bool | None = None, recomputes_old: bool = False) -> None:
@@ -337,6 +344,9 @@ class AsyncRollout:
                 obj.load_state_dict(state["producer"][name])
         # "ready": the producer is built (nothing to do)
 
+    def _push_weights(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        self._send("weights", version, pack_tensors(weights))
+
     def _drain_nowait(self, waiting_for: str) -> None:
         """File the messages that have arrived, without waiting."""
         while (msg := self._get(0.0, waiting_for)) is not None:
@@ -363,7 +373,7 @@ class AsyncRollout:
         self._launch()
         self._send("state", state)
         self.version = self.consumed = int(step)
-        self._send("weights", self.version, pack_tensors(weights))
+        self._push_weights(self.version, weights)
         self.submitted = max(self.submitted, self.version)
 
     def push(self, version: int, weights: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -372,7 +382,7 @@ class AsyncRollout:
         t0 = time.perf_counter()
         self.version = int(version)
         if self.version < self.last_step:
-            self._send("weights", self.version, pack_tensors(weights))
+            self._push_weights(self.version, weights)
         push_s = time.perf_counter() - t0
         if self._step is not None:
             self._step["push_s"] += push_s

@@ -116,9 +116,10 @@ def worker_main(builder: str, cfg: Any, rank: int, world: int, device: str, thre
 
 
 def run_producer(builder: str, cfg: Any, rank: int, world: int, device: str, threads: int,
-                 get: Callable[[], tuple | None], put: Callable[[tuple], Any]) -> None:
-    """Build the producer and `serve` the trainer; an error (also while building) goes to the trainer, which
-    raises it, and this side then waits for "stop" (or the trainer's end: `get` returns None)."""
+                 get: Callable[[], tuple | None], put: Callable[[tuple], Any], loop: Callable | None = None) -> None:
+    """Build the producer and `serve` the trainer (`loop`: another loop of `serve`'s signature); an error (also while
+    building) goes to the trainer, which raises it, and this side then waits for "stop" (or the trainer's end: `get`
+    returns None)."""
     try:
         tune_malloc()  # as the trainer (start_run): buffers stay in the heap between calls
         if threads > 0:
@@ -128,7 +129,7 @@ def run_producer(builder: str, cfg: Any, rank: int, world: int, device: str, thr
         flops_model = getattr(producer, "flops_model", None)
         meter = attach_flops_meter(flops_model) if flops_model is not None else None
         put(("ready", os.getpid()))
-        serve(producer, meter, get, put)
+        (loop or serve)(producer, meter, get, put)
     except BaseException as exc:  # noqa: BLE001 - reported to the trainer, which raises it
         try:
             put(("error", _picklable(exc), traceback.format_exc()))
@@ -159,22 +160,30 @@ def serve(producer: Any, meter: Any, get: Callable[[], tuple | None], put: Calla
         elif kind == "state":
             producer.load_state_dict(msg[1])
         elif kind == "produce":
-            _, step, seed, rng = msg
-            if rng is not None:
-                set_rng_state(decode(rng))
-            if seed is not None:
-                seed_everything(seed)
-            if meter is not None:
-                meter.pop()  # (forwards of weight loads and the like are not the rollout's)
-            payload, metrics = producer.produce(step)
-            plain = to_plain(payload)
-            produce_s = time.perf_counter() - t1
-            state = {"producer": producer.state_dict(), "rng": get_rng_state() if rng is not None else None}
-            now = time.perf_counter()
-            info = {"version": version, "idle_s": idle, "wall_s": now - mark, "produce_s": produce_s,
-                    "weight_load_s": load_s, "metrics": dict(metrics),
-                    "flops": meter.pop() if meter is not None else 0}
-            put(("batch", int(step), encode({"payload": plain, "state": state, "info": info})))
+            batch, now = make_batch(producer, meter, msg, version, t1, idle=idle, load_s=load_s, mark=mark)
+            put(batch)
             idle, load_s, mark = 0.0, 0.0, now
         else:
             raise ValueError(f"rollout process: unknown message {kind!r}")
+
+
+def make_batch(producer: Any, meter: Any, msg: tuple, version: int, t1: float, *, idle: float, load_s: float,
+               mark: float) -> tuple[tuple, float]:
+    """The ("batch", step, bytes) message answering the ticket `msg` ("produce", step, seed, rng), made with the
+    weights of `version`, and the time it was done. `t1`: when the ticket was taken up; `idle`, `load_s`: the
+    seconds spent waiting for messages and loading weights since the previous batch, made at `mark`."""
+    _, step, seed, rng = msg
+    if rng is not None:
+        set_rng_state(decode(rng))
+    if seed is not None:
+        seed_everything(seed)
+    if meter is not None:
+        meter.pop()  # (forwards of weight loads and the like are not the rollout's)
+    payload, metrics = producer.produce(step)
+    plain = to_plain(payload)
+    produce_s = time.perf_counter() - t1
+    state = {"producer": producer.state_dict(), "rng": get_rng_state() if rng is not None else None}
+    now = time.perf_counter()
+    info = {"version": version, "idle_s": idle, "wall_s": now - mark, "produce_s": produce_s,
+            "weight_load_s": load_s, "metrics": dict(metrics), "flops": meter.pop() if meter is not None else 0}
+    return ("batch", int(step), encode({"payload": plain, "state": state, "info": info})), now

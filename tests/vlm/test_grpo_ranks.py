@@ -4,7 +4,9 @@ synchronous one-process run; max_staleness 1 stopped at a checkpoint and extende
 in-flight batch comes from the checkpoint); a kill -9 of either rank ends the other within seconds with one line,
 the last complete checkpoint intact. The same on 4 ranks (2 trainer ranks in their own DDP group, 2 rollout ranks):
 max_staleness 0 equals the synchronous 2-process DDP run, max_staleness 1 resumes exactly, a kill -9 of a rollout
-rank ends every rank with one line each. Unsupported combinations are refused in one line."""
+rank ends every rank with one line each. On 3 ranks (2 trainer ranks served by one rollout rank with one model):
+max_staleness 0 equals the synchronous 2-process DDP run, max_staleness 1 resumes exactly. Unsupported combinations
+are refused in one line."""
 
 from __future__ import annotations
 
@@ -141,11 +143,14 @@ def test_kill_9_of_either_rank_ends_the_other_within_seconds(model, tmp_path, vi
 @pytest.mark.parametrize("overrides, world, match", [
     (["rollout.worker=ranks"], 2, r"rollout.worker=ranks needs dist.rollout_ranks >= 1 \(the ranks of the torchrun "),
     (["dist.rollout_ranks=1"], 2, r"dist.rollout_ranks=1 needs rollout.worker=ranks, got rollout.worker=inline"),
-    (RANKS, 3, (r"dist.rollout_ranks=1 with 3 launched process\(es\): expected 2, one rollout rank per trainer rank "
-                r"\(torchrun --nproc-per-node 2: the first 1 train, rank 1 \+ i generates for trainer rank i\); a "
-                r"rollout rank serving several trainer ranks is not supported")),
-    (RANKS2, 6, r"dist.rollout_ranks=2 with 6 launched process\(es\): expected 4, .* rank 2 \+ i generates for "),
-    (RANKS2, 3, r"dist.rollout_ranks=2 with 3 launched process\(es\): expected 4"),
+    (RANKS2, 5, (r"dist.rollout_ranks=2 with 5 launched process\(es\): expected 2 rollout ranks after a multiple of 2 "
+                 r"trainer ranks, each rollout rank serving as many \(torchrun --nproc-per-node 4: the first 2 train, "
+                 r"rank 2 \+ i generates for trainer rank i; 6: the first 4 train, rank 4 \+ i for trainer ranks 2i "
+                 r"and 2i \+ 1\)$")),
+    (RANKS2, 3, r"dist.rollout_ranks=2 with 3 launched process\(es\): expected 2 rollout ranks after a multiple of 2 "),
+    ([*RANKS, "rollout.engine=vllm"], 3, (r"rollout.engine=vllm with a rollout rank serving 2 trainer ranks is not "
+                                          r"supported \(the engine samples from one random stream of its own, which "
+                                          r"cannot be kept per trainer rank\); launch 2 processes")),
 ])
 def test_unsupported_rank_settings_are_refused_in_one_line(overrides, world, match):
     from mmrl.training.rank_rollout import check_rollout_ranks
@@ -153,6 +158,54 @@ def test_unsupported_rank_settings_are_refused_in_one_line(overrides, world, mat
     cfg = load_config(str(ROOT / "configs/vlm/grpo_tiny_shapes.yaml"), overrides)
     with pytest.raises(ValueError, match=match):
         check_rollout_ranks(cfg, world=world)
+
+
+def test_rollout_ranks_serving_several_trainer_ranks_are_accepted():
+    from mmrl.training.rank_rollout import check_rollout_ranks
+
+    for ranks, world in ((RANKS, 3), (RANKS, 5), (RANKS2, 6), ([*RANKS, "rollout.engine=vllm"], 2)):
+        check_rollout_ranks(load_config(str(ROOT / "configs/vlm/grpo_tiny_shapes.yaml"), ranks), world=world)
+
+
+def test_a_shared_rollout_rank_makes_each_trainer_ranks_batch_with_its_version_shard_and_data():
+    """Trainer rank 0's weights of version 1 arrive before trainer rank 1's ticket of version 0 (another channel):
+    that batch is still made with version 0; each batch with its trainer rank's shard and data position."""
+    import queue
+
+    import torch
+
+    from mmrl.training.payloads import decode, pack_tensors
+    from mmrl.training.rank_shared import serve_shared
+
+    class Producer:
+        shards, pos, w = None, None, None
+
+        def load_weights(self, tensors):
+            self.w = float(tensors["w"])
+
+        def state_dict(self):
+            return {"data": {"pos": self.pos}}
+
+        def load_state_dict(self, state):
+            self.pos = state["data"]["pos"]
+
+        def produce(self, step):
+            self.pos += 1
+            return {"rank": self.shards.rank, "world": self.shards.world_size, "w": self.w, "pos": self.pos}, {}
+
+    inbox, out = queue.Queue(), []
+    weights = lambda v: pack_tensors({"w": torch.tensor(float(v))})
+    for rank, msg in [(0, ("state", {"data": {"pos": 10}})), (1, ("state", {"data": {"pos": 20}})),
+                      (0, ("weights", 0, weights(0))), (1, ("weights", 0, None)), (0, ("produce", 1, None, None)),
+                      (0, ("weights", 1, weights(1))), (0, ("produce", 2, None, None)), (1, ("produce", 1, None, None)),
+                      (1, ("weights", 1, None)), (1, ("produce", 2, None, None)), (0, ("stop",)), (1, ("stop",))]:
+        inbox.put((rank, msg))
+    serve_shared(Producer(), None, [0, 1], 2, inbox, lambda rank, msg: out.append((rank, msg[1], decode(msg[2]))))
+    made = sorted((rank, step, b["info"]["version"], b["payload"]) for rank, step, b in out)
+    assert made == [(0, 1, 0, {"rank": 0, "world": 2, "w": 0.0, "pos": 11}),
+                    (0, 2, 1, {"rank": 0, "world": 2, "w": 1.0, "pos": 12}),
+                    (1, 1, 0, {"rank": 1, "world": 2, "w": 0.0, "pos": 21}),
+                    (1, 2, 1, {"rank": 1, "world": 2, "w": 1.0, "pos": 22})]
 
 
 def test_rollout_ranks_is_checked_when_the_config_loads():
@@ -206,6 +259,38 @@ def test_two_pairs_of_ranks_resume_exactly(model, tmp_path):
     ranks = state["stateful"]["async_rollout"]["ranks"]
     assert len(ranks) == 2 and all(sorted(r["ready"]) == [3] for r in ranks)  # step 3's batch of each trainer rank
     _torchrun(model, tmp_path / "part", "train.max_steps=3", *opts, ranks=RANKS2, nproc=4)  # resume from step_2
+    drop = ("time/", "eval/", "perf/")  # (the interrupted run evaluates at its last step: FLOPs and eval differ)
+    full, part = _rows(tmp_path / "full", drop), _rows(tmp_path / "part", drop)
+    assert [r["step"] for r in part] == [1, 2, 3]
+    assert_same_path(part, full, why=RESUMED_RUN + "; both trainer ranks' in-flight batches come from the checkpoint")
+    assert [r["rollout/policy_version"] for r in full] == [0.0, 0.0, 1.0]
+
+
+SHARED = ["rollout.worker=ranks", "dist.rollout_ranks=1"]  # in a world of 3: ranks 0-1 train, rank 2 serves both
+
+
+@pytest.mark.slow
+def test_one_rollout_rank_serving_two_trainer_ranks_equals_the_ddp_run(model, tmp_path):
+    """A world of 3: ranks 0-1 train (DDP), rank 2 makes both shares with one model, in turn; with max_staleness 0
+    the run equals the synchronous 2-process DDP run."""
+    ddp = run_torchrun(["-m", "mmrl.cli", "train", *_args(model), "train.max_steps=2",
+                        f"output_dir={tmp_path / 'ddp'}"], cwd=ROOT, timeout=600)
+    assert ddp.returncode == 0, ddp.stderr[-6000:]
+    _torchrun(model, tmp_path / "ranks", "train.max_steps=2", ranks=SHARED, nproc=3)
+    sync_rows, rows = _rows(tmp_path / "ddp"), _rows(tmp_path / "ranks")
+    assert_same_path([{k: v for k, v in r.items() if not k.startswith(ASYNC_KEYS)} for r in rows], sync_rows,
+                     why="the rollout rank makes each trainer rank's share of the synchronous loop's rollout with "
+                         "its data position and random state, and the weights of trainer rank 0 (DDP: the same)")
+    assert any(r["policy/grad_norm"] > 0 for r in sync_rows)  # the weights moved: versions differ
+    assert [r["rollout/policy_version"] for r in rows] == [0.0, 1.0]
+
+
+@pytest.mark.slow
+def test_one_rollout_rank_serving_two_trainer_ranks_resumes_exactly(model, tmp_path):
+    opts = ("rollout.max_staleness=1", "train.save_every=2")
+    _torchrun(model, tmp_path / "full", "train.max_steps=3", *opts, ranks=SHARED, nproc=3)
+    _torchrun(model, tmp_path / "part", "train.max_steps=2", *opts, ranks=SHARED, nproc=3)
+    _torchrun(model, tmp_path / "part", "train.max_steps=3", *opts, ranks=SHARED, nproc=3)  # resume from step_2
     drop = ("time/", "eval/", "perf/")  # (the interrupted run evaluates at its last step: FLOPs and eval differ)
     full, part = _rows(tmp_path / "full", drop), _rows(tmp_path / "part", drop)
     assert [r["step"] for r in part] == [1, 2, 3]
