@@ -36,7 +36,7 @@ class Architecture:
     name: str
     kind: str
     """The model family (`sd3`, `flux`, `flux2`, `wan`, `qwen_image`, `z_image`: diffusers transformers) or a VLM
-    policy family of mmrl.vlm.families (`qwen_vl`, `glm4v`, `internvl`: a transformers VLM, `vlm`)."""
+    policy family of mmrl.vlm.families (`qwen_vl`, `glm4v`, `internvl`: a transformers VLM, see `vlm`)."""
     class_name: str
     """diffusers / transformers class (transformers: the *ForConditionalGeneration class)."""
     config: dict
