@@ -118,8 +118,8 @@ def patch_as_matmul(conv):
 
 def _loss(arch, model, inputs: dict):
     """A scalar of the forward's output (diffusion transformers: the prediction; Z-Image: a list of them), or the
-    policy's response log-probability (Qwen-VL)."""
-    if arch.kind != "qwen_vl":
+    policy's response log-probability (a VLM)."""
+    if arch.vlm is None:
         out = model(**inputs)
         out = out.sample if hasattr(out, "sample") else out[0]
         return sum(o.float().pow(2).mean() for o in out) if isinstance(out, list) else out.float().pow(2).mean()
@@ -141,6 +141,7 @@ def measure(spec: dict) -> dict:
 
     from mmrl.adapters import PolicyStates
     from mmrl.training import attach_flops_meter
+    from mmrl.vlm.families import freeze_vision_tower, lora_target_pattern
 
     torch.set_num_threads(spec["threads"])
     arch, model = _build(spec["arch"], spec["depth"], spec["small"])
@@ -148,15 +149,18 @@ def measure(spec: dict) -> dict:
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     if spec["mode"] == "lora":
         r = arch.step["lora_rank"]
-        targets = (rf".*language_model.*\.({'|'.join(arch.lora_targets)})" if arch.kind == "qwen_vl"
-                   else list(arch.lora_targets))
+        # a VLM: the recipe's pattern (language model, + the family's vision blocks with train_vision)
+        targets = (lora_target_pattern(model.config, arch.lora_targets, arch.step.get("train_vision", False))
+                   if arch.vlm else list(arch.lora_targets))
         states = PolicyStates(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, lora_dropout=0.0))
     else:
         model.requires_grad_(True)
+        if arch.vlm and not arch.step.get("train_vision", True):
+            freeze_vision_tower(model)
         states = PolicyStates(model, None)
     trainable = states.trainable_parameters()
     if spec["gc"]:
-        if arch.kind == "qwen_vl":
+        if arch.vlm:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.enable_gradient_checkpointing()

@@ -128,6 +128,11 @@ def test_real_width_plan_is_read_from_each_architecture():
                                                         {"num_layers": 2, "num_single_layers": 1},
                                                         {"num_layers": 1, "num_single_layers": 2}]
     image = {"height": 512, "width": 512}
+
+    def vlm(vision: str) -> list[dict]:
+        t, v = "text_config.num_hidden_layers", f"vision_config.{vision}"
+        return [{t: 1, v: 1}, {t: 2, v: 1}, {t: 1, v: 2}]
+
     plan = {"sd35_medium": (one, dict(image, text_tokens=205)),
             "flux1_dev": (two, dict(height=256, width=256, text_tokens=128)),
             "flux2_dev": (two, dict(image, text_tokens=512)),
@@ -139,10 +144,10 @@ def test_real_width_plan_is_read_from_each_architecture():
             "hunyuan_video15_480p_t2v": (one, dict(num_frames=5, height=256, width=256, text_tokens=1000)),
             "ltx2_19b": (one, dict(num_frames=9, height=512, width=768, text_tokens=1024)),
             "z_image_6b": ([{"n_layers": 2}, {"n_layers": 3}], dict(image, text_tokens=512)),
-            "qwen25_vl_3b": ([{"text_config.num_hidden_layers": 1, "vision_config.depth": 1},
-                              {"text_config.num_hidden_layers": 2, "vision_config.depth": 1},
-                              {"text_config.num_hidden_layers": 1, "vision_config.depth": 2}],
-                             dict(image_patches=(38, 38), prompt_tokens=120, response_tokens=256))}
+            "qwen25_vl_3b": (vlm("depth"), dict(image_patches=(38, 38), prompt_tokens=120, response_tokens=256)),
+            "glm41v_9b_thinking": (vlm("depth"), dict(image_patches=(38, 38), prompt_tokens=120, response_tokens=256)),
+            "internvl35_1b": (vlm("num_hidden_layers"), dict(tiles=1, prompt_tokens=120, response_tokens=256)),
+            "internvl35_8b": (vlm("num_hidden_layers"), dict(tiles=1, prompt_tokens=120, response_tokens=256))}
     from mmrl.perf.architectures import ARCHITECTURES
 
     assert sorted(ARCHITECTURES) == sorted(plan)
@@ -150,11 +155,17 @@ def test_real_width_plan_is_read_from_each_architecture():
         arch = get_architecture(name)
         assert rw.depth_points(arch) == depths and rw.measured_row(arch, small=False) == row, name
         assert arch.inputs is not None and arch.small_widths and rw.measured_row(arch, small=True), name
-        assert arch.measure_modes == (("lora",) if name in ("flux2_dev", "ltx2_19b") else ("lora", "full")), name
+        lora_only = name in ("flux2_dev", "ltx2_19b", "glm41v_9b_thinking", "internvl35_8b")  # full: more than this machine holds
+        assert arch.measure_modes == (("lora",) if lora_only else ("lora", "full")), name
     assert get_architecture("flux1_dev").row_scale == {"*": 1536 / 384}
     assert get_architecture("hunyuan_video15_480p_t2v").row_scale == {"*": 10085 / 2497}  # 33 frames at 480 px
     assert get_architecture("ltx2_19b").row_scale == {"*": 7294 / 1801}  # 121 frames at 512 x 768, 9 frames measured
     assert get_architecture("sd35_medium").measure_config == {"pos_embed_max_size": 64}
+    # the VLMs: what one measured row adds scales to the recipe's response length (2048; InternVL 32768 tokens)
+    assert get_architecture("glm41v_9b_thinking").row_scale == {"text_config.num_hidden_layers": 2531 / 739,
+                                                                 "fixed": 2048 / 256}
+    assert get_architecture("internvl35_1b").row_scale == {"text_config.num_hidden_layers": 33146 / 634,
+                                                            "fixed": 32768 / 256}
 
 
 def test_real_width_cache_resumes_where_a_run_stopped(tmp_path):
@@ -223,6 +234,62 @@ def test_new_family_architectures_have_their_published_sizes():
     assert round(get_architecture("wan22_ti2v_5b").parameters() / 1e9, 2) == 5.0  # dim 3072, 30 layers, 48 channels
     # HunyuanVideo 1.5: 8.3B (54 double-stream blocks of width 2048, 2 refiner blocks)
     assert round(get_architecture("hunyuan_video15_480p_t2v").parameters() / 1e9, 2) == 8.33
+
+
+def test_vlm_family_architectures_have_their_published_sizes():
+    """GLM-4.1V-9B-Thinking: 10.3B on its model card; the count equals the safetensors total published for
+    zai-org/GLM-4.6V-Flash (10,292,777,472), a checkpoint of the same glm4v shape (within 0.5% of 10.3B).
+    InternVL3.5-1B-HF: exactly the 1,060,897,792 parameters counted in its safetensors (vision tower 304,012,288,
+    projector 5,253,120, the rest the Qwen3 decoder and its untied output layer); InternVL3.5-8B: 8.5B on its card."""
+    glm = get_architecture("glm41v_9b_thinking").parameters()
+    assert glm == 10_292_777_472 and abs(glm / 10.3e9 - 1) < 0.005
+    arch = get_architecture("internvl35_1b")
+    assert arch.parameters() == 1_060_897_792
+    model = arch.build(device="meta")
+    parts = {k: sum(p.numel() for n, p in model.named_parameters() if k in n)
+             for k in ("vision_tower", "multi_modal_projector")}
+    assert parts == {"vision_tower": 304_012_288, "multi_modal_projector": 5_253_120}
+    assert round(get_architecture("internvl35_8b").parameters() / 1e9, 1) == 8.5
+
+
+@pytest.mark.parametrize("name", ["glm41v_9b_thinking", "internvl35_1b"])
+def test_real_width_vlm_rows_and_what_their_recipes_train(name):
+    """One `--small` measurement of GLM-4.1V and InternVL3.5 (benchmarks/real_width.py's step, in this process):
+    each family's row (GLM: 3-D rope grid, 8 x 8 patches of 3 x 2 x 14 x 14 values -> 16 <|image|> between
+    <|begin_of_image|> / <|end_of_image|>; InternVL: one 448 x 448 tile -> 256 <IMG_CONTEXT>) and what its recipe
+    trains: GLM (train_vision) LoRA on the decoder's projections, its fused gate_up_proj included, and on the vision
+    blocks; InternVL full fine-tuning with the vision tower frozen."""
+    import re
+
+    import torch
+    from torch import nn
+
+    from mmrl.vlm.families import lora_target_pattern
+
+    rw = _script("real_width")
+    arch = get_architecture(name, small=True)
+    depth = {k: 1 for k in arch.depth}
+    model = arch.build(depth, dtype=torch.float32)
+    x = arch.inputs(model, arch.small_row, torch.float32)
+    ids = x["input_ids"][0].tolist()
+    if name == "glm41v_9b_thinking":
+        assert x["pixel_values"].shape == (64, 1176) and x["image_grid_thw"].tolist() == [[1, 8, 8]]
+        assert ids[:18] == [151339] + [151343] * 16 + [151340] and len(ids) == 18 + 8 + 8
+        assert x["mm_token_type_ids"][0].tolist() == [0] + [1] * 16 + [0] * 17
+        pattern = lora_target_pattern(model.config, list(arch.lora_targets), True)
+        adapted = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and re.fullmatch(pattern, n)}
+        assert {"model.language_model.layers.0.mlp.gate_up_proj", "model.visual.blocks.0.attn.qkv",
+                "model.visual.blocks.0.mlp.down_proj"} <= set(adapted)
+        r = arch.step["lora_rank"]
+        expected = sum(r * (m.in_features + m.out_features) for m in adapted.values())
+        mode = "lora"
+    else:
+        assert x["pixel_values"].shape == (1, 3, 448, 448) and ids.count(151671) == 256 and len(ids) == 256 + 2 + 16
+        expected = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("model.vision_tower."))
+        mode = "full"
+    row = rw.measure({"arch": name, "depth": depth, "mode": mode, "gc": False, "shape": arch.small_row,
+                      "small": True, "threads": 1})
+    assert row["trainable"] == expected and row["step_peak_gib"] > 0 and row["tflops"] > 0
 
 
 @pytest.mark.slow

@@ -112,3 +112,18 @@ def lm_lora_targets(config: Any, targets: list[str]) -> list[str]:
     fam = family_of_config(config)
     extra = [fused for fused, parts in fam.fused_lm_targets.items() if set(parts) & set(targets)]
     return list(targets) + [t for t in extra if t not in targets]
+
+
+def lora_target_pattern(config: Any, targets: list[str], train_vision: bool) -> str:
+    """The LoRA `target_modules` regex of a policy: `targets` (+ the family's fused layers) under the language model,
+    and with `train_vision` the family's vision blocks."""
+    pattern = rf".*language_model.*\.({'|'.join(lm_lora_targets(config, list(targets)))})"
+    return pattern + "|" + family_of_config(config).vision_lora if train_vision else pattern
+
+
+def freeze_vision_tower(model: Any) -> None:
+    """Full fine-tuning without `train_vision`: the family's vision tower stops requiring grad."""
+    vision = f".{family_of_config(model.config).vision_attr}."
+    for name, param in model.named_parameters():
+        if vision in f".{name}":
+            param.requires_grad_(False)

@@ -12,7 +12,7 @@ import torch
 
 from mmrl.vlm.common import load_policy
 from mmrl.vlm.config import LM_TARGETS
-from mmrl.vlm.families import QWEN_VL, family_of_config, lm_lora_targets
+from mmrl.vlm.families import QWEN_VL, freeze_vision_tower, lora_target_pattern
 
 VISION_LORA_PATTERN = QWEN_VL.vision_lora  # the Qwen-VL vision blocks (each family names its own)
 
@@ -39,17 +39,11 @@ def build_policy(section: Any, device: torch.device, dtype: torch.dtype, keep_re
     lora = section.lora
     if not lora.enabled:  # full fine-tuning
         if not section.train_vision:
-            vision = f".{family_of_config(model.config).vision_attr}."
-            for name, param in model.named_parameters():
-                if vision in f".{name}":
-                    param.requires_grad_(False)
+            freeze_vision_tower(model)
         return PolicyStates(model, None, keep_ref_copy=keep_ref), processor
     from peft import LoraConfig
 
-    targets = lm_lora_targets(model.config, list(lora.target_modules or LM_TARGETS))
-    pattern = rf".*language_model.*\.({'|'.join(targets)})"
-    if section.train_vision:
-        pattern += "|" + family_of_config(model.config).vision_lora
+    pattern = lora_target_pattern(model.config, list(lora.target_modules or LM_TARGETS), section.train_vision)
     init: Any = {"true": True, "false": False}.get(str(lora.init).lower(), lora.init)
     peft_config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=pattern, lora_dropout=0.0,
                              init_lora_weights=init, base_model_name_or_path=str(path.resolve()))
