@@ -123,7 +123,7 @@ COMMANDS: dict[str, object] = {
         "the test runs this launch (the tiny model built once, a few steps), stops it at a checkpoint and resumes"),
     "torchrun --nnodes 2 --node-rank R --nproc_per_node 2 --master-addr HOST --master-port 29500 -m mmrl.cli train "
     "CONFIG rollout.worker=ranks dist.rollout_ranks=2": ByTest(
-        "tests/vlm/test_grpo_ranks.py::test_two_pairs_of_ranks_resume_exactly",
+        "tests/vlm/test_grpo_ranks.py::test_two_trainer_ranks_with_rollout_ranks_resume_exactly",
         "two machines are not available; the same world of 4 ranks is tested with 4 local processes"),
     "python benchmarks/async_rollout.py --recipes vlm_grpo,flow_grpo --steps 40,20 --repeats 3 --mode process": ByTest(
         "tests/test_benchmarks.py::test_async_rollout_quick_mode_runs_every_variant",

@@ -231,66 +231,50 @@ def test_two_trainer_ranks_are_accepted_and_their_refusals_name_the_rollout_rank
                                     [*RANKS, "algo.dynamic_sampling=true"]))
 
 
-@pytest.mark.slow
-def test_two_trainer_ranks_with_their_rollout_ranks_equal_the_ddp_run(model, tmp_path):
-    """A world of 4: ranks 0-1 train (DDP in a process group of their own), ranks 2-3 generate their shards; with
-    max_staleness 0 the run equals the synchronous 2-process DDP run (a DDP or collective over all 4 ranks would
-    hang: the rollout ranks join none)."""
-    ddp = run_torchrun(["-m", "mmrl.cli", "train", *_args(model), "train.max_steps=2",
-                        f"output_dir={tmp_path / 'ddp'}"], cwd=ROOT, timeout=600)
+# two trainer ranks (0-1, DDP in a group of their own) and their rollout ranks: a pair each (a world of 4, rank 2 + i
+# serves rank i) or one rollout rank serving both with one model, in turn (a world of 3)
+LAYOUTS = {"pairs": (RANKS2, 4), "shared": (["rollout.worker=ranks", "dist.rollout_ranks=1"], 3)}
+
+
+@pytest.fixture(scope="module")
+def ddp_rows(model, tmp_path_factory):
+    """The synchronous 2-process DDP run both layouts must equal at max_staleness 0."""
+    out = tmp_path_factory.mktemp("ddp") / "ddp"
+    ddp = run_torchrun(["-m", "mmrl.cli", "train", *_args(model), "train.max_steps=2", f"output_dir={out}"], cwd=ROOT,
+                       timeout=600)
     assert ddp.returncode == 0, ddp.stderr[-6000:]
-    _torchrun(model, tmp_path / "ranks", "train.max_steps=2", ranks=RANKS2, nproc=4)
-    sync_rows, rows = _rows(tmp_path / "ddp"), _rows(tmp_path / "ranks")
-    assert_same_path([{k: v for k, v in r.items() if not k.startswith(ASYNC_KEYS)} for r in rows], sync_rows,
-                     why="each rollout rank runs its trainer rank's share of the synchronous loop's rollout with the "
+    return _rows(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_trainer_ranks_with_rollout_ranks_equal_the_ddp_run(model, ddp_rows, tmp_path, layout):
+    """With max_staleness 0 the run equals the synchronous 2-process DDP run: each rollout rank makes its trainer
+    ranks' shares with their data positions and random states and the weights of their first trainer (DDP: the
+    same); a DDP or collective over all ranks would hang (the rollout ranks join none)."""
+    ranks, nproc = LAYOUTS[layout]
+    _torchrun(model, tmp_path / "ranks", "train.max_steps=2", ranks=ranks, nproc=nproc)
+    rows = _rows(tmp_path / "ranks")
+    assert_same_path([{k: v for k, v in r.items() if not k.startswith(ASYNC_KEYS)} for r in rows], ddp_rows,
+                     why="each rollout rank runs its trainer ranks' shares of the synchronous loop's rollout with the "
                          "same weights, random state and thread count; the trainer ranks' DDP is the same")
-    assert any(r["policy/grad_norm"] > 0 for r in sync_rows)  # the weights moved: versions differ
+    assert any(r["policy/grad_norm"] > 0 for r in ddp_rows)  # the weights moved: versions differ
     assert [r["rollout/policy_version"] for r in rows] == [0.0, 1.0]
 
 
 @pytest.mark.slow
-def test_two_pairs_of_ranks_resume_exactly(model, tmp_path):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_trainer_ranks_with_rollout_ranks_resume_exactly(model, tmp_path, layout):
     from mmrl.run.files import load_state_file
 
+    ranks, nproc = LAYOUTS[layout]
     opts = ("rollout.max_staleness=1", "train.save_every=2")
-    _torchrun(model, tmp_path / "full", "train.max_steps=3", *opts, ranks=RANKS2, nproc=4)
-    _torchrun(model, tmp_path / "part", "train.max_steps=2", *opts, ranks=RANKS2, nproc=4)
+    _torchrun(model, tmp_path / "full", "train.max_steps=3", *opts, ranks=ranks, nproc=nproc)
+    _torchrun(model, tmp_path / "part", "train.max_steps=2", *opts, ranks=ranks, nproc=nproc)
     state = load_state_file(tmp_path / "part" / "checkpoints" / "step_2" / "state.pt")
-    ranks = state["stateful"]["async_rollout"]["ranks"]
-    assert len(ranks) == 2 and all(sorted(r["ready"]) == [3] for r in ranks)  # step 3's batch of each trainer rank
-    _torchrun(model, tmp_path / "part", "train.max_steps=3", *opts, ranks=RANKS2, nproc=4)  # resume from step_2
-    drop = ("time/", "eval/", "perf/")  # (the interrupted run evaluates at its last step: FLOPs and eval differ)
-    full, part = _rows(tmp_path / "full", drop), _rows(tmp_path / "part", drop)
-    assert [r["step"] for r in part] == [1, 2, 3]
-    assert_same_path(part, full, why=RESUMED_RUN + "; both trainer ranks' in-flight batches come from the checkpoint")
-    assert [r["rollout/policy_version"] for r in full] == [0.0, 0.0, 1.0]
-
-
-SHARED = ["rollout.worker=ranks", "dist.rollout_ranks=1"]  # in a world of 3: ranks 0-1 train, rank 2 serves both
-
-
-@pytest.mark.slow
-def test_one_rollout_rank_serving_two_trainer_ranks_equals_the_ddp_run(model, tmp_path):
-    """A world of 3: ranks 0-1 train (DDP), rank 2 makes both shares with one model, in turn; with max_staleness 0
-    the run equals the synchronous 2-process DDP run."""
-    ddp = run_torchrun(["-m", "mmrl.cli", "train", *_args(model), "train.max_steps=2",
-                        f"output_dir={tmp_path / 'ddp'}"], cwd=ROOT, timeout=600)
-    assert ddp.returncode == 0, ddp.stderr[-6000:]
-    _torchrun(model, tmp_path / "ranks", "train.max_steps=2", ranks=SHARED, nproc=3)
-    sync_rows, rows = _rows(tmp_path / "ddp"), _rows(tmp_path / "ranks")
-    assert_same_path([{k: v for k, v in r.items() if not k.startswith(ASYNC_KEYS)} for r in rows], sync_rows,
-                     why="the rollout rank makes each trainer rank's share of the synchronous loop's rollout with "
-                         "its data position and random state, and the weights of trainer rank 0 (DDP: the same)")
-    assert any(r["policy/grad_norm"] > 0 for r in sync_rows)  # the weights moved: versions differ
-    assert [r["rollout/policy_version"] for r in rows] == [0.0, 1.0]
-
-
-@pytest.mark.slow
-def test_one_rollout_rank_serving_two_trainer_ranks_resumes_exactly(model, tmp_path):
-    opts = ("rollout.max_staleness=1", "train.save_every=2")
-    _torchrun(model, tmp_path / "full", "train.max_steps=3", *opts, ranks=SHARED, nproc=3)
-    _torchrun(model, tmp_path / "part", "train.max_steps=2", *opts, ranks=SHARED, nproc=3)
-    _torchrun(model, tmp_path / "part", "train.max_steps=3", *opts, ranks=SHARED, nproc=3)  # resume from step_2
+    saved = state["stateful"]["async_rollout"]["ranks"]
+    assert len(saved) == 2 and all(sorted(r["ready"]) == [3] for r in saved)  # step 3's batch of each trainer rank
+    _torchrun(model, tmp_path / "part", "train.max_steps=3", *opts, ranks=ranks, nproc=nproc)  # resume from step_2
     drop = ("time/", "eval/", "perf/")  # (the interrupted run evaluates at its last step: FLOPs and eval differ)
     full, part = _rows(tmp_path / "full", drop), _rows(tmp_path / "part", drop)
     assert [r["step"] for r in part] == [1, 2, 3]
