@@ -47,6 +47,14 @@ GIB = 2**30
 GPU_GIB = 80.0
 
 
+def _vlm_family(arch):
+    """The VLM policy family (mmrl.vlm.families) an architecture's `kind` names; None for a diffusion model. (Looked
+    up here, not in mmrl.perf: the shared layers never import a recipe layer.)"""
+    from mmrl.vlm.families import VLM_FAMILIES
+
+    return VLM_FAMILIES.get(arch.kind)
+
+
 def architecture(name: str, small: bool = False):
     """The registered architecture (the diffusion families register theirs when mmrl.diffusion.models is imported)."""
     import mmrl.diffusion.models  # noqa: F401
@@ -119,7 +127,7 @@ def patch_as_matmul(conv):
 def _loss(arch, model, inputs: dict):
     """A scalar of the forward's output (diffusion transformers: the prediction; Z-Image: a list of them), or the
     policy's response log-probability (a VLM)."""
-    if arch.vlm is None:
+    if _vlm_family(arch) is None:
         out = model(**inputs)
         out = out.sample if hasattr(out, "sample") else out[0]
         return sum(o.float().pow(2).mean() for o in out) if isinstance(out, list) else out.float().pow(2).mean()
@@ -151,16 +159,16 @@ def measure(spec: dict) -> dict:
         r = arch.step["lora_rank"]
         # a VLM: the recipe's pattern (language model, + the family's vision blocks with train_vision)
         targets = (lora_target_pattern(model.config, arch.lora_targets, arch.step.get("train_vision", False))
-                   if arch.vlm else list(arch.lora_targets))
+                   if _vlm_family(arch) else list(arch.lora_targets))
         states = PolicyStates(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, lora_dropout=0.0))
     else:
         model.requires_grad_(True)
-        if arch.vlm and not arch.step.get("train_vision", True):
+        if _vlm_family(arch) and not arch.step.get("train_vision", True):
             freeze_vision_tower(model)
         states = PolicyStates(model, None)
     trainable = states.trainable_parameters()
     if spec["gc"]:
-        if arch.vlm:
+        if _vlm_family(arch):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.enable_gradient_checkpointing()

@@ -36,7 +36,7 @@ class Architecture:
     name: str
     kind: str
     """The model family (`sd3`, `flux`, `flux2`, `wan`, `qwen_image`, `z_image`: diffusers transformers) or a VLM
-    policy family of mmrl.vlm.families (`qwen_vl`, `glm4v`, `internvl`: a transformers VLM, see `vlm`)."""
+    policy family of mmrl.vlm.families (`qwen_vl`, `glm4v`, `internvl`: a transformers VLM)."""
     class_name: str
     """diffusers / transformers class (transformers: the *ForConditionalGeneration class)."""
     config: dict
@@ -78,13 +78,6 @@ class Architecture:
     """Config keys replaced for a measurement only (a buffer too large to build that the weights count anyway)."""
     measure_modes: tuple[str, ...] = ("lora", "full")
     """Fine-tuning modes a measurement at real width can hold on a CPU machine."""
-
-    @property
-    def vlm(self):
-        """The VLM policy family (mmrl.vlm.families.VLMFamily) of a transformers VLM; None for a diffusion model."""
-        from mmrl.vlm.families import VLM_FAMILIES
-
-        return VLM_FAMILIES.get(self.kind)
 
     def row(self) -> dict[str, Any]:
         """The shape of one row of the recipe's micro-batch (`step` without its counts)."""
