@@ -57,6 +57,7 @@ def _vlm_family(arch):
 
 def architecture(name: str, small: bool = False):
     """The registered architecture (the diffusion families register theirs when mmrl.diffusion.models is imported)."""
+    import mmrl.ar_image.architecture  # noqa: F401  (registers Janus-Pro)
     import mmrl.diffusion.models  # noqa: F401
     from mmrl.perf.architectures import get_architecture
 
@@ -125,8 +126,10 @@ def patch_as_matmul(conv):
 
 
 def _loss(arch, model, inputs: dict):
-    """A scalar of the forward's output (diffusion transformers: the prediction; Z-Image: a list of them), or the
-    policy's response log-probability (a VLM)."""
+    """A scalar of the forward's output (diffusion transformers: the prediction; Z-Image: a list of them), the
+    policy's response log-probability (a VLM), or the architecture's own `loss` (Janus)."""
+    if arch.loss is not None:
+        return arch.loss(model, inputs)
     if _vlm_family(arch) is None:
         out = model(**inputs)
         out = out.sample if hasattr(out, "sample") else out[0]
@@ -159,16 +162,19 @@ def measure(spec: dict) -> dict:
         r = arch.step["lora_rank"]
         # a VLM: the recipe's pattern (language model, + the family's vision blocks with train_vision)
         targets = (lora_target_pattern(model.config, arch.lora_targets, arch.step.get("train_vision", False))
-                   if _vlm_family(arch) else list(arch.lora_targets))
+                   if _vlm_family(arch) else arch.lora_regex or list(arch.lora_targets))
         states = PolicyStates(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, lora_dropout=0.0))
     else:
         model.requires_grad_(True)
+        if arch.full_trains:  # the recipe's full fine-tuning trains these modules only
+            for name, p in model.named_parameters():
+                p.requires_grad_(name.startswith(arch.full_trains))
         if _vlm_family(arch) and not arch.step.get("train_vision", True):
             freeze_vision_tower(model)
         states = PolicyStates(model, None)
     trainable = states.trainable_parameters()
     if spec["gc"]:
-        if _vlm_family(arch):
+        if arch.config_class is not None:  # a transformers model (a VLM, Janus)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.enable_gradient_checkpointing()
@@ -365,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from _timing import machine, markdown_table
 
-    import mmrl.diffusion.models  # noqa: F401  (the families register their architectures)
+    import mmrl.ar_image.architecture  # noqa: F401  (the families register their architectures)
+    import mmrl.diffusion.models  # noqa: F401
     from mmrl.perf.architectures import ARCHITECTURES
 
     names = [n for n in args.arch.split(",") if n] or list(ARCHITECTURES)

@@ -292,6 +292,38 @@ def test_real_width_vlm_rows_and_what_their_recipes_train(name):
     assert row["trainable"] == expected and row["step_peak_gib"] > 0 and row["tflops"] > 0
 
 
+def test_janus_pro_architecture_size_row_and_what_its_recipe_trains():
+    """Janus-Pro-7B: 7.42B on its model card (the count within 0.5%); one `--small` measurement of its row (the
+    prompt and its unconditional copy + the image tokens, the recipe's guided log-probs) in each mode: full
+    fine-tuning trains the decoder and the generation head only (the recipe's), LoRA adapts exactly the layers of
+    the recipe's pattern (decoder projections, generation head)."""
+    import re
+
+    import torch
+    from torch import nn
+
+    import mmrl.ar_image.architecture  # noqa: F401  (registers janus_pro_7b)
+    from mmrl.ar_image.grpo import JANUS_LORA_TARGETS
+
+    assert abs(get_architecture("janus_pro_7b").parameters() / 7.42e9 - 1) < 0.005
+    rw = _script("real_width")
+    arch = get_architecture("janus_pro_7b", small=True)
+    depth = {k: 1 for k in arch.depth}
+    model = arch.build(depth, dtype=torch.float32)
+    x = arch.inputs(model, arch.small_row, torch.float32)
+    assert x["ids"].shape == (1, 8) and x["tokens"].shape == (1, 16)
+    full = sum(p.numel() for n, p in model.named_parameters()
+               if n.startswith(("model.language_model.", "model.generation_head.")))
+    adapted = [m for n, m in model.named_modules() if isinstance(m, nn.Linear) and re.fullmatch(JANUS_LORA_TARGETS, n)]
+    r = arch.step["lora_rank"]
+    lora = sum(r * (m.in_features + m.out_features) for m in adapted)
+    assert len(adapted) == 7 + 2  # one decoder layer's 7 projections, the head's proj_out and vision_head
+    for mode, expected in (("full", full), ("lora", lora)):
+        row = rw.measure({"arch": "janus_pro_7b", "depth": depth, "mode": mode, "gc": mode == "lora",
+                          "shape": arch.small_row, "small": True, "threads": 1})
+        assert row["trainable"] == expected and row["step_peak_gib"] > 0 and row["tflops"] > 0, (mode, row)
+
+
 @pytest.mark.slow
 def test_gpu_check_small_runs_every_recipe(tmp_path):
     """`benchmarks/gpu_check.py --small`: every recipe, 1 step each on CPU with the random models built at tiny

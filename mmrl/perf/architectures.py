@@ -78,6 +78,15 @@ class Architecture:
     """Config keys replaced for a measurement only (a buffer too large to build that the weights count anyway)."""
     measure_modes: tuple[str, ...] = ("lora", "full")
     """Fine-tuning modes a measurement at real width can hold on a CPU machine."""
+    lora_regex: str = ""
+    """A regex of the module names LoRA goes on (peft's `target_modules` as a string), where the recipe's pattern
+    is not a list of name suffixes (Janus: the decoder's projections and the generation head); "" = `lora_targets`."""
+    full_trains: tuple[str, ...] = ()
+    """Parameter-name prefixes full fine-tuning trains, where the recipe freezes the rest (Janus: the decoder and
+    the generation head); () = every parameter (a VLM: see `step["train_vision"]`)."""
+    loss: Callable[[nn.Module, dict], torch.Tensor] | None = field(default=None, compare=False)
+    """`loss(model, inputs)`: the scalar a training step differentiates, where it is not a scalar of the forward's
+    output nor a VLM's response log-probability (Janus: the guided image-token log-probabilities)."""
 
     def row(self) -> dict[str, Any]:
         """The shape of one row of the recipe's micro-batch (`step` without its counts)."""
