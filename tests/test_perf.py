@@ -402,3 +402,12 @@ def test_z_image_omni_mode_forward_is_not_counted():
     with torch.no_grad():
         model(**kw)
     assert meter.pop() == est.forward_flops(est.shapes((), kw)) > 0
+
+
+def test_real_width_vlm_lora_targets_are_the_recipes():
+    """mmrl.perf (a shared layer) cannot import the VLM recipe's config: its copy of the LoRA targets must stay
+    equal to the recipe's default."""
+    from mmrl.perf.architectures import _LM_TARGETS
+    from mmrl.vlm.config import LM_TARGETS
+
+    assert _LM_TARGETS == LM_TARGETS

@@ -26,12 +26,13 @@ unmasked tokens: `algo.loss_agg: token-mean`).
 
 from __future__ import annotations
 
-import string
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from mmrl.ar_image.janus import check_prompt_template, template_fields
 
 Tensor = torch.Tensor
 
@@ -54,13 +55,6 @@ T2I_R1_TEMPLATE = (
 T2I_R1_IMAGE_TEMPLATE = "<|User|>: {prompt}. {cot}\n\n<|Assistant|>:"
 
 
-def _fields(key: str, template: str) -> set[str]:
-    try:
-        return {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
-    except ValueError as exc:
-        raise ValueError(f"{key}: not a format string ({exc}); write a literal brace as {{{{ or }}}}") from None
-
-
 @dataclass
 class CoTConfig:
     template: str = T2I_R1_TEMPLATE
@@ -78,11 +72,9 @@ class CoTConfig:
     50: T2I-R1's generate call leaves transformers' default."""
 
     def __post_init__(self) -> None:
-        got = _fields("rollout.cot.template", self.template)
-        if got != {"prompt"}:
-            raise ValueError(f"rollout.cot.template: expected the one placeholder {{prompt}}, got {sorted(got)}")
-        got = _fields("rollout.cot.image_template", self.image_template)
-        if "cot" not in got or not got <= {"prompt", "cot"}:
+        check_prompt_template(self.template, "rollout.cot.template")
+        got = template_fields("rollout.cot.image_template", self.image_template)
+        if got.count("cot") != 1 or got.count("prompt") > 1 or not set(got) <= {"prompt", "cot"}:
             raise ValueError(f"rollout.cot.image_template: expected the placeholder {{cot}} (and optionally "
                              f"{{prompt}}), got {sorted(got)}")
         if self.max_tokens < 1:

@@ -93,6 +93,9 @@ class RolloutConfig:
         if not self.semantic_cot and self.cot != CoTConfig():
             raise ValueError("rollout.cot: set while rollout.semantic_cot is false; set rollout.semantic_cot: true "
                              "to use it, or drop rollout.cot")
+        if self.semantic_cot and self.prompt_template != JANUS_IMAGE_PROMPT:
+            raise ValueError("rollout.prompt_template: not used with rollout.semantic_cot: true (the image prompt is "
+                             "rollout.cot.image_template); set that one instead, or drop rollout.prompt_template")
 
     @property
     def batch(self) -> int:
@@ -298,7 +301,7 @@ def train(cfg: Config) -> dict:
                                 "policy/entropy": [], "kl/ref": []}
         with steps.timer("update"):
             model.train()
-            for mb in UpdateIterator(ctx, all_rows, module=model, optimizer=optimizer, params=params,
+            for mb in UpdateIterator(ctx, all_rows, module=forward, optimizer=optimizer, params=params,
                                      lr_scheduler=lr_sched, guard=guard, max_grad_norm=update.max_grad_norm,
                                      step=step, epochs=update.epochs, updates_per_epoch=per_epoch,
                                      micro_batch_size=update.micro_batch_size, metrics=acc):

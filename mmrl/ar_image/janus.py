@@ -27,7 +27,7 @@ import torch
 
 Tensor = torch.Tensor
 
-__all__ = ["JANUS_IMAGE_PROMPT", "JanusPolicy", "check_prompt_template", "load_janus"]
+__all__ = ["JANUS_IMAGE_PROMPT", "JanusPolicy", "check_prompt_template", "load_janus", "template_fields"]
 
 # The user turn of Janus' "deepseek" conversation format with an empty system prompt (deepseek-ai/Janus
 # janus/utils/conversation.py, SeparatorStyle.DeepSeek; generation_inference.py builds its image prompts so, and
@@ -35,14 +35,19 @@ __all__ = ["JANUS_IMAGE_PROMPT", "JanusPolicy", "check_prompt_template", "load_j
 JANUS_IMAGE_PROMPT = "<|User|>: {prompt}\n\n<|Assistant|>:"
 
 
-def check_prompt_template(template: str, key: str = "rollout.prompt_template") -> None:
-    """One `{prompt}` placeholder and no other field."""
+def template_fields(key: str, template: str) -> list[str]:
+    """The placeholder names of a prompt template, in order; a malformed one is one line naming `key`."""
     import string
 
     try:
-        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+        return [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
     except ValueError as exc:
-        raise ValueError(f"{key}: not a format string ({exc}): {template!r}") from None
+        raise ValueError(f"{key}: not a format string ({exc}); write a literal brace as {{{{ or }}}}") from None
+
+
+def check_prompt_template(template: str, key: str = "rollout.prompt_template") -> None:
+    """One `{prompt}` placeholder and no other field."""
+    fields = template_fields(key, template)
     if fields != ["prompt"]:
         raise ValueError(f"{key}: expected exactly one placeholder {{prompt}}, got {fields} in {template!r}")
 

@@ -43,6 +43,7 @@ import torch
 
 from mmrl.config import RECIPES, to_dict
 from mmrl.pipelines.shapes_check import accuracy, check_images
+from mmrl.pipelines.videos import as_pcm16
 
 __all__ = ["run_eval", "resolve_checkpoint", "state_dir", "apply_checkpoint", "copy_full_weights", "prompt_seed",
            "reward_stats", "sha256_file", "prepare_out_dir", "write_json", "default_out_dir"]
@@ -281,8 +282,8 @@ def run_eval(cfg: Any, checkpoint: str | Path | None = None, *, state: str = "de
         u8 = (traj.images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu()
         names = [f"images/p{i:04d}_s{j}.{'mp4' if video else 'png'}" for j in range(samples_per_prompt)]
         _save_files(u8, [out / n for n in names], **({"audio": traj.audio.cpu(), **sound} if sound else {}))
-        if sound:
-            sounds.append(traj.audio.cpu())
+        if sound:  # scored as the WAV file holds it (16-bit), as images are scored as their 8-bit files
+            sounds.append(as_pcm16(traj.audio.cpu()))
         images.append(u8.float() / 255.0)
         finals.append(traj.latents[:, -1])  # what a latent reward scores
         files.append(names)

@@ -244,7 +244,7 @@ def _internvl_projector(module: nn.Module) -> FlopsEstimator:
 
 
 # Janus / Janus-Pro (mmrl.ar_image): the Llama decoder counts as the Qwen-VL decoder (a guided row pair is two rows;
-# no attention mask: rows of one forward share one prompt). The VQ decoder is not counted, as no recipe counts a VAE.
+# the chain-of-thought's left-padded image prompts carry a mask, which the estimator counts like the VLMs'). The VQ decoder is not counted, as no recipe counts a VAE.
 register_flops("LlamaModel")(_qwen_text)
 
 

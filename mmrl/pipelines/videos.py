@@ -82,6 +82,12 @@ def _waveform(audio: Any) -> np.ndarray:
     return np.clip(x, -1.0, 1.0).astype(np.float32)
 
 
+def as_pcm16(audio: torch.Tensor) -> torch.Tensor:
+    """The waveform as its 16-bit WAV file (`write_wav`) holds it: clipped to [-1, 1], rounded to steps of 1 / 32767
+    (what a score must see to be recomputable from the saved file)."""
+    return (audio.float().clamp(-1.0, 1.0) * 32767).round() / 32767
+
+
 def write_wav(audio: Any, sample_rate: int, path: str | Path) -> Path:
     """A waveform [C, S] in [-1, 1] (clipped) -> a 16-bit PCM WAV file, atomically (temp file, then rename)."""
     import wave

@@ -100,11 +100,11 @@ class AudioLoudness(AudioRewardModel):
         s = x.shape[-1]
         spec = torch.fft.rfft(x, dim=-1).abs().pow(2)  # [B, C, S // 2 + 1]
         # one-sided spectrum: every bin but DC (and Nyquist for even S) stands for two conjugate bins
-        weight = torch.full((spec.shape[-1],), 2.0)
+        weight = torch.full((spec.shape[-1],), 2.0, device=x.device)  # (on the waveform's device: CUDA too)
         weight[0] = 1.0
         if s % 2 == 0:
             weight[-1] = 1.0
-        freqs = torch.fft.rfftfreq(s, d=1.0 / sample_rate)
+        freqs = torch.fft.rfftfreq(s, d=1.0 / sample_rate, device=x.device)
         weight = weight * ((freqs >= self.band[0]) & (freqs <= self.band[1]))
         return (spec * weight).sum(-1).mean(1) / s ** 2
 

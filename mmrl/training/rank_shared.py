@@ -97,6 +97,7 @@ def serve_shared(producer: Any, meter: Any, ranks: list[int], world: int, inbox:
         kind = msg[0]
         if kind == "stop":
             stopped.add(rank)
+            tickets = [t for t in tickets if t[1] != rank]  # its batches not made yet: nobody will read them
         elif kind == "weights":
             marks[rank] = int(msg[1])
             if msg[2] is not None:

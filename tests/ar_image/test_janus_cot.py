@@ -138,9 +138,14 @@ def test_full_fine_tuning_with_the_cot_trains_the_text_head(tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("rollout.cot.template=describe", r"rollout.cot.template: expected the one placeholder \{prompt\}, got \[\]$"),
+    ("rollout.cot.template=describe",
+     r"rollout.cot.template: expected exactly one placeholder \{prompt\}, got \[\] in 'describe'$"),
     ("rollout.cot.template=describe {prompt} {x}",
-     r"rollout.cot.template: expected the one placeholder \{prompt\}, got \['prompt', 'x'\]$"),
+     r"rollout.cot.template: expected exactly one placeholder \{prompt\}, got \['prompt', 'x'\] in "
+     r"'describe \{prompt\} \{x\}'$"),
+    ("rollout.cot.template=describe {prompt} {prompt}",
+     r"rollout.cot.template: expected exactly one placeholder \{prompt\}, got \['prompt', 'prompt'\] in "
+     r"'describe \{prompt\} \{prompt\}'$"),
     ("rollout.cot.template=describe {prompt",
      (r"rollout.cot.template: not a format string \(expected '\}' before end of string\); write a literal brace "
       r"as \{\{ or \}\}$")),
@@ -151,6 +156,9 @@ def test_full_fine_tuning_with_the_cot_trains_the_text_head(tmp_path):
     ("rollout.cot.top_k=-1", r"rollout.cot.top_k: expected >= 0 \(0 = no top-k\), got -1$"),
     ("rollout.semantic_cot=false", (r"rollout.cot: set while rollout.semantic_cot is false; set "
                                     r"rollout.semantic_cot: true to use it, or drop rollout.cot$")),
+    ("rollout.prompt_template={prompt}", (r"rollout.prompt_template: not used with rollout.semantic_cot: true \(the "
+                                          r"image prompt is rollout.cot.image_template\); set that one instead, or "
+                                          r"drop rollout.prompt_template$")),
 ])
 def test_cot_settings_are_checked(tmp_path, override, message):
     with pytest.raises(ValueError, match=message):

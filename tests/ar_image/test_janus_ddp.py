@@ -86,7 +86,10 @@ def tiny(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("cot", [False, True], ids=["image", "semantic_cot"])
 def test_two_ranks_equal_one_process_with_the_same_rollouts(tiny, tmp_path, monkeypatch, cot):
+    """Micro-batches of 2 rows (of 6 per rank, 12 in one process): the gradient accumulates over micro-steps and
+    all-reduces once per update (DDP no_sync on the wrapped training pass)."""
     extra = ["rollout.semantic_cot=true", "rollout.cot.max_tokens=6"] if cot else []
+    extra += ["update.micro_batch_size=2"]
     two = _torchrun(__file__, *_args(tiny, tmp_path / "two", *extra))
     assert two.returncode == 0, f"torchrun failed:\n{two.stdout[-2000:]}\n{two.stderr[-5000:]}"
     assert "[mmrl] dist.strategy: auto -> ddp (2 processes launched)" in two.stdout

@@ -199,7 +199,10 @@ def test_ltx2_video_reward_never_decodes_sound(ltx2_path, tmp_path, monkeypatch)
 def test_ltx2_eval_saves_and_scores_the_sound(ltx2_path, tmp_path):
     """`mmrl eval` of the tiny case with an audio reward: each sample's MP4 carries its sound, a WAV lies beside it,
     and the report's audio scores are those of the decoded waveform (recomputed here)."""
+    import wave
+
     import av
+    import numpy as np
 
     from mmrl.config import load_config
     from mmrl.eval import run_eval
@@ -221,5 +224,10 @@ def test_ltx2_eval_saves_and_scores_the_sound(ltx2_path, tmp_path):
         traj = sample_groups(m, m.encode_prompts([p["prompt"]]), 1, num_steps=cfg.rollout.eval_num_steps, height=32,
                              width=32, guidance_scale=cfg.rollout.eval_guidance_scale, noise_level=0.0,
                              generator=torch.Generator().manual_seed(prompt_seed(cfg.seed, i)), decode_audio=True)
-        loud = load("audio_loudness")(audio=traj.audio, sample_rate=16000).scores.item()
-        assert p["components"]["loud"][0] == pytest.approx(loud, abs=1e-5)
+        with wave.open(str(clip.with_suffix(".wav"))) as w:  # the report is recomputable from the file alone
+            pcm = np.frombuffer(w.readframes(w.getnframes()), "<i2").reshape(-1, w.getnchannels()).T / 32767
+            rate = w.getframerate()
+        saved = torch.from_numpy(pcm.astype(np.float32))[None]
+        assert rate == 16000 and (saved - traj.audio).abs().max() <= 0.5 / 32767 + 1e-7  # the decoded sound, 16-bit
+        loud = load("audio_loudness")(audio=saved, sample_rate=rate).scores.item()
+        assert p["components"]["loud"][0] == pytest.approx(loud, abs=1e-6)

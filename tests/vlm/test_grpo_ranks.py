@@ -208,6 +208,41 @@ def test_a_shared_rollout_rank_makes_each_trainer_ranks_batch_with_its_version_s
                     (1, 2, 1, {"rank": 1, "world": 2, "w": 1.0, "pos": 22})]
 
 
+def test_a_shared_rollout_rank_drops_the_tickets_of_a_trainer_rank_that_stopped():
+    """Trainer rank 1 asks for a batch of version 1 (whose tensors come from rank 0, later) and then stops: that batch
+    is never made nor sent to the closing rank; rank 0's batches still are."""
+    import queue
+
+    import torch
+
+    from mmrl.training.payloads import pack_tensors
+    from mmrl.training.rank_shared import serve_shared
+
+    class Producer:
+        shards = None
+
+        def load_weights(self, tensors):
+            pass
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+        def produce(self, step):
+            return {"rank": self.shards.rank}, {}
+
+    inbox, out = queue.Queue(), []
+    weights = lambda v: pack_tensors({"w": torch.tensor(float(v))})
+    for rank, msg in [(0, ("state", {})), (1, ("state", {})), (0, ("weights", 0, weights(0))),
+                      (1, ("weights", 0, None)), (1, ("weights", 1, None)), (1, ("produce", 2, None, None)),
+                      (1, ("stop",)), (0, ("weights", 1, weights(1))), (0, ("produce", 2, None, None)), (0, ("stop",))]:
+        inbox.put((rank, msg))
+    serve_shared(Producer(), None, [0, 1], 2, inbox, lambda rank, msg: out.append((rank, msg[1])))
+    assert out == [(0, 2)]
+
+
 def test_rollout_ranks_is_checked_when_the_config_loads():
     with pytest.raises(ValueError, match=r"dist.rollout_ranks: expected >= 0 \(0 = every rank trains\), got -1"):
         load_config(str(ROOT / "configs/vlm/grpo_tiny_shapes.yaml"), ["dist.rollout_ranks=-1"])
