@@ -37,6 +37,7 @@ serving several trainer ranks with the HF engine (vLLM refused: its one random s
 
 from __future__ import annotations
 
+import datetime
 import os
 import queue as queue_mod
 import sys
@@ -58,6 +59,10 @@ from mmrl.training.payloads import decode, encode, pack_tensors
 __all__ = ["RankChannel", "RankRollout", "check_rollout_ranks", "serve_rollout_rank"]
 
 TO_ROLLOUT, TO_TRAINER = 11, 12  # the tags of the two directions
+# a channel's receive waits for the peer's next message: a trainer's evaluation or checkpoint at real scale may take
+# longer than gloo's default 30 minutes, and a peer that dies closes its connection (noticed at once), so the wait
+# itself need not time out
+CHANNEL_TIMEOUT = datetime.timedelta(days=7)
 # a trainer rank's rollout rank (global rank), the pair's gloo group and whether it sends the weights' tensors
 _PEER: tuple[int, Any, bool] | None = None
 
@@ -204,14 +209,14 @@ def serve_rollout_rank(cfg: Any, builder: str) -> bool:
     if rank < trainers:
         DistContext.init(cfg.dist.backend, store=dist.PrefixStore("mmrl/trainers", store), rank=rank, world=trainers)
         global _PEER
-        _PEER = (trainers + rank // n, dist.ProcessGroupGloo(pair_store(rank), 0, 2), rank % n == 0)
+        _PEER = (trainers + rank // n, dist.ProcessGroupGloo(pair_store(rank), 0, 2, CHANNEL_TIMEOUT), rank % n == 0)
         return False
     served = list(range((rank - trainers) * n, (rank - trainers + 1) * n))
     local = _env_int("LOCAL_RANK")
     device = DistContext._rank_device(cfg.dist.backend, rank if local is None else local, None)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    groups = {i: dist.ProcessGroupGloo(pair_store(i), 1, 2) for i in served}
+    groups = {i: dist.ProcessGroupGloo(pair_store(i), 1, 2, CHANNEL_TIMEOUT) for i in served}
 
     once = threading.Lock()
 
