@@ -56,6 +56,8 @@ BENCHMARKS: dict[str, list[str]] = {
     "preference_loop": ["--out", "runs/preference_loop/{stamp}"],
     # Janus GRPO on the shapes colour reward, trained vs a control at lr 1e-8, 3 seeds (docs/ar-image.md)
     "janus_color_demo": ["--out", "runs/janus_color_demo/{stamp}"],
+    # GLM-4.1V and InternVL: mmrl's HF rollout engine vs transformers' generate, greedy, the same tokens
+    "vlm_families_rollout": ["--threads", "1"],
     # Janus guided image-token rollout vs transformers' generate(generation_mode="image"), same tokens (16 and 576)
     "janus_rollout": ["--threads", "1"],
 }

@@ -150,6 +150,19 @@ def test_families_benchmark_refuses_unknown_families_and_too_few_steps():
     assert "families" in load_script("run_all").BENCHMARKS
 
 
+@pytest.mark.parametrize("family", ["glm4v", "internvl"])
+def test_vlm_families_rollout_benchmark_compares_equal_tokens(tmp_path, family):
+    """benchmarks/vlm_families_rollout.py's comparison: both sides timed, exactly --new-tokens tokens each, the
+    same tokens."""
+    import mmrl.tiny as tiny
+
+    bench = load_script("vlm_families_rollout")
+    path = getattr(tiny, f"build_tiny_{family}")(tmp_path / family, seed=0)
+    times, equal, tokens = bench.compare(path, repeats=1, new_tokens=8)
+    assert equal and tokens == 8 and set(times) == {"mmrl", "transformers"}
+    assert "vlm_families_rollout" in load_script("run_all").BENCHMARKS
+
+
 def test_janus_rollout_benchmark_compares_equal_tokens(tmp_path):
     """benchmarks/janus_rollout.py's comparison on the 16-token tiny Janus: both sides timed, the same tokens."""
     from mmrl.tiny import build_tiny_janus
