@@ -96,6 +96,27 @@ def _past_a_checkpoint(out: Path) -> bool:
         return False
 
 
+def _kill_past_a_checkpoint(procs, out, errs, victim: int) -> float:
+    """Once the run is past a checkpoint (every rank still alive), `kill -9` rank `victim` and wait for the others to
+    end; seconds from the kill to the last one's end. Whatever is left is killed on the way out."""
+    try:
+        end = time.time() + 300
+        while not _past_a_checkpoint(out) and all(p.poll() is None for p in procs) and time.time() < end:
+            time.sleep(0.1)
+        assert all(p.poll() is None for p in procs), "".join(e.read_text()[-2000:] for e in errs)
+        t0 = time.time()
+        procs[victim].kill()
+        for i, p in enumerate(procs):
+            if i != victim:
+                p.wait(timeout=60)
+        return time.time() - t0
+    finally:
+        for p in procs:
+            if not process_ended(p.pid):
+                p.kill()
+            p.wait()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", [0, 1])
 def test_kill_9_of_either_rank_ends_the_other_within_seconds(model, tmp_path, victim):
@@ -106,21 +127,8 @@ def test_kill_9_of_either_rank_ends_the_other_within_seconds(model, tmp_path, vi
             f"output_dir={out}"]
     errs = [tmp_path / "rank0.txt", tmp_path / "rank1.txt"]
     procs = [_rank(r, port, args, errs[r]) for r in (0, 1)]
-    try:
-        end = time.time() + 300
-        while not _past_a_checkpoint(out) and all(p.poll() is None for p in procs) and time.time() < end:
-            time.sleep(0.1)
-        assert all(p.poll() is None for p in procs), errs[0].read_text()[-3000:] + errs[1].read_text()[-3000:]
-        t0 = time.time()
-        procs[victim].kill()
-        survivor = procs[1 - victim]
-        survivor.wait(timeout=60)
-        took = time.time() - t0
-    finally:
-        for p in procs:
-            if not process_ended(p.pid):
-                p.kill()
-            p.wait()
+    survivor = procs[1 - victim]
+    took = _kill_past_a_checkpoint(procs, out, errs, victim)
     text = errs[1 - victim].read_text()
     lines = [ln for ln in text.splitlines() if ln.startswith("mmrl: ")]
     ckpts = list_checkpoints(out / "checkpoints")
@@ -326,21 +334,7 @@ def test_kill_9_of_a_rollout_rank_of_two_ends_every_rank_with_one_line(model, tm
             f"output_dir={out}"]
     errs = [tmp_path / f"rank{r}.txt" for r in range(4)]
     procs = [_rank(r, port, args, errs[r], world=4) for r in range(4)]
-    try:
-        end = time.time() + 300
-        while not _past_a_checkpoint(out) and all(p.poll() is None for p in procs) and time.time() < end:
-            time.sleep(0.1)
-        assert all(p.poll() is None for p in procs), "".join(e.read_text()[-2000:] for e in errs)
-        t0 = time.time()
-        procs[3].kill()
-        for p in procs[:3]:
-            p.wait(timeout=60)
-        took = time.time() - t0
-    finally:
-        for p in procs:
-            if not process_ended(p.pid):
-                p.kill()
-            p.wait()
+    took = _kill_past_a_checkpoint(procs, out, errs, 3)
     ckpts = list_checkpoints(out / "checkpoints")
     verify_checkpoint(ckpts[-1][1])  # the last complete checkpoint is whole
     hint = (rf"; nothing of the failed step was saved; rerun the same command to resume from step {ckpts[-1][0]} "
