@@ -139,6 +139,13 @@ COMMANDS: dict[str, object] = {
     "mmrl reward score learned_pref --weights runs/reward_bt_tiny/reward --images runs/reward_bt_demo/images "
     "--prompts runs/reward_bt_demo/image_prompts.txt --out runs/reward_bt_demo/scores.csv": RUN,
     # docs/prompt-rewriter.md
+    # docs/ar-image.md
+    "mmrl train configs/ar_image/janus_grpo_tiny_shapes.yaml": Short(
+        "mmrl train configs/ar_image/janus_grpo_tiny_shapes.yaml train.max_steps=1 train.save_every=0 "
+        "rollout.prompts_per_step=2 rollout.group_size=2 update.micro_batch_size=4", "40 steps: 1 small step"),
+    "python benchmarks/janus_color_demo.py": ByTest(
+        "tests/test_benchmarks.py::test_janus_color_demo_runs_both_arms_and_evaluates",
+        "6 runs of 40 steps take minutes: the test runs the script with 1 seed and 6 steps"),
     "mmrl train configs/joint/rewriter_tiny.yaml": Short(
         "mmrl train configs/joint/rewriter_tiny.yaml train.max_steps=1 train.save_every=0 warm_start.steps=2 "
         "rollout.prompts_per_step=2 rollout.group_size=2 update.mini_batch_size=4 update.micro_batch_size=4 "
