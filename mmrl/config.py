@@ -43,7 +43,7 @@ RECIPES: dict[str, str] = {
 CONFIG_NAMES: dict[str, str] = {
     "FlowGRPOConfig": "flow_grpo", "NFTConfig": "nft", "AWMConfig": "awm", "DGPOConfig": "dgpo", "DPOConfig": "dpo",
     "VLMGRPOConfig": "vlm_grpo", "GRPOConfig": "vlm_grpo", "MultiTurnConfig": "vlm_multiturn",
-    "PromptRewriterConfig": "prompt_rewriter"}
+    "PromptRewriterConfig": "prompt_rewriter", "JanusGRPOConfig": "janus_grpo"}
 
 
 def config_name(algorithm: str) -> str:

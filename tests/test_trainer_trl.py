@@ -26,6 +26,7 @@ SIZE_WHY = "transformer sample_size 16 x VAE scale 4; at most pos_embed_max_size
 def test_recipe_configs_take_sections_and_trl_names():
     assert mmrl.GRPOConfig is mmrl.VLMGRPOConfig is load_config({"algorithm": "vlm_grpo"}).__class__
     assert mmrl.FlowGRPOConfig().algorithm == "flow_grpo" and mmrl.MultiTurnConfig().algorithm == "vlm_multiturn"
+    assert mmrl.JanusGRPOConfig is load_config({"algorithm": "janus_grpo"}).__class__
     c = mmrl.VLMGRPOConfig("runs/x", learning_rate=1e-5, num_generations=4, per_device_train_batch_size=8,
                            gradient_accumulation_steps=2, max_completion_length=32, beta=0.01, epsilon=0.1,
                            temperature=0.9, bf16=True, logging_steps=5, report_to="none", loss_type="dr_grpo",
