@@ -90,18 +90,25 @@ def as_pcm16(audio: torch.Tensor) -> torch.Tensor:
 
 def write_wav(audio: Any, sample_rate: int, path: str | Path) -> Path:
     """A waveform [C, S] in [-1, 1] (clipped) -> a 16-bit PCM WAV file, atomically (temp file, then rename)."""
+    import io
     import wave
 
     x = _waveform(audio)
     pcm = (x.T * 32767).round().astype("<i2")  # interleaved channels, little-endian as WAV stores them
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with wave.open(str(tmp), "wb") as out:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as out:
         out.setnchannels(x.shape[0])
         out.setsampwidth(2)
         out.setframerate(int(sample_rate))
         out.writeframes(pcm.tobytes())
+    return _write_atomic(Path(path), buf.getvalue())
+
+
+def _write_atomic(path: Path, data: bytes) -> Path:
+    """`data` into `path` through a temp file and a rename: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
     tmp.replace(path)
     return path
 
@@ -127,11 +134,7 @@ def write_video(video: Any, path: str | Path, fps: float = DEFAULT_FPS, audio: A
     if suffix not in (".mp4", ".gif") or (audio is not None and suffix != ".mp4"):
         raise ValueError(f"write_video: {path}: expected a .mp4{'' if audio is not None else ' or .gif'} file name")
     data = encode_mp4(frames, fps, audio, sample_rate) if suffix == ".mp4" else gif_bytes(frames, fps)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
-    return path
+    return _write_atomic(path, data)
 
 
 def read_video(path: str | Path) -> np.ndarray:
