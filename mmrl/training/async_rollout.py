@@ -65,7 +65,7 @@ from mmrl.distributed import rank_seed
 from mmrl.run.files import RunError
 from mmrl.run.start import close_on_failure
 from mmrl.runtime import get_rng_state, how_process_ended as _how_it_ended, set_rng_state
-from mmrl.training.async_worker import POLL_S, worker_main
+from mmrl.training.async_worker import POLL_S, quiet_resource_sharer, worker_main
 from mmrl.training.overlap import overlap_metrics, staleness_metrics
 from mmrl.training.payloads import decode, encode, from_plain, pack_tensors
 
@@ -82,26 +82,6 @@ _OPEN: "weakref.WeakSet[AsyncRollout]" = weakref.WeakSet()  # rollout processes 
 def open_rollouts() -> set[int]:
     """Ids of this process's open `AsyncRollout`s (for `close_rollouts`)."""
     return {id(p) for p in _OPEN}
-
-
-def _quiet_resource_sharer() -> None:
-    """A rollout process killed while it fetches a shared tensor's file descriptor resets the connection of
-    multiprocessing's resource-sharer thread in this process, which would print a traceback beside the one-line error
-    that reports the death (the trainer notices the dead process on its own): that thread's connection errors are
-    dropped; every other thread's exception goes to the previous hook."""
-    import threading
-
-    previous = threading.excepthook
-    if getattr(previous, "_mmrl_quiet_sharer", False):
-        return
-
-    def hook(args: Any) -> None:
-        if issubclass(args.exc_type, (ConnectionError, EOFError)) and "(_serve)" in getattr(args.thread, "name", ""):
-            return
-        previous(args)
-
-    hook._mmrl_quiet_sharer = True  # type: ignore[attr-defined]
-    threading.excepthook = hook
 
 
 def close_rollouts(since: set[int]) -> None:
@@ -296,7 +276,7 @@ class AsyncRollout:
         self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.inbox)
 
     def _launch(self) -> None:
-        _quiet_resource_sharer()
+        quiet_resource_sharer()
         self.proc.start()  # (torch.multiprocessing spawn: a script that trains needs `if __name__ == "__main__":`)
         # the trainer only reads `outbox`: with the rollout process holding the only write end, a batch cut by its
         # death (a kill -9 while the batch is half through the pipe) ends in EOF instead of a read that never returns

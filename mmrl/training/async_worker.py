@@ -88,6 +88,31 @@ def _no_shared_progress_lock() -> None:
         TqdmDefaultWriteLock.mp_lock = None
 
 
+def _from_resource_sharer(tb: Any) -> bool:
+    """Whether a traceback starts in multiprocessing's resource-sharer thread (`_ResourceSharer._serve`)."""
+    code = tb.tb_frame.f_code if tb is not None else None
+    return code is not None and code.co_name == "_serve" and code.co_filename.endswith("resource_sharer.py")
+
+
+def quiet_resource_sharer() -> None:
+    """A process at the other end of a queue (the rollout process, or the trainer) killed while it fetches a shared
+    tensor's file descriptor resets the connection of multiprocessing's resource-sharer thread in this process. That
+    thread catches the error itself and hands it to `sys.excepthook` (not `threading.excepthook`), which would print a
+    traceback beside the one-line error that reports the death (each side notices the other's death on its own): that
+    thread's connection errors are dropped; every other exception goes to the previous hook."""
+    previous = sys.excepthook
+    if getattr(previous, "_mmrl_quiet_sharer", False):
+        return
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        if issubclass(exc_type, (ConnectionError, EOFError)) and _from_resource_sharer(tb):
+            return
+        previous(exc_type, exc, tb)
+
+    hook._mmrl_quiet_sharer = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
 def worker_main(builder: str, cfg: Any, rank: int, world: int, device: str, threads: int, inbox: Any,
                  outbox: Any) -> None:
     """The rollout process: build the producer, then serve `inbox` in order until "stop" or the trainer is gone.
@@ -105,6 +130,7 @@ def worker_main(builder: str, cfg: Any, rank: int, world: int, device: str, thre
         threading.Thread(target=_exit_with_trainer, args=(parent, rank), daemon=True,
                          name="mmrl-trainer-watch").start()
     outbox.cancel_join_thread()  # exiting never blocks on batches nobody will read
+    quiet_resource_sharer()
     _no_shared_progress_lock()
     def get() -> tuple | None:
         msg = _next_message(inbox, parent)
