@@ -48,7 +48,8 @@ demo: $(STAMP)
 # one intra-op thread per process: the test models are tiny, and 2 threads per process on a 2-core machine thrash.
 # The suite runs as two pytest processes side by side (one per core; their halves take about the same time), the
 # first half's report printed after the second's; `make test` fails if either does.
-TESTS_1 := tests/ar_image tests/core tests/diffusion tests/joint tests/pipelines tests/rewards
+TESTS_1 := tests/ar_image tests/core tests/diffusion tests/joint tests/pipelines tests/rewards \
+	tests/test_sharded_checkpoint.py tests/test_sequence_parallel.py
 TESTS_2 := $(filter-out $(TESTS_1) tests/__pycache__,$(wildcard tests/test_*.py) $(filter-out %.py,$(wildcard tests/*)))
 test: $(STAMP)
 	@log=$$(mktemp); \

@@ -14,7 +14,9 @@ with how it is run:
   may differ) of the documented command, so the documented keys are still checked.
 - ``ByTest("tests/x.py::test_y", why)``: another test runs it (its name is checked to exist).
 
-Commands of one page run in page order in one scratch dir (a later command may use what an earlier one wrote).
+Commands of one page run in page order in one scratch dir (a later command may use what an earlier one wrote);
+consecutive plain `mmrl config check ...` commands without output to match run in one interpreter (`mmrl.cli.main`
+on each, its exit code and output kept apart), so their torch import is paid once.
 A new command in the docs that is not in ``COMMANDS`` fails with the line to add; an entry that no page shows any
 more fails too. Besides running them, every command (also the ones in `code spans` and synopsis blocks such as
 `mmrl eval CONFIG [--checkpoint DIR]`) is checked for cheap, static validity: an `mmrl` subcommand, option or
@@ -31,6 +33,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -536,24 +539,74 @@ def _pages_with_commands():
     return [pytest.param(p, marks=[pytest.mark.slow] if Path(p).name in SLOW_PAGES else [], id=p) for p in pages]
 
 
+_CONFIG_CHECKS = """
+import contextlib, io, json, sys
+from mmrl.cli import main
+results = []
+for argv in json.loads(sys.stdin.read()):
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        try:
+            code = main(argv)
+        except SystemExit as exc:  # (argparse's errors)
+            code = exc.code if isinstance(exc.code, int) else 1
+    results.append([code, buf.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def _config_check_argv(command: str) -> list[str] | None:
+    """The argv after `mmrl` of a plain `mmrl config check ...` command (no shell syntax), else None."""
+    if not command.startswith("mmrl config check ") or any(ch in command for ch in "|&;<>$`()\\\n"):
+        return None
+    return shlex.split(command)[1:]
+
+
+def run_config_checks(argvs: list[list[str]], cwd: Path) -> list[tuple[int, str]]:
+    """Consecutive `mmrl config check` commands in one interpreter (`mmrl.cli.main` on each argv in turn, its output
+    captured): the same code as the console script, with the interpreter's start and torch's import paid once for
+    the lot instead of once per command (the real-recipes page alone validates 28 configs)."""
+    env = child_env()
+    proc = subprocess.run([sys.executable, "-c", _CONFIG_CHECKS], input=json.dumps(argvs), cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [(code, out) for code, out in json.loads(proc.stdout.splitlines()[-1])]
+
+
 @pytest.mark.parametrize("page", _pages_with_commands())
 def test_page_commands_run(page, tmp_path):
     work = scratch_checkout(tmp_path)
+    todo = []  # (documented command, command run) in page order
     for c in (c for c in documented_commands() if c.file == page):
         how = COMMANDS.get(c.command)
         if how is None or isinstance(how, ByTest):
             continue  # unmapped: reported by the table test; ByTest: run there
-        command = c.command if how is RUN else how.command
+        todo.append((c, c.command if how is RUN else how.command))
+    i = 0
+    while i < len(todo):
+        # a run of consecutive config checks (no output to match: only their exit codes count) in one interpreter
+        j = i
+        while j < len(todo) and not todo[j][0].expected and _config_check_argv(todo[j][1]) is not None:
+            j += 1
         t0 = time.perf_counter()
-        proc = run_shell(command, work)
-        print(f"[docs] {time.perf_counter() - t0:6.1f} s  {c.file}:{c.line}  {command[:100]}")
-        output = proc.stdout + proc.stderr
-        where = f"{c.file}:{c.line}: `{command}`"
-        if c.expected:
-            missing = output_matches(c.expected, output)
-            assert not missing, f"{where} no longer prints {missing}; it printed:\n{output[-3000:]}"
+        if j - i > 1:
+            batch = todo[i:j]
+            results = run_config_checks([_config_check_argv(command) for _, command in batch], work)
         else:
-            assert proc.returncode == 0, f"{where} exited {proc.returncode}:\n{output[-3000:]}"
+            j = i + 1
+            batch = todo[i:j]
+            proc = run_shell(batch[0][1], work)
+            results = [(proc.returncode, proc.stdout + proc.stderr)]
+        print(f"[docs] {time.perf_counter() - t0:6.1f} s  {len(batch)} command(s) from {batch[0][0].file}:"
+              f"{batch[0][0].line}  {batch[0][1][:100]}")
+        for (c, command), (code, output) in zip(batch, results):
+            where = f"{c.file}:{c.line}: `{command}`"
+            if c.expected:
+                missing = output_matches(c.expected, output)
+                assert not missing, f"{where} no longer prints {missing}; it printed:\n{output[-3000:]}"
+            else:
+                assert code == 0, f"{where} exited {code}:\n{output[-3000:]}"
+        i = j
 
 
 def test_make_demo_target_runs_mmrl_demo(tmp_path):
