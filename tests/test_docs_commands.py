@@ -540,7 +540,7 @@ def _pages_with_commands():
 
 
 _CONFIG_CHECKS = """
-import contextlib, io, json, sys
+import contextlib, io, json, sys, traceback
 from mmrl.cli import main
 results = []
 for argv in json.loads(sys.stdin.read()):
@@ -548,24 +548,27 @@ for argv in json.loads(sys.stdin.read()):
     with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
         try:
             code = main(argv)
-        except SystemExit as exc:  # (argparse's errors)
-            code = exc.code if isinstance(exc.code, int) else 1
+        except SystemExit as exc:  # (argparse's errors; as a process would exit)
+            code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+        except BaseException:  # a crash fails this command, with its traceback, and the next ones still run
+            code = 1
+            traceback.print_exc()
     results.append([code, buf.getvalue()])
-print(json.dumps(results))
+print("\\n" + json.dumps(results))
 """
 
 
 def _config_check_argv(command: str) -> list[str] | None:
     """The argv after `mmrl` of a plain `mmrl config check ...` command (no shell syntax), else None."""
-    if not command.startswith("mmrl config check ") or any(ch in command for ch in "|&;<>$`()\\\n"):
-        return None
+    if not command.startswith("mmrl config check ") or any(ch in command for ch in "|&;<>$`()\\\n*?[]{}~#"):
+        return None  # (shell syntax, globs, expansions: bash must see it)
     return shlex.split(command)[1:]
 
 
 def run_config_checks(argvs: list[list[str]], cwd: Path) -> list[tuple[int, str]]:
     """Consecutive `mmrl config check` commands in one interpreter (`mmrl.cli.main` on each argv in turn, its output
     captured): the same code as the console script, with the interpreter's start and torch's import paid once for
-    the lot instead of once per command (the real-recipes page alone validates 28 configs)."""
+    the lot instead of once per command (docs/real-recipes.md alone validates 27 configs)."""
     env = child_env()
     proc = subprocess.run([sys.executable, "-c", _CONFIG_CHECKS], input=json.dumps(argvs), cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=900)
@@ -598,7 +601,7 @@ def test_page_commands_run(page, tmp_path):
             proc = run_shell(batch[0][1], work)
             results = [(proc.returncode, proc.stdout + proc.stderr)]
         print(f"[docs] {time.perf_counter() - t0:6.1f} s  {len(batch)} command(s) from {batch[0][0].file}:"
-              f"{batch[0][0].line}  {batch[0][1][:100]}")
+              f"{batch[0][0].line} on  {batch[0][1][:100]}")
         for (c, command), (code, output) in zip(batch, results):
             where = f"{c.file}:{c.line}: `{command}`"
             if c.expected:
