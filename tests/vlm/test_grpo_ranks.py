@@ -367,3 +367,36 @@ def test_a_collective_broken_by_another_ranks_death_is_one_line(monkeypatch):
                                           "rank 0 was in a collective with it; its own output says why")
     assert lost_rank_message(RuntimeError("CUDA out of memory")) is None
     assert lost_rank_message(ConnectionResetError("Connection reset by peer")) is None  # (an OSError: not gloo's)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [2, 0])
+def test_kill_9_with_a_shared_rollout_rank_ends_every_rank_with_one_line(model, tmp_path, victim):
+    """2 trainer ranks served by ONE rollout rank (rank 2). Its kill: both trainers name it, each in one line. Trainer
+    rank 0's kill: trainer rank 1 (in a collective with it) says another rank is gone, the rollout rank says its
+    trainer is gone and exits. All within seconds, the last checkpoint whole."""
+    out, port = tmp_path / "run", _free_port()
+    args = [*_args(model), *LAYOUTS["shared"][0], "rollout.max_staleness=1", "train.max_steps=1000",
+            "train.save_every=2", f"output_dir={out}"]
+    errs = [tmp_path / f"rank{r}.txt" for r in range(3)]
+    procs = [_rank(r, port, args, errs[r], world=3) for r in range(3)]
+    took = _kill_past_a_checkpoint(procs, out, errs, victim)
+    ckpts = list_checkpoints(out / "checkpoints")
+    verify_checkpoint(ckpts[-1][1])  # the last complete checkpoint is whole
+    hint = (rf"; nothing of the failed step was saved; rerun the same command to resume from step {ckpts[-1][0]} "
+            rf"\({re.escape(str(ckpts[-1][1]))}\)  \(MMRL_DEBUG=1 shows the traceback\)")
+    gone = r"is gone \(connection (closed|reset) by peer\)"
+    if victim == 2:
+        expected = {r: (2, rf"mmrl: error: rollout rank 2 of the torchrun world {gone} while the trainer waited for "
+                           rf".*{hint}") for r in (0, 1)}
+    else:
+        expected = {1: (2, rf"mmrl: error: another rank of the torchrun world {gone} while rank 1 was in a collective "
+                           rf"with it; its own output says why{hint}"),
+                    2: (1, rf"mmrl: rollout rank 2: its trainer rank 0 {gone}; exiting")}
+    for r, (code, line) in expected.items():
+        text = errs[r].read_text()
+        lines = [ln for ln in text.splitlines() if ln.startswith("mmrl: ")]
+        assert len(lines) == 1 and "Traceback" not in text, (r, text[-3000:])
+        assert procs[r].returncode == code, (r, procs[r].returncode, text[-3000:])
+        assert re.fullmatch(line, lines[0]), (r, lines[0])
+    assert took < 30, f"{took:.1f} s"
