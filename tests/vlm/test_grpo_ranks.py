@@ -117,6 +117,25 @@ def _kill_past_a_checkpoint(procs, out, errs, victim: int) -> float:
             p.wait()
 
 
+
+GONE = r"is gone \(connection (closed|reset) by peer\)"
+
+
+def _assert_each_rank_ended(procs, out, errs, expected: dict) -> None:
+    """The last complete checkpoint is whole; each rank r of `expected` = {r: (exit status, line regex or None)}
+    printed exactly that one `mmrl: ` line (none for None) and no traceback. `{hint}` in a regex is the line's end:
+    nothing saved, rerun to resume from the last checkpoint."""
+    ckpts = list_checkpoints(out / "checkpoints")
+    verify_checkpoint(ckpts[-1][1])
+    hint = (rf"; nothing of the failed step was saved; rerun the same command to resume from step {ckpts[-1][0]} "
+            rf"\({re.escape(str(ckpts[-1][1]))}\)  \(MMRL_DEBUG=1 shows the traceback\)")
+    for r, (code, line) in expected.items():
+        text = errs[r].read_text()
+        lines = [ln for ln in text.splitlines() if ln.startswith("mmrl: ")]
+        assert len(lines) == (line is not None) and "Traceback" not in text, (r, text[-3000:])
+        assert procs[r].returncode == code, (r, procs[r].returncode, text[-3000:])
+        assert line is None or re.fullmatch(line.replace("{hint}", hint), lines[0]), (r, lines[0])
+
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", [0, 1])
 def test_kill_9_of_either_rank_ends_the_other_within_seconds(model, tmp_path, victim):
@@ -335,22 +354,11 @@ def test_kill_9_of_a_rollout_rank_of_two_ends_every_rank_with_one_line(model, tm
     errs = [tmp_path / f"rank{r}.txt" for r in range(4)]
     procs = [_rank(r, port, args, errs[r], world=4) for r in range(4)]
     took = _kill_past_a_checkpoint(procs, out, errs, 3)
-    ckpts = list_checkpoints(out / "checkpoints")
-    verify_checkpoint(ckpts[-1][1])  # the last complete checkpoint is whole
-    hint = (rf"; nothing of the failed step was saved; rerun the same command to resume from step {ckpts[-1][0]} "
-            rf"\({re.escape(str(ckpts[-1][1]))}\)  \(MMRL_DEBUG=1 shows the traceback\)")
-    expected = {
-        0: (2, r"mmrl: error: another rank of the torchrun world is gone \(connection (closed|reset) by peer\) while "
-               r"rank 0 was in a collective with it; its own output says why" + hint),
-        1: (2, r"mmrl: error: rollout rank 3 of the torchrun world is gone \(connection (closed|reset) by peer\) while "
-               r"the trainer waited for .*" + hint),
-        2: (0, None)}  # (told to stop by its trainer as that one ended)
-    for r, (code, line) in expected.items():
-        text = errs[r].read_text()
-        lines = [ln for ln in text.splitlines() if ln.startswith("mmrl: ")]
-        assert len(lines) == (line is not None) and "Traceback" not in text, (r, text[-3000:])
-        assert procs[r].returncode == code, (r, procs[r].returncode, text[-3000:])
-        assert line is None or re.fullmatch(line, lines[0]), (r, lines[0])
+    _assert_each_rank_ended(procs, out, errs, {
+        0: (2, rf"mmrl: error: another rank of the torchrun world {GONE} while rank 0 was in a collective with it; its "
+               r"own output says why{hint}"),
+        1: (2, rf"mmrl: error: rollout rank 3 of the torchrun world {GONE} while the trainer waited for .*{{hint}}"),
+        2: (0, None)})  # (told to stop by its trainer as that one ended)
     assert took < 30, f"{took:.1f} s"
 
 
@@ -381,22 +389,12 @@ def test_kill_9_with_a_shared_rollout_rank_ends_every_rank_with_one_line(model, 
     errs = [tmp_path / f"rank{r}.txt" for r in range(3)]
     procs = [_rank(r, port, args, errs[r], world=3) for r in range(3)]
     took = _kill_past_a_checkpoint(procs, out, errs, victim)
-    ckpts = list_checkpoints(out / "checkpoints")
-    verify_checkpoint(ckpts[-1][1])  # the last complete checkpoint is whole
-    hint = (rf"; nothing of the failed step was saved; rerun the same command to resume from step {ckpts[-1][0]} "
-            rf"\({re.escape(str(ckpts[-1][1]))}\)  \(MMRL_DEBUG=1 shows the traceback\)")
-    gone = r"is gone \(connection (closed|reset) by peer\)"
     if victim == 2:
-        expected = {r: (2, rf"mmrl: error: rollout rank 2 of the torchrun world {gone} while the trainer waited for "
-                           rf".*{hint}") for r in (0, 1)}
+        expected = {r: (2, rf"mmrl: error: rollout rank 2 of the torchrun world {GONE} while the trainer waited for "
+                           r".*{hint}") for r in (0, 1)}
     else:
-        expected = {1: (2, rf"mmrl: error: another rank of the torchrun world {gone} while rank 1 was in a collective "
-                           rf"with it; its own output says why{hint}"),
-                    2: (1, rf"mmrl: rollout rank 2: its trainer rank 0 {gone}; exiting")}
-    for r, (code, line) in expected.items():
-        text = errs[r].read_text()
-        lines = [ln for ln in text.splitlines() if ln.startswith("mmrl: ")]
-        assert len(lines) == 1 and "Traceback" not in text, (r, text[-3000:])
-        assert procs[r].returncode == code, (r, procs[r].returncode, text[-3000:])
-        assert re.fullmatch(line, lines[0]), (r, lines[0])
+        expected = {1: (2, rf"mmrl: error: another rank of the torchrun world {GONE} while rank 1 was in a collective "
+                           r"with it; its own output says why{hint}"),
+                    2: (1, rf"mmrl: rollout rank 2: its trainer rank 0 {GONE}; exiting")}
+    _assert_each_rank_ended(procs, out, errs, expected)
     assert took < 30, f"{took:.1f} s"
